@@ -1,0 +1,9 @@
+"""Mini-vLLM: a small, fast, observable LLM inference engine in the spirit of vLLM."""
+
+from minivllm.config import EngineArgs
+from minivllm.llm import LLM
+from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+__all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

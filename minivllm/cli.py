@@ -1,0 +1,90 @@
+"""The `minivllm` command: generate | make-model | bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from minivllm.config import EngineArgs
+
+
+def _cmd_generate(ns: argparse.Namespace) -> int:
+    from minivllm.llm import LLM
+    from minivllm.sampling_params import SamplingParams
+
+    if ns.model is None:
+        print("minivllm generate: --model DIR is required (the embedded default model is not shipped yet)",
+              file=sys.stderr)
+        return 2
+    llm = LLM(**vars(EngineArgs.from_cli_args(ns)))
+    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, ignore_eos=ns.ignore_eos)
+    outs = llm.generate(ns.prompt, params, use_tqdm=len(ns.prompt) > 1)
+    for out in outs:
+        c = out.outputs[0]
+        if ns.json:
+            print(json.dumps({"prompt": out.prompt, "text": c.text, "token_ids": c.token_ids,
+                              "finish_reason": c.finish_reason}))
+        else:
+            print(f"{out.prompt!r} -> {c.text!r} ({len(c.token_ids)} tokens, {c.finish_reason})")
+    return 0
+
+
+def _cmd_make_model(ns: argparse.Namespace) -> int:
+    from minivllm.modelgen.make_model import make_model
+
+    path = make_model(ns.preset, ns.out, dtype=ns.dtype, seed=ns.seed, max_shard_size=ns.max_shard_size)
+    print(f"wrote {ns.preset} to {path}")
+    return 0
+
+
+def _cmd_bench(ns: argparse.Namespace) -> int:
+    from minivllm.bench.throughput import run_throughput
+
+    return run_throughput(ns)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every verb."""
+    from minivllm.modelgen.presets import PRESETS
+
+    parser = argparse.ArgumentParser(prog="minivllm", description="Mini-vLLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for prompts (offline, greedy by default)")
+    EngineArgs.add_cli_args(gen)
+    gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
+    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the EOS token")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    gen.set_defaults(func=_cmd_generate)
+
+    mk = sub.add_parser("make-model", help="write a test model (random weights, real architecture config)")
+    mk.add_argument("--preset", required=True, choices=sorted(PRESETS), help="architecture preset")
+    mk.add_argument("--out", required=True, help="output directory")
+    mk.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    mk.add_argument("--seed", type=int, default=0, help="weight seed")
+    mk.add_argument("--max-shard-size", default=None, help="write sharded safetensors, e.g. 200MB")
+    mk.set_defaults(func=_cmd_make_model)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    from minivllm.bench.throughput import add_throughput_args
+
+    tp = bsub.add_parser("throughput", help="offline throughput vs HF transformers, roofline, step split")
+    add_throughput_args(tp)
+    tp.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `minivllm` command."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    ns = build_parser().parse_args(argv)
+    try:
+        return ns.func(ns)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"minivllm {ns.command}: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,228 @@
+"""Engine configuration: EngineArgs is the one place flags and defaults live."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1 << 10,
+    "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
+    "g": 1000**3, "gb": 1000**3, "gib": 1 << 30,
+    "t": 1000**4, "tb": 1000**4, "tib": 1 << 40,
+}
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def parse_size(value: str | int) -> int:
+    """Parse a memory size such as 2GiB, 512MiB, 1.5GB or a plain byte count."""
+    if isinstance(value, int):
+        return value
+    m = _SIZE_RE.match(str(value))
+    unit = (m.group(2) or "").lower() if m else None
+    if m is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"kv_cache_memory: cannot parse size {value!r}; use e.g. '2GiB', '512MiB' or bytes")
+    return int(float(m.group(1)) * _SIZE_UNITS[unit])
+
+
+def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+    """Map a --dtype value to a torch dtype.
+
+    'auto' is float32 on CPU (this class of CPU runs fp32 matmuls faster than bf16, and fp32 keeps
+    exact parity with the reference) and the checkpoint's own dtype on an accelerator.
+    """
+    if name == "auto":
+        if device.type == "cpu" or checkpoint_dtype is None:
+            return torch.float32
+        name = checkpoint_dtype
+    if name not in _DTYPES:
+        raise ValueError(f"dtype: unsupported value {name!r}; choose one of auto, float32, bfloat16, float16")
+    return _DTYPES[name]
+
+
+def default_device() -> torch.device:
+    """CUDA when present, otherwise the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _arg(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class EngineArgs:
+    """Every engine flag with its default; the CLI, `LLM(...)` and the server all build from this."""
+
+    model: str | None = _arg(None, "Hugging Face-format model directory")
+    dtype: str = _arg("auto", "float32 | bfloat16 | float16 | auto (float32 on CPU, checkpoint dtype on GPU)")
+    kv_cache_memory: str = _arg("2GiB", "memory budget for the paged KV cache pool, e.g. 2GiB")
+    block_size: int = _arg(16, "tokens per KV cache block")
+    max_num_seqs: int = _arg(256, "most sequences running in one step")
+    max_num_batched_tokens: int = _arg(2048, "token budget of one step (decode tokens + prefill chunks)")
+    max_model_len: int | None = _arg(None, "longest prompt + output (default: the model's context length)")
+    enable_prefix_caching: bool = _arg(True, "reuse KV blocks of identical prompt prefixes")
+    enable_chunked_prefill: bool = _arg(True, "split long prefills across steps within the token budget")
+    num_threads: int | None = _arg(None, "torch intra-op threads for the engine (default: all cores)")
+    attention_backend: str = _arg("auto", "paged attention implementation: auto | torch | cpu_native")
+    seed: int = _arg(0, "seed of the engine's random generator")
+    device: str | None = _arg(None, "cpu | cuda (default: cuda when present)")
+    check_invariants: bool = _arg(False, "check block-manager invariants after every step (tests, debugging)")
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if parse_size(self.kv_cache_memory) <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
+        """Add one --flag per field, with the field's default and help."""
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            if f.name == "model" and positional_model:
+                parser.add_argument("model", nargs="?", default=None, help=f.metadata["help"])
+                continue
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                    help=f.metadata["help"])
+            else:
+                typ = int if f.type in ("int", "int | None") else str
+                parser.add_argument(flag, type=typ, default=f.default, help=f.metadata["help"])
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
+        """Build from parsed CLI arguments."""
+        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV pool geometry, derived from the memory budget and the model."""
+
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool
+
+    @staticmethod
+    def from_budget(budget_bytes: int, block_size: int, bytes_per_token: int,
+                    enable_prefix_caching: bool) -> CacheConfig:
+        """Size the pool to fit the budget; at least one block is required."""
+        num_blocks = budget_bytes // (block_size * bytes_per_token)
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory: {budget_bytes} bytes cannot hold one block of {block_size} tokens "
+                f"({block_size * bytes_per_token} bytes); raise the budget")
+        return CacheConfig(block_size, int(num_blocks), enable_prefix_caching)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one scheduling step."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool
+
+
+def cpu_count() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    for k in keys:
+        if cfg.get(k) is not None:
+            return cfg[k]
+    return default
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list | tuple) else [int(value)]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the engine needs to know of a Hugging Face checkpoint, normalised across families."""
+
+    path: str
+    hf_config: dict[str, Any]
+    architecture: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    checkpoint_dtype: str | None
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    generation_defaults: dict[str, Any]
+
+    @staticmethod
+    def from_pretrained(path: str) -> ModelConfig:
+        """Read config.json (and generation_config.json when present) from a model directory."""
+        import json
+
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"model: {path!r} is not a directory")
+        if not os.path.isfile(cfg_path):
+            raise FileNotFoundError(f"model: no config.json in {path!r}; expected a Hugging Face model directory")
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise ValueError(f"model: config.json in {path!r} names no 'architectures'")
+        gen: dict[str, Any] = {}
+        gen_path = os.path.join(path, "generation_config.json")
+        if os.path.isfile(gen_path):
+            with open(gen_path) as f:
+                gen = json.load(f)
+        hidden = int(_first(cfg, "hidden_size", "n_embd"))
+        heads = int(_first(cfg, "num_attention_heads", "n_head"))
+        eos = _as_id_list(gen.get("eos_token_id")) + _as_id_list(cfg.get("eos_token_id"))
+        return ModelConfig(
+            path=path,
+            hf_config=cfg,
+            architecture=archs[0],
+            num_layers=int(_first(cfg, "num_hidden_layers", "n_layer")),
+            num_heads=heads,
+            num_kv_heads=int(_first(cfg, "num_key_value_heads", default=heads)),
+            head_dim=int(_first(cfg, "head_dim", default=hidden // heads)),
+            hidden_size=hidden,
+            vocab_size=int(cfg["vocab_size"]),
+            max_position_embeddings=int(_first(cfg, "max_position_embeddings", "n_positions", default=2048)),
+            checkpoint_dtype=_first(cfg, "torch_dtype", "dtype"),
+            eos_token_ids=tuple(dict.fromkeys(eos)),
+            bos_token_id=_first(gen, "bos_token_id", default=cfg.get("bos_token_id")),
+            generation_defaults={k: gen[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty")
+                                 if k in gen},
+        )
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K and V for one token across all layers."""
+        elt = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elt

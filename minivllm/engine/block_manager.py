@@ -1,0 +1,205 @@
+"""BlockManager: the only owner of KV block accounting.
+
+Every block is in exactly one state: free (no reusable content), used (ref count > 0), or cached
+(ref count 0 but holding a full block whose hash is registered, kept for prefix hits and evicted in
+LRU order when a free block is needed). free + used + cached == num_blocks at all times.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import Counter, OrderedDict, deque
+from collections.abc import Iterable
+
+from minivllm.engine.sequence import Sequence
+
+
+def hash_block(parent: bytes, tokens: list[int]) -> bytes:
+    """Chained content hash of one full block: identical prefixes give identical chains."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+class BlockManager:
+    """Paged KV blocks: allocation, ref counts, prefix caching with LRU retention, copy-on-write."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.free_ids: deque[int] = deque(range(num_blocks))
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recently freed first
+        self.hash_to_block: dict[bytes, int] = {}
+        self.registered: dict[str, int] = {}  # request id → leading full blocks already hashed/registered
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies owed before the next forward
+        self.num_used = 0
+
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (free plus evictable cached)."""
+        return len(self.free_ids) + len(self.evictable)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by live sequences."""
+        return self.num_used / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks to hold num_tokens tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def _ensure_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        hashes = seq.block_hashes
+        bs = self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(hash_block(hashes[-1] if hashes else b"", seq.token_ids[i * bs:(i + 1) * bs]))
+        return hashes
+
+    def get_computed_blocks(self, seq: Sequence) -> list[int]:
+        """Longest run of cached blocks matching seq's leading full blocks.
+
+        Never the whole sequence: the last token is always recomputed because its logits are needed.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hits = []
+        for h in self._ensure_hashes(seq, max_blocks)[:max_blocks]:
+            b = self.hash_to_block.get(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    # ---- allocation ----------------------------------------------------------------------------
+    def _pop_free(self) -> int:
+        if self.free_ids:
+            return self.free_ids.popleft()
+        b, _ = self.evictable.popitem(last=False)
+        del self.hash_to_block[self.block_hash[b]]  # type: ignore[arg-type]
+        self.block_hash[b] = None
+        return b
+
+    def _incref(self, b: int) -> None:
+        if self.ref_counts[b] == 0:
+            self.evictable.pop(b, None)
+            self.num_used += 1
+        self.ref_counts[b] += 1
+
+    def _decref(self, b: int) -> None:
+        self.ref_counts[b] -= 1
+        if self.ref_counts[b] == 0:
+            self.num_used -= 1
+            if self.block_hash[b] is not None:
+                self.evictable[b] = None
+            else:
+                self.free_ids.append(b)
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
+        """Make seq's block table cover num_new_tokens more tokens (after any prefix-hit blocks).
+
+        Returns False, changing nothing, when the pool cannot supply the blocks. Copies the last
+        block first (copy-on-write) when the new tokens would land in a block shared with another
+        sequence.
+        """
+        computed = computed_blocks or []
+        bs = self.block_size
+        num_computed = seq.num_computed_tokens + len(computed) * bs
+        have = len(seq.block_table) + len(computed)
+        new = max(0, self.blocks_needed(num_computed + num_new_tokens) - have)
+        cow = (num_new_tokens > 0 and num_computed % bs != 0 and not computed
+               and self.ref_counts[seq.block_table[num_computed // bs]] > 1)
+        reserved = sum(1 for b in computed if self.ref_counts[b] == 0)  # touched, so no longer evictable
+        if new + cow > self.num_free_blocks - reserved:
+            return False
+        for b in computed:
+            self._incref(b)
+            seq.block_table.append(b)
+        if computed:
+            self.registered[seq.request_id] = len(computed)
+        if cow:
+            i = num_computed // bs
+            old, fresh = seq.block_table[i], self._pop_free()
+            self._incref(fresh)
+            self._decref(old)
+            seq.block_table[i] = fresh
+            self.pending_copies.append((old, fresh))
+        for _ in range(new):
+            b = self._pop_free()
+            self._incref(b)
+            seq.block_table.append(b)
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Release seq's blocks; tail blocks first so the LRU evicts a prefix's tail before its head."""
+        for b in reversed(seq.block_table):
+            self._decref(b)
+        seq.block_table = []
+        self.registered.pop(seq.request_id, None)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Share all of parent's blocks with child (ref counts); writes diverge by copy-on-write."""
+        assert not child.block_table
+        for b in parent.block_table:
+            self._incref(b)
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        if parent.request_id in self.registered:
+            self.registered[child.request_id] = self.registered[parent.request_id]
+
+    def cache_blocks(self, seq: Sequence) -> None:
+        """Register the hashes of blocks that became full (and computed) so later requests can hit them."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        start = self.registered.get(seq.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._ensure_hashes(seq, num_full)
+        for i in range(start, num_full):
+            h, b = hashes[i], seq.block_table[i]
+            # A duplicate of an already-registered block stays unhashed and is freed, not cached.
+            if h not in self.hash_to_block and self.block_hash[b] is None:
+                self.hash_to_block[h] = b
+                self.block_hash[b] = h
+        self.registered[seq.request_id] = num_full
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """Hand the owed copy-on-write copies to the runner."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached (unreferenced) block, e.g. between benchmark runs."""
+        for b in list(self.evictable):
+            del self.hash_to_block[self.block_hash[b]]  # type: ignore[arg-type]
+            self.block_hash[b] = None
+            self.free_ids.append(b)
+        self.evictable.clear()
+
+    # ---- invariants ----------------------------------------------------------------------------
+    def check_invariants(self, live: Iterable[Sequence]) -> None:
+        """Assert the accounting is consistent with the live sequences' block tables."""
+        refs = Counter(b for s in live for b in s.block_table)
+        used = sum(1 for r in self.ref_counts if r > 0)
+        assert used == self.num_used, (used, self.num_used)
+        assert len(self.free_ids) + len(self.evictable) + used == self.num_blocks, \
+            (len(self.free_ids), len(self.evictable), used, self.num_blocks)
+        for b in range(self.num_blocks):
+            assert self.ref_counts[b] == refs.get(b, 0), f"block {b}: ref {self.ref_counts[b]} != {refs.get(b, 0)}"
+        assert not set(self.free_ids) & set(self.evictable)
+        assert all(self.ref_counts[b] == 0 and self.block_hash[b] is not None for b in self.evictable)
+        assert all(self.ref_counts[b] == 0 and self.block_hash[b] is None for b in self.free_ids)
+        assert all(self.block_hash[b] == h for h, b in self.hash_to_block.items())
+
+    def check_writable(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Assert the blocks seq will write this step are not shared (copy-on-write happened)."""
+        bs = self.block_size
+        first, last = seq.num_computed_tokens // bs, (seq.num_computed_tokens + num_new_tokens - 1) // bs
+        for b in seq.block_table[first:last + 1]:
+            assert self.ref_counts[b] == 1, f"{seq.request_id}: writing shared block {b} (ref {self.ref_counts[b]})"
+            assert self.block_hash[b] is None, f"{seq.request_id}: writing cached block {b}"

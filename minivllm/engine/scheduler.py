@@ -1,0 +1,127 @@
+"""Scheduler (vLLM v1 style): one token budget per step, running requests first, then waiting ones.
+
+Chunked prefill and prefix-cache hits fall out of the same loop: a sequence is scheduled for
+`num_tokens - num_computed_tokens` tokens, capped by what is left of the budget. When the pool runs
+out, the lowest-priority (then newest) running sequence is preempted by recompute.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from minivllm.config import SchedulerConfig
+from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work: each scheduled sequence with its number of new tokens, in schedule order."""
+
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to run this step."""
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since start."""
+
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0  # of which served from cache
+
+
+class Scheduler:
+    """Decides, each step, which sequences run and for how many tokens."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.bm = block_manager
+        self.waiting: list[Sequence] = []  # sorted by sort_key
+        self.running: list[Sequence] = []  # sorted by sort_key: the preemption victim is the last
+        self.stats = SchedulerStats()
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence."""
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    @property
+    def num_unfinished(self) -> int:
+        """Sequences waiting or running."""
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """Fill one step's token budget: running sequences first, then admit waiting ones."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.bm.allocate_slots(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append((seq, n))
+                budget -= n
+                i += 1
+        # vLLM v1's rule: no admissions in a step that had to preempt (the pool is under pressure).
+        if not out.preempted:
+            budget = self._admit(out, budget)
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        out.block_copies = self.bm.take_copies()
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        cfg = self.config
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            computed = self.bm.get_computed_blocks(seq)
+            num_cached = len(computed) * self.bm.block_size
+            n = seq.num_tokens - num_cached
+            if n > budget and not cfg.enable_chunked_prefill:
+                break
+            n = min(n, budget)
+            if not self.bm.allocate_slots(seq, n, computed):
+                break
+            self.waiting.pop(0)
+            self.stats.prefix_cache_queries += seq.num_tokens
+            self.stats.prefix_cache_hits += num_cached
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = num_cached
+            seq.num_computed_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.sort_key)
+            out.scheduled.append((seq, n))
+            budget -= n
+        return budget
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Preempt by recompute: drop the KV blocks, requeue; it resumes from its tokens so far."""
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.add(seq)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Retire a sequence (finished or aborted) and free its blocks."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = status
+        self.bm.free(seq)

@@ -1,0 +1,133 @@
+"""Building blocks shared by the model families: norms, rotary embedding, activations."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm, computed in float32 like the reference, cast back to the input dtype."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class SiluAndMul(nn.Module):
+    """SwiGLU on a fused [gate | up] projection."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Rope settings from either checkpoint style: rope_theta + rope_scaling, or rope_parameters."""
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling") or {}
+    params.update(scaling)
+    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    params["rope_type"] = rope_type
+    return params
+
+
+def compute_inv_freq(cfg: dict[str, Any], head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and cos/sin scale for the rope types real Llama-3.x / Qwen2.5 configs use."""
+    p = _rope_params(cfg)
+    base = float(p["rope_theta"])
+    rope_type = p["rope_type"]
+    dim = head_dim
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope_type == "default":
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / float(p["factor"]), 1.0
+    if rope_type == "llama3":
+        factor = float(p["factor"])
+        low, high = float(p["low_freq_factor"]), float(p["high_freq_factor"])
+        old_len = float(p["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if rope_type == "yarn":
+        return _yarn_inv_freq(p, dim, base, cfg)
+    raise ValueError(
+        f"rope_scaling: unsupported rope type {rope_type!r}; supported: default, linear, llama3, yarn")
+
+
+def _yarn_inv_freq(p: dict[str, Any], dim: int, base: float, cfg: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    orig = float(p.get("original_max_position_embeddings") or cfg["max_position_embeddings"])
+    factor = p.get("factor") or cfg["max_position_embeddings"] / orig
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn_factor = p.get("attention_factor")
+    if attn_factor is None:
+        if p.get("mscale") and p.get("mscale_all_dim"):
+            attn_factor = mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"])
+        else:
+            attn_factor = mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    lo, hi = correction_dim(p.get("beta_fast") or 32), correction_dim(p.get("beta_slow") or 1)
+    if p.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attn_factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate-half) rotary embedding with a cos/sin table precomputed for every position."""
+
+    def __init__(self, cfg: dict[str, Any], head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        self.cfg, self.head_dim, self.max_positions = cfg, head_dim, max_positions
+        self.half = head_dim // 2
+        self.register_buffer("cos_sin_cache", torch.empty(max_positions, head_dim), persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """(Re)compute the table; the loader calls this after materialising a meta-device model."""
+        if self.cos_sin_cache.is_meta:
+            return
+        inv_freq, scale = compute_inv_freq(self.cfg, self.head_dim)
+        freqs = torch.arange(self.max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        # [max_positions, head_dim]: cos for the first half then sin, so one gather per step serves both.
+        cache = torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)
+        self.cos_sin_cache = cache.to(self.cos_sin_cache.device)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [T, H, D] and k [T, KVH, D] by their token positions [T]."""
+        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+        return _rotate(q, cos, sin, self.half), _rotate(k, cos, sin, self.half)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> torch.Tensor:
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)

@@ -1,0 +1,112 @@
+"""GPT-2: learned positions, LayerNorm, fused c_attn, Conv1D ([in, out]) weight layout in checkpoints."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm.config import ModelConfig
+from minivllm.model.attention import Attention
+from minivllm.model.models.weights import WeightLoader
+
+_ACTIVATIONS = {
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "relu": F.relu,
+}
+# Conv1D layers store [in, out]; our nn.Linear wants [out, in].
+_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+class GPT2Attention(nn.Module):
+    """Fused qkv projection, paged attention, output projection."""
+
+    def __init__(self, mc: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        cfg, d = mc.hf_config, mc.hidden_size
+        scale = mc.head_dim**-0.5 if cfg.get("scale_attn_weights", True) else 1.0
+        if cfg.get("scale_attn_by_inverse_layer_idx", False):
+            scale /= layer_idx + 1
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.c_proj = nn.Linear(d, d)
+        self.attn = Attention(mc.num_heads, mc.head_dim, mc.num_heads, scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.c_attn(x).chunk(3, dim=-1)
+        return self.c_proj(self.attn(q, k, v))
+
+
+class GPT2MLP(nn.Module):
+    """c_fc → activation → c_proj."""
+
+    def __init__(self, mc: ModelConfig) -> None:
+        super().__init__()
+        d = mc.hidden_size
+        inner = mc.hf_config.get("n_inner") or 4 * d
+        self.c_fc = nn.Linear(d, inner)
+        self.c_proj = nn.Linear(inner, d)
+        self.act = _ACTIVATIONS[mc.hf_config.get("activation_function", "gelu_new")]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class GPT2Block(nn.Module):
+    """Pre-LayerNorm block; returns the residual stream after the block."""
+
+    def __init__(self, mc: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        d, eps = mc.hidden_size, mc.hf_config.get("layer_norm_epsilon", 1e-5)
+        self.ln_1 = nn.LayerNorm(d, eps=eps)
+        self.attn = GPT2Attention(mc, layer_idx)
+        self.ln_2 = nn.LayerNorm(d, eps=eps)
+        self.mlp = GPT2MLP(mc)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.attn(self.ln_1(h))
+        return h + self.mlp(self.ln_2(h))
+
+
+class GPT2LMHeadModel(nn.Module):
+    """GPT2LMHeadModel on the paged KV cache; the head is tied to the token embedding."""
+
+    sliding_window = None
+
+    def __init__(self, mc: ModelConfig, max_model_len: int) -> None:
+        super().__init__()
+        act = mc.hf_config.get("activation_function", "gelu_new")
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"GPT2LMHeadModel: unsupported activation_function {act!r}; "
+                             f"supported: {', '.join(_ACTIVATIONS)}")
+        if max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_model_len} exceeds GPT-2's learned positions "
+                             f"(n_positions={mc.max_position_embeddings})")
+        self.wte = nn.Embedding(mc.vocab_size, mc.hidden_size)
+        self.wpe = nn.Embedding(mc.max_position_embeddings, mc.hidden_size)
+        self.h = nn.ModuleList(GPT2Block(mc, i) for i in range(mc.num_layers))
+        self.ln_f = nn.LayerNorm(mc.hidden_size, eps=mc.hf_config.get("layer_norm_epsilon", 1e-5))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat token ids [T] and positions [T] → final hidden states [T, hidden]."""
+        h = self.wte(input_ids) + self.wpe(positions)
+        for block in self.h:
+            h = block(h)
+        return self.ln_f(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states of the sampled positions → float32 logits."""
+        return F.linear(hidden, self.wte.weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF checkpoint tensors (with or without the 'transformer.' prefix)."""
+        loader = WeightLoader(self, ignore=(".attn.bias", ".attn.masked_bias", "lm_head.weight"))
+        for name, tensor in weights:
+            name = name.removeprefix("transformer.")
+            if name.endswith(_CONV1D):
+                tensor = tensor.t()
+            loader.load(name, tensor)
+        loader.finish()

@@ -1,0 +1,64 @@
+"""Checkpoint-to-parameter copying with the checks that turn a bad checkpoint into a clear error."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+class WeightLoader:
+    """Copies named tensors into a module's parameters and reports what was missing or mismatched."""
+
+    def __init__(self, module: nn.Module, ignore: tuple[str, ...] = ()) -> None:
+        self.params = dict(module.named_parameters())
+        self.module_name = type(module).__name__
+        self.ignore = ignore
+        # A stacked parameter is complete when every row of it has been written.
+        self.rows_loaded: dict[str, int] = {}
+        self.unexpected: list[str] = []
+
+    def _param(self, name: str, source: str) -> nn.Parameter | None:
+        p = self.params.get(name)
+        if p is None:
+            if not any(source.endswith(s) for s in self.ignore):
+                self.unexpected.append(source)
+        return p
+
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy a whole tensor into parameter `name`."""
+        p = self._param(name, name)
+        if p is None:
+            return
+        if tuple(tensor.shape) != tuple(p.shape):
+            raise ValueError(f"{self.module_name}: weight {name!r} has shape {tuple(tensor.shape)} in the checkpoint, "
+                             f"expected {tuple(p.shape)} from config.json")
+        with torch.no_grad():
+            p.copy_(tensor)
+        self.rows_loaded[name] = p.shape[0]
+
+    def load_slice(self, name: str, tensor: torch.Tensor, offset: int, size: int, source: str) -> None:
+        """Copy `tensor` into rows [offset, offset+size) of stacked parameter `name`."""
+        p = self._param(name, source)
+        if p is None:
+            return
+        expected = (size, *p.shape[1:])
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"{self.module_name}: weight {source!r} has shape {tuple(tensor.shape)} in the "
+                             f"checkpoint, expected {expected} from config.json")
+        with torch.no_grad():
+            p[offset:offset + size].copy_(tensor)
+        self.rows_loaded[name] = self.rows_loaded.get(name, 0) + size
+
+    def finish(self) -> None:
+        """Raise if any parameter was not (fully) loaded; warn about tensors nothing used."""
+        missing = [n for n, p in self.params.items() if self.rows_loaded.get(n, 0) < p.shape[0]]
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise ValueError(f"{self.module_name}: checkpoint is missing weights: {shown}")
+        if self.unexpected:
+            logger.warning("%s: ignored %d checkpoint tensors with no matching parameter, e.g. %s",
+                           self.module_name, len(self.unexpected), self.unexpected[:3])

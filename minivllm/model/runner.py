@@ -1,0 +1,133 @@
+"""ModelRunner: one step's scheduled sequences → flat tensors → one forward → logits of sampled rows."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from minivllm.config import ModelConfig
+from minivllm.model.attention import Attention, AttentionMetadata, PrefillSpan, forward_context, get_backend
+from minivllm.model.loader import load_model
+
+
+@dataclass(slots=True)
+class SequenceInput:
+    """What the runner needs of one scheduled sequence (plain data; the model knows no requests)."""
+
+    token_ids: list[int]  # tokens to compute this step
+    start_pos: int  # position of token_ids[0] == tokens already in the cache
+    block_table: list[int]  # covers start_pos + len(token_ids) tokens
+    sample: bool  # whether the logits of the last token are wanted
+
+
+class ModelRunner:
+    """Owns the model and the KV pool; turns SequenceInputs into logits."""
+
+    def __init__(self, mc: ModelConfig, dtype: torch.dtype, device: torch.device, num_blocks: int,
+                 block_size: int, max_model_len: int, attention_backend: str = "torch") -> None:
+        self.mc, self.dtype, self.device = mc, dtype, device
+        self.block_size = block_size
+        self.model = load_model(mc, dtype, device, max_model_len)
+        self.sliding_window: int | None = getattr(self.model, "sliding_window", None)
+        # One allocation for the whole pool: [2, layers, blocks, block_size, kv_heads, head_dim].
+        self.kv_cache = torch.zeros(2, mc.num_layers, num_blocks, block_size, mc.num_kv_heads, mc.head_dim,
+                                    dtype=dtype, device=device)
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        assert len(layers) == mc.num_layers
+        backend = get_backend(attention_backend, device)
+        for i, layer in enumerate(layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            layer.backend = backend
+        self.last_forward_time = 0.0  # seconds in the model (forward + logits) during the last execute
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate whole blocks (all layers, K and V) before they are written."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[SequenceInput]) -> torch.Tensor:
+        """Run one forward over all scheduled tokens; return float32 logits, one row per sampling sequence
+        (in the order of `seqs`)."""
+        input_ids, positions, md, logits_indices = self._prepare(seqs)
+        t0 = time.perf_counter()
+        with forward_context(md):
+            hidden = self.model(input_ids, positions)
+        logits = self.model.compute_logits(hidden[logits_indices])
+        self.last_forward_time = time.perf_counter() - t0
+        return logits
+
+    def _prepare(self, seqs: list[SequenceInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                              torch.Tensor]:
+        """Pack every scheduled token flat (decodes first, then prefill chunks) and build the metadata."""
+        n = len(seqs)
+        q_lens = np.fromiter((len(s.token_ids) for s in seqs), np.int64, n)
+        # Stable order: one-token queries first so they share one batched decode attention call.
+        order = np.argsort(q_lens != 1, kind="stable")
+        seqs_o = [seqs[i] for i in order]
+        q_lens = q_lens[order]
+        starts = np.fromiter((s.start_pos for s in seqs_o), np.int64, n)
+        total = int(q_lens.sum())
+        cu = np.cumsum(q_lens)
+        first = cu - q_lens
+        input_ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs_o), np.int64, total)
+        positions = np.arange(total) - np.repeat(first - starts, q_lens)
+        max_blocks = max(len(s.block_table) for s in seqs_o)
+        tables = np.zeros((n, max_blocks), np.int64)
+        for i, s in enumerate(seqs_o):
+            tables[i, :len(s.block_table)] = s.block_table
+        rows = np.repeat(np.arange(n), q_lens)
+        bs = self.block_size
+        slot_mapping = tables[rows, positions // bs] * bs + positions % bs
+
+        dev = self.device
+        nd = int((q_lens == 1).sum())
+        seq_lens = starts + q_lens
+        md = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            num_decodes=nd, decode_block_tables=None, decode_seq_lens=None, decode_mask=None,
+            max_decode_seq_len=0, prefills=[])
+        if nd:
+            dec_blocks = int(max(len(s.block_table) for s in seqs_o[:nd]))
+            lens = torch.from_numpy(seq_lens[:nd]).to(dev)
+            key_pos = torch.arange(dec_blocks * bs, device=dev)
+            mask = key_pos[None, :] < lens[:, None]
+            if self.sliding_window is not None:
+                mask &= key_pos[None, :] >= lens[:, None] - self.sliding_window
+            md.decode_block_tables = torch.from_numpy(tables[:nd, :dec_blocks]).to(dev)
+            md.decode_seq_lens = lens.to(torch.int32)
+            md.decode_mask = mask[:, None, None, :]
+            md.max_decode_seq_len = int(seq_lens[:nd].max())
+        for i in range(nd, n):
+            md.prefills.append(self._prefill_span(int(first[i]), int(cu[i]), int(starts[i]), seqs_o[i]))
+
+        sample = np.fromiter((s.sample for s in seqs), bool, n)
+        # Rows come back in the caller's order: last token of each sampling sequence.
+        inv = np.empty(n, np.int64)
+        inv[order] = np.arange(n)
+        logits_indices = cu[inv[sample]] - 1
+        return (torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), md,
+                torch.from_numpy(logits_indices).to(dev))
+
+    def _prefill_span(self, start: int, end: int, num_cached: int, s: SequenceInput) -> PrefillSpan:
+        dev, q = self.device, end - start
+        window = self.sliding_window
+        if num_cached == 0 and (window is None or q <= window):
+            return PrefillSpan(start, end, 0, None, None)
+        ctx = num_cached + q
+        q_pos = torch.arange(num_cached, ctx, device=dev)[:, None]
+        k_pos = torch.arange(ctx, device=dev)[None, :]
+        mask = k_pos <= q_pos
+        if window is not None:
+            mask &= k_pos > q_pos - window
+        nblocks = -(-ctx // self.block_size)
+        table = torch.tensor(s.block_table[:nblocks], device=dev)
+        return PrefillSpan(start, end, num_cached, table, mask)
