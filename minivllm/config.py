@@ -69,6 +69,7 @@ class EngineArgs:
     model: str | None = _arg(None, "Hugging Face-format model directory")
     dtype: str = _arg("auto", "float32 | bfloat16 | float16 | auto (float32 on CPU, checkpoint dtype on GPU)")
     kv_cache_memory: str = _arg("2GiB", "memory budget for the paged KV cache pool, e.g. 2GiB")
+    num_kv_blocks: int | None = _arg(None, "pool size in blocks, overriding kv_cache_memory (tests, debugging)")
     block_size: int = _arg(16, "tokens per KV cache block")
     max_num_seqs: int = _arg(256, "most sequences running in one step")
     max_num_batched_tokens: int = _arg(2048, "token budget of one step (decode tokens + prefill chunks)")
@@ -82,6 +83,8 @@ class EngineArgs:
     check_invariants: bool = _arg(False, "check block-manager invariants after every step (tests, debugging)")
 
     def __post_init__(self) -> None:
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

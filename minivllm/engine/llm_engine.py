@@ -63,8 +63,10 @@ class LLMEngine:
             raise ValueError(f"max_num_batched_tokens ({args.max_num_batched_tokens}) must be >= max_model_len "
                              f"({self.max_model_len}) when chunked prefill is disabled")
         self.tokenizer = get_tokenizer(args.model)
-        self.cache_config = CacheConfig.from_budget(parse_size(args.kv_cache_memory), args.block_size,
-                                                    mc.kv_bytes_per_token(self.dtype), args.enable_prefix_caching)
+        per_token = mc.kv_bytes_per_token(self.dtype)
+        budget = (args.num_kv_blocks * args.block_size * per_token if args.num_kv_blocks
+                  else parse_size(args.kv_cache_memory))
+        self.cache_config = CacheConfig.from_budget(budget, args.block_size, per_token, args.enable_prefix_caching)
         self.scheduler_config = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                                 self.max_model_len, args.enable_chunked_prefill)
         self.runner = ModelRunner(mc, self.dtype, self.device, self.cache_config.num_blocks, args.block_size,

@@ -104,9 +104,9 @@ class GPT2LMHeadModel(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF checkpoint tensors (with or without the 'transformer.' prefix)."""
         loader = WeightLoader(self, ignore=(".attn.bias", ".attn.masked_bias", "lm_head.weight"))
-        for name, tensor in weights:
-            name = name.removeprefix("transformer.")
+        for source, tensor in weights:
+            name = source.removeprefix("transformer.")
             if name.endswith(_CONV1D):
                 tensor = tensor.t()
-            loader.load(name, tensor)
+            loader.load(name, tensor, source)
         loader.finish()

@@ -104,16 +104,16 @@ class LlamaForCausalLM(nn.Module):
             "q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
             "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter),
         }
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
+        for source, tensor in weights:
+            name = source.removeprefix("model.")
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # some tied checkpoints also store the (identical) head
             parts = name.split(".")
             if len(parts) >= 2 and parts[-2] in stacked:
                 target, offset, size = stacked[parts[-2]]
-                loader.load_slice(".".join(parts[:-2] + [target, parts[-1]]), tensor, offset, size, name)
+                loader.load_slice(".".join(parts[:-2] + [target, parts[-1]]), tensor, offset, size, source)
             else:
-                loader.load(name, tensor)
+                loader.load(name, tensor, source)
         loader.finish()
 
 

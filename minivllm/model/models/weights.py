@@ -19,6 +19,7 @@ class WeightLoader:
         self.ignore = ignore
         # A stacked parameter is complete when every row of it has been written.
         self.rows_loaded: dict[str, int] = {}
+        self.sources: dict[str, list[str]] = {}  # stacked parameter → checkpoint names loaded into it
         self.unexpected: list[str] = []
 
     def _param(self, name: str, source: str) -> nn.Parameter | None:
@@ -28,13 +29,14 @@ class WeightLoader:
                 self.unexpected.append(source)
         return p
 
-    def load(self, name: str, tensor: torch.Tensor) -> None:
-        """Copy a whole tensor into parameter `name`."""
-        p = self._param(name, name)
+    def load(self, name: str, tensor: torch.Tensor, source: str | None = None) -> None:
+        """Copy a whole tensor into parameter `name` (`source`: its name in the checkpoint)."""
+        source = source or name
+        p = self._param(name, source)
         if p is None:
             return
         if tuple(tensor.shape) != tuple(p.shape):
-            raise ValueError(f"{self.module_name}: weight {name!r} has shape {tuple(tensor.shape)} in the checkpoint, "
+            raise ValueError(f"{self.module_name}: weight {source!r} has shape {tuple(tensor.shape)} in the checkpoint, "
                              f"expected {tuple(p.shape)} from config.json")
         with torch.no_grad():
             p.copy_(tensor)
@@ -52,10 +54,12 @@ class WeightLoader:
         with torch.no_grad():
             p[offset:offset + size].copy_(tensor)
         self.rows_loaded[name] = self.rows_loaded.get(name, 0) + size
+        self.sources.setdefault(name, []).append(source)
 
     def finish(self) -> None:
         """Raise if any parameter was not (fully) loaded; warn about tensors nothing used."""
-        missing = [n for n, p in self.params.items() if self.rows_loaded.get(n, 0) < p.shape[0]]
+        missing = [n + (f" (only {', '.join(self.sources[n])} present)" if n in self.sources else "")
+                   for n, p in self.params.items() if self.rows_loaded.get(n, 0) < p.shape[0]]
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise ValueError(f"{self.module_name}: checkpoint is missing weights: {shown}")

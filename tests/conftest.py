@@ -1,0 +1,87 @@
+"""Shared fixtures: test models are made on demand (random weights, locally trained tokenizer)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minivllm.modelgen.make_model import make_model
+
+TINY_FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gpt2"]
+
+# Prompts of different lengths and content (code, prose, unicode) used across tests.
+PROMPTS = [
+    "def fibonacci(n):\n    return",
+    "import os\nimport sys\n\nclass Foo(object):\n    def __init__(self, x):\n        self.x = x\n",
+    "The quick brown fox",
+    "for i in range(10):\n    print(i * i)\n# the squares of the first ten integers are",
+    "Hello",
+    "x = {'a': 1, 'b': [1, 2, 3], 'c': (4, 5)}\nprint(x['b'][1:])\n",
+    "    raise ValueError('unexpected value: %r' % (value,))",
+    "\"\"\"Return the number of items in the container, ignoring duplicates and None values.\"\"\"",
+]
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory):
+    """make(preset, **kw) → directory of a test model, made once per session per arguments."""
+    made: dict[tuple, str] = {}
+
+    def make(preset: str, **kw) -> str:
+        key = (preset, tuple(sorted(kw.items())))
+        if key not in made:
+            out = str(tmp_path_factory.mktemp(preset))
+            made[key] = make_model(preset, out, **kw)
+        return made[key]
+
+    return make
+
+
+def hf_model(path: str):
+    """The HF transformers reference model in float32."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
+    """HF transformers' greedy continuation of exactly n tokens."""
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def corpus_token_ids(tokenizer, n: int) -> list[int]:
+    """n token ids of real text (the stdlib's own source), for prompts of chosen lengths."""
+    import inspect
+    import json as json_module
+
+    text = inspect.getsource(json_module.decoder) + inspect.getsource(json_module.encoder)
+    ids = tokenizer.encode(text)
+    assert len(ids) >= n
+    return ids[:n]
+
+
+def run_staggered(engine, prompts, params, arrival_steps, aborts=None):
+    """Drive an LLMEngine step by step: request i is added at step arrival_steps[i]; aborts maps
+    request index → step at which it is aborted. Returns {index: output token ids} of finished ones."""
+    order = sorted(range(len(prompts)), key=lambda i: arrival_steps[i])
+    aborts = dict(aborts or {})
+    done: dict[int, list[int]] = {}
+    step = 0
+    while order or engine.has_unfinished_requests():
+        while order and arrival_steps[order[0]] <= step:
+            i = order.pop(0)
+            engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, params)
+        for i, at in list(aborts.items()):
+            if at <= step:
+                engine.abort_request(str(i))
+                del aborts[i]
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id)] = out.outputs[0].token_ids
+        step += 1
+        assert step < 10_000, "engine made no progress"
+    return done

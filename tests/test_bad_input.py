@@ -1,0 +1,122 @@
+"""Bad input gets an exception whose message names the problem; nothing else is lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from minivllm import LLM, SamplingParams
+from minivllm.config import EngineArgs
+
+
+@pytest.fixture(scope="module")
+def llm(model_factory):
+    return LLM(model_factory("tiny-llama"), num_kv_blocks=64, max_model_len=256, check_invariants=True)
+
+
+@pytest.fixture
+def broken_copy(model_factory, tmp_path):
+    def copy() -> str:
+        dst = tmp_path / "model"
+        shutil.copytree(model_factory("tiny-llama"), dst)
+        return str(dst)
+    return copy
+
+
+@pytest.mark.parametrize("prompt", ["", {"prompt_token_ids": []}])
+def test_empty_prompt(llm, prompt):
+    with pytest.raises(ValueError, match="prompt.*empty"):
+        llm.generate([prompt], use_tqdm=False)
+
+
+def test_prompt_longer_than_max_model_len(llm):
+    with pytest.raises(ValueError, match="max_model_len 256"):
+        llm.generate([{"prompt_token_ids": [5] * 300}], use_tqdm=False)
+
+
+def test_prompt_token_out_of_vocab(llm):
+    with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 1024\)"):
+        llm.generate([{"prompt_token_ids": [5, 99999]}], use_tqdm=False)
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.5, None])
+def test_max_tokens_below_one(value):
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=value)
+
+
+def test_negative_temperature():
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1.0)
+
+
+def test_request_that_can_never_fit_is_rejected_and_others_still_run(model_factory):
+    llm = LLM(model_factory("tiny-llama"), num_kv_blocks=8, max_model_len=256, check_invariants=True)
+    # 8 blocks x 16 tokens = 128 slots; a prompt + 200 new tokens cannot fit even alone.
+    with pytest.raises(ValueError, match="needs 13 KV blocks .* whole pool has 8"):
+        llm.generate(["def f(x):"], SamplingParams(max_tokens=200), use_tqdm=False)
+    out = llm.generate(["def f(x):"], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8
+    assert llm.llm_engine.block_manager.num_used == 0
+
+
+def test_bad_prompt_in_a_batch_leaves_nothing_queued(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate(["fine", "also fine", ""], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_unknown_architecture(broken_copy):
+    path = broken_copy()
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["architectures"] = ["FalconForCausalLM"]
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match="Unsupported architecture 'FalconForCausalLM'.*LlamaForCausalLM"):
+        LLM(path)
+
+
+def test_missing_weight(broken_copy):
+    path = broken_copy()
+    f = os.path.join(path, "model.safetensors")
+    tensors = load_file(f)
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    del tensors["model.norm.weight"]
+    save_file(tensors, f)
+    with pytest.raises(ValueError, match=r"missing weights: .*layers\.1\.self_attn\.qkv_proj\.weight "
+                                         r"\(only .*q_proj.weight, .*v_proj.weight present\).*norm\.weight"):
+        LLM(path)
+
+
+def test_mismatched_weight_shape(broken_copy):
+    path = broken_copy()
+    f = os.path.join(path, "model.safetensors")
+    tensors = load_file(f)
+    tensors["model.layers.0.mlp.down_proj.weight"] = tensors["model.layers.0.mlp.down_proj.weight"][:, :100].contiguous()
+    save_file(tensors, f)
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.down_proj.weight' has shape \(64, 100\)"):
+        LLM(path)
+
+
+def test_no_weights_and_no_config(broken_copy, tmp_path):
+    path = broken_copy()
+    os.remove(os.path.join(path, "model.safetensors"))
+    with pytest.raises(FileNotFoundError, match="no weights"):
+        LLM(path)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        LLM(str(tmp_path))
+    with pytest.raises(ValueError, match="model: no model directory"):
+        LLM(None)
+
+
+def test_bad_engine_args():
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        EngineArgs(model="x", kv_cache_memory="lots")
+    with pytest.raises(ValueError, match="block_size"):
+        EngineArgs(model="x", block_size=0)
