@@ -98,7 +98,8 @@ def test_mismatched_weight_shape(broken_copy):
     path = broken_copy()
     f = os.path.join(path, "model.safetensors")
     tensors = load_file(f)
-    tensors["model.layers.0.mlp.down_proj.weight"] = tensors["model.layers.0.mlp.down_proj.weight"][:, :100].contiguous()
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors[name] = tensors[name][:, :100].contiguous()
     save_file(tensors, f)
     with pytest.raises(ValueError, match=r"'model.layers.0.mlp.down_proj.weight' has shape \(64, 100\)"):
         LLM(path)

@@ -4,8 +4,8 @@ the batching, chunking, prefix caching or preemption. Block invariants are check
 from __future__ import annotations
 
 import pytest
-
 from conftest import corpus_token_ids, run_staggered
+
 from minivllm import SamplingParams
 from minivllm.config import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine

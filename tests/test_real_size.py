@@ -6,6 +6,7 @@ import json
 import os
 
 from conftest import PROMPTS, hf_greedy, hf_model
+
 from minivllm import LLM, SamplingParams
 
 

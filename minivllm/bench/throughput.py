@@ -1,4 +1,6 @@
 import argparse
+
+
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
     pass
 def run_throughput(ns):

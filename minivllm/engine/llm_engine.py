@@ -11,7 +11,14 @@ from typing import Any
 import torch
 
 from minivllm.config import (
-    CacheConfig, EngineArgs, ModelConfig, SchedulerConfig, cpu_count, default_device, parse_size, resolve_dtype,
+    CacheConfig,
+    EngineArgs,
+    ModelConfig,
+    SchedulerConfig,
+    cpu_count,
+    default_device,
+    parse_size,
+    resolve_dtype,
 )
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput

@@ -36,8 +36,8 @@ class WeightLoader:
         if p is None:
             return
         if tuple(tensor.shape) != tuple(p.shape):
-            raise ValueError(f"{self.module_name}: weight {source!r} has shape {tuple(tensor.shape)} in the checkpoint, "
-                             f"expected {tuple(p.shape)} from config.json")
+            raise ValueError(f"{self.module_name}: weight {source!r} has shape {tuple(tensor.shape)} in the "
+                             f"checkpoint, expected {tuple(p.shape)} from config.json")
         with torch.no_grad():
             p.copy_(tensor)
         self.rows_loaded[name] = p.shape[0]
