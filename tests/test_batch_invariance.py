@@ -44,9 +44,10 @@ def _assert_clean(engine: LLMEngine) -> None:
 ARRIVALS = [i // 2 for i in range(N_REQ)]  # two new requests every step
 
 
-def test_mixed_batch_equals_solo(setup):
+@pytest.mark.parametrize("attention_backend", ["cpu_native", "torch"])
+def test_mixed_batch_equals_solo(setup, attention_backend):
     path, prompts, solo, _ = setup
-    engine = _engine(path)
+    engine = _engine(path, attention_backend=attention_backend)
     assert run_staggered(engine, prompts, PARAMS, ARRIVALS) == solo
     _assert_clean(engine)
 

@@ -16,6 +16,7 @@ from minivllm.config import (
     ModelConfig,
     SchedulerConfig,
     cpu_count,
+    default_batched_tokens,
     default_device,
     parse_size,
     resolve_dtype,
@@ -66,18 +67,20 @@ class LLMEngine:
         if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context length "
                              f"{mc.max_position_embeddings}")
-        if not args.enable_chunked_prefill and args.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(f"max_num_batched_tokens ({args.max_num_batched_tokens}) must be >= max_model_len "
+        token_budget = args.max_num_batched_tokens or default_batched_tokens(self.device, self.max_model_len,
+                                                                             args.enable_chunked_prefill)
+        if not args.enable_chunked_prefill and token_budget < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens ({token_budget}) must be >= max_model_len "
                              f"({self.max_model_len}) when chunked prefill is disabled")
         self.tokenizer = get_tokenizer(args.model)
         per_token = mc.kv_bytes_per_token(self.dtype)
-        budget = (args.num_kv_blocks * args.block_size * per_token if args.num_kv_blocks
-                  else parse_size(args.kv_cache_memory))
-        self.cache_config = CacheConfig.from_budget(budget, args.block_size, per_token, args.enable_prefix_caching)
-        self.scheduler_config = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
+        kv_bytes = (args.num_kv_blocks * args.block_size * per_token if args.num_kv_blocks
+                    else parse_size(args.kv_cache_memory))
+        self.cache_config = CacheConfig.from_budget(kv_bytes, args.block_size, per_token, args.enable_prefix_caching)
+        self.scheduler_config = SchedulerConfig(args.max_num_seqs, token_budget,
                                                 self.max_model_len, args.enable_chunked_prefill)
         self.runner = ModelRunner(mc, self.dtype, self.device, self.cache_config.num_blocks, args.block_size,
-                                  self.max_model_len, args.attention_backend)
+                                  self.max_model_len, args.attention_backend, args.linear_backend)
         self.block_manager = BlockManager(self.cache_config.num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.sampler = Sampler(self.device, args.seed)

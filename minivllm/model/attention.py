@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from minivllm.model import cpu_kernels
 
 
 @dataclass(slots=True)
@@ -34,9 +36,11 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] pool slot (block * block_size + offset) of each new token
     num_decodes: int  # tokens [0, num_decodes) are one-token queries, one sequence each
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
-    decode_seq_lens: torch.Tensor | None  # [num_decodes] int32, context length incl. the new token
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decode_positions: torch.Tensor | None  # [num_decodes] int64, position of each decode token
+    decode_rows: torch.Tensor | None  # [num_decodes] int64, arange: decode token i uses table row i
     max_decode_seq_len: int
+    sliding_window: int | None
     prefills: list[PrefillSpan]
 
 
@@ -132,13 +136,37 @@ def _decode_sdpa(layer: Attention, q: torch.Tensor, md: AttentionMetadata) -> to
                                           enable_gqa=layer.num_kv_heads != layer.num_heads)
 
 
-ATTENTION_BACKENDS: dict[str, Callable[..., torch.Tensor]] = {"torch": torch_paged_attention}
+def cpu_native_paged_attention(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               md: AttentionMetadata) -> torch.Tensor:
+    """CPU backend: decodes read K/V straight from the pool in a compiled kernel (no gather copy);
+    prefill chunks use the same SDPA paths as the torch backend (GEMM-bound there)."""
+    nd = md.num_decodes
+    if not md.prefills:
+        out = torch.empty_like(q)
+    else:
+        out = torch_paged_attention(layer, q, k, v, replace(md, num_decodes=0))
+    if nd:
+        cpu_kernels.paged_attention(out[:nd], q[:nd].contiguous(), layer.k_cache, layer.v_cache,
+                                    md.decode_block_tables, md.decode_rows, md.decode_positions, layer.scale,
+                                    md.sliding_window or 0, md.max_decode_seq_len)
+    return out
 
 
-def get_backend(name: str, device: torch.device) -> Callable[..., torch.Tensor]:
-    """Resolve a backend name; 'auto' picks the fastest measured backend available for the device."""
+ATTENTION_BACKENDS: dict[str, Callable[..., torch.Tensor]] = {
+    "torch": torch_paged_attention,
+    "cpu_native": cpu_native_paged_attention,
+}
+
+
+def get_backend(name: str, device: torch.device, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
+    """Resolve a backend name. 'auto' takes cpu_native for fp32 on CPU when it compiles (it decodes
+    several times faster than gathering blocks for SDPA; see benchmarks/README.md), else torch."""
+    native_ok = device.type == "cpu" and dtype == torch.float32
     if name == "auto":
-        name = "torch"
+        name = "cpu_native" if native_ok and cpu_kernels.load_paged_attention() is not None else "torch"
+    if name == "cpu_native" and not (native_ok and cpu_kernels.load_paged_attention() is not None):
+        raise ValueError(f"attention_backend: cpu_native needs float32 on a CPU with a C compiler "
+                         f"(got {dtype} on {device})")
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend: unknown {name!r}; available: auto, {', '.join(ATTENTION_BACKENDS)}")
     return ATTENTION_BACKENDS[name]

@@ -10,6 +10,37 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def onednn_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether oneDNN's prepacked linear can run here (CPU, fp32 or bf16)."""
+    return device.type == "cpu" and torch.backends.mkldnn.is_available() and dtype in (torch.float32, torch.bfloat16)
+
+
+class Linear(nn.Module):
+    """y = x W^T + b, optionally through a oneDNN prepacked weight.
+
+    Measured on this class of CPU (benchmarks/README.md): oneDNN's prepacked GEMM runs the model's
+    projections 2.1-2.4x faster than aten's MKL path at 1 and 64 tokens alike, in fp32 and bf16.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        """Switch to the prepacked oneDNN weight; the dense copy is released to save memory."""
+        assert self.weight is not None
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        self.weight = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     """Llama's RMSNorm, computed in float32 like the reference, cast back to the input dtype."""
 
@@ -121,13 +152,18 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)
         self.cos_sin_cache = cache.to(self.cos_sin_cache.device)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, H, D] and k [T, KVH, D] by their token positions [T]."""
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(q, cos, sin, self.half), _rotate(k, cos, sin, self.half)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> torch.Tensor:
-    xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate x [T, heads, D] by its tokens' positions [T]; q and k heads go through in one call
+        (half the ops of rotating them separately: this runs once per layer per step)."""
+        t, n, d = x.shape
+        cs = self.cos_sin_cache[positions].view(t, 1, 2, self.half)
+        cos, sin = cs[:, :, 0], cs[:, :, 1]
+        xf = x.float()
+        x1, x2 = xf[..., :self.half], xf[..., self.half:]
+        out = torch.empty(t, n, d, dtype=torch.float32, device=x.device)
+        o1, o2 = out[..., :self.half], out[..., self.half:]
+        torch.mul(x1, cos, out=o1)
+        o1.addcmul_(x2, sin, value=-1)
+        torch.mul(x2, cos, out=o2)
+        o2.addcmul_(x1, sin)
+        return out.to(x.dtype)

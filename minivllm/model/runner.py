@@ -11,7 +11,17 @@ import torch
 
 from minivllm.config import ModelConfig
 from minivllm.model.attention import Attention, AttentionMetadata, PrefillSpan, forward_context, get_backend
+from minivllm.model.layers import Linear, onednn_linear_available
 from minivllm.model.loader import load_model
+
+
+def _use_onednn(name: str, device: torch.device, dtype: torch.dtype) -> bool:
+    if name not in ("auto", "onednn", "torch"):
+        raise ValueError(f"linear_backend: unknown {name!r}; choose auto, onednn or torch")
+    available = onednn_linear_available(device, dtype)
+    if name == "onednn" and not available:
+        raise ValueError(f"linear_backend: onednn needs a CPU with oneDNN and fp32/bf16 weights ({device}, {dtype})")
+    return available and name != "torch"
 
 
 @dataclass(slots=True)
@@ -28,17 +38,22 @@ class ModelRunner:
     """Owns the model and the KV pool; turns SequenceInputs into logits."""
 
     def __init__(self, mc: ModelConfig, dtype: torch.dtype, device: torch.device, num_blocks: int,
-                 block_size: int, max_model_len: int, attention_backend: str = "torch") -> None:
+                 block_size: int, max_model_len: int, attention_backend: str = "auto",
+                 linear_backend: str = "auto") -> None:
         self.mc, self.dtype, self.device = mc, dtype, device
         self.block_size = block_size
         self.model = load_model(mc, dtype, device, max_model_len)
+        if _use_onednn(linear_backend, device, dtype):
+            for m in self.model.modules():
+                if isinstance(m, Linear):
+                    m.pack()
         self.sliding_window: int | None = getattr(self.model, "sliding_window", None)
         # One allocation for the whole pool: [2, layers, blocks, block_size, kv_heads, head_dim].
         self.kv_cache = torch.zeros(2, mc.num_layers, num_blocks, block_size, mc.num_kv_heads, mc.head_dim,
                                     dtype=dtype, device=device)
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         assert len(layers) == mc.num_layers
-        backend = get_backend(attention_backend, device)
+        backend = get_backend(attention_backend, device, dtype)
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
             layer.backend = backend
@@ -93,8 +108,9 @@ class ModelRunner:
         seq_lens = starts + q_lens
         md = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            num_decodes=nd, decode_block_tables=None, decode_seq_lens=None, decode_mask=None,
-            max_decode_seq_len=0, prefills=[])
+            num_decodes=nd, decode_block_tables=None, decode_mask=None,
+            decode_positions=None, decode_rows=None, max_decode_seq_len=0, sliding_window=self.sliding_window,
+            prefills=[])
         if nd:
             dec_blocks = int(max(len(s.block_table) for s in seqs_o[:nd]))
             lens = torch.from_numpy(seq_lens[:nd]).to(dev)
@@ -103,8 +119,9 @@ class ModelRunner:
             if self.sliding_window is not None:
                 mask &= key_pos[None, :] >= lens[:, None] - self.sliding_window
             md.decode_block_tables = torch.from_numpy(tables[:nd, :dec_blocks]).to(dev)
-            md.decode_seq_lens = lens.to(torch.int32)
             md.decode_mask = mask[:, None, None, :]
+            md.decode_positions = lens - 1
+            md.decode_rows = torch.arange(nd, device=dev)
             md.max_decode_seq_len = int(seq_lens[:nd].max())
         for i in range(nd, n):
             md.prefills.append(self._prefill_span(int(first[i]), int(cu[i]), int(starts[i]), seqs_o[i]))

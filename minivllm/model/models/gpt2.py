@@ -10,6 +10,7 @@ from torch import nn
 
 from minivllm.config import ModelConfig
 from minivllm.model.attention import Attention
+from minivllm.model.layers import Linear
 from minivllm.model.models.weights import WeightLoader
 
 _ACTIVATIONS = {
@@ -31,8 +32,8 @@ class GPT2Attention(nn.Module):
         scale = mc.head_dim**-0.5 if cfg.get("scale_attn_weights", True) else 1.0
         if cfg.get("scale_attn_by_inverse_layer_idx", False):
             scale /= layer_idx + 1
-        self.c_attn = nn.Linear(d, 3 * d)
-        self.c_proj = nn.Linear(d, d)
+        self.c_attn = Linear(d, 3 * d)
+        self.c_proj = Linear(d, d)
         self.attn = Attention(mc.num_heads, mc.head_dim, mc.num_heads, scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -47,8 +48,8 @@ class GPT2MLP(nn.Module):
         super().__init__()
         d = mc.hidden_size
         inner = mc.hf_config.get("n_inner") or 4 * d
-        self.c_fc = nn.Linear(d, inner)
-        self.c_proj = nn.Linear(inner, d)
+        self.c_fc = Linear(d, inner)
+        self.c_proj = Linear(inner, d)
         self.act = _ACTIVATIONS[mc.hf_config.get("activation_function", "gelu_new")]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,6 +90,7 @@ class GPT2LMHeadModel(nn.Module):
         self.wpe = nn.Embedding(mc.max_position_embeddings, mc.hidden_size)
         self.h = nn.ModuleList(GPT2Block(mc, i) for i in range(mc.num_layers))
         self.ln_f = nn.LayerNorm(mc.hidden_size, eps=mc.hf_config.get("layer_norm_epsilon", 1e-5))
+        self.lm_head = Linear(mc.hidden_size, mc.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat token ids [T] and positions [T] → final hidden states [T, hidden]."""
@@ -99,10 +101,11 @@ class GPT2LMHeadModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states of the sampled positions → float32 logits."""
-        return F.linear(hidden, self.wte.weight).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF checkpoint tensors (with or without the 'transformer.' prefix)."""
+        self.lm_head.weight = self.wte.weight  # GPT-2's head is always tied (set after meta materialisation)
         loader = WeightLoader(self, ignore=(".attn.bias", ".attn.masked_bias", "lm_head.weight"))
         for source, tensor in weights:
             name = source.removeprefix("transformer.")

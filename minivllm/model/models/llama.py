@@ -6,12 +6,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minivllm.config import ModelConfig
 from minivllm.model.attention import Attention
-from minivllm.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from minivllm.model.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
 from minivllm.model.models.weights import WeightLoader
 
 
@@ -22,18 +21,19 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.q_size = mc.num_heads * mc.head_dim
         self.kv_size = mc.num_kv_heads * mc.head_dim
-        self.qkv_proj = nn.Linear(mc.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.qkv_proj = Linear(mc.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         # Llama's attention_bias covers o_proj too; Qwen2's qkv bias does not.
         o_bias = bool(mc.hf_config.get("attention_bias", False))
-        self.o_proj = nn.Linear(self.q_size, mc.hidden_size, bias=o_bias)
+        self.o_proj = Linear(self.q_size, mc.hidden_size, bias=o_bias)
         self.rotary = rotary
         self.attn = Attention(mc.num_heads, mc.head_dim, mc.num_kv_heads, mc.head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary(positions, q.view(t, -1, self.attn.head_dim), k.view(t, -1, self.attn.head_dim))
-        return self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), v))
+        qkv = self.qkv_proj(x)
+        qk = self.rotary(positions, qkv[:, :self.q_size + self.kv_size].view(t, -1, self.attn.head_dim))
+        q, k = qk.view(t, -1).split([self.q_size, self.kv_size], dim=-1)
+        return self.o_proj(self.attn(q, k, qkv[:, self.q_size + self.kv_size:]))
 
 
 class LlamaMLP(nn.Module):
@@ -41,8 +41,8 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -80,8 +80,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(mc, rotary, qkv_bias) for _ in range(mc.num_layers))
         self.norm = RMSNorm(mc.hidden_size, cfg.get("rms_norm_eps", 1e-6))
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
-        # Tied models read the embedding matrix as the head (no second parameter to keep in sync).
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(mc.hidden_size, mc.vocab_size, bias=False)
+        self.lm_head = Linear(mc.hidden_size, mc.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat token ids [T] and positions [T] → final hidden states [T, hidden]."""
@@ -92,11 +91,13 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states of the sampled positions → float32 logits."""
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, head).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF checkpoint tensors, fusing q/k/v and gate/up into our stacked projections."""
+        if self.tie_word_embeddings:
+            # Tie here, not in __init__: the model is built on the meta device and materialised after.
+            self.lm_head.weight = self.embed_tokens.weight
         loader = WeightLoader(self, ignore=("rotary_emb.inv_freq",))
         q, kv = self.layers[0].self_attn.q_size, self.layers[0].self_attn.kv_size
         inter = self.layers[0].mlp.down_proj.in_features

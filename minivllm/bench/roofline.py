@@ -1,0 +1,111 @@
+"""Machine ceilings (matmul FLOP/s, memory bandwidth) and a model's roofline, measured in-process."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from minivllm.config import ModelConfig
+
+
+@dataclass
+class MachineCeilings:
+    """What this machine can do, measured now (the speed drifts: compare only within one run)."""
+
+    threads: int
+    peak_flops: float  # best large square GEMM: aten (MKL) or oneDNN prepacked, whichever is faster
+    mkl_gemm_flops: float  # aten's large square GEMM (what `x @ w` gets)
+    model_gemm_flops: float  # the model's own projection shape at M=64 tokens, oneDNN prepacked when available
+    bandwidth: float  # bytes/s: best of a streaming read and a copy (read + write counted)
+
+    def as_dict(self) -> dict[str, float]:
+        """Plain dict for JSON."""
+        return asdict(self)
+
+
+def _best_time(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_ceilings(hidden: int = 576, intermediate: int = 1536, dtype: torch.dtype = torch.float32
+                     ) -> MachineCeilings:
+    """Best-of-N matmul throughput and memory bandwidth on this machine, with the current thread count."""
+    n = 2048
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    mkl = 2 * n**3 / _best_time(lambda: a @ b, 5)
+    peak = mkl
+    x, w = torch.randn(64, hidden, dtype=dtype), torch.randn(intermediate, hidden, dtype=dtype)
+    linear = torch.nn.functional.linear
+    if torch.backends.mkldnn.is_available():
+        from minivllm.model.layers import Linear
+
+        big, small = Linear(n, n, bias=False), Linear(hidden, intermediate, bias=False)
+        with torch.no_grad():
+            big.weight.copy_(b)
+            small.weight.copy_(w)
+        big.pack()
+        small.pack()
+        peak = max(peak, 2 * n**3 / _best_time(lambda: big(a), 5))
+        linear = lambda x_, _w: small(x_)  # noqa: E731
+    reps = 50
+    model_gemm = 2 * 64 * hidden * intermediate * reps / _best_time(lambda: [linear(x, w) for _ in range(reps)], 5)
+    src = torch.empty(64 * 2**20, dtype=torch.float32).normal_()  # 256 MiB: far beyond any cache
+    dst = torch.empty_like(src)
+    copy_bw = 2 * src.numel() * 4 / _best_time(lambda: dst.copy_(src), 5)
+    read_bw = src.numel() * 4 / _best_time(lambda: src.sum(), 5)
+    return MachineCeilings(torch.get_num_threads(), peak, mkl, model_gemm, max(copy_bw, read_bw))
+
+
+@dataclass
+class ModelCost:
+    """FLOPs and bytes of a model per token, from its config."""
+
+    body_params: int  # matmul weights applied to every token (all layers)
+    head_params: int  # lm_head, applied only to tokens whose logits are sampled
+    weight_bytes: int  # all weights read once per step (body + head + norms)
+    kv_bytes_per_token: int
+    attn_flops_per_ctx_token: int  # per query token, per context token
+
+    @staticmethod
+    def from_config(mc: ModelConfig, dtype: torch.dtype) -> ModelCost:
+        """Count from the architecture (Llama-family or GPT-2 shapes)."""
+        cfg = mc.hf_config
+        h, d = mc.hidden_size, mc.head_dim
+        q, kv = mc.num_heads * d, mc.num_kv_heads * d
+        if mc.architecture == "GPT2LMHeadModel":
+            inter = cfg.get("n_inner") or 4 * h
+            per_layer = h * 3 * h + h * h + 2 * h * inter
+        else:
+            inter = cfg["intermediate_size"]
+            per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter
+        body = per_layer * mc.num_layers
+        head = mc.vocab_size * h
+        elt = torch.empty((), dtype=dtype).element_size()
+        return ModelCost(body, head, (body + head) * elt, mc.kv_bytes_per_token(dtype),
+                         4 * mc.num_layers * mc.num_heads * d)
+
+    def step_roofline(self, num_tokens: int, num_sampled: int, context_tokens: int, m: MachineCeilings) -> float:
+        """Lower bound on one step's time: max(compute at peak FLOP/s, bytes at peak bandwidth)."""
+        flops = 2 * self.body_params * num_tokens + 2 * self.head_params * num_sampled
+        flops += self.attn_flops_per_ctx_token * context_tokens
+        bytes_ = self.weight_bytes + self.kv_bytes_per_token * context_tokens
+        return max(flops / m.peak_flops, bytes_ / m.bandwidth)
+
+    def workload_roofline(self, prompt_lens: list[int], output_len: int, m: MachineCeilings) -> float:
+        """Lower bound for prefilling every prompt then decoding output_len tokens for all at once."""
+        flops = 2 * self.body_params * sum(prompt_lens) + 2 * self.head_params * len(prompt_lens)
+        flops += self.attn_flops_per_ctx_token * sum(n * n // 2 for n in prompt_lens)
+        total = max(flops / m.peak_flops, self.weight_bytes / m.bandwidth)
+        ctx = sum(prompt_lens)
+        for _ in range(output_len - 1):
+            ctx += len(prompt_lens)
+            total += self.step_roofline(len(prompt_lens), len(prompt_lens), ctx, m)
+        return total
