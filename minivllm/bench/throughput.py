@@ -37,6 +37,7 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine step budget (default: engine's)")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    p.add_argument("--no-portable", action="store_true", help="skip the run on the portable torch paths")
     p.add_argument("--batch1-output-len", type=int, default=64, help="tokens for the batch-1 decode comparison")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None, help="write all figures to this JSON file")
@@ -134,6 +135,66 @@ def ours_batch1(engine: LLMEngine, prompt: list[int], n: int) -> float:
     return (n - 1) / sum(times[1:])
 
 
+GEMM_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm")
+
+
+def profile_decode(engine: LLMEngine, prompts: list[list[int]], steps: int = 6) -> dict[str, Any]:
+    """Where a pure-decode step at len(prompts) concurrent sequences goes (GEMMs / attention / rest), and
+    how the step time depends on the thread count (1 vs all cores, alternated in this run)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from minivllm.model.attention import Attention
+
+    params = SamplingParams(max_tokens=10_000, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"prof-{i}", {"prompt_token_ids": p}, params)
+    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_tokens - 1 for s in engine.scheduler.running):
+        engine.step()
+    layers = [m for m in engine.runner.model.modules() if isinstance(m, Attention)]
+    attn_time = [0.0]
+    originals = [layer.backend for layer in layers]
+
+    def timed(fn):
+        def wrapper(*args):
+            t = time.perf_counter()
+            out = fn(*args)
+            attn_time[0] += time.perf_counter() - t
+            return out
+        return wrapper
+
+    for layer, fn in zip(layers, originals, strict=True):
+        layer.backend = timed(fn)
+    walls = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - t)
+    wall, attn = statistics.median(walls), attn_time[0] / steps
+    for layer, fn in zip(layers, originals, strict=True):
+        layer.backend = fn
+    # GEMM time from the profiler (its per-op overhead would inflate the rest, so only GEMMs are read).
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    gemm = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in GEMM_OPS) / 1e6 / steps
+    # Thread sweep on the same sequences: alternate so drift hits both settings alike.
+    full = torch.get_num_threads()
+    by_threads: dict[int, list[float]] = {1: [], full: []}
+    for _ in range(3):
+        for n in by_threads:
+            torch.set_num_threads(n)
+            for _ in range(2):
+                t = time.perf_counter()
+                engine.step()
+                by_threads[n].append(time.perf_counter() - t)
+    torch.set_num_threads(full)
+    for i in range(len(prompts)):
+        engine.abort_request(f"prof-{i}")
+    return {"batch": len(prompts), "step_ms": 1e3 * wall, "gemm_ms": 1e3 * gemm, "attention_ms": 1e3 * attn,
+            "other_ms": 1e3 * (wall - gemm - attn),
+            "step_ms_by_threads": {n: 1e3 * statistics.median(v) for n, v in by_threads.items()}}
+
+
 def run_throughput(ns: argparse.Namespace) -> int:
     """Entry point: run everything, print a report, optionally write JSON."""
     threads = ns.threads or cpu_count()
@@ -168,8 +229,26 @@ def run_throughput(ns: argparse.Namespace) -> int:
     }
     b1_prompt = prompts[0][:32]
     result["ours"]["batch1_decode_tok_s"] = ours_batch1(engine, b1_prompt, ns.batch1_output_len)
+    result["decode_profile"] = profile_decode(engine, prompts)
+    if not ns.no_portable:
+        # The same engine on its portable paths (what CUDA / compiler-less machines run): what the
+        # CPU fast paths buy, measured on the same requests.
+        del engine
+        portable = LLMEngine(EngineArgs(model=path, dtype=ns.dtype, kv_cache_memory=ns.kv_cache_memory,
+                                        max_num_seqs=max(256, ns.num_requests), num_threads=threads,
+                                        max_num_batched_tokens=ns.max_num_batched_tokens,
+                                        attention_backend="torch", linear_backend="torch"))
+        run_engine(portable, warm, SamplingParams(max_tokens=4, ignore_eos=True))
+        port = run_engine(portable, prompts, params)
+        result["portable"] = {"elapsed_s": port["elapsed"], "output_tok_s": n_out / port["elapsed"],
+                              "identical_outputs": sum(a == b for a, b in zip(ours["outputs"], port["outputs"],
+                                                                                strict=True))}
+        tokenizer = portable.tokenizer
+        del portable
+    else:
+        tokenizer = engine.tokenizer
     if not ns.no_hf:
-        pad = engine.tokenizer.pad_token_id or engine.tokenizer.eos_token_id or 0
+        pad = tokenizer.pad_token_id or tokenizer.eos_token_id or 0
         hf = run_hf(path, prompts, ns.output_len, pad)
         same = sum(a == b for a, b in zip(ours["outputs"], hf["outputs"], strict=True))
         b1 = hf_batch1(hf["model"], b1_prompt, ns.batch1_output_len, pad)
@@ -219,6 +298,11 @@ def report(r: dict[str, Any]) -> str:
         f"| Mini-vLLM | {o['elapsed_s']:.1f} | {o['output_tok_s']:.1f} | "
         f"{r.get('speedup_vs_hf', float('nan')):.2f}x |",
     ]
+    if "portable" in r:
+        p = r["portable"]
+        ratio = r["hf"]["elapsed_s"] / p["elapsed_s"] if "hf" in r else float("nan")
+        lines.append(f"| Mini-vLLM, portable paths (torch attention, aten GEMMs) | {p['elapsed_s']:.1f} | "
+                     f"{p['output_tok_s']:.1f} | {ratio:.2f}x |")
     if "hf" in r:
         h = r["hf"]
         lines.append(f"| HF transformers generate (batch {r['num_requests']}) | {h['elapsed_s']:.1f} | "
@@ -234,7 +318,17 @@ def report(r: dict[str, Any]) -> str:
     if "hf" in r:
         b1 += (f", HF {r['hf']['batch1_decode_tok_s']:.1f} tok/s → {r['batch1_speedup_vs_hf']:.2f}x; "
                f"greedy outputs identical to HF for {r['hf']['identical_outputs']}/{r['num_requests']} requests")
-    lines += [b1 + ".", "", "| step phase | ms/step | share |", "|---|---|---|"]
+    if "portable" in r:
+        b1 += (f". The portable run's outputs are identical to the fast run's for "
+               f"{r['portable']['identical_outputs']}/{r['num_requests']} requests")
+    lines += [b1 + ".", "", "Step-time split over the whole run:", "",
+              "| step phase | ms/step | share |", "|---|---|---|"]
     for k, v in r["step_split"].items():
         lines.append(f"| {k} | {v['ms_per_step']:.2f} | {100 * v['share']:.1f}% |")
+    p = r.get("decode_profile")
+    if p:
+        lines += ["", f"Inside one pure-decode step at {p['batch']} sequences ({p['step_ms']:.1f} ms): "
+                  f"GEMMs {p['gemm_ms']:.1f} ms, paged attention {p['attention_ms']:.1f} ms, everything else "
+                  f"{p['other_ms']:.1f} ms. Same step by thread count: " + ", ".join(
+                      f"{n} thread(s) {ms:.1f} ms" for n, ms in p["step_ms_by_threads"].items()) + "."]
     return "\n".join(lines)
