@@ -150,9 +150,10 @@ class SchedulerConfig:
 def default_batched_tokens(device: torch.device, max_model_len: int, chunked_prefill: bool) -> int:
     """Step token budget when none is given.
 
-    On CPU 512 measured fastest (benchmarks/README.md): prefill ran 1.3x faster than with 2048 because
-    a step's activations stay in cache; the weights are re-read per step, but that is ~3% of a
-    512-token step. Without chunked prefill a whole prompt must fit one step.
+    On CPU, 512-1024 measured fastest (benchmarks/step_budget.py): prefill ran 1.1-1.3x faster than with
+    2048 because a step's activations stay in cache, while re-reading the weights each step costs ~3%
+    of a 512-token step. The smaller of the two keeps decode steps short when prefills join them.
+    Without chunked prefill a whole prompt must fit one step.
     """
     budget = 512 if device.type == "cpu" else 2048
     return budget if chunked_prefill else max(budget, max_model_len)

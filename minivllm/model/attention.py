@@ -160,7 +160,7 @@ ATTENTION_BACKENDS: dict[str, Callable[..., torch.Tensor]] = {
 
 def get_backend(name: str, device: torch.device, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
     """Resolve a backend name. 'auto' takes cpu_native for fp32 on CPU when it compiles (it decodes
-    several times faster than gathering blocks for SDPA; see benchmarks/README.md), else torch."""
+    several times faster than gathering blocks for SDPA; see benchmarks/micro_attention.py), else torch."""
     native_ok = device.type == "cpu" and dtype == torch.float32
     if name == "auto":
         name = "cpu_native" if native_ok and cpu_kernels.load_paged_attention() is not None else "torch"
