@@ -38,6 +38,12 @@ def test_prompt_longer_than_max_model_len(llm):
         llm.generate([{"prompt_token_ids": [5] * 300}], use_tqdm=False)
 
 
+def test_prompt_of_exactly_max_model_len_gets_one_token(llm):
+    out = llm.generate([{"prompt_token_ids": [5] * 256}], SamplingParams(max_tokens=10, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
+
+
 def test_prompt_token_out_of_vocab(llm):
     with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 1024\)"):
         llm.generate([{"prompt_token_ids": [5, 99999]}], use_tqdm=False)

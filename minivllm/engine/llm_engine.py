@@ -134,9 +134,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_model_len "
-                             f"{self.max_model_len}; shorten the prompt")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens exceed max_model_len {self.max_model_len}; shorten the prompt")
         # Admission that never deadlocks: a request must fit the whole pool alone at its longest.
         longest = min(len(ids) + params.max_tokens, self.max_model_len)
         need = self.block_manager.blocks_needed(longest)

@@ -1,0 +1,42 @@
+"""bfloat16 / float16 engines load (from float32 or bf16 checkpoints) and stay close to float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import PROMPTS
+from minivllm import LLM, SamplingParams
+from minivllm.config import ModelConfig
+from minivllm.engine.tokenizer import get_tokenizer
+from minivllm.model.runner import ModelRunner, SequenceInput
+
+
+def _prefill_logits(path: str, dtype: torch.dtype) -> torch.Tensor:
+    mc = ModelConfig.from_pretrained(path)
+    runner = ModelRunner(mc, dtype, torch.device("cpu"), num_blocks=16, block_size=16, max_model_len=256)
+    assert all(p.dtype == dtype for p in runner.model.parameters())
+    assert runner.kv_cache.dtype == dtype
+    ids = get_tokenizer(path).encode(PROMPTS[1])
+    return runner.execute([SequenceInput(ids, 0, list(range(16)), True)])[0]
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_logits_close_to_float32(model_factory, preset, dtype):
+    path = model_factory(preset)
+    ref = _prefill_logits(path, torch.float32)
+    got = _prefill_logits(path, dtype)
+    assert got.dtype == torch.float32  # logits are always returned in float32
+    # bf16 keeps 8 bits of mantissa: a few hundredths on logits of order 1.
+    assert (got - ref).abs().max().item() < 0.1
+    assert (got - ref).abs().max().item() > 0  # really ran in reduced precision
+
+
+def test_bf16_checkpoint_generates(model_factory):
+    path = model_factory("tiny-qwen2", dtype="bfloat16")
+    assert ModelConfig.from_pretrained(path).checkpoint_dtype == "bfloat16"
+    llm = LLM(path, dtype="bfloat16", num_kv_blocks=64)
+    out = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in out] == [8, 8]
+    assert llm.llm_engine.runner.model.embed_tokens.weight.dtype == torch.bfloat16
