@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import PROMPTS
+
 from minivllm import LLM, SamplingParams
 from minivllm.config import ModelConfig
 from minivllm.engine.tokenizer import get_tokenizer
