@@ -1,10 +1,11 @@
-"""A real-size checkpoint shape (SmolLM2-135M) loads from sharded safetensors and matches HF greedy."""
+"""Real checkpoint shapes load (sharded safetensors, bf16 checkpoints) and match HF greedy output."""
 
 from __future__ import annotations
 
 import json
 import os
 
+import pytest
 from conftest import PROMPTS, hf_greedy, hf_model
 
 from minivllm import LLM, SamplingParams
@@ -22,3 +23,19 @@ def test_smollm2_135m_sharded_matches_hf(model_factory):
     hf = hf_model(path)
     for out in outs:
         assert out.outputs[0].token_ids == hf_greedy(hf, out.prompt_token_ids, 32)
+
+
+@pytest.mark.parametrize(("preset", "checkpoint_dtype"), [
+    ("gpt2", "float32"),  # Conv1D layout at real size
+    ("qwen2.5-0.5b", "float32"),  # qkv bias, 151936-token tied head
+    ("tinyllama-1.1b", "bfloat16"),  # untied head, GQA 32/4; bf16 checkpoint loaded as float32
+    ("llama-3.2-1b", "bfloat16"),  # llama3 rope scaling, head_dim in config
+])
+def test_real_size_presets_match_hf(model_factory, preset, checkpoint_dtype):
+    path = model_factory(preset, dtype=checkpoint_dtype)
+    llm = LLM(path, dtype="float32", kv_cache_memory="256MiB", max_model_len=1024)
+    outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
+    del llm
+    hf = hf_model(path)
+    for out in outs:
+        assert out.outputs[0].token_ids == hf_greedy(hf, out.prompt_token_ids, 12)
