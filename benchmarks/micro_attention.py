@@ -39,8 +39,8 @@ def main() -> None:
     key_pos = torch.arange(tables.shape[1] * bs)
     md = AttentionMetadata(
         slot_mapping=torch.zeros(b, dtype=torch.int64), num_decodes=b, decode_block_tables=tables,
-        decode_mask=(key_pos[None, :] < lens[:, None])[:, None, None, :], decode_positions=lens - 1,
-        decode_rows=torch.arange(b), max_decode_seq_len=int(lens.max()), sliding_window=None, prefills=[])
+        decode_positions=lens - 1, decode_mask=(key_pos[None, :] < lens[:, None])[:, None, None, :],
+        max_decode_seq_len=int(lens.max()), sliding_window=None, prefills=[])
     layers = []
     for _ in range(args.layers):
         layer = Attention(heads, head_dim, kv_heads, head_dim**-0.5)
@@ -48,13 +48,14 @@ def main() -> None:
         layer.v_cache = torch.randn(pool, bs, kv_heads, head_dim)
         layers.append(layer)
     q = torch.randn(b, heads, head_dim)
-    times: dict[str, list[float]] = {name: [] for name in ATTENTION_BACKENDS}
-    outs = {}
+    backends = {name: cls() for name, cls in ATTENTION_BACKENDS.items()}
+    times: dict[str, list[float]] = {name: [] for name in backends}
+    outs = {name: torch.empty(b, heads, head_dim) for name in backends}
     for _ in range(args.rounds):
-        for name, fn in ATTENTION_BACKENDS.items():
+        for name, backend in backends.items():
             t = time.perf_counter()
             for layer in layers:
-                outs[name] = fn(layer, q, None, None, md)
+                backend.decode(layer, q, md, outs[name])
             times[name].append(time.perf_counter() - t)
     kv_bytes = int(lens.sum()) * kv_heads * head_dim * 4 * 2 * args.layers
     err = (outs["torch"] - outs["cpu_native"]).abs().max().item()

@@ -45,9 +45,8 @@ def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device)
     exact parity with the reference) and the checkpoint's own dtype on an accelerator.
     """
     if name == "auto":
-        if device.type == "cpu" or checkpoint_dtype is None:
-            return torch.float32
-        name = checkpoint_dtype
+        # Unknown or float32 checkpoint dtypes stay float32: exact, if slower.
+        return torch.float32 if device.type == "cpu" else _DTYPES.get(checkpoint_dtype or "", torch.float32)
     if name not in _DTYPES:
         raise ValueError(f"dtype: unsupported value {name!r}; choose one of auto, float32, bfloat16, float16")
     return _DTYPES[name]
@@ -143,7 +142,6 @@ class SchedulerConfig:
 
     max_num_seqs: int
     max_num_batched_tokens: int
-    max_model_len: int
     enable_chunked_prefill: bool
 
 
@@ -174,6 +172,19 @@ def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
     return default
 
 
+def _read_json(path: str) -> dict[str, Any]:
+    import json
+
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"model: {path} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"model: {path} must hold a JSON object")
+    return data
+
+
 def _as_id_list(value: Any) -> list[int]:
     if value is None:
         return []
@@ -196,48 +207,44 @@ class ModelConfig:
     max_position_embeddings: int
     checkpoint_dtype: str | None
     eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
-    generation_defaults: dict[str, Any]
 
     @staticmethod
     def from_pretrained(path: str) -> ModelConfig:
         """Read config.json (and generation_config.json when present) from a model directory."""
-        import json
-
         cfg_path = os.path.join(path, "config.json")
         if not os.path.isdir(path):
             raise FileNotFoundError(f"model: {path!r} is not a directory")
         if not os.path.isfile(cfg_path):
             raise FileNotFoundError(f"model: no config.json in {path!r}; expected a Hugging Face model directory")
-        with open(cfg_path) as f:
-            cfg = json.load(f)
+        cfg = _read_json(cfg_path)
         archs = cfg.get("architectures") or []
         if not archs:
             raise ValueError(f"model: config.json in {path!r} names no 'architectures'")
-        gen: dict[str, Any] = {}
         gen_path = os.path.join(path, "generation_config.json")
-        if os.path.isfile(gen_path):
-            with open(gen_path) as f:
-                gen = json.load(f)
-        hidden = int(_first(cfg, "hidden_size", "n_embd"))
-        heads = int(_first(cfg, "num_attention_heads", "n_head"))
+        gen = _read_json(gen_path) if os.path.isfile(gen_path) else {}
+
+        def need(*keys: str) -> int:
+            value = _first(cfg, *keys)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"model: {cfg_path} needs a positive integer {' or '.join(map(repr, keys))}, "
+                                 f"got {value!r}")
+            return value
+
+        hidden, heads = need("hidden_size", "n_embd"), need("num_attention_heads", "n_head")
         eos = _as_id_list(gen.get("eos_token_id")) + _as_id_list(cfg.get("eos_token_id"))
         return ModelConfig(
             path=path,
             hf_config=cfg,
             architecture=archs[0],
-            num_layers=int(_first(cfg, "num_hidden_layers", "n_layer")),
+            num_layers=need("num_hidden_layers", "n_layer"),
             num_heads=heads,
             num_kv_heads=int(_first(cfg, "num_key_value_heads", default=heads)),
             head_dim=int(_first(cfg, "head_dim", default=hidden // heads)),
             hidden_size=hidden,
-            vocab_size=int(cfg["vocab_size"]),
+            vocab_size=need("vocab_size"),
             max_position_embeddings=int(_first(cfg, "max_position_embeddings", "n_positions", default=2048)),
             checkpoint_dtype=_first(cfg, "torch_dtype", "dtype"),
             eos_token_ids=tuple(dict.fromkeys(eos)),
-            bos_token_id=_first(gen, "bos_token_id", default=cfg.get("bos_token_id")),
-            generation_defaults={k: gen[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty")
-                                 if k in gen},
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:

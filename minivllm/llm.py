@@ -38,6 +38,8 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts")
         engine = self.llm_engine
         ids = [str(next(self._ids)) for _ in prompts]
         added = []

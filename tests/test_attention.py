@@ -41,11 +41,11 @@ def test_native_matches_dense(heads, kv_heads, head_dim, window):
     for i, n in enumerate(lens):
         nb = -(-n // bs)
         tables[i, :nb] = torch.tensor([perm.pop() for _ in range(nb)])
-    q = torch.randn(len(lens), heads, head_dim, generator=gen)
-    out = torch.empty_like(q)
+    # q as a view into a wider buffer, as it arrives from the fused qkv projection.
+    q = torch.randn(len(lens), heads + 2 * kv_heads, head_dim, generator=gen)[:, :heads]
+    out = torch.empty(len(lens), heads, head_dim)
     pos = torch.tensor([n - 1 for n in lens])
-    cpu_kernels.paged_attention(out, q, k_cache, v_cache, tables, torch.arange(len(lens)), pos,
-                                1 / math.sqrt(head_dim), window, max(lens))
+    cpu_kernels.paged_attention(out, q, k_cache, v_cache, tables, pos, 1 / math.sqrt(head_dim), window, max(lens))
     for i, n in enumerate(lens):
         slots = torch.stack([tables[i, p // bs] * bs + p % bs for p in range(n)])
         k_ctx = k_cache.view(-1, kv_heads, head_dim)[slots]

@@ -20,7 +20,7 @@ def _seq(rid: str, n: int, priority: int = 0) -> Sequence:
 
 
 def _sched(num_blocks=64, budget=16, max_seqs=8, chunked=True, block_size=4) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_seqs, budget, 1024, chunked), BlockManager(num_blocks, block_size))
+    return Scheduler(SchedulerConfig(max_seqs, budget, chunked), BlockManager(num_blocks, block_size))
 
 
 def _advance(s: Scheduler, out) -> None:

@@ -42,11 +42,6 @@ class BlockManager:
         """Blocks that can be handed out now (free plus evictable cached)."""
         return len(self.free_ids) + len(self.evictable)
 
-    @property
-    def usage(self) -> float:
-        """Fraction of blocks held by live sequences."""
-        return self.num_used / self.num_blocks
-
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks to hold num_tokens tokens."""
         return -(-num_tokens // self.block_size)

@@ -26,7 +26,7 @@ from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.model.runner import ModelRunner, SequenceInput
-from minivllm.model.sampler import Sampler
+from minivllm.model.sampler import Sampler, SamplingMetadata
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -77,11 +77,11 @@ class LLMEngine:
         kv_bytes = (args.num_kv_blocks * args.block_size * per_token if args.num_kv_blocks
                     else parse_size(args.kv_cache_memory))
         self.cache_config = CacheConfig.from_budget(kv_bytes, args.block_size, per_token, args.enable_prefix_caching)
-        self.scheduler_config = SchedulerConfig(args.max_num_seqs, token_budget,
-                                                self.max_model_len, args.enable_chunked_prefill)
-        self.runner = ModelRunner(mc, self.dtype, self.device, self.cache_config.num_blocks, args.block_size,
-                                  self.max_model_len, args.attention_backend, args.linear_backend)
-        self.block_manager = BlockManager(self.cache_config.num_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler_config = SchedulerConfig(args.max_num_seqs, token_budget, args.enable_chunked_prefill)
+        cc = self.cache_config
+        self.runner = ModelRunner(mc, self.dtype, self.device, cc.num_blocks, cc.block_size, self.max_model_len,
+                                  args.attention_backend, args.linear_backend)
+        self.block_manager = BlockManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.sampler = Sampler(self.device, args.seed)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
@@ -90,8 +90,7 @@ class LLMEngine:
         self.timings = StepTimings()
         self._arrivals = itertools.count()
         logger.info("engine: %s (%s, %s) on %s, KV pool %d blocks x %d tokens",
-                    mc.architecture, args.model, self.dtype, self.device, self.cache_config.num_blocks,
-                    args.block_size)
+                    mc.architecture, args.model, self.dtype, self.device, cc.num_blocks, cc.block_size)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -125,6 +124,8 @@ class LLMEngine:
         text, ids = self.tokenize(prompt)
         self._validate(ids, params)
         seq = Sequence(request_id, ids, params, arrival_time or time.time(), next(self._arrivals), priority, text)
+        if params.seed is not None and not params.greedy:
+            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -132,18 +133,20 @@ class LLMEngine:
         if not ids:
             raise ValueError("prompt: the prompt is empty (0 tokens)")
         vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
-            raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
+        for i, t in enumerate(ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"prompt: token ids must be integers in [0, {vocab}); position {i} holds {t!r}")
         if len(ids) > self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens exceed max_model_len {self.max_model_len}; shorten the prompt")
         # Admission that never deadlocks: a request must fit the whole pool alone at its longest.
         longest = min(len(ids) + params.max_tokens, self.max_model_len)
         need = self.block_manager.blocks_needed(longest)
         if need > self.block_manager.num_blocks:
+            pool = (f"num_kv_blocks={self.args.num_kv_blocks}" if self.args.num_kv_blocks
+                    else f"kv_cache_memory={self.args.kv_cache_memory}")
             raise ValueError(
                 f"request needs {need} KV blocks for prompt + max_tokens ({longest} tokens) but the whole pool has "
-                f"{self.block_manager.num_blocks} (kv_cache_memory={self.args.kv_cache_memory}); lower max_tokens "
-                "or raise kv_cache_memory")
+                f"{self.block_manager.num_blocks} ({pool}); lower max_tokens or give the KV cache more memory")
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks (unknown or finished ids are ignored)."""
@@ -159,7 +162,7 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; return the state of every request that advanced or finished."""
+        """Run one scheduling step; return the outputs of the requests that finished in it."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
@@ -173,7 +176,7 @@ class LLMEngine:
         logits = self.runner.execute(inputs)
         t2 = time.perf_counter()
         sampling = [seq for (seq, _), inp in zip(sched.scheduled, inputs, strict=True) if inp.sample]
-        token_ids = self.sampler.sample(logits, [s.sampling_params for s in sampling]) if sampling else []
+        token_ids = self.sampler.sample(logits, self._sampling_metadata(sampling)) if sampling else []
         t3 = time.perf_counter()
         outputs = self._update(sched, sampling, token_ids)
         t4 = time.perf_counter()
@@ -193,23 +196,31 @@ class LLMEngine:
         return SequenceInput(seq.token_ids[start:start + n], start, seq.block_table,
                              start + n == seq.num_tokens)
 
+    def _sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
+        temps, gens, banned = [], [], []
+        for seq in seqs:
+            p = seq.sampling_params
+            temps.append(0.0 if p.greedy else p.temperature)
+            gens.append(seq.generator)
+            # Before min_tokens, EOS and stop tokens are masked rather than sampled then ignored.
+            early = seq.num_output_tokens < p.min_tokens
+            banned.append([*(self.eos_token_ids if not p.ignore_eos else ()), *p.stop_token_ids] if early else [])
+        return SamplingMetadata(temps, gens, banned)
+
     def _update(self, sched: SchedulerOutput, sampling: list[Sequence], token_ids: list[int]) -> list[RequestOutput]:
         bm = self.block_manager
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
             bm.cache_blocks(seq)
-        now = time.time()
-        outputs = []
+        finished = []
         for seq, tok in zip(sampling, token_ids, strict=True):
             seq.token_ids.append(tok)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
             status = self._check_stop(seq, tok)
             if status is not None:
                 self.scheduler.finish(seq, status)
                 del self.seqs[seq.request_id]
-            outputs.append(self._make_output(seq))
-        return outputs
+                finished.append(self._make_output(seq))
+        return finished
 
     def _check_stop(self, seq: Sequence, tok: int) -> SequenceStatus | None:
         p = seq.sampling_params
@@ -221,13 +232,10 @@ class LLMEngine:
         return None
 
     def _make_output(self, seq: Sequence) -> RequestOutput:
-        finished = seq.status.finished
         ids = seq.output_token_ids
-        text = self.tokenizer.decode(ids, skip_special_tokens=seq.sampling_params.skip_special_tokens) \
-            if finished else ""
-        return RequestOutput(seq.request_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens],
-                             [CompletionOutput(0, text, ids, seq.status.value if finished else None)],
-                             finished, seq.num_cached_tokens)
+        text = self.tokenizer.decode(ids, skip_special_tokens=seq.sampling_params.skip_special_tokens)
+        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids,
+                             [CompletionOutput(0, text, ids, seq.status.value)], True, seq.num_cached_tokens)
 
     # ---- introspection -------------------------------------------------------------------------
     def check_invariants(self) -> None:

@@ -68,7 +68,7 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.bm.allocate_slots(seq, n):
-                victim = self.running[-1]
+                victim = self.running.pop()  # lowest priority, newest: running is kept sorted
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -109,8 +109,8 @@ class Scheduler:
         return budget
 
     def _preempt(self, seq: Sequence) -> None:
-        """Preempt by recompute: drop the KV blocks, requeue; it resumes from its tokens so far."""
-        self.running.remove(seq)
+        """Preempt by recompute (seq already off the running list): drop its KV blocks and requeue it;
+        it resumes from its tokens so far."""
         self.bm.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 
+import torch
+
 from minivllm.sampling_params import SamplingParams
 
 
@@ -27,14 +29,15 @@ class Sequence:
     """One sequence being generated. `token_ids` = prompt + output; the KV cache holds the first
     `num_computed_tokens` of them in the blocks of `block_table`."""
 
-    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling_params", "priority", "arrival_time",
-                 "arrival_index", "status", "num_computed_tokens", "num_cached_tokens", "block_table",
-                 "block_hashes", "prompt", "first_token_time", "num_preemptions")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "token_ids", "num_prompt_tokens", "sampling_params",
+                 "priority", "arrival_time", "arrival_index", "status", "num_computed_tokens", "num_cached_tokens",
+                 "block_table", "block_hashes", "num_preemptions", "generator")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  arrival_time: float, arrival_index: int, priority: int = 0, prompt: str | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -46,8 +49,8 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of token_ids, grown lazily
-        self.first_token_time: float | None = None
         self.num_preemptions = 0
+        self.generator: torch.Generator | None = None  # the request's own, when it has a seed
 
     @property
     def num_tokens(self) -> int:

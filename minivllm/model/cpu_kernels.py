@@ -68,25 +68,33 @@ def load_paged_attention() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(lib_path)
     fn = lib.paged_attention_f32
     i64, p = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [p, p, p, p, p, i64, p, p, i64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_float, i64, i64]
-    fn.restype = ctypes.c_int
+    c_int = ctypes.c_int
+    fn.argtypes = [p, p, i64, p, p, p, i64, p, i64, c_int, c_int, c_int, c_int, ctypes.c_float, i64, i64, p, c_int]
+    fn.restype = None
     return lib
 
 
+_scratch = torch.empty(0)
+
+
 def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_tables: torch.Tensor, tok_seq: torch.Tensor, tok_pos: torch.Tensor, scale: float,
-                    window: int, max_ctx: int) -> None:
-    """out[t] = softmax(q[t] K^T * scale) V over token t's context, read through the block table."""
+                    block_tables: torch.Tensor, positions: torch.Tensor, scale: float, window: int,
+                    max_ctx: int) -> None:
+    """Decode attention: out[t] = softmax(q[t] K^T * scale) V over the context of token t (row t of
+    block_tables), read in place from the block pool. q [T, H, D] may have any row stride."""
+    global _scratch
     lib = load_paged_attention()
     assert lib is not None
-    assert q.dtype == torch.float32 and q.is_contiguous() and out.is_contiguous()
-    assert block_tables.dtype == torch.int64 and block_tables.stride(1) == 1
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    rc = lib.paged_attention_f32(
-        out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        block_tables.stride(0), tok_seq.data_ptr(), tok_pos.data_ptr(), num_tokens, num_heads, num_kv_heads,
-        head_dim, block_size, scale, window, max_ctx)
-    if rc != 0:
-        raise MemoryError("paged attention: scratch allocation failed")
+    assert q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == head_dim and out.is_contiguous()
+    assert block_tables.dtype == torch.int64 and block_tables.stride(1) == 1 and positions.dtype == torch.int64
+    threads = torch.get_num_threads()
+    need = threads * (num_heads // num_kv_heads) * ((max_ctx + 15) // 16 * 16)
+    if _scratch.numel() < need:
+        # Grow-only and reused: one engine step runs at a time per process.
+        _scratch = torch.empty(int(need * 1.25), dtype=torch.float32)
+    lib.paged_attention_f32(
+        out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        block_tables.stride(0), positions.data_ptr(), num_tokens, num_heads, num_kv_heads, head_dim, block_size,
+        scale, window, max_ctx, _scratch.data_ptr(), threads)

@@ -152,15 +152,18 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)
         self.cos_sin_cache = cache.to(self.cos_sin_cache.device)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotate x [T, heads, D] by its tokens' positions [T]; q and k heads go through in one call
-        (half the ops of rotating them separately: this runs once per layer per step)."""
-        t, n, d = x.shape
-        cs = self.cos_sin_cache[positions].view(t, 1, 2, self.half)
-        cos, sin = cs[:, :, 0], cs[:, :, 1]
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D/2] for the step's positions: once per forward, shared by every layer."""
+        cs = self.cos_sin_cache[positions].view(-1, 1, 2, self.half)
+        return cs[:, :, 0], cs[:, :, 1]
+
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Rotate x [T, heads, D]; q and k heads go through in one call (half the ops of rotating them
+        separately: this runs once per layer per step)."""
+        cos, sin = cos_sin
         xf = x.float()
         x1, x2 = xf[..., :self.half], xf[..., self.half:]
-        out = torch.empty(t, n, d, dtype=torch.float32, device=x.device)
+        out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         o1, o2 = out[..., :self.half], out[..., self.half:]
         torch.mul(x1, cos, out=o1)
         o1.addcmul_(x2, sin, value=-1)

@@ -53,7 +53,7 @@ class ModelRunner:
                                     dtype=dtype, device=device)
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         assert len(layers) == mc.num_layers
-        backend = get_backend(attention_backend, device, dtype)
+        self.attention_backend = backend = get_backend(attention_backend, device, dtype)
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
             layer.backend = backend
@@ -107,22 +107,21 @@ class ModelRunner:
         nd = int((q_lens == 1).sum())
         seq_lens = starts + q_lens
         md = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            num_decodes=nd, decode_block_tables=None, decode_mask=None,
-            decode_positions=None, decode_rows=None, max_decode_seq_len=0, sliding_window=self.sliding_window,
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev), num_decodes=nd, decode_block_tables=None,
+            decode_positions=None, decode_mask=None, max_decode_seq_len=0, sliding_window=self.sliding_window,
             prefills=[])
         if nd:
             dec_blocks = int(max(len(s.block_table) for s in seqs_o[:nd]))
-            lens = torch.from_numpy(seq_lens[:nd]).to(dev)
-            key_pos = torch.arange(dec_blocks * bs, device=dev)
-            mask = key_pos[None, :] < lens[:, None]
-            if self.sliding_window is not None:
-                mask &= key_pos[None, :] >= lens[:, None] - self.sliding_window
             md.decode_block_tables = torch.from_numpy(tables[:nd, :dec_blocks]).to(dev)
-            md.decode_mask = mask[:, None, None, :]
-            md.decode_positions = lens - 1
-            md.decode_rows = torch.arange(nd, device=dev)
+            md.decode_positions = torch.from_numpy(positions[:nd]).to(dev)
             md.max_decode_seq_len = int(seq_lens[:nd].max())
+            if self.attention_backend.needs_decode_mask:
+                lens = md.decode_positions[:, None] + 1
+                key_pos = torch.arange(dec_blocks * bs, device=dev)[None, :]
+                mask = key_pos < lens
+                if self.sliding_window is not None:
+                    mask &= key_pos >= lens - self.sliding_window
+                md.decode_mask = mask[:, None, None, :]
         for i in range(nd, n):
             md.prefills.append(self._prefill_span(int(first[i]), int(cu[i]), int(starts[i]), seqs_o[i]))
 

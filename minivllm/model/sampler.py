@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from minivllm.sampling_params import SamplingParams
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling settings of one step (plain data built by the engine)."""
+
+    temperatures: list[float]  # 0 for greedy rows
+    generators: list[torch.Generator | None]  # a request's own seeded generator, else None
+    banned: list[list[int]]  # token ids a row may not produce this step (EOS/stop ids before min_tokens)
+
+    @property
+    def all_greedy(self) -> bool:
+        """Whether every row takes the argmax."""
+        return not any(self.temperatures)
 
 
 class Sampler:
@@ -16,13 +28,22 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> list[int]:
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> list[int]:
         """One token per row: argmax for greedy rows, a temperature-scaled draw for the others."""
+        if any(md.banned):
+            rows = [i for i, ids in enumerate(md.banned) for _ in ids]
+            cols = [t for ids in md.banned for t in ids]
+            logits[rows, cols] = float("-inf")
         greedy = logits.argmax(dim=-1)
-        if all(p.greedy for p in params):
+        if md.all_greedy:
             return greedy.tolist()  # fast path: no softmax over the vocabulary
-        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=logits.device)
+        temps = torch.tensor([t or 1.0 for t in md.temperatures], device=logits.device)
         probs = torch.softmax(logits / temps[:, None], dim=-1)
         drawn = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
-        is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        # Seeded requests draw from their own generator so their tokens do not depend on the batch.
+        for i, g in enumerate(md.generators):
+            if g is not None and md.temperatures[i]:
+                drawn[i] = torch.multinomial(probs[i], 1, generator=g)[0]
+        is_greedy = torch.tensor([not t for t in md.temperatures], device=logits.device)
         return torch.where(is_greedy, greedy, drawn).tolist()

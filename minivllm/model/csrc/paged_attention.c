@@ -2,12 +2,13 @@
  * Paged attention for CPU: every query token attends to its sequence's context, read straight
  * out of the KV block pool through the block table (no gathered copy of the context).
  *
- * Layouts (all contiguous, float32):
- *   q, out      [T, H, D]
- *   k/v cache   [num_blocks, block_size, KVH, D]
- *   block_tables[num_seqs, bt_stride] (int64, unit column stride)
- * Query token t belongs to sequence tok_seq[t] and sits at position tok_pos[t]; it sees keys at
- * positions max(0, pos - window + 1) .. pos (window <= 0: no sliding window).
+ * One query token per sequence (decode). Layouts (float32):
+ *   q           [T, H, D], rows q_stride floats apart (q may be a view into the fused qkv output)
+ *   out         [T, H, D] contiguous
+ *   k/v cache   [num_blocks, block_size, KVH, D] contiguous
+ *   block_tables[T, bt_stride] (int64, unit column stride): row t is token t's sequence
+ * Token t sits at position positions[t]; it sees keys at positions max(0, pos - window + 1) .. pos
+ * (window <= 0: no sliding window).
  *
  * Work items are (token, kv head) pairs; the G = H / KVH query heads of a group share each K/V row
  * load. Scores go to a per-thread scratch row, then one softmax pass, then the weighted V sum:
@@ -21,7 +22,6 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 typedef float v16 __attribute__((vector_size(64)));
@@ -79,8 +79,8 @@ INLINE void prefetch_block(const float *cache, const item_t *it, int64_t b, int 
 static void softmax_rows(float *sc, int64_t stride, int G, int64_t n) {
     for (int h = 0; h < G; h++) {
         float *s = sc + h * stride;
-        float m = -INFINITY;
-        for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
+        float m = s[0]; /* not -INFINITY: -ffast-math assumes no infinities */
+        for (int64_t j = 1; j < n; j++) m = s[j] > m ? s[j] : m;
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < n; j++) {
@@ -159,6 +159,7 @@ static void item_scalar(const item_t *it, int G, int D) {
     }
 }
 
+/* item_vec is always_inline (so constants propagate); this is its callable, non-specialised form. */
 static void item_generic(const item_t *it, int G, int D) { item_vec(it, G, D); }
 
 #define SPECIALISE(GG, DD) \
@@ -193,28 +194,29 @@ static item_fn pick(int G, int D) {
     return item_scalar;
 }
 
-int paged_attention_f32(float *out, const float *q, const float *k_cache, const float *v_cache,
-                        const int64_t *block_tables, int64_t bt_stride, const int64_t *tok_seq,
-                        const int64_t *tok_pos, int64_t num_tokens, int num_heads, int num_kv_heads,
-                        int head_dim, int block_size, float scale, int64_t window, int64_t max_ctx) {
+/* scratch: num_threads * G * round_up(max_ctx, 16) floats, owned by the caller (no allocation per call).
+ * num_threads is passed in, not read from this thread's OpenMP settings, so the engine's thread
+ * count holds whichever thread calls. */
+void paged_attention_f32(float *out, const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                        const int64_t *block_tables, int64_t bt_stride, const int64_t *positions, int64_t num_tokens,
+                        int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int64_t window,
+                        int64_t max_ctx, float *scratch, int num_threads) {
     const int G = num_heads / num_kv_heads, D = head_dim;
     const item_fn fn = pick(G, D);
     const int64_t stride = (max_ctx + 15) / 16 * 16;
-    float *scratch = malloc(sizeof(float) * (size_t)omp_get_max_threads() * G * stride);
-    if (!scratch) return -1;
 
-#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t t = 0; t < num_tokens; t++) {
         for (int g = 0; g < num_kv_heads; g++) {
-            const int64_t pos = tok_pos[t];
+            const int64_t pos = positions[t];
             item_t it = {
                 .sc = scratch + (size_t)omp_get_thread_num() * G * stride,
                 .stride = stride,
-                .qg = q + (t * num_heads + (int64_t)g * G) * D,
+                .qg = q + t * q_stride + (int64_t)g * G * D,
                 .og = out + (t * num_heads + (int64_t)g * G) * D,
                 .k_cache = k_cache,
                 .v_cache = v_cache,
-                .table = block_tables + tok_seq[t] * bt_stride,
+                .table = block_tables + t * bt_stride,
                 .start = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0,
                 .end = pos + 1,
                 .bs = block_size,
@@ -225,6 +227,4 @@ int paged_attention_f32(float *out, const float *q, const float *k_cache, const 
             fn(&it, G, D);
         }
     }
-    free(scratch);
-    return 0;
 }

@@ -28,10 +28,10 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(mc.num_heads, mc.head_dim, mc.num_kv_heads, mc.head_dim**-0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        qk = self.rotary(positions, qkv[:, :self.q_size + self.kv_size].view(t, -1, self.attn.head_dim))
+        qk = self.rotary(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.attn.head_dim), cos_sin)
         q, k = qk.view(t, -1).split([self.q_size, self.kv_size], dim=-1)
         return self.o_proj(self.attn(q, k, qkv[:, self.q_size + self.kv_size:]))
 
@@ -61,8 +61,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(mc.hidden_size, eps)
         self.mlp = LlamaMLP(mc.hidden_size, cfg["intermediate_size"], cfg.get("mlp_bias", False))
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h))
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(cos_sin, self.input_layernorm(h))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -75,9 +75,9 @@ class LlamaForCausalLM(nn.Module):
         _check_supported(mc)
         qkv_bias = bool(cfg.get("attention_bias", False)) or mc.architecture == "Qwen2ForCausalLM"
         self.sliding_window: int | None = _sliding_window(mc)
-        rotary = RotaryEmbedding(cfg, mc.head_dim, max_model_len)
+        self.rotary = RotaryEmbedding(cfg, mc.head_dim, max_model_len)
         self.embed_tokens = nn.Embedding(mc.vocab_size, mc.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(mc, rotary, qkv_bias) for _ in range(mc.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(mc, self.rotary, qkv_bias) for _ in range(mc.num_layers))
         self.norm = RMSNorm(mc.hidden_size, cfg.get("rms_norm_eps", 1e-6))
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
         self.lm_head = Linear(mc.hidden_size, mc.vocab_size, bias=False)
@@ -85,8 +85,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat token ids [T] and positions [T] → final hidden states [T, hidden]."""
         h = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.lookup(positions)
         for layer in self.layers:
-            h = layer(positions, h)
+            h = layer(cos_sin, h)
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

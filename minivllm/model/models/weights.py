@@ -22,30 +22,17 @@ class WeightLoader:
         self.sources: dict[str, list[str]] = {}  # stacked parameter → checkpoint names loaded into it
         self.unexpected: list[str] = []
 
-    def _param(self, name: str, source: str) -> nn.Parameter | None:
+    def load(self, name: str, tensor: torch.Tensor, source: str | None = None) -> None:
+        """Copy a whole tensor into parameter `name` (`source`: its name in the checkpoint)."""
+        p = self.params.get(name)
+        self.load_slice(name, tensor, 0, p.shape[0] if p is not None else 0, source or name)
+
+    def load_slice(self, name: str, tensor: torch.Tensor, offset: int, size: int, source: str) -> None:
+        """Copy `tensor` into rows [offset, offset+size) of parameter `name`."""
         p = self.params.get(name)
         if p is None:
             if not any(source.endswith(s) for s in self.ignore):
                 self.unexpected.append(source)
-        return p
-
-    def load(self, name: str, tensor: torch.Tensor, source: str | None = None) -> None:
-        """Copy a whole tensor into parameter `name` (`source`: its name in the checkpoint)."""
-        source = source or name
-        p = self._param(name, source)
-        if p is None:
-            return
-        if tuple(tensor.shape) != tuple(p.shape):
-            raise ValueError(f"{self.module_name}: weight {source!r} has shape {tuple(tensor.shape)} in the "
-                             f"checkpoint, expected {tuple(p.shape)} from config.json")
-        with torch.no_grad():
-            p.copy_(tensor)
-        self.rows_loaded[name] = p.shape[0]
-
-    def load_slice(self, name: str, tensor: torch.Tensor, offset: int, size: int, source: str) -> None:
-        """Copy `tensor` into rows [offset, offset+size) of stacked parameter `name`."""
-        p = self._param(name, source)
-        if p is None:
             return
         expected = (size, *p.shape[1:])
         if tuple(tensor.shape) != expected:
@@ -54,7 +41,8 @@ class WeightLoader:
         with torch.no_grad():
             p[offset:offset + size].copy_(tensor)
         self.rows_loaded[name] = self.rows_loaded.get(name, 0) + size
-        self.sources.setdefault(name, []).append(source)
+        if size < p.shape[0]:
+            self.sources.setdefault(name, []).append(source)
 
     def finish(self) -> None:
         """Raise if any parameter was not (fully) loaded; warn about tensors nothing used."""

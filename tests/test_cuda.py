@@ -1,0 +1,27 @@
+"""The portable paths on CUDA (skipped where no GPU is present): same greedy output as HF on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import PROMPTS
+
+from minivllm import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])
+def test_cuda_greedy_matches_hf(model_factory, preset):
+    from transformers import AutoModelForCausalLM
+
+    path = model_factory(preset)
+    llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=128, check_invariants=True)
+    assert llm.llm_engine.runner.kv_cache.is_cuda
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    for out in outs:
+        ids = torch.tensor([out.prompt_token_ids], device="cuda")
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
+                          do_sample=False)[0, ids.shape[1]:].tolist()
+        assert out.outputs[0].token_ids == ref
