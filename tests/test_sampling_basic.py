@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from conftest import PROMPTS
+
 from minivllm import LLM, SamplingParams
 
 
