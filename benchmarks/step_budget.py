@@ -30,7 +30,7 @@ def main() -> None:
     for r in range(args.rounds):
         for b, eng in engines.items():
             for i, p in enumerate(prompts):
-                eng.add_request(f"{r}-{i}", {"prompt_token_ids": p}, SamplingParams(max_tokens=1))
+                eng.add_request(f"{r}-{i}", {"prompt_token_ids": p}, SamplingParams(temperature=0.0, max_tokens=1))
             t = time.perf_counter()
             while eng.has_unfinished_requests():
                 eng.step()

@@ -2,8 +2,9 @@
 
 from minivllm.config import EngineArgs
 from minivllm.llm import LLM
-from minivllm.outputs import CompletionOutput, RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
+from minivllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "EngineArgs", "SamplingParams", "BeamSearchParams", "RequestOutputKind", "RequestOutput",
+           "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"

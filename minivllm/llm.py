@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from minivllm.config import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine, Prompt
 from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -38,6 +38,9 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        # Offline callers want finished results only: no per-step outputs to build.
+        final = {id(p): p.clone(output_kind=RequestOutputKind.FINAL_ONLY) for p in params}
+        params = [final[id(p)] for p in params]
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts")
         engine = self.llm_engine
@@ -53,6 +56,29 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or to several,
+        through the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.get_tokenizer()
+        prompts = []
+        for conv in conversations:
+            try:
+                text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                               chat_template=chat_template)
+            except ValueError as e:  # e.g. the tokenizer has no chat template
+                raise ValueError(f"chat: cannot apply the chat template: {e}") from None
+            # The template already holds any BOS it wants: do not add special tokens again.
+            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[RequestOutput]:
+        """Beam search (vLLM's entry point): each output carries params.beam_width completions, best first."""
+        return self.generate(prompts, params.to_sampling_params(), use_tqdm=use_tqdm)
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         done: dict[str, RequestOutput] = {}
@@ -64,7 +90,7 @@ class LLM:
                 for out in engine.step():
                     if out.finished and out.request_id in wanted:
                         done[out.request_id] = out
-                        out_tokens += len(out.outputs[0].token_ids)
+                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
                         bar.update(1)
                         elapsed = bar.format_dict["elapsed"] or 1e-9
                         bar.set_postfix_str(f"output {out_tokens / elapsed:.1f} tok/s", refresh=False)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from minivllm.model import cpu_kernels
 
-needs_native = pytest.mark.skipif(cpu_kernels.load_paged_attention() is None, reason="no C compiler")
+needs_native = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler")
 
 
 def _dense_reference(q, k_ctx, v_ctx, pos, window):

@@ -39,8 +39,8 @@ def test_prompt_longer_than_max_model_len(llm):
 
 
 def test_prompt_of_exactly_max_model_len_gets_one_token(llm):
-    out = llm.generate([{"prompt_token_ids": [5] * 256}], SamplingParams(max_tokens=10, ignore_eos=True),
-                       use_tqdm=False)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": [5] * 256}], params, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
 
 
@@ -49,7 +49,7 @@ def test_prompt_token_out_of_vocab(llm):
         llm.generate([{"prompt_token_ids": [5, 99999]}], use_tqdm=False)
 
 
-@pytest.mark.parametrize("value", [0, -3, 2.5, None])
+@pytest.mark.parametrize("value", [0, -3, 2.5, "8"])
 def test_max_tokens_below_one(value):
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=value)
@@ -64,8 +64,8 @@ def test_request_that_can_never_fit_is_rejected_and_others_still_run(model_facto
     llm = LLM(model_factory("tiny-llama"), num_kv_blocks=8, max_model_len=256, check_invariants=True)
     # 8 blocks x 16 tokens = 128 slots; a prompt + 200 new tokens cannot fit even alone.
     with pytest.raises(ValueError, match="needs 13 KV blocks .* whole pool has 8"):
-        llm.generate(["def f(x):"], SamplingParams(max_tokens=200), use_tqdm=False)
-    out = llm.generate(["def f(x):"], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+        llm.generate(["def f(x):"], SamplingParams(temperature=0.0, max_tokens=200), use_tqdm=False)
+    out = llm.generate(["def f(x):"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 8
     assert llm.llm_engine.block_manager.num_used == 0
 

@@ -12,7 +12,7 @@ from minivllm.engine.llm_engine import LLMEngine
 
 N_REQ = 16
 MAX_TOKENS = 24
-PARAMS = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 def _engine(path: str, **kw) -> LLMEngine:

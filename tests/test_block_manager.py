@@ -14,7 +14,7 @@ BS = 4
 
 
 def _seq(rid: str, tokens: list[int]) -> Sequence:
-    return Sequence(rid, tokens, SamplingParams(), 0.0, 0)
+    return Sequence(rid, tokens, SamplingParams(), 0)
 
 
 def _compute(bm: BlockManager, seq: Sequence, n: int, computed: list[int] | None = None) -> None:

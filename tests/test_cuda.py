@@ -18,7 +18,7 @@ def test_cuda_greedy_matches_hf(model_factory, preset):
     path = model_factory(preset)
     llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=128, check_invariants=True)
     assert llm.llm_engine.runner.kv_cache.is_cuda
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     for out in outs:
         ids = torch.tensor([out.prompt_token_ids], device="cuda")

@@ -65,7 +65,7 @@ def test_greedy_32_tokens_match_hf_generate(model_factory, preset, backends):
     path = model_factory(preset)
     llm = LLM(path, check_invariants=True, num_kv_blocks=256, attention_backend=backends[0],
               linear_backend=backends[1])
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=32, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True), use_tqdm=False)
     hf = hf_model(path)
     for out in outs:
         assert len(out.outputs[0].token_ids) == 32

@@ -19,7 +19,7 @@ def test_smollm2_135m_sharded_matches_hf(model_factory):
 
     llm = LLM(path, kv_cache_memory="256MiB", check_invariants=True)
     prompts = PROMPTS[:2]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True), use_tqdm=False)
     hf = hf_model(path)
     for out in outs:
         assert out.outputs[0].token_ids == hf_greedy(hf, out.prompt_token_ids, 32)
@@ -34,7 +34,7 @@ def test_smollm2_135m_sharded_matches_hf(model_factory):
 def test_real_size_presets_match_hf(model_factory, preset, checkpoint_dtype):
     path = model_factory(preset, dtype=checkpoint_dtype)
     llm = LLM(path, dtype="float32", kv_cache_memory="256MiB", max_model_len=1024)
-    outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     del llm
     hf = hf_model(path)
     for out in outs:

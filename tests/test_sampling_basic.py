@@ -27,14 +27,14 @@ def test_seed_reproducible_solo_and_in_a_batch(llm):
 
 
 def test_stop_token_ids_and_min_tokens(llm):
-    first = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, ignore_eos=True),
+    first = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                          use_tqdm=False)[0].outputs[0].token_ids[0]
-    stopped = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, stop_token_ids=[first]),
+    stopped = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=4, stop_token_ids=[first]),
                            use_tqdm=False)[0].outputs[0]
     assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
     # Before min_tokens the stop token is masked, not produced and ignored.
-    held = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, min_tokens=3, stop_token_ids=[first]),
-                        use_tqdm=False)[0].outputs[0]
+    params = SamplingParams(temperature=0.0, max_tokens=4, min_tokens=3, stop_token_ids=[first])
+    held = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
     assert first not in held.token_ids[:3] and len(held.token_ids) >= 3
 
 
@@ -48,7 +48,7 @@ def test_invalid_values_name_the_field(field, value):
 
 
 def test_tiny_temperature_is_greedy(llm):
-    greedy = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    greedy = llm.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     tiny = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, ignore_eos=True, temperature=1e-7),
                         use_tqdm=False)
     assert [o.outputs[0].token_ids for o in greedy] == [o.outputs[0].token_ids for o in tiny]

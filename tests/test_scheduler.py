@@ -16,7 +16,7 @@ _arrival = iter(range(10**9))
 def _seq(rid: str, n: int, priority: int = 0) -> Sequence:
     """A sequence with a prompt of n tokens unique to it (no accidental prefix-cache hits)."""
     k = next(_arrival)
-    return Sequence(rid, [1000 * (k + 1) + i for i in range(n)], SamplingParams(), 0.0, k, priority)
+    return Sequence(rid, [1000 * (k + 1) + i for i in range(n)], SamplingParams(), k, priority)
 
 
 def _sched(num_blocks=64, budget=16, max_seqs=8, chunked=True, block_size=4) -> Scheduler:

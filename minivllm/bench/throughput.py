@@ -20,7 +20,7 @@ import torch
 from minivllm.bench.roofline import MachineCeilings, ModelCost, measure_ceilings
 from minivllm.config import EngineArgs, ModelConfig, cpu_count
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
@@ -41,6 +41,12 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch1-output-len", type=int, default=64, help="tokens for the batch-1 decode comparison")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None, help="write all figures to this JSON file")
+
+
+def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
+    """The benchmark's requests: exactly max_tokens tokens each, one output when finished."""
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                          output_kind=RequestOutputKind.FINAL_ONLY, **kw)
 
 
 def resolve_model(model: str | None, preset: str) -> str:
@@ -126,7 +132,7 @@ def hf_batch1(model: Any, prompt: list[int], n: int, pad_id: int) -> float:
 
 def ours_batch1(engine: LLMEngine, prompt: list[int], n: int) -> float:
     """Our decode tokens/s at batch 1, from per-step times after the first token."""
-    engine.add_request("b1", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=n, ignore_eos=True))
+    engine.add_request("b1", {"prompt_token_ids": prompt}, greedy(n))
     times = []
     while engine.has_unfinished_requests():
         t = time.perf_counter()
@@ -143,7 +149,7 @@ def profile_decode(engine: LLMEngine, prompts: list[list[int]], steps: int = 6) 
     how the step time depends on the thread count (1 vs all cores, alternated in this run)."""
     from torch.profiler import ProfilerActivity, profile
 
-    params = SamplingParams(max_tokens=10_000, ignore_eos=True)
+    params = greedy(10_000)
     for i, p in enumerate(prompts):
         engine.add_request(f"prof-{i}", {"prompt_token_ids": p}, params)
     while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_tokens - 1 for s in engine.scheduler.running):
@@ -203,8 +209,8 @@ def run_throughput(ns: argparse.Namespace) -> int:
     vocab = min(len(engine.tokenizer), mc.vocab_size)
     prompts = random_prompts(ns.num_requests, ns.input_len_min, ns.input_len_max, vocab, ns.seed)
     warm = random_prompts(4, 8, 32, vocab, ns.seed + 1)
-    params = SamplingParams(max_tokens=ns.output_len, ignore_eos=True)
-    run_engine(engine, warm, SamplingParams(max_tokens=4, ignore_eos=True))
+    params = greedy(ns.output_len)
+    run_engine(engine, warm, greedy(4))
     ours = run_engine(engine, prompts, params)
     n_out = ns.num_requests * ns.output_len
     n_prompt = sum(len(p) for p in prompts)
@@ -231,7 +237,7 @@ def run_throughput(ns: argparse.Namespace) -> int:
                                         max_num_seqs=max(256, ns.num_requests), num_threads=threads,
                                         max_num_batched_tokens=ns.max_num_batched_tokens,
                                         attention_backend="torch", linear_backend="torch"))
-        run_engine(portable, warm, SamplingParams(max_tokens=4, ignore_eos=True))
+        run_engine(portable, warm, greedy(4))
         port = run_engine(portable, prompts, params)
         result["portable"] = {"elapsed_s": port["elapsed"], "output_tok_s": n_out / port["elapsed"],
                               "identical_outputs": sum(a == b for a, b in zip(ours["outputs"], port["outputs"],

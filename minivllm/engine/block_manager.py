@@ -142,7 +142,6 @@ class BlockManager:
         for b in parent.block_table:
             self._incref(b)
         child.block_table = list(parent.block_table)
-        child.block_hashes = list(parent.block_hashes)
         if parent.request_id in self.registered:
             self.registered[child.request_id] = self.registered[parent.request_id]
 

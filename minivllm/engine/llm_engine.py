@@ -21,13 +21,15 @@ from minivllm.config import (
     parse_size,
     resolve_dtype,
 )
+from minivllm.engine.beam_search import beam_step
 from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.output_processor import OutputProcessor
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput
-from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.engine.sequence import BeamState, Sequence, SequenceGroup, SequenceStatus
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.model.runner import ModelRunner, SequenceInput
 from minivllm.model.sampler import Sampler, SamplingMetadata
-from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -86,9 +88,11 @@ class LLMEngine:
         self.sampler = Sampler(self.device, args.seed)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
-        self.seqs: dict[str, Sequence] = {}
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self.groups: dict[str, SequenceGroup] = {}
         self.timings = StepTimings()
         self._arrivals = itertools.count()
+        self._beam_ids = itertools.count()
         logger.info("engine: %s (%s, %s) on %s, KV pool %d blocks x %d tokens",
                     mc.architecture, args.model, self.dtype, self.device, cc.num_blocks, cc.block_size)
 
@@ -119,15 +123,31 @@ class LLMEngine:
                     priority: int = 0, arrival_time: float | None = None) -> None:
         """Validate and queue a request; raise ValueError naming the problem if it can never run."""
         params = sampling_params or SamplingParams()
-        if request_id in self.seqs:
+        if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
         self._validate(ids, params)
-        seq = Sequence(request_id, ids, params, arrival_time or time.time(), next(self._arrivals), priority, text)
-        if params.seed is not None and not params.greedy:
-            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        self.seqs[request_id] = seq
+        if params.max_tokens is None:
+            params = params.clone(max_tokens=max(1, self.max_model_len - len(ids)))
+        group = SequenceGroup(request_id, text, ids, params, arrival_time or time.time())
+        seq = Sequence(request_id, ids, params, next(self._arrivals), priority, group, 0)
+        group.seqs.append(seq)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]
+        if params.use_beam_search:
+            group.beam = BeamState(params.beam_width, params.length_penalty, params.early_stopping,
+                                   params.max_tokens, [seq], [0.0])
+        self._init_sequence(seq)
+        self.groups[request_id] = group
         self.scheduler.add(seq)
+
+    def _init_sequence(self, seq: Sequence) -> None:
+        p = seq.sampling_params
+        if p.seed is not None and not p.greedy:
+            # Sample i of a request draws from its own stream, so n > 1 stays reproducible.
+            seq.generator = torch.Generator(device=self.device).manual_seed(p.seed + seq.index)
+        assert seq.group is not None
+        self.output_processor.init_sequence(seq, seq.group.prompt_token_ids)
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -138,8 +158,9 @@ class LLMEngine:
                 raise ValueError(f"prompt: token ids must be integers in [0, {vocab}); position {i} holds {t!r}")
         if len(ids) > self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens exceed max_model_len {self.max_model_len}; shorten the prompt")
-        # Admission that never deadlocks: a request must fit the whole pool alone at its longest.
-        longest = min(len(ids) + params.max_tokens, self.max_model_len)
+        # Admission that never deadlocks: every sequence of a request must fit the whole pool alone at
+        # its longest (samples and beams can then always make progress one at a time).
+        longest = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
         need = self.block_manager.blocks_needed(longest)
         if need > self.block_manager.num_blocks:
             pool = (f"num_kv_blocks={self.args.num_kv_blocks}" if self.args.num_kv_blocks
@@ -148,21 +169,29 @@ class LLMEngine:
                 f"request needs {need} KV blocks for prompt + max_tokens ({longest} tokens) but the whole pool has "
                 f"{self.block_manager.num_blocks} ({pool}); lower max_tokens or give the KV cache more memory")
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request now and free its blocks (unknown or finished ids are ignored)."""
-        seq = self.seqs.pop(request_id, None)
-        if seq is not None and not seq.status.finished:
-            self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output (None if unknown or done)."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return None
+        group.aborted = True
+        live = group.beam.live if group.beam is not None else group.seqs
+        for seq in live:
+            if not seq.status.finished:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        if group.beam is not None:
+            group.beam.live = []
+        return self.output_processor.make_output(group)
 
     abort = abort_request
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting or running."""
-        return self.scheduler.num_unfinished > 0
+        return bool(self.groups)
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; return the outputs of the requests that finished in it."""
+        """Run one scheduling step; return the outputs it produced (per each request's output kind)."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
@@ -175,10 +204,15 @@ class LLMEngine:
         inputs = [self._runner_input(seq, n) for seq, n in sched.scheduled]
         logits = self.runner.execute(inputs)
         t2 = time.perf_counter()
-        sampling = [seq for (seq, _), inp in zip(sched.scheduled, inputs, strict=True) if inp.sample]
-        token_ids = self.sampler.sample(logits, self._sampling_metadata(sampling)) if sampling else []
+        touched = self._process(sched, inputs, logits)
         t3 = time.perf_counter()
-        outputs = self._update(sched, sampling, token_ids)
+        outputs = []
+        for group in touched:
+            out = self.output_processor.make_output(group)
+            if out is not None:
+                outputs.append(out)
+            if group.finished:
+                self.groups.pop(group.request_id, None)
         t4 = time.perf_counter()
         tm, forward = self.timings, self.runner.last_forward_time
         tm.steps += 1
@@ -193,49 +227,151 @@ class LLMEngine:
 
     def _runner_input(self, seq: Sequence, n: int) -> SequenceInput:
         start = seq.num_computed_tokens
-        return SequenceInput(seq.token_ids[start:start + n], start, seq.block_table,
-                             start + n == seq.num_tokens)
+        group = seq.group
+        assert group is not None
+        wants_prompt_lp = (group.prompt_logprobs is not None and seq.index == 0
+                           and len(group.prompt_logprobs) < seq.num_prompt_tokens and start < seq.num_prompt_tokens - 1)
+        return SequenceInput(seq.token_ids[start:start + n], start, seq.block_table, start + n == seq.num_tokens,
+                             wants_prompt_lp)
 
-    def _sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
-        temps, gens, banned = [], [], []
-        for seq in seqs:
-            p = seq.sampling_params
-            temps.append(0.0 if p.greedy else p.temperature)
-            gens.append(seq.generator)
-            # Before min_tokens, EOS and stop tokens are masked rather than sampled then ignored.
-            early = seq.num_output_tokens < p.min_tokens
-            banned.append([*(self.eos_token_ids if not p.ignore_eos else ()), *p.stop_token_ids] if early else [])
-        return SamplingMetadata(temps, gens, banned)
-
-    def _update(self, sched: SchedulerOutput, sampling: list[Sequence], token_ids: list[int]) -> list[RequestOutput]:
-        bm = self.block_manager
-        for seq, n in sched.scheduled:
+    def _process(self, sched: SchedulerOutput, inputs: list[SequenceInput], logits: torch.Tensor
+                 ) -> list[SequenceGroup]:
+        """Everything after the forward: prompt logprobs, sampling, beams, stops. Returns touched groups."""
+        row = 0
+        sample_rows: list[tuple[Sequence, int]] = []
+        prompt_jobs: list[tuple[Sequence, int, int, int]] = []
+        for (seq, n), inp in zip(sched.scheduled, inputs, strict=True):
+            if inp.all_logits:
+                prompt_jobs.append((seq, inp.start_pos, n, row))
+                row += n
+                if inp.sample:
+                    sample_rows.append((seq, row - 1))
+            elif inp.sample:
+                sample_rows.append((seq, row))
+                row += 1
             seq.num_computed_tokens += n
-            bm.cache_blocks(seq)
-        finished = []
-        for seq, tok in zip(sampling, token_ids, strict=True):
-            seq.token_ids.append(tok)
-            status = self._check_stop(seq, tok)
+            self.block_manager.cache_blocks(seq)
+        if prompt_jobs:
+            self._prompt_logprobs(logits, prompt_jobs)
+        touched: dict[str, SequenceGroup] = {}
+        beam_rows = [(s, r) for s, r in sample_rows if s.group is not None and s.group.beam is not None]
+        if beam_rows:
+            self._beam_rows(logits, beam_rows, touched)
+        plain = [(s, r) for s, r in sample_rows if s.group is not None and s.group.beam is None]
+        if plain:
+            self._sample(logits, plain, touched)
+        for seq, _, _, _ in prompt_jobs:
+            assert seq.group is not None
+            touched.setdefault(seq.group.request_id, seq.group)
+        return list(touched.values())
+
+    def _sample(self, logits: torch.Tensor, rows: list[tuple[Sequence, int]], touched: dict[str, SequenceGroup]
+                ) -> None:
+        # A request with n > 1 forks at its first sample: n draws from the same logits row.
+        targets: list[tuple[Sequence, int]] = []
+        for seq, r in rows:
+            group = seq.group
+            assert group is not None
+            targets.append((seq, r))
+            if group.params.n > 1 and not group.forked:
+                group.forked = True
+                for i in range(1, group.params.n):
+                    child = Sequence(f"{group.request_id}#{i}", group.prompt_token_ids, group.params, seq.arrival_index,
+                                     seq.priority, group, i)
+                    self.scheduler.fork(seq, child)
+                    self._init_sequence(child)
+                    group.seqs.append(child)
+                    targets.append((child, r))
+        md = self._sampling_metadata([s for s, _ in targets])
+        out = self.sampler.sample(logits[[r for _, r in targets]], md)
+        for (seq, _), tok, lp in zip(targets, out.token_ids, out.logprobs, strict=True):
+            status = self.output_processor.append_token(seq, tok, lp)
             if status is not None:
                 self.scheduler.finish(seq, status)
-                del self.seqs[seq.request_id]
-                finished.append(self._make_output(seq))
-        return finished
+            assert seq.group is not None
+            touched.setdefault(seq.group.request_id, seq.group)
 
-    def _check_stop(self, seq: Sequence, tok: int) -> SequenceStatus | None:
-        p = seq.sampling_params
-        n_out = seq.num_output_tokens
-        if n_out >= p.min_tokens and ((not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids):
-            return SequenceStatus.FINISHED_STOPPED
-        if n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return SequenceStatus.FINISHED_LENGTH
-        return None
+    def _sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
+        md = SamplingMetadata([], [], [], [], [], [], [], [], [], [], [], [])
+        for seq in seqs:
+            p = seq.sampling_params
+            md.temperature.append(0.0 if p.greedy else p.temperature)
+            md.top_k.append(p.top_k)
+            md.top_p.append(p.top_p)
+            md.min_p.append(p.min_p)
+            md.generators.append(seq.generator)
+            # Before min_tokens, EOS and stop tokens are masked rather than sampled then ignored.
+            early = seq.num_output_tokens < p.min_tokens
+            md.banned.append([*(self.eos_token_ids if not p.ignore_eos else ()), *p.stop_token_ids] if early else [])
+            md.presence_penalty.append(p.presence_penalty)
+            md.frequency_penalty.append(p.frequency_penalty)
+            md.repetition_penalty.append(p.repetition_penalty)
+            penalised = p.has_penalties
+            md.prompt_ids.append(seq.token_ids[:seq.num_prompt_tokens] if penalised else [])
+            md.output_ids.append(seq.output_token_ids if penalised else [])
+            md.num_logprobs.append(p.logprobs)
+        return md
 
-    def _make_output(self, seq: Sequence) -> RequestOutput:
-        ids = seq.output_token_ids
-        text = self.tokenizer.decode(ids, skip_special_tokens=seq.sampling_params.skip_special_tokens)
-        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids,
-                             [CompletionOutput(0, text, ids, seq.status.value)], True, seq.num_cached_tokens)
+    def _prompt_logprobs(self, logits: torch.Tensor, jobs: list[tuple[Sequence, int, int, int]]) -> None:
+        """Logprob of each prompt token given its prefix (logits at position j score token j + 1)."""
+        rows, targets, owners = [], [], []
+        for seq, start, n, row in jobs:
+            end = min(start + n, seq.num_prompt_tokens - 1)
+            for j in range(start, end):
+                rows.append(row + j - start)
+                targets.append(seq.token_ids[j + 1])
+                owners.append(seq)
+        if not rows:
+            return
+        num = [s.sampling_params.prompt_logprobs for s in owners]
+        tlps = self.sampler.logprobs_of(logits[rows], targets, num)
+        for seq, tlp in zip(owners, tlps, strict=True):
+            assert seq.group is not None and seq.group.prompt_logprobs is not None
+            seq.group.prompt_logprobs.append(self.output_processor.position_logprobs(tlp))
+
+    # ---- beam search -----------------------------------------------------------------------------
+    def _beam_rows(self, logits: torch.Tensor, rows: list[tuple[Sequence, int]],
+                   touched: dict[str, SequenceGroup]) -> None:
+        logprobs = torch.log_softmax(logits[[r for _, r in rows]].float(), dim=-1).cpu()
+        for (seq, _), lp in zip(rows, logprobs, strict=True):
+            group = seq.group
+            assert group is not None and group.beam is not None
+            group.beam.pending[seq.request_id] = lp
+            if all(b.request_id in group.beam.pending for b in group.beam.live):
+                self._advance_beams(group)
+                touched.setdefault(group.request_id, group)
+
+    def _advance_beams(self, group: SequenceGroup) -> None:
+        """Run one beam step for group: fork selected parents, free pruned beams at once."""
+        state = group.beam
+        assert state is not None
+        eos = self.eos_token_ids if not group.params.ignore_eos else frozenset()
+        lp = torch.stack([state.pending.pop(b.request_id) for b in state.live])
+        if len(group.prompt_token_ids) + state.num_generated + 1 >= self.max_model_len:
+            state.max_tokens = min(state.max_tokens, state.num_generated + 1)  # the context is full
+        nxt = beam_step(state, lp, eos)
+        uses: dict[int, int] = {}
+        new_live, scores = [], []
+        for parent_idx, token, score in nxt:
+            parent = state.live[parent_idx]
+            if parent_idx not in uses:
+                uses[parent_idx] = 0
+                beam = parent
+            else:
+                beam = Sequence(f"{group.request_id}#b{next(self._beam_ids)}", group.prompt_token_ids, group.params,
+                                parent.arrival_index, parent.priority, group, 0)
+                self.scheduler.fork(parent, beam)
+            uses[parent_idx] += 1
+            new_live.append((beam, token))
+            scores.append(score)
+        # Forks copied the parents' tokens above; now every beam gets its own new token.
+        for beam, token in new_live:
+            beam.token_ids.append(token)
+        for i, parent in enumerate(state.live):
+            if i not in uses:
+                self.scheduler.finish(parent, SequenceStatus.FINISHED_ABORTED)
+        state.live = [b for b, _ in new_live]
+        state.scores = scores
 
     # ---- introspection -------------------------------------------------------------------------
     def check_invariants(self) -> None:

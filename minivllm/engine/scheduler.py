@@ -67,6 +67,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n == 0:  # a beam whose next-token log-probs wait for the rest of its beam group
+                i += 1
+                continue
             while not self.bm.allocate_slots(seq, n):
                 victim = self.running.pop()  # lowest priority, newest: running is kept sorted
                 self._preempt(victim)
@@ -88,7 +91,7 @@ class Scheduler:
         cfg = self.config
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
-            computed = self.bm.get_computed_blocks(seq)
+            computed = [] if seq.skips_prefix_cache else self.bm.get_computed_blocks(seq)
             num_cached = len(computed) * self.bm.block_size
             n = seq.num_tokens - num_cached
             if n > budget and not cfg.enable_chunked_prefill:
@@ -99,8 +102,8 @@ class Scheduler:
             self.waiting.pop(0)
             self.stats.prefix_cache_queries += seq.num_tokens
             self.stats.prefix_cache_hits += num_cached
-            if seq.num_preemptions == 0:
-                seq.num_cached_tokens = num_cached
+            if seq.num_preemptions == 0 and seq.group is not None and seq.index == 0 and seq.num_output_tokens == 0:
+                seq.group.num_cached_tokens = num_cached
             seq.num_computed_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)
@@ -116,6 +119,18 @@ class Scheduler:
         seq.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.add(seq)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Add child as a copy of parent that shares its KV blocks (copy-on-write later)."""
+        child.token_ids = list(parent.token_ids)
+        child.block_hashes = list(parent.block_hashes)
+        if parent.status == SequenceStatus.RUNNING:
+            self.bm.fork(parent, child)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, child, key=lambda s: s.sort_key)
+        else:  # parent was preempted: the child recomputes from scratch too
+            self.add(child)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Retire a sequence (finished or aborted) and free its blocks."""

@@ -1,12 +1,18 @@
-"""Per-request decoding state: token ids, status, block table, computed-token count."""
+"""Per-request decoding state: a SequenceGroup (the request) holds one Sequence per sample or beam."""
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from minivllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from minivllm.engine.detokenizer import IncrementalDetokenizer
+    from minivllm.outputs import PositionLogprobs
 
 
 class SequenceStatus(enum.Enum):
@@ -29,28 +35,31 @@ class Sequence:
     """One sequence being generated. `token_ids` = prompt + output; the KV cache holds the first
     `num_computed_tokens` of them in the blocks of `block_table`."""
 
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "token_ids", "num_prompt_tokens", "sampling_params",
-                 "priority", "arrival_time", "arrival_index", "status", "num_computed_tokens", "num_cached_tokens",
-                 "block_table", "block_hashes", "num_preemptions", "generator")
+    __slots__ = ("request_id", "group", "index", "token_ids", "num_prompt_tokens", "sampling_params", "priority",
+                 "arrival_index", "status", "num_computed_tokens", "block_table", "block_hashes", "num_preemptions",
+                 "generator", "detokenizer", "logprobs", "cumulative_logprob", "stop_reason", "num_emitted_tokens")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 arrival_time: float, arrival_index: int, priority: int = 0, prompt: str | None = None) -> None:
-        self.request_id = request_id
-        self.prompt = prompt
-        self.prompt_token_ids = prompt_token_ids
+                 arrival_index: int, priority: int = 0, group: SequenceGroup | None = None, index: int = 0) -> None:
+        self.request_id = request_id  # unique per sequence: "<request id>" or "<request id>#<index>"
+        self.group = group
+        self.index = index  # completion index within the request
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
         self.priority = priority
-        self.arrival_time = arrival_time
         self.arrival_index = arrival_index
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
-        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of token_ids, grown lazily
         self.num_preemptions = 0
-        self.generator: torch.Generator | None = None  # the request's own, when it has a seed
+        self.generator: torch.Generator | None = None  # the sequence's own, when its request has a seed
+        self.detokenizer: IncrementalDetokenizer | None = None
+        self.logprobs: list[PositionLogprobs] | None = None
+        self.cumulative_logprob: float | None = None
+        self.stop_reason: str | int | None = None
+        self.num_emitted_tokens = 0  # output tokens already handed out in DELTA outputs
 
     @property
     def num_tokens(self) -> int:
@@ -72,6 +81,55 @@ class Sequence:
         """Scheduling order: lower priority value first, then earlier arrival."""
         return (self.priority, self.arrival_index)
 
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Prompt logprobs need every prompt position computed, so such a prompt never hits the cache."""
+        return (self.sampling_params.prompt_logprobs is not None and self.group is not None
+                and self.group.prompt_logprobs is not None and len(self.group.prompt_logprobs) < self.num_prompt_tokens)
+
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={self.block_table})")
+
+
+@dataclass
+class BeamState:
+    """Beam search bookkeeping of one request (HF transformers' algorithm)."""
+
+    width: int
+    length_penalty: float
+    early_stopping: bool | str
+    max_tokens: int
+    live: list[Sequence]  # running beams, best first
+    scores: list[float]  # their cumulative logprobs
+    pending: dict[str, torch.Tensor] = field(default_factory=dict)  # beam id → next-token log-probs
+    finished: list[tuple[float, list[int], float]] = field(default_factory=list)  # (score, output ids, cum logprob)
+    improvable: bool = True  # HF's early-stop heuristic has not fired yet
+    num_generated: int = 0
+
+
+@dataclass
+class SequenceGroup:
+    """One request: its prompt, parameters and sequences (n samples, or live beams)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    seqs: list[Sequence] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    beam: BeamState | None = None
+    prompt_logprobs_sent: bool = False  # DELTA outputs: prompt logprobs go out once
+    forked: bool = False  # n > 1: children created at the first sample
+    num_cached_tokens: int = 0
+    aborted: bool = False
+
+    @property
+    def finished(self) -> bool:
+        """All sequences done (beam search: the search has ended)."""
+        if self.aborted:
+            return True
+        if self.beam is not None:
+            return not self.beam.live
+        return (self.forked or self.params.n == 1) and all(s.status.finished for s in self.seqs)

@@ -164,8 +164,8 @@ def get_backend(name: str, device: torch.device, dtype: torch.dtype) -> Attentio
     backend at 64 sequences, benchmarks/micro_attention.py), else torch."""
     native_ok = device.type == "cpu" and dtype == torch.float32
     if name == "auto":
-        name = "cpu_native" if native_ok and cpu_kernels.load_paged_attention() is not None else "torch"
-    if name == "cpu_native" and not (native_ok and cpu_kernels.load_paged_attention() is not None):
+        name = "cpu_native" if native_ok and cpu_kernels.available() else "torch"
+    if name == "cpu_native" and not (native_ok and cpu_kernels.available()):
         raise ValueError(f"attention_backend: cpu_native needs float32 on a CPU with a C compiler "
                          f"(got {dtype} on {device})")
     if name not in ATTENTION_BACKENDS:

@@ -2,8 +2,8 @@
 C compiler and loaded with ctypes.
 
 The library links the same OpenMP runtime torch loaded (same soname, so the dynamic linker reuses
-torch's), so its threads are torch's threads: `torch.set_num_threads` governs both and they never
-fight each other. Without a compiler the engine falls back to the portable PyTorch backend.
+torch's), and every call passes torch's thread count, so the kernels use exactly the threads the
+engine was given. Without a compiler the engine falls back to the portable PyTorch paths.
 """
 
 from __future__ import annotations
@@ -41,37 +41,49 @@ def _cpu_signature() -> str:
     return platform.machine() + flags
 
 
+_SOURCES = ("paged_attention.c", "sampling.c")
+
+
 @functools.cache
-def load_paged_attention() -> ctypes.CDLL | None:
-    """Compile (once, cached on disk) and load the paged-attention library; None if impossible."""
+def load_library() -> ctypes.CDLL | None:
+    """Compile (once, cached on disk) and load the native kernels; None if that is impossible here."""
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
-        logger.warning("cpu_native attention: no C compiler found; using the torch backend")
+        logger.warning("native CPU kernels: no C compiler found; using the portable torch paths")
         return None
-    source = resources.files("minivllm.model").joinpath("csrc/paged_attention.c").read_text()
-    key = hashlib.sha256("\n".join([source, cc, *_FLAGS, _cpu_signature()]).encode()).hexdigest()[:16]
+    csrc = resources.files("minivllm.model").joinpath("csrc")
+    sources = {name: csrc.joinpath(name).read_text() for name in _SOURCES}
+    key = hashlib.sha256("\n".join([*sources.values(), cc, *_FLAGS, _cpu_signature()]).encode()).hexdigest()[:16]
     out_dir = _cache_dir()
-    lib_path = os.path.join(out_dir, f"paged_attention-{key}.so")
+    lib_path = os.path.join(out_dir, f"minivllm_kernels-{key}.so")
     if not os.path.isfile(lib_path):
         os.makedirs(out_dir, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-            src = os.path.join(tmp, "paged_attention.c")
-            with open(src, "w") as f:
-                f.write(source)
+            paths = []
+            for name, text in sources.items():
+                paths.append(os.path.join(tmp, name))
+                with open(paths[-1], "w") as f:
+                    f.write(text)
             tmp_lib = os.path.join(tmp, "lib.so")
-            proc = subprocess.run([cc, *_FLAGS, src, "-o", tmp_lib, "-lm"], capture_output=True, text=True)
+            proc = subprocess.run([cc, *_FLAGS, *paths, "-o", tmp_lib, "-lm"], capture_output=True, text=True)
             if proc.returncode != 0:
-                logger.warning("cpu_native attention: compile failed (%s); using the torch backend",
+                logger.warning("native CPU kernels: compile failed (%s); using the portable torch paths",
                                proc.stderr.strip()[-500:])
                 return None
             os.replace(tmp_lib, lib_path)  # atomic: concurrent builders never see a partial file
     lib = ctypes.CDLL(lib_path)
-    fn = lib.paged_attention_f32
-    i64, p = ctypes.c_int64, ctypes.c_void_p
-    c_int = ctypes.c_int
-    fn.argtypes = [p, p, i64, p, p, p, i64, p, i64, c_int, c_int, c_int, c_int, ctypes.c_float, i64, i64, p, c_int]
-    fn.restype = None
+    i64, p, c_int, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.paged_attention_f32.argtypes = [p, p, i64, p, p, p, i64, p, i64, c_int, c_int, c_int, c_int, c_float, i64,
+                                        i64, p, c_int]
+    lib.paged_attention_f32.restype = None
+    lib.sample_rows_f32.argtypes = [p, i64, i64, p, p, p, p, p, p, p, c_int]
+    lib.sample_rows_f32.restype = None
     return lib
+
+
+def available() -> bool:
+    """Whether the native kernels compiled and loaded on this machine."""
+    return load_library() is not None
 
 
 _scratch = torch.empty(0)
@@ -82,19 +94,41 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v
                     max_ctx: int) -> None:
     """Decode attention: out[t] = softmax(q[t] K^T * scale) V over the context of token t (row t of
     block_tables), read in place from the block pool. q [T, H, D] may have any row stride."""
-    global _scratch
-    lib = load_paged_attention()
+    lib = load_library()
     assert lib is not None
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == head_dim and out.is_contiguous()
     assert block_tables.dtype == torch.int64 and block_tables.stride(1) == 1 and positions.dtype == torch.int64
     threads = torch.get_num_threads()
-    need = threads * (num_heads // num_kv_heads) * ((max_ctx + 15) // 16 * 16)
-    if _scratch.numel() < need:
-        # Grow-only and reused: one engine step runs at a time per process.
-        _scratch = torch.empty(int(need * 1.25), dtype=torch.float32)
+    scratch = _scratch_for(threads * (num_heads // num_kv_heads) * ((max_ctx + 15) // 16 * 16))
     lib.paged_attention_f32(
         out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), positions.data_ptr(), num_tokens, num_heads, num_kv_heads, head_dim, block_size,
-        scale, window, max_ctx, _scratch.data_ptr(), threads)
+        scale, window, max_ctx, scratch.data_ptr(), threads)
+
+
+def _scratch_for(numel: int) -> torch.Tensor:
+    """A float32 work buffer of at least numel elements: grow-only and reused (one engine step runs
+    at a time per process), so no allocation per call."""
+    global _scratch
+    if _scratch.numel() < numel:
+        _scratch = torch.empty(int(numel * 1.25), dtype=torch.float32)
+    return _scratch
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of float32 logits [R, V] (see csrc/sampling.c for the exact semantics)."""
+    lib = load_library()
+    assert lib is not None
+    rows, vocab = logits.shape
+    assert logits.dtype == torch.float32 and logits.is_contiguous()
+    threads = torch.get_num_threads()
+    scratch = _scratch_for(threads * (2 * vocab + 2 * 16384))  # csrc/sampling.c's layout
+    out = torch.empty(rows, dtype=torch.int64)
+    args = [temperature.float().contiguous(), top_k.long().contiguous(), top_p.float().contiguous(),
+            min_p.float().contiguous(), u.double().contiguous()]
+    lib.sample_rows_f32(logits.data_ptr(), rows, vocab, *(a.data_ptr() for a in args), out.data_ptr(),
+                        scratch.data_ptr(), threads)
+    return out

@@ -32,6 +32,7 @@ class SequenceInput:
     start_pos: int  # position of token_ids[0] == tokens already in the cache
     block_table: list[int]  # covers start_pos + len(token_ids) tokens
     sample: bool  # whether the logits of the last token are wanted
+    all_logits: bool = False  # logits of every token of the chunk (prompt logprobs), not just the last
 
 
 class ModelRunner:
@@ -70,8 +71,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, seqs: list[SequenceInput]) -> torch.Tensor:
-        """Run one forward over all scheduled tokens; return float32 logits, one row per sampling sequence
-        (in the order of `seqs`)."""
+        """Run one forward over all scheduled tokens; return float32 logits in the order of `seqs`: one row
+        per token for `all_logits` inputs, else one row for a sampling input, none otherwise."""
         input_ids, positions, md, logits_indices = self._prepare(seqs)
         t0 = time.perf_counter()
         with forward_context(md):
@@ -125,11 +126,17 @@ class ModelRunner:
         for i in range(nd, n):
             md.prefills.append(self._prefill_span(int(first[i]), int(cu[i]), int(starts[i]), seqs_o[i]))
 
-        sample = np.fromiter((s.sample for s in seqs), bool, n)
-        # Rows come back in the caller's order: last token of each sampling sequence.
+        # Rows come back in the caller's order: the last token of each sampling sequence, or every token
+        # of a chunk that wants prompt logprobs.
         inv = np.empty(n, np.int64)
         inv[order] = np.arange(n)
-        logits_indices = cu[inv[sample]] - 1
+        ends = cu[inv]
+        if any(s.all_logits for s in seqs):
+            logits_indices = np.concatenate([
+                np.arange(ends[i] - len(s.token_ids), ends[i]) if s.all_logits else ends[i:i + 1] - 1
+                for i, s in enumerate(seqs) if s.sample or s.all_logits]).astype(np.int64)
+        else:
+            logits_indices = ends[np.fromiter((s.sample for s in seqs), bool, n)] - 1
         return (torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), md,
                 torch.from_numpy(logits_indices).to(dev))
 

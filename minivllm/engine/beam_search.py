@@ -1,0 +1,61 @@
+"""One beam-search step, following HF transformers' (vectorised, >= 4.50) beam search exactly.
+
+Per step: add each live beam's score to its next-token log-probs, keep the top
+K = max(2, 1 + #eos) * width continuations over all beams; those among the first `width` that end in
+EOS (or reach max_tokens) become finished hypotheses scored sum_logprobs / generated_len **
+length_penalty; the best `width` continuations that did not finish become the next live beams. The
+search ends when early stopping says no running beam can beat the finished ones (HF's heuristic and
+its early_stopping True / False / "never"), or when max_tokens is reached.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minivllm.engine.sequence import BeamState
+
+NEG = -1.0e9  # HF's "cannot be chosen" score
+
+
+def beam_step(state: BeamState, logprobs: torch.Tensor, eos_ids: frozenset[int]) -> list[tuple[int, int, float]]:
+    """Advance the search by one token. logprobs [len(state.live), vocab] are the live beams' next-token
+    log-probs. Updates state.finished / improvable / num_generated; returns the next live beams as
+    (index of the parent in state.live, token, score), best first. An empty list means the search is over."""
+    width, vocab = state.width, logprobs.shape[1]
+    # float32 sums, as HF keeps them, so the candidate order matches theirs.
+    acc = (logprobs.float() + torch.tensor(state.scores, dtype=torch.float32)[:, None]).flatten()
+    k = min(max(2, 1 + len(eos_ids)) * width, acc.numel())
+    top_scores, top_idx = acc.topk(k)
+    parents = (top_idx // vocab).tolist()
+    tokens = (top_idx % vocab).tolist()
+    scores = top_scores.tolist()
+    at_max = state.num_generated + 1 >= state.max_tokens
+    hits = [at_max or t in eos_ids for t in tokens]
+
+    # Finished hypotheses: only continuations among the first `width` count (the rest are spares).
+    full = len(state.finished) == width and state.early_stopping is True
+    if state.improvable and not full:
+        norm = (state.num_generated + 1) ** state.length_penalty
+        for j in range(min(width, k)):
+            if hits[j]:
+                ids = state.live[parents[j]].output_token_ids + [tokens[j]]
+                state.finished.append((scores[j] / norm, ids, scores[j]))
+        state.finished.sort(key=lambda h: h[0], reverse=True)
+        del state.finished[width:]
+
+    # Next live beams: the best continuations that did not just finish.
+    order = sorted(range(k), key=lambda j: scores[j] + (NEG if hits[j] else 0.0), reverse=True)[:width]
+    nxt = [(parents[j], tokens[j], scores[j] + (NEG if hits[j] else 0.0)) for j in order]
+    state.num_generated += 1
+
+    # HF's early-stop heuristic: can the best running beam still beat the worst finished hypothesis?
+    if state.early_stopping == "never" and state.length_penalty > 0.0:
+        best_len = state.max_tokens
+    else:
+        best_len = state.num_generated
+    best_possible = nxt[0][2] / best_len**state.length_penalty if nxt else NEG
+    worst_finished = min(h[0] for h in state.finished) if len(state.finished) == width else NEG
+    state.improvable = state.improvable and best_possible > worst_finished
+    over = (not state.improvable or (len(state.finished) == width and state.early_stopping is True)
+            or all(hits))
+    return [] if over else nxt

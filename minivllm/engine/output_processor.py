@@ -1,0 +1,121 @@
+"""Turns sampled tokens into sequence state (text, stops, logprobs) and sequence state into RequestOutputs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from minivllm.engine.detokenizer import IncrementalDetokenizer
+from minivllm.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from minivllm.model.sampler import TokenLogprobs
+from minivllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from minivllm.sampling_params import RequestOutputKind
+
+
+class OutputProcessor:
+    """Per-token bookkeeping after sampling, and output assembly per RequestOutputKind."""
+
+    def __init__(self, tokenizer: Any, eos_token_ids: frozenset[int], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self._token_text: dict[int, str] = {}
+
+    def init_sequence(self, seq: Sequence, prompt_ids: list[int]) -> None:
+        """Give a (new or forked) sequence its detokenizer and logprob accumulators."""
+        p = seq.sampling_params
+        if seq.group is not None and seq.group.beam is None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, p.skip_special_tokens, p.stop,
+                                                     p.include_stop_str_in_output)
+        if p.logprobs is not None:
+            seq.logprobs, seq.cumulative_logprob = [], 0.0
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token (cached: logprobs name many tokens per step)."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def position_logprobs(self, lp: TokenLogprobs) -> PositionLogprobs:
+        """token id → Logprob for one position (the chosen token first, then the top-N)."""
+        return {t: Logprob(v, r, self.token_text(t)) for t, v, r in zip(lp.token_ids, lp.logprobs, lp.ranks,
+                                                                          strict=True)}
+
+    def append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> SequenceStatus | None:
+        """Record a sampled token; return the finishing status if it ends the sequence."""
+        seq.token_ids.append(token)
+        if lp is not None and seq.logprobs is not None:
+            seq.logprobs.append(self.position_logprobs(lp))
+            seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + lp.logprobs[0]
+        p = seq.sampling_params
+        n_out = seq.num_output_tokens
+        # Before min_tokens nothing stops a sequence but its length (EOS / stop ids are masked then).
+        may_stop = n_out >= p.min_tokens
+        assert seq.detokenizer is not None
+        stop_str = seq.detokenizer.append(token, check_stop=may_stop)
+        if stop_str is not None:
+            seq.stop_reason = stop_str
+            return SequenceStatus.FINISHED_STOPPED
+        if may_stop and not p.ignore_eos and token in self.eos_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if may_stop and token in p.stop_token_ids:
+            seq.stop_reason = token
+            return SequenceStatus.FINISHED_STOPPED
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    # ---- outputs -------------------------------------------------------------------------------
+    def make_output(self, group: SequenceGroup) -> RequestOutput | None:
+        """The RequestOutput this step owes for group under its output kind (None: nothing to report)."""
+        kind = group.params.output_kind
+        finished = group.finished
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        if group.beam is not None:
+            if not finished:
+                return None
+            completions = self._beam_completions(group)
+        else:
+            completions = [c for s in sorted(group.seqs, key=lambda s: s.index)
+                           if (c := self._completion(s, kind)) is not None]
+            if not completions and not finished:
+                return None
+        prompt_lp = group.prompt_logprobs
+        if kind == RequestOutputKind.DELTA and prompt_lp is not None:
+            # Prompt logprobs go out once, with the first output after they are complete.
+            complete = len(prompt_lp) == len(group.prompt_token_ids)
+            prompt_lp = prompt_lp if complete and not group.prompt_logprobs_sent else None
+            group.prompt_logprobs_sent |= prompt_lp is not None
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, finished,
+                             prompt_lp, group.num_cached_tokens)
+
+    def _completion(self, seq: Sequence, kind: RequestOutputKind) -> CompletionOutput | None:
+        det = seq.detokenizer
+        assert det is not None
+        done = seq.status.finished
+        reason = seq.status.value if done else None
+        if kind == RequestOutputKind.DELTA:
+            start = seq.num_emitted_tokens
+            ids = seq.output_token_ids[start:]
+            if not ids and not done:
+                return None
+            if done and not ids and seq.num_emitted_tokens and det.emitted == len(det.text):
+                return None  # finished earlier and already reported
+            seq.num_emitted_tokens += len(ids)
+            lps = seq.logprobs[start:] if seq.logprobs is not None else None
+            return CompletionOutput(seq.index, det.delta(done), ids, seq.cumulative_logprob, lps, reason,
+                                    seq.stop_reason)
+        return CompletionOutput(seq.index, det.visible_text(done), seq.output_token_ids, seq.cumulative_logprob,
+                                list(seq.logprobs) if seq.logprobs is not None else None, reason, seq.stop_reason)
+
+    def _beam_completions(self, group: SequenceGroup) -> list[CompletionOutput]:
+        assert group.beam is not None
+        out = []
+        skip = group.params.skip_special_tokens
+        for i, (_, ids, cum) in enumerate(group.beam.finished):
+            reason = "stop" if ids and ids[-1] in self.eos_token_ids else "length"
+            out.append(CompletionOutput(i, self.tokenizer.decode(ids, skip_special_tokens=skip), ids, cum, None,
+                                        "abort" if group.aborted else reason))
+        return out
+
