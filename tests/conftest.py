@@ -85,3 +85,34 @@ def run_staggered(engine, prompts, params, arrival_steps, aborts=None):
         step += 1
         assert step < 10_000, "engine made no progress"
     return done
+
+
+def make_scripted_model(base: str, out: str, chain: list[int]) -> str:
+    """A copy of a tiny-llama model whose greedy continuation of chain[i] is chain[i + 1].
+
+    A real model run by the real engine, with weights chosen so it follows a script: attention and MLP
+    outputs are zeroed (the residual stream is the token embedding), chain token i embeds as the
+    one-hot vector e_i, and the head maps e_i to chain[i + 1]. Lets tests make the engine emit exactly
+    the text they need (CJK, emoji, stop strings split across tokens)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(base, out)
+    path = f"{out}/model.safetensors"
+    w = load_file(path)
+    hidden = w["model.norm.weight"].shape[0]
+    assert len(chain) - 1 <= hidden and len(set(chain[:-1])) == len(chain) - 1, "chain tokens must be distinct"
+    for name in w:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            w[name].zero_()
+    w["model.norm.weight"].fill_(1.0)
+    emb, head = w["model.embed_tokens.weight"], w["lm_head.weight"]
+    emb.mul_(0.01)
+    head.zero_()
+    for i, (tok, nxt) in enumerate(zip(chain, chain[1:], strict=False)):
+        emb[tok].zero_()
+        emb[tok, i] = 1.0
+        head[nxt, i] = 10.0
+    save_file(w, path)
+    return out

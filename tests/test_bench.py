@@ -20,3 +20,4 @@ def test_bench_throughput_smoke(model_factory, tmp_path):
     assert 0 < r["ours"]["roofline_fraction"] and r["speedup_vs_hf"] > 0
     assert set(r["step_split"]) == {"schedule", "prepare", "forward", "sample", "update"}
     assert r["decode_profile"]["batch"] == 4
+    assert r["sampled"]["output_tok_s"] > 0 and r["sampled"]["ratio_to_greedy"] > 0

@@ -16,13 +16,14 @@ def llm(model_factory):
 
 
 def test_seed_reproducible_solo_and_in_a_batch(llm):
-    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=200, seed=1234, max_tokens=16, ignore_eos=True)
     solo = llm.generate([PROMPTS[0]], seeded, use_tqdm=False)[0].outputs[0].token_ids
-    others = [SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True) for _ in range(8)]
+    others = [SamplingParams(temperature=1.0, top_p=0.9, presence_penalty=0.5, max_tokens=16, ignore_eos=True)
+              for _ in range(8)]
     batch = llm.generate(PROMPTS[1:] + [PROMPTS[0]] + PROMPTS[1:2], others[:7] + [seeded] + others[7:],
                          use_tqdm=False)
     assert batch[7].outputs[0].token_ids == solo
-    other_seed = SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True)
+    other_seed = seeded.clone(seed=99)
     assert llm.generate([PROMPTS[0]], other_seed, use_tqdm=False)[0].outputs[0].token_ids != solo
 
 

@@ -38,6 +38,7 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     p.add_argument("--no-portable", action="store_true", help="skip the run on the portable torch paths")
+    p.add_argument("--no-sampled", action="store_true", help="skip the sampled (T=0.8, top-p 0.95) run")
     p.add_argument("--batch1-output-len", type=int, default=64, help="tokens for the batch-1 decode comparison")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None, help="write all figures to this JSON file")
@@ -226,6 +227,13 @@ def run_throughput(ns: argparse.Namespace) -> int:
         "step_split": _split(ours["split"], ours["steps"]),
         "decode_at_batch": _decode_roofline(ours["decode_steps"], cost, ceil),
     }
+    if not ns.no_sampled:
+        # Issue-3 check: sampling (temperature 0.8, top-p 0.95) against greedy on the same requests.
+        sampled = run_engine(engine, prompts, greedy(ns.output_len).clone(temperature=0.8, top_p=0.95))
+        result["sampled"] = {"elapsed_s": sampled["elapsed"], "output_tok_s": n_out / sampled["elapsed"],
+                             "ratio_to_greedy": ours["elapsed"] / sampled["elapsed"],
+                             "sample_ms_per_step": 1e3 * sampled["split"]["sample"] / sampled["steps"],
+                             "greedy_sample_ms_per_step": 1e3 * ours["split"]["sample"] / ours["steps"]}
     b1_prompt = prompts[0][:32]
     result["ours"]["batch1_decode_tok_s"] = ours_batch1(engine, b1_prompt, ns.batch1_output_len)
     result["decode_profile"] = profile_decode(engine, prompts)
@@ -302,6 +310,10 @@ def report(r: dict[str, Any]) -> str:
         ratio = r["hf"]["elapsed_s"] / p["elapsed_s"] if "hf" in r else float("nan")
         lines.append(f"| Mini-vLLM, portable paths (torch attention, aten GEMMs) | {p['elapsed_s']:.1f} | "
                      f"{p['output_tok_s']:.1f} | {ratio:.2f}x |")
+    if "sampled" in r:
+        sm = r["sampled"]
+        lines.append(f"| Mini-vLLM, sampled (temperature 0.8, top-p 0.95) | {sm['elapsed_s']:.1f} | "
+                     f"{sm['output_tok_s']:.1f} | {sm['ratio_to_greedy']:.2f} of greedy |")
     if "hf" in r:
         h = r["hf"]
         lines.append(f"| HF transformers generate (batch {r['num_requests']}) | {h['elapsed_s']:.1f} | "
