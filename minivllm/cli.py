@@ -19,15 +19,17 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     llm = LLM(**vars(EngineArgs.from_cli_args(ns)))
-    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, ignore_eos=ns.ignore_eos)
+    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
+                            min_p=ns.min_p, seed=ns.seed_sampling, n=ns.n, stop=ns.stop or [],
+                            ignore_eos=ns.ignore_eos, use_beam_search=ns.beam_width > 1, beam_width=ns.beam_width)
     outs = llm.generate(ns.prompt, params, use_tqdm=len(ns.prompt) > 1)
     for out in outs:
-        c = out.outputs[0]
-        if ns.json:
-            print(json.dumps({"prompt": out.prompt, "text": c.text, "token_ids": c.token_ids,
-                              "finish_reason": c.finish_reason}))
-        else:
-            print(f"{out.prompt!r} -> {c.text!r} ({len(c.token_ids)} tokens, {c.finish_reason})")
+        for c in out.outputs:
+            if ns.json:
+                print(json.dumps({"prompt": out.prompt, "index": c.index, "text": c.text, "token_ids": c.token_ids,
+                                  "finish_reason": c.finish_reason}, ensure_ascii=False))
+            else:
+                print(f"{out.prompt!r} -> {c.text!r} ({len(c.token_ids)} tokens, {c.finish_reason})")
     return 0
 
 
@@ -57,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
     gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--seed-sampling", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--n", type=int, default=1, help="samples per prompt")
+    gen.add_argument("--stop", action="append", help="a stop string (repeat for several)")
+    gen.add_argument("--beam-width", type=int, default=1, help="> 1: beam search with this many beams")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the EOS token")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     gen.set_defaults(func=_cmd_generate)

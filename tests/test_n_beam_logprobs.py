@@ -170,3 +170,15 @@ def test_chat_applies_the_template(model_factory):
     assert len(out.outputs[0].token_ids) == 6
     two = llm.chat([messages, messages[1:]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert len(two) == 2
+
+
+def test_abort_reports_abort_and_frees_blocks(model_factory):
+    engine = LLMEngine(EngineArgs(model=model_factory("tiny-llama"), num_kv_blocks=64, check_invariants=True))
+    engine.add_request("a", PROMPTS[0], SamplingParams(n=2, temperature=1.0, max_tokens=50, ignore_eos=True,
+                                                       output_kind=RequestOutputKind.DELTA))
+    for _ in range(3):
+        engine.step()
+    out = engine.abort_request("a")
+    assert out.finished and {c.finish_reason for c in out.outputs} == {"abort"}
+    assert engine.block_manager.num_used == 0 and not engine.has_unfinished_requests()
+    assert engine.abort_request("a") is None  # unknown ids are ignored

@@ -98,11 +98,10 @@ class OutputProcessor:
         if kind == RequestOutputKind.DELTA:
             start = seq.num_emitted_tokens
             ids = seq.output_token_ids[start:]
-            if not ids and not done:
+            if not ids and (not done or seq.finish_reported):
                 return None
-            if done and not ids and seq.num_emitted_tokens and det.emitted == len(det.text):
-                return None  # finished earlier and already reported
             seq.num_emitted_tokens += len(ids)
+            seq.finish_reported = done
             lps = seq.logprobs[start:] if seq.logprobs is not None else None
             return CompletionOutput(seq.index, det.delta(done), ids, seq.cumulative_logprob, lps, reason,
                                     seq.stop_reason)
