@@ -75,7 +75,7 @@ class SamplingParams:
         _float("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _int("top_k", self.top_k, -1)
         _float("min_p", self.min_p, 0.0, 1.0)
-        _int("seed", self.seed, 0, allow_none=True)
+        _int("seed", self.seed, 0, 2**63 - 1 - 64, allow_none=True)  # sample i draws with seed + i
         _float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _float("repetition_penalty", self.repetition_penalty, 0.0, 1e6, low_open=True)
@@ -104,12 +104,18 @@ class SamplingParams:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         _int("beam_width", self.beam_width, 1, 64)
         _float("length_penalty", self.length_penalty, -1e6, 1e6)
-        if self.early_stopping not in (True, False, "never"):
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             raise ValueError(f"early_stopping must be true, false or 'never', got {self.early_stopping!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.top_k == 0:
             self.top_k = -1
-        if self.use_beam_search and self.n != 1:
-            raise ValueError("n must be 1 with use_beam_search (beam_width sets the number of beams)")
+        if self.use_beam_search:
+            # Beam search here is deterministic (HF's num_beams without sampling): temperature and the
+            # sampling filters do not apply; these options would be silently ignored, so they are refused.
+            for name, off in (("n", 1), ("stop", []), ("min_tokens", 0), ("logprobs", None)):
+                if getattr(self, name) != off:
+                    raise ValueError(f"{name} is not supported with use_beam_search (got {getattr(self, name)!r})")
 
     @property
     def greedy(self) -> bool:

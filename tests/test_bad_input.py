@@ -127,3 +127,27 @@ def test_bad_engine_args():
         EngineArgs(model="x", kv_cache_memory="lots")
     with pytest.raises(ValueError, match="block_size"):
         EngineArgs(model="x", block_size=0)
+
+
+def test_stop_token_id_beyond_vocab_is_rejected_and_nothing_breaks(llm):
+    with pytest.raises(ValueError, match=r"stop_token_ids: \[5000\] are not below the vocabulary size 1024"):
+        llm.generate(["x"], SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[5000]), use_tqdm=False)
+    assert llm.generate(["x"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"use_beam_search": True, "beam_width": 2, "stop": ["x"]}, "stop"),
+    ({"use_beam_search": True, "beam_width": 2, "logprobs": 2}, "logprobs"),
+    ({"early_stopping": 1}, "early_stopping"),
+    ({"output_kind": "delta"}, "output_kind"),
+    ({"seed": 2**64}, "seed"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"n": 0}, "n"),
+    ({"presence_penalty": 3.0}, "presence_penalty"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"stop": [""]}, "stop"),
+])
+def test_sampling_params_reject_with_the_field_named(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)

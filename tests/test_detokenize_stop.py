@@ -78,11 +78,14 @@ def test_stop_string_across_tokens_is_caught_and_never_leaks(llm, stop, include,
 def test_stop_token_id_and_special_tokens(scripted, llm):
     _, tok, chain = scripted
     k_token = next(t for t in chain[1:-1] if tok.decode([t]) == "k")
-    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[k_token]),
-                       use_tqdm=False)[0].outputs[0]
-    assert out.stop_reason == k_token and out.text == "猫😀 ok"
-    raw = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30, skip_special_tokens=False),
-                       use_tqdm=False)[0].outputs[0]
+    params = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[k_token])
+    out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    # As vLLM: the stopping token is in token_ids but adds no text unless include_stop_str_in_output.
+    assert out.stop_reason == k_token and out.token_ids[-1] == k_token and out.text == "猫😀 o"
+    kept = llm.generate([PROMPT], params.clone(include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == "猫😀 ok"
+    raw = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30, skip_special_tokens=False,
+                                                include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
     assert raw.text == SCRIPT + tok.eos_token
     capped = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0].outputs[0]
     assert capped.finish_reason == "length" and len(capped.token_ids) == 5

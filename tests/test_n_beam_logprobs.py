@@ -182,3 +182,41 @@ def test_abort_reports_abort_and_frees_blocks(model_factory):
     assert out.finished and {c.finish_reason for c in out.outputs} == {"abort"}
     assert engine.block_manager.num_used == 0 and not engine.has_unfinished_requests()
     assert engine.abort_request("a") is None  # unknown ids are ignored
+
+
+def test_prompt_logprobs_survive_preemption(model_factory):
+    path = model_factory("tiny-qwen2")
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, prompt_logprobs=1)
+    prompts = [PROMPTS[1], PROMPTS[3], PROMPTS[5], PROMPTS[2]]
+    ref = LLM(path, num_kv_blocks=64).generate(prompts, params, use_tqdm=False)
+    tight = LLM(path, num_kv_blocks=9, max_num_batched_tokens=12, check_invariants=True)
+    got = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.llm_engine.scheduler.stats.num_preemptions > 0
+    for a, b in zip(ref, got, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert len(b.prompt_logprobs) == len(b.prompt_token_ids)
+        for ea, eb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True):
+            assert ea.keys() == eb.keys()
+            assert all(ea[t].logprob == pytest.approx(eb[t].logprob, abs=1e-4) for t in ea)
+
+
+def test_beam_search_survives_a_tiny_pool(beam_model):
+    params = BeamSearchParams(beam_width=4, max_tokens=20)
+    ref = LLM(beam_model, num_kv_blocks=256).beam_search(PROMPTS[:3], params)
+    tight = LLM(beam_model, num_kv_blocks=8, max_num_batched_tokens=16, check_invariants=True)
+    got = tight.beam_search(PROMPTS[:3], params)
+    assert tight.llm_engine.scheduler.stats.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    assert tight.llm_engine.block_manager.num_used == 0
+
+
+def test_request_ids_that_look_like_sample_ids_do_not_collide(model_factory):
+    engine = LLMEngine(EngineArgs(model=model_factory("tiny-llama"), num_kv_blocks=64, check_invariants=True))
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=5, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    engine.add_request("a", PROMPTS[0], params)
+    engine.add_request("a#1", PROMPTS[0], params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step()})
+    assert set(done) == {"a", "a#1"} and all(len(o.outputs) == 2 for o in done.values())

@@ -168,3 +168,20 @@ def test_logprobs_ranks_and_top_n():
     assert lp.token_ids[0] == out.token_ids[0] == int(ref.argmax()) and lp.ranks[0] == 1
     torch.testing.assert_close(torch.tensor(lp.logprobs[1:]), ref.topk(3).values)
     assert lp.token_ids[1:] == ref.topk(3).indices.tolist() and lp.ranks[1:] == [1, 2, 3]
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler")
+def test_native_kernel_edge_cases():
+    logits = torch.randn(2, 32000)
+    logits[0, -5:] = float("-inf")  # banned: even a draw at the very end of [0, 1) must not land there
+    ones = torch.ones(2)
+    u = torch.tensor([1 - 2**-53, 0.5], dtype=torch.float64)
+    out = cpu_kernels.sample_rows(logits, ones, torch.full((2,), -1), torch.tensor([1.0, 1e-30]), torch.zeros(2), u)
+    assert out[0] < 32000 - 5
+    assert out[1] == logits[1].argmax()  # a vanishing top_p keeps only the most likely token
+
+
+def test_loading_the_kernels_keeps_denormals():
+    # -ffast-math at link time would add crtfastmath.o and flush denormals to zero process-wide.
+    cpu_kernels.available()
+    assert (torch.tensor(1e-39, dtype=torch.float32) * 1).item() > 0

@@ -32,7 +32,7 @@ class BlockManager:
         self.free_ids: deque[int] = deque(range(num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recently freed first
         self.hash_to_block: dict[bytes, int] = {}
-        self.registered: dict[str, int] = {}  # request id → leading full blocks already hashed/registered
+        self.registered: dict[int, int] = {}  # seq_id → leading full blocks already hashed/registered
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies owed before the next forward
         self.num_used = 0
 
@@ -115,7 +115,7 @@ class BlockManager:
             self._incref(b)
             seq.block_table.append(b)
         if computed:
-            self.registered[seq.request_id] = len(computed)
+            self.registered[seq.seq_id] = len(computed)
         if cow:
             i = num_computed // bs
             old, fresh = seq.block_table[i], self._pop_free()
@@ -134,7 +134,7 @@ class BlockManager:
         for b in reversed(seq.block_table):
             self._decref(b)
         seq.block_table = []
-        self.registered.pop(seq.request_id, None)
+        self.registered.pop(seq.seq_id, None)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Share all of parent's blocks with child (ref counts); writes diverge by copy-on-write."""
@@ -142,15 +142,15 @@ class BlockManager:
         for b in parent.block_table:
             self._incref(b)
         child.block_table = list(parent.block_table)
-        if parent.request_id in self.registered:
-            self.registered[child.request_id] = self.registered[parent.request_id]
+        if parent.seq_id in self.registered:
+            self.registered[child.seq_id] = self.registered[parent.seq_id]
 
     def cache_blocks(self, seq: Sequence) -> None:
         """Register the hashes of blocks that became full (and computed) so later requests can hit them."""
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
-        start = self.registered.get(seq.request_id, 0)
+        start = self.registered.get(seq.seq_id, 0)
         if num_full <= start:
             return
         hashes = self._ensure_hashes(seq, num_full)
@@ -160,7 +160,7 @@ class BlockManager:
             if h not in self.hash_to_block and self.block_hash[b] is None:
                 self.hash_to_block[h] = b
                 self.block_hash[b] = h
-        self.registered[seq.request_id] = num_full
+        self.registered[seq.seq_id] = num_full
 
     def take_copies(self) -> list[tuple[int, int]]:
         """Hand the owed copy-on-write copies to the runner."""

@@ -74,7 +74,7 @@ class IncrementalDetokenizer:
 
     def delta(self, finished: bool) -> str:
         """Text not handed out yet, minus a tail that may still become a stop string (unless finished)."""
-        end = len(self.text) if finished or not self.stop else len(self.text) - self.holdback()
+        end = len(self.visible_text(finished))
         if end <= self.emitted:
             return ""
         out = self.text[self.emitted:end]

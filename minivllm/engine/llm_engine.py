@@ -92,7 +92,6 @@ class LLMEngine:
         self.groups: dict[str, SequenceGroup] = {}
         self.timings = StepTimings()
         self._arrivals = itertools.count()
-        self._beam_ids = itertools.count()
         self._sample_time = 0.0  # sampler seconds within the current step
         logger.info("engine: %s (%s, %s) on %s, KV pool %d blocks x %d tokens",
                     mc.architecture, args.model, self.dtype, self.device, cc.num_blocks, cc.block_size)
@@ -159,6 +158,9 @@ class LLMEngine:
                 raise ValueError(f"prompt: token ids must be integers in [0, {vocab}); position {i} holds {t!r}")
         if len(ids) > self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens exceed max_model_len {self.max_model_len}; shorten the prompt")
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids: {bad_stop} are not below the vocabulary size {vocab}")
         # Admission that never deadlocks: every sequence of a request must fit the whole pool alone at
         # its longest (samples and beams can then always make progress one at a time).
         longest = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
@@ -278,7 +280,7 @@ class LLMEngine:
             if group.params.n > 1 and not group.forked:
                 group.forked = True
                 for i in range(1, group.params.n):
-                    child = Sequence(f"{group.request_id}#{i}", group.prompt_token_ids, group.params, seq.arrival_index,
+                    child = Sequence(group.request_id, group.prompt_token_ids, group.params, seq.arrival_index,
                                      seq.priority, group, i)
                     self.scheduler.fork(seq, child)
                     self._init_sequence(child)
@@ -322,8 +324,10 @@ class LLMEngine:
         """Logprob of each prompt token given its prefix (logits at position j score token j + 1)."""
         rows, targets, owners = [], [], []
         for seq, start, n, row in jobs:
+            assert seq.group is not None and seq.group.prompt_logprobs is not None
             end = min(start + n, seq.num_prompt_tokens - 1)
-            for j in range(start, end):
+            # After a preemption the prompt is recomputed from 0: positions already scored are skipped.
+            for j in range(max(start, len(seq.group.prompt_logprobs) - 1), end):
                 rows.append(row + j - start)
                 targets.append(seq.token_ids[j + 1])
                 owners.append(seq)
@@ -342,8 +346,8 @@ class LLMEngine:
         for (seq, _), lp in zip(rows, logprobs, strict=True):
             group = seq.group
             assert group is not None and group.beam is not None
-            group.beam.pending[seq.request_id] = lp
-            if all(b.request_id in group.beam.pending for b in group.beam.live):
+            group.beam.pending[seq.seq_id] = lp
+            if all(b.seq_id in group.beam.pending for b in group.beam.live):
                 self._advance_beams(group)
                 touched.setdefault(group.request_id, group)
 
@@ -352,7 +356,7 @@ class LLMEngine:
         state = group.beam
         assert state is not None
         eos = self.eos_token_ids if not group.params.ignore_eos else frozenset()
-        lp = torch.stack([state.pending.pop(b.request_id) for b in state.live])
+        lp = torch.stack([state.pending.pop(b.seq_id) for b in state.live])
         if len(group.prompt_token_ids) + state.num_generated + 1 >= self.max_model_len:
             state.max_tokens = min(state.max_tokens, state.num_generated + 1)  # the context is full
         nxt = beam_step(state, lp, eos)
@@ -364,8 +368,8 @@ class LLMEngine:
                 uses[parent_idx] = 0
                 beam = parent
             else:
-                beam = Sequence(f"{group.request_id}#b{next(self._beam_ids)}", group.prompt_token_ids, group.params,
-                                parent.arrival_index, parent.priority, group, 0)
+                beam = Sequence(group.request_id, group.prompt_token_ids, group.params, parent.arrival_index,
+                                parent.priority, group, 0)
                 self.scheduler.fork(parent, beam)
             uses[parent_idx] += 1
             new_live.append((beam, token))

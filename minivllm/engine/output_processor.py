@@ -51,19 +51,23 @@ class OutputProcessor:
         n_out = seq.num_output_tokens
         # Before min_tokens nothing stops a sequence but its length (EOS / stop ids are masked then).
         may_stop = n_out >= p.min_tokens
-        assert seq.detokenizer is not None
-        stop_str = seq.detokenizer.append(token, check_stop=may_stop)
-        if stop_str is not None:
-            seq.stop_reason = stop_str
-            return SequenceStatus.FINISHED_STOPPED
+        status = None
         if may_stop and not p.ignore_eos and token in self.eos_token_ids:
-            return SequenceStatus.FINISHED_STOPPED
-        if may_stop and token in p.stop_token_ids:
-            seq.stop_reason = token
-            return SequenceStatus.FINISHED_STOPPED
-        if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
-            return SequenceStatus.FINISHED_LENGTH
-        return None
+            status = SequenceStatus.FINISHED_STOPPED
+        elif may_stop and token in p.stop_token_ids:
+            seq.stop_reason, status = token, SequenceStatus.FINISHED_STOPPED
+        det = seq.detokenizer
+        assert det is not None
+        # As vLLM: the token that stops a sequence adds no text unless include_stop_str_in_output.
+        if status is None or p.include_stop_str_in_output:
+            stop_str = det.append(token, check_stop=may_stop)
+            if stop_str is not None:
+                seq.stop_reason = stop_str
+                return SequenceStatus.FINISHED_STOPPED
+        if status is None and ((p.max_tokens is not None and n_out >= p.max_tokens)
+                               or seq.num_tokens >= self.max_model_len):
+            status = SequenceStatus.FINISHED_LENGTH
+        return status
 
     # ---- outputs -------------------------------------------------------------------------------
     def make_output(self, group: SequenceGroup) -> RequestOutput | None:
@@ -97,7 +101,7 @@ class OutputProcessor:
         reason = seq.status.value if done else None
         if kind == RequestOutputKind.DELTA:
             start = seq.num_emitted_tokens
-            ids = seq.output_token_ids[start:]
+            ids = seq.token_ids[seq.num_prompt_tokens + start:]
             if not ids and (not done or seq.finish_reported):
                 return None
             seq.num_emitted_tokens += len(ids)

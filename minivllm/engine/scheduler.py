@@ -83,9 +83,22 @@ class Scheduler:
         # vLLM v1's rule: no admissions in a step that had to preempt (the pool is under pressure).
         if not out.preempted:
             budget = self._admit(out, budget)
+        # Beams waiting for their siblings hold blocks but compute nothing, so they are never preempted
+        # above. If they starve a waiting sibling (nothing at all could run), they make room: their
+        # next-token log-probs are kept by their beam group, only their KV is recomputed later.
+        while not out.scheduled and self.waiting and any(self._idle(s) for s in self.running):
+            victim = next(s for s in reversed(self.running) if self._idle(s))
+            self.running.remove(victim)
+            self._preempt(victim)
+            out.preempted.append(victim)
+            budget = self._admit(out, budget)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         out.block_copies = self.bm.take_copies()
         return out
+
+    @staticmethod
+    def _idle(seq: Sequence) -> bool:
+        return seq.num_computed_tokens == seq.num_tokens
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         cfg = self.config
@@ -121,7 +134,9 @@ class Scheduler:
         self.add(seq)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Add child as a copy of parent that shares its KV blocks (copy-on-write later)."""
+        """Add child as a copy of parent that shares its KV blocks (copy-on-write later). Forks join the
+        running set even past max_num_seqs: a request's samples / beams (at most n or beam_width) stay
+        together rather than waiting behind other requests."""
         child.token_ids = list(parent.token_ids)
         child.block_hashes = list(parent.block_hashes)
         if parent.status == SequenceStatus.RUNNING:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -13,6 +14,9 @@ from minivllm.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from minivllm.engine.detokenizer import IncrementalDetokenizer
     from minivllm.outputs import PositionLogprobs
+
+
+_seq_ids = itertools.count()
 
 
 class SequenceStatus(enum.Enum):
@@ -35,14 +39,15 @@ class Sequence:
     """One sequence being generated. `token_ids` = prompt + output; the KV cache holds the first
     `num_computed_tokens` of them in the blocks of `block_table`."""
 
-    __slots__ = ("request_id", "group", "index", "token_ids", "num_prompt_tokens", "sampling_params", "priority",
-                 "arrival_index", "status", "num_computed_tokens", "block_table", "block_hashes", "num_preemptions",
-                 "generator", "detokenizer", "logprobs", "cumulative_logprob", "stop_reason", "num_emitted_tokens",
-                 "finish_reported")
+    __slots__ = ("seq_id", "request_id", "group", "index", "token_ids", "num_prompt_tokens", "sampling_params",
+                 "priority", "arrival_index", "status", "num_computed_tokens", "block_table", "block_hashes",
+                 "num_preemptions", "generator", "detokenizer", "logprobs", "cumulative_logprob", "stop_reason",
+                 "num_emitted_tokens", "finish_reported")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  arrival_index: int, priority: int = 0, group: SequenceGroup | None = None, index: int = 0) -> None:
-        self.request_id = request_id  # unique per sequence: "<request id>" or "<request id>#<index>"
+        self.seq_id = next(_seq_ids)  # unique per sequence (samples and beams share their request's id)
+        self.request_id = request_id
         self.group = group
         self.index = index  # completion index within the request
         self.token_ids = list(prompt_token_ids)
@@ -86,8 +91,8 @@ class Sequence:
     @property
     def skips_prefix_cache(self) -> bool:
         """Prompt logprobs need every prompt position computed, so such a prompt never hits the cache."""
-        return (self.sampling_params.prompt_logprobs is not None and self.group is not None
-                and self.group.prompt_logprobs is not None and len(self.group.prompt_logprobs) < self.num_prompt_tokens)
+        return (self.group is not None and self.group.prompt_logprobs is not None
+                and len(self.group.prompt_logprobs) < self.num_prompt_tokens)
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
@@ -104,7 +109,7 @@ class BeamState:
     max_tokens: int
     live: list[Sequence]  # running beams, best first
     scores: list[float]  # their cumulative logprobs
-    pending: dict[str, torch.Tensor] = field(default_factory=dict)  # beam id → next-token log-probs
+    pending: dict[int, torch.Tensor] = field(default_factory=dict)  # beam seq_id → next-token log-probs
     finished: list[tuple[float, list[int], float]] = field(default_factory=list)  # (score, output ids, cum logprob)
     improvable: bool = True  # HF's early-stop heuristic has not fired yet
     num_generated: int = 0

@@ -17,13 +17,17 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from importlib import resources
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+_COMPILE = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11", "-c"]
+# Linked without -ffast-math: with it GCC adds crtfastmath.o, whose constructor turns on flush-to-zero
+# for the whole process (torch's denormals included) the moment the library is loaded.
+_LINK = ["-shared", "-fopenmp"]
 
 
 def _cache_dir() -> str:
@@ -53,22 +57,23 @@ def load_library() -> ctypes.CDLL | None:
         return None
     csrc = resources.files("minivllm.model").joinpath("csrc")
     sources = {name: csrc.joinpath(name).read_text() for name in _SOURCES}
-    key = hashlib.sha256("\n".join([*sources.values(), cc, *_FLAGS, _cpu_signature()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\n".join([*sources.values(), cc, *_COMPILE, *_LINK, _cpu_signature()]).encode()
+                         ).hexdigest()[:16]
     out_dir = _cache_dir()
     lib_path = os.path.join(out_dir, f"minivllm_kernels-{key}.so")
     if not os.path.isfile(lib_path):
         os.makedirs(out_dir, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-            paths = []
+            objects = []
             for name, text in sources.items():
-                paths.append(os.path.join(tmp, name))
-                with open(paths[-1], "w") as f:
+                src = os.path.join(tmp, name)
+                with open(src, "w") as f:
                     f.write(text)
+                objects.append(src[:-2] + ".o")
+                if not _run(cc, [*_COMPILE, src, "-o", objects[-1]]):
+                    return None
             tmp_lib = os.path.join(tmp, "lib.so")
-            proc = subprocess.run([cc, *_FLAGS, *paths, "-o", tmp_lib, "-lm"], capture_output=True, text=True)
-            if proc.returncode != 0:
-                logger.warning("native CPU kernels: compile failed (%s); using the portable torch paths",
-                               proc.stderr.strip()[-500:])
+            if not _run(cc, [*_LINK, *objects, "-o", tmp_lib, "-lm"]):
                 return None
             os.replace(tmp_lib, lib_path)  # atomic: concurrent builders never see a partial file
     lib = ctypes.CDLL(lib_path)
@@ -81,12 +86,20 @@ def load_library() -> ctypes.CDLL | None:
     return lib
 
 
+def _run(cc: str, args: list[str]) -> bool:
+    proc = subprocess.run([cc, *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        logger.warning("native CPU kernels: build failed (%s); using the portable torch paths",
+                       proc.stderr.strip()[-500:])
+    return proc.returncode == 0
+
+
 def available() -> bool:
     """Whether the native kernels compiled and loaded on this machine."""
     return load_library() is not None
 
 
-_scratch = torch.empty(0)
+_local = threading.local()  # per-thread scratch: ctypes drops the GIL, so engines in threads must not share
 
 
 def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -109,12 +122,12 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v
 
 
 def _scratch_for(numel: int) -> torch.Tensor:
-    """A float32 work buffer of at least numel elements: grow-only and reused (one engine step runs
-    at a time per process), so no allocation per call."""
-    global _scratch
-    if _scratch.numel() < numel:
-        _scratch = torch.empty(int(numel * 1.25), dtype=torch.float32)
-    return _scratch
+    """A float32 work buffer of at least numel elements for the calling thread: grow-only and reused,
+    so no allocation per call."""
+    buf = getattr(_local, "scratch", None)
+    if buf is None or buf.numel() < numel:
+        buf = _local.scratch = torch.empty(int(numel * 1.25), dtype=torch.float32)
+    return buf
 
 
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

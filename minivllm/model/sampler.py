@@ -71,7 +71,9 @@ class Sampler:
         temps = md.temperature
         tokens = x.argmax(dim=-1) if not all(temps) else torch.empty(len(temps), dtype=torch.long, device=x.device)
         rows = [i for i, t in enumerate(temps) if t]
-        if rows:
+        if len(rows) == len(temps):
+            tokens = self._sample_random(x, md, rows).to(x.device)  # all rows random: no row copy
+        elif rows:
             tokens[rows] = self._sample_random(x[rows], md, rows).to(tokens.device)
         token_ids = tokens.tolist()
         rows_lp = [i for i, n in enumerate(md.num_logprobs) if n is not None]
@@ -137,7 +139,7 @@ class Sampler:
         lp = torch.log_softmax(logits.float(), dim=-1)
         chosen = torch.tensor(token_ids, device=lp.device)
         chosen_lp = lp.gather(1, chosen[:, None])
-        ranks = ((lp > chosen_lp).sum(-1) + 1).tolist()
+        ranks = (lp >= chosen_lp).sum(-1).tolist()  # ties take the worse rank, as vLLM counts
         k = max(num)
         top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], chosen[:, None][:, :0])
         chosen_vals, top_lp, top_ids = chosen_lp[:, 0].tolist(), top_lp.tolist(), top_ids.tolist()

@@ -14,6 +14,7 @@
  *   draw     : u in [0, 1) per row; the first kept token (in id order) whose running mass
  *              exceeds u * (kept mass)
  */
+#include <float.h>
 #include <math.h>
 #include <omp.h>
 #include <stddef.h>
@@ -123,7 +124,8 @@ static float mass_threshold_hist(const float *p, int64_t vocab, float thr, doubl
     double below = 0.0;
     for (; b < NBUCKETS - 1 && below + hist[b] <= r; b++) below += hist[b];
     const int64_t n = collect(p, vocab, thr, (uint32_t)b, work);
-    return n ? mass_threshold(work, n, r - below) : thr;
+    /* No bucket crossed r (top_p so small that rounding ate the whole margin): keep the top token(s). */
+    return n ? mass_threshold(work, n, r - below) : 1.0f;
 }
 
 /* Mass and count of the entries >= thr (vectorised: these sums are most of the per-row work). */
@@ -163,7 +165,8 @@ void sample_rows_f32(const float *logits, int64_t rows, int64_t vocab, const flo
             p[i] = d > -87.f ? e : 0.f;
         }
 
-        float thr = min_p[r] > 0.f ? min_p[r] : 0.f; /* max p is exactly 1 */
+        /* Banned tokens have p == 0 exactly: the smallest positive float keeps them out of every set. */
+        float thr = min_p[r] > FLT_MIN ? min_p[r] : FLT_MIN; /* max p is exactly 1 */
         int64_t n;
         double kept = kept_mass(p, vocab, thr, &n);
         if (top_k[r] > 0 && top_k[r] < n) {
