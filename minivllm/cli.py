@@ -33,6 +33,21 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(ns: argparse.Namespace) -> int:
+    import dataclasses
+
+    from minivllm.entrypoints.api_server import run_server
+    from minivllm.entrypoints.serving import ServerArgs
+
+    if ns.model is None:
+        print("minivllm serve: give a MODEL_DIR (the embedded default model is not shipped yet)", file=sys.stderr)
+        return 2
+    server_args = ServerArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs)})
+    logging.getLogger().setLevel(server_args.log_level.upper())
+    run_server(EngineArgs.from_cli_args(ns), server_args)
+    return 0
+
+
 def _cmd_make_model(ns: argparse.Namespace) -> int:
     from minivllm.modelgen.make_model import make_model
 
@@ -69,6 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the EOS token")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     gen.set_defaults(func=_cmd_generate)
+
+    from minivllm.config import add_dataclass_args
+    from minivllm.entrypoints.serving import ServerArgs
+
+    srv = sub.add_parser("serve", help="serve a model over HTTP (seed endpoints, OpenAI API, SSE, WebSocket)")
+    EngineArgs.add_cli_args(srv, positional_model=True)
+    add_dataclass_args(ServerArgs, srv)
+    srv.set_defaults(func=_cmd_serve)
 
     mk = sub.add_parser("make-model", help="write a test model (random weights, real architecture config)")
     mk.add_argument("--preset", required=True, choices=sorted(PRESETS), help="architecture preset")

@@ -83,6 +83,10 @@ class EngineArgs:
     seed: int = _arg(0, "seed of the engine's random generator")
     device: str | None = _arg(None, "cpu | cuda (default: cuda when present)")
     check_invariants: bool = _arg(False, "check block-manager invariants after every step (tests, debugging)")
+    batch_wait_ms: float = _arg(
+        0.0, "serving: when the engine is idle, coalesce arrivals for up to this many ms before the first prefill "
+        "step (0: continuous batching already merges arrivals)")
+    max_waiting: int = _arg(512, "serving: most requests queued before new ones get 429 with Retry-After")
 
     def __post_init__(self) -> None:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -92,28 +96,40 @@ class EngineArgs:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.batch_wait_ms < 0:
+            raise ValueError(f"batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
+        if self.max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
         if parse_size(self.kv_cache_memory) <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
         """Add one --flag per field, with the field's default and help."""
-        for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            if f.name == "model" and positional_model:
-                parser.add_argument("model", nargs="?", default=None, help=f.metadata["help"])
-                continue
-            if f.type in ("bool", bool):
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
-                                    help=f.metadata["help"])
-            else:
-                typ = int if f.type in ("int", "int | None") else str
-                parser.add_argument(flag, type=typ, default=f.default, help=f.metadata["help"])
+        add_dataclass_args(cls, parser, positional="model" if positional_model else None)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         """Build from parsed CLI arguments."""
         return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+
+
+_CLI_TYPES = {"int": int, "int | None": int, "float": float, "float | None": float}
+
+
+def add_dataclass_args(cls: type, parser: argparse.ArgumentParser, positional: str | None = None) -> None:
+    """One --flag per field of an args dataclass (help in the field's metadata); `positional` names an
+    optional positional field instead."""
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == positional:
+            parser.add_argument(f.name, nargs="?", default=f.default, help=f.metadata["help"])
+        elif f.type in ("bool", bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=f.metadata["help"])
+        else:
+            parser.add_argument(flag, type=_CLI_TYPES.get(str(f.type), str), default=f.default,
+                                help=f.metadata["help"])
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from minivllm.config import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine, Prompt
+from minivllm.engine.tokenizer import chat_prompt
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -63,15 +64,7 @@ class LLM:
         through the tokenizer's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
-        prompts = []
-        for conv in conversations:
-            try:
-                text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                               chat_template=chat_template)
-            except ValueError as e:  # e.g. the tokenizer has no chat template
-                raise ValueError(f"chat: cannot apply the chat template: {e}") from None
-            # The template already holds any BOS it wants: do not add special tokens again.
-            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        prompts = [chat_prompt(tok, conv, add_generation_prompt, chat_template) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,

@@ -116,3 +116,21 @@ def make_scripted_model(base: str, out: str, chain: list[int]) -> str:
         head[nxt, i] = 10.0
     save_file(w, path)
     return out
+
+
+@pytest.fixture(scope="session")
+def serve():
+    """serve(model_dir, *flags) → base URL of a real `minivllm serve` subprocess, one per argument set."""
+    from server_utils import ServerProcess
+
+    servers: dict[tuple, ServerProcess] = {}
+
+    def start(model: str, *args: str) -> str:
+        key = (model, *args)
+        if key not in servers:
+            servers[key] = ServerProcess(model, "--num-threads", "1", *args)
+        return servers[key].url
+
+    yield start
+    for s in servers.values():
+        s.stop()

@@ -26,6 +26,7 @@ from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import BeamState, Sequence, SequenceGroup, SequenceStatus
+from minivllm.engine.stats import FinishedRequestStats, IterationStats, SchedulerSnapshot
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.model.runner import ModelRunner, SequenceInput
 from minivllm.model.sampler import Sampler, SamplingMetadata
@@ -35,6 +36,18 @@ from minivllm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int] | dict[str, Any]
+
+
+@dataclass
+class EngineRequest:
+    """A tokenized, validated request, ready to be queued (built off the engine thread)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    priority: int = 0
 
 
 @dataclass
@@ -57,7 +70,7 @@ class StepTimings:
 class LLMEngine:
     """The synchronous engine core: one `step()` = schedule, one forward, sample, update."""
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, log_stats: bool = False) -> None:
         if args.model is None:
             raise ValueError("model: no model directory given")
         self.args = args
@@ -93,13 +106,18 @@ class LLMEngine:
         self.timings = StepTimings()
         self._arrivals = itertools.count()
         self._sample_time = 0.0  # sampler seconds within the current step
+        self.log_stats = log_stats  # gather IterationStats (the server's metrics); off for offline use
+        self.stats = IterationStats()  # since the last take_stats()
+        self._stats_base = (0, 0, 0)  # scheduler counters at the last take_stats()
+        self._produced: set[str] = set()  # request ids that got a new token in the current step
+        self.last_scheduled_request_ids: list[str] = []  # the requests of the step in progress (error handling)
         logger.info("engine: %s (%s, %s) on %s, KV pool %d blocks x %d tokens",
                     mc.architecture, args.model, self.dtype, self.device, cc.num_blocks, cc.block_size)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+    def from_engine_args(cls, args: EngineArgs, log_stats: bool = False) -> LLMEngine:
         """Build an engine from EngineArgs."""
-        return cls(args)
+        return cls(args, log_stats)
 
     # ---- requests ----------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -122,15 +140,27 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> None:
         """Validate and queue a request; raise ValueError naming the problem if it can never run."""
-        params = sampling_params or SamplingParams()
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        self.add_engine_request(self.process_request(request_id, prompt, sampling_params, priority, arrival_time))
+
+    def process_request(self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                        priority: int = 0, arrival_time: float | None = None) -> EngineRequest:
+        """Tokenize and validate without touching engine state (safe off the engine thread)."""
+        params = sampling_params or SamplingParams()
         text, ids = self.tokenize(prompt)
         self._validate(ids, params)
         if params.max_tokens is None:
             params = params.clone(max_tokens=max(1, self.max_model_len - len(ids)))
-        group = SequenceGroup(request_id, text, ids, params, arrival_time or time.time())
-        seq = Sequence(request_id, ids, params, next(self._arrivals), priority, group, 0)
+        return EngineRequest(request_id, text, ids, params, arrival_time or time.time(), priority)
+
+    def add_engine_request(self, req: EngineRequest) -> None:
+        """Queue a request that process_request() built."""
+        if req.request_id in self.groups:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        request_id, ids, params = req.request_id, req.prompt_token_ids, req.params
+        group = SequenceGroup(request_id, req.prompt, ids, params, req.arrival_time)
+        seq = Sequence(request_id, ids, params, next(self._arrivals), req.priority, group, 0)
         group.seqs.append(seq)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
@@ -184,6 +214,8 @@ class LLMEngine:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
         if group.beam is not None:
             group.beam.live = []
+        if self.log_stats:
+            self._record_finished(group, time.time())
         return self.output_processor.make_output(group)
 
     abort = abort_request
@@ -200,6 +232,9 @@ class LLMEngine:
         if sched.is_empty:
             return []
         t1 = time.perf_counter()
+        self.last_scheduled_request_ids = [seq.request_id for seq, _ in sched.scheduled]
+        if self.log_stats:
+            self._step_stats_before(sched)
         if self.args.check_invariants:
             for seq, n in sched.scheduled:
                 self.block_manager.check_writable(seq, n)
@@ -210,13 +245,20 @@ class LLMEngine:
         self._sample_time = 0.0
         touched = self._process(sched, inputs, logits)
         t3 = time.perf_counter()
+        now = time.time()
         outputs = []
         for group in touched:
+            if self.log_stats:
+                self._record_token_times(group, now)
             out = self.output_processor.make_output(group)
             if out is not None:
                 outputs.append(out)
             if group.finished:
                 self.groups.pop(group.request_id, None)
+                if self.log_stats:
+                    self._record_finished(group, now)
+        self._produced.clear()
+        self.last_scheduled_request_ids = []
         t4 = time.perf_counter()
         tm, forward = self.timings, self.runner.last_forward_time
         tm.steps += 1
@@ -292,7 +334,9 @@ class LLMEngine:
         # Usually every logits row is sampled once, in order: no [rows, vocab] copy then.
         out = self.sampler.sample(logits if idx == list(range(logits.shape[0])) else logits[idx], md)
         self._sample_time += time.perf_counter() - t0
+        self.stats.num_generation_tokens += len(targets)
         for (seq, _), tok, lp in zip(targets, out.token_ids, out.logprobs, strict=True):
+            self._produced.add(seq.request_id)
             status = self.output_processor.append_token(seq, tok, lp)
             if status is not None:
                 self.scheduler.finish(seq, status)
@@ -360,6 +404,8 @@ class LLMEngine:
         if len(group.prompt_token_ids) + state.num_generated + 1 >= self.max_model_len:
             state.max_tokens = min(state.max_tokens, state.num_generated + 1)  # the context is full
         nxt = beam_step(state, lp, eos)
+        self.stats.num_generation_tokens += len(nxt)
+        self._produced.add(group.request_id)
         uses: dict[int, int] = {}
         new_live, scores = [], []
         for parent_idx, token, score in nxt:
@@ -382,6 +428,60 @@ class LLMEngine:
                 self.scheduler.finish(parent, SequenceStatus.FINISHED_ABORTED)
         state.live = [b for b, _ in new_live]
         state.scores = scores
+
+    # ---- stats ---------------------------------------------------------------------------------
+    def _step_stats_before(self, sched: SchedulerOutput) -> None:
+        st, now = self.stats, time.time()
+        st.num_steps += 1
+        st.num_iteration_tokens.append(sched.num_batched_tokens)
+        for seq, n in sched.scheduled:
+            st.num_prefill_tokens += min(n, max(0, seq.num_prompt_tokens - seq.num_computed_tokens))
+            group = seq.group
+            if group is not None and group.first_scheduled_time is None:
+                group.first_scheduled_time = now
+
+    def _record_token_times(self, group: SequenceGroup, now: float) -> None:
+        if group.request_id not in self._produced:
+            return
+        if group.first_token_time is None:
+            group.first_token_time = now
+            self.stats.time_to_first_tokens.append(now - group.arrival_time)
+            self.stats.num_prompt_tokens += len(group.prompt_token_ids)
+        else:
+            assert group.last_token_time is not None
+            self.stats.inter_token_latencies.append(now - group.last_token_time)
+        group.last_token_time = now
+
+    def _record_finished(self, group: SequenceGroup, now: float) -> None:
+        if group.aborted:
+            reason = "abort"
+        elif group.beam is not None:
+            ids = group.beam.finished[0][1] if group.beam.finished else []
+            reason = "stop" if ids and ids[-1] in self.eos_token_ids else "length"
+        else:
+            reason = group.seqs[0].status.value
+        generated = (sum(len(ids) for _, ids, _ in group.beam.finished) if group.beam is not None
+                     else sum(s.num_output_tokens for s in group.seqs))
+        queued = group.first_scheduled_time - group.arrival_time if group.first_scheduled_time is not None else None
+        self.stats.finished.append(FinishedRequestStats(reason, now - group.arrival_time, queued,
+                                                        len(group.prompt_token_ids), generated))
+
+    def take_stats(self) -> IterationStats:
+        """The stats gathered since the previous call (scheduler counters as deltas)."""
+        st, self.stats = self.stats, IterationStats()
+        s = self.scheduler.stats
+        p0, q0, h0 = self._stats_base
+        st.num_preemptions = s.num_preemptions - p0
+        st.prefix_cache_queries = s.prefix_cache_queries - q0
+        st.prefix_cache_hits = s.prefix_cache_hits - h0
+        self._stats_base = (s.num_preemptions, s.prefix_cache_queries, s.prefix_cache_hits)
+        return st
+
+    def snapshot(self, extra_waiting: int = 0) -> SchedulerSnapshot:
+        """Requests running and waiting, and KV usage, now."""
+        running = len({seq.request_id for seq in self.scheduler.running})
+        bm = self.block_manager
+        return SchedulerSnapshot(running, len(self.groups) - running + extra_waiting, bm.num_used / bm.num_blocks)
 
     # ---- introspection -------------------------------------------------------------------------
     def check_invariants(self) -> None:

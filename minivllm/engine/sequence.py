@@ -131,6 +131,10 @@ class SequenceGroup:
     forked: bool = False  # n > 1: children created at the first sample
     num_cached_tokens: int = 0
     aborted: bool = False
+    # Stats timestamps (time.time(), like arrival_time).
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
 
     @property
     def finished(self) -> bool:

@@ -1,0 +1,298 @@
+"""AsyncLLMEngine: the engine loop on its own thread, an async stream of outputs per request.
+
+Why a thread, not a process: the forward pass runs in oneDNN/ATen and the native kernels, which all
+release the GIL, so the event loop only competes for the GIL during the step's short Python parts
+(~2% of a step). A thread shares the tokenizer and needs no serialization of outputs; the measured
+event-loop lag and server/offline throughput ratio are in BENCHMARKS.md (`minivllm bench serve`).
+
+Threading contract: requests are tokenized and validated on the caller's thread (they only read
+immutable engine state); everything that mutates the engine (add, abort, step) happens on the engine
+thread, fed through one locked inbox. Outputs go back with one `call_soon_threadsafe` per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from minivllm.config import EngineArgs, cpu_count
+from minivllm.engine.llm_engine import EngineRequest, LLMEngine, Prompt
+from minivllm.engine.stats import IterationStats, LoggingStatLogger, SchedulerSnapshot, StatLogger
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; no request can be served."""
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting; retry later."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class RequestFailedError(RuntimeError):
+    """A step that included this request raised; the request was aborted, the engine keeps serving."""
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncStream:
+    """The outputs of one request, consumed with `async for` on the event loop."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.finished = False
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Deliver an output (or the error that ends the request); event-loop thread only."""
+        self._queue.put_nowait(item)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            self.finished = item.finished
+            yield item
+
+
+class AsyncLLMEngine:
+    """Serves an LLMEngine to asyncio code: add requests, stream their outputs, abort them."""
+
+    def __init__(self, engine: LLMEngine, stat_loggers: Sequence[StatLogger] = (), batch_wait_ms: float = 0.0,
+                 max_waiting: int = 512, num_threads: int | None = None, idle_tick_s: float = 1.0) -> None:
+        self.engine = engine
+        engine.log_stats = True
+        self.stat_loggers = list(stat_loggers)
+        self.batch_wait_s = batch_wait_ms / 1000.0
+        self.max_waiting = max_waiting
+        self.num_threads = num_threads or cpu_count()
+        self.idle_tick_s = idle_tick_s
+        self._cv = threading.Condition()
+        self._inbox: deque[EngineRequest | _Abort] = deque()
+        self._inbox_adds = 0  # adds in the inbox (for the waiting count)
+        self._snapshot = SchedulerSnapshot(0, 0, 0.0)
+        self._streams: dict[str, AsyncStream] = {}  # event-loop thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.dead_error: BaseException | None = None
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, stat_loggers: Sequence[StatLogger] | None = None
+                         ) -> AsyncLLMEngine:
+        """Build the engine and its async wrapper from EngineArgs (the log line is on by default)."""
+        loggers = [LoggingStatLogger()] if stat_loggers is None else list(stat_loggers)
+        return cls(LLMEngine(args, log_stats=True), loggers, args.batch_wait_ms, args.max_waiting, args.num_threads)
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume the streams."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread after its current step."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        """Whether the engine loop is alive (what /health reports)."""
+        return self._thread is not None and self._thread.is_alive() and self.dead_error is None
+
+    @property
+    def snapshot(self) -> SchedulerSnapshot:
+        """Gauges as of the last step, counting requests not yet handed to the engine as waiting."""
+        s = self._snapshot
+        return SchedulerSnapshot(s.num_running, s.num_waiting + self._inbox_adds, s.kv_cache_usage)
+
+    # ---- requests (event-loop thread) -----------------------------------------------------------
+    def process_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0,
+                        arrival_time: float | None = None) -> EngineRequest:
+        """Tokenize and validate (ValueError names the problem) without queueing."""
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        return self.engine.process_request(request_id, prompt, params, priority, arrival_time)
+
+    def add_requests(self, requests: Sequence[EngineRequest]) -> list[AsyncStream]:
+        """Queue requests together (they reach the engine in the same step); one stream each."""
+        if not self.is_running:
+            raise EngineDeadError(f"the engine loop is not running ({self.dead_error!r})")
+        # Exact on this thread: every request in flight has a stream; the running count lags by at most
+        # one step, which only overstates the queue for a moment.
+        waiting = len(self._streams) - self._snapshot.num_running
+        if waiting + len(requests) > self.max_waiting:
+            raise QueueFullError(f"server overloaded: {waiting} requests are waiting (max_waiting="
+                                 f"{self.max_waiting}); retry later")
+        ids = [r.request_id for r in requests]
+        if len(set(ids)) != len(ids) or any(i in self._streams for i in ids):
+            raise ValueError("request_id: ids must be unique among requests in flight")
+        streams = [AsyncStream(r.request_id, r.prompt_token_ids) for r in requests]
+        for s in streams:
+            self._streams[s.request_id] = s
+        with self._cv:
+            self._inbox.extend(requests)
+            self._inbox_adds += len(requests)
+            self._cv.notify()
+        return streams
+
+    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0,
+                          arrival_time: float | None = None) -> AsyncStream:
+        """Validate and queue one request; its outputs arrive on the returned stream."""
+        req = self.process_request(request_id, prompt, params, priority, arrival_time)
+        return self.add_requests([req])[0]
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op once it finished); its KV blocks are freed before the next step."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None or stream.finished:
+            return
+        stream.finished = True
+        with self._cv:
+            self._inbox.append(_Abort(request_id))
+            self._cv.notify()
+
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str, priority: int = 0
+                       ) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its outputs; leaving early (cancel, break) aborts it."""
+        stream = await self.add_request(request_id, prompt, params, priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            self.abort(request_id)
+
+    # ---- event-loop side of the engine thread -----------------------------------------------------
+    def _deliver(self, outputs: list[RequestOutput], failed: list[str], error: BaseException | None) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out)
+                if out.finished:
+                    del self._streams[out.request_id]
+        for rid in failed:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.put(error if error is not None else RequestFailedError(rid))
+
+    def _fail_all(self, error: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.put(error)
+
+    def _post(self, outputs: list[RequestOutput], failed: list[str] = (), error: BaseException | None = None
+              ) -> None:
+        assert self._loop is not None
+        if outputs or failed:
+            try:
+                self._loop.call_soon_threadsafe(self._deliver, outputs, list(failed), error)
+            except RuntimeError:  # the event loop closed under us (server shutdown)
+                pass
+
+    # ---- the engine thread -------------------------------------------------------------------------
+    def _take_inbox(self, block: bool) -> list[EngineRequest | _Abort]:
+        with self._cv:
+            if block and not self._inbox and not self._stop:
+                self._cv.wait(self.idle_tick_s)
+            items = list(self._inbox)
+            self._inbox.clear()
+            self._inbox_adds = 0
+        return items
+
+    def _apply(self, items: list[EngineRequest | _Abort]) -> None:
+        eng = self.engine
+        for item in items:
+            if isinstance(item, _Abort):
+                eng.abort_request(item.request_id)
+            else:
+                try:
+                    eng.add_engine_request(item)
+                except ValueError as e:  # validated already; only a duplicate id can get here
+                    self._post([], [item.request_id], e)
+
+    def _coalesce(self, items: list[EngineRequest | _Abort]) -> None:
+        """--batch-wait-ms: an idle engine waits for more arrivals before its first prefill step."""
+        adds = [i for i in items if isinstance(i, EngineRequest)]
+        if not adds or self.engine.scheduler.running:
+            return
+        deadline = min(a.arrival_time for a in adds) + self.batch_wait_s
+        while (left := deadline - time.time()) > 0 and not self._stop:
+            with self._cv:
+                self._cv.wait(left)
+                more = list(self._inbox)
+                self._inbox.clear()
+                self._inbox_adds = 0
+            self._apply(more)
+
+    def _record(self, stats: IterationStats | None) -> None:
+        self._snapshot = snap = self.engine.snapshot()
+        for sl in self.stat_loggers:
+            try:
+                sl.record(stats, snap)
+            except Exception:  # a broken metrics sink must not stop serving
+                logger.exception("stat logger %r failed", sl)
+
+    def _run(self) -> None:
+        # OpenMP thread counts are per calling thread: set them on the thread that runs the model.
+        torch.set_num_threads(self.num_threads)
+        eng = self.engine
+        try:
+            while not self._stop:
+                items = self._take_inbox(block=not eng.has_unfinished_requests())
+                self._apply(items)
+                if self.batch_wait_s > 0:
+                    self._coalesce(items)
+                if not eng.has_unfinished_requests():
+                    self._record(eng.take_stats() if items else None)
+                    continue
+                try:
+                    outputs = eng.step()
+                except Exception as e:
+                    self._fail_step(e)
+                    continue
+                self._record(eng.take_stats())
+                self._post(outputs)
+        except BaseException as e:
+            logger.exception("engine loop died")
+            self.dead_error = e
+            loop = self._loop
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"the engine loop died: {e!r}"))
+
+    def _fail_step(self, error: Exception) -> None:
+        """A step raised: abort the requests it held, fail their streams, keep serving the rest."""
+        failed = list(dict.fromkeys(self.engine.last_scheduled_request_ids))
+        if not failed:  # not tied to any request (e.g. in the scheduler): retrying would fail forever
+            raise error
+        logger.exception("engine step failed; aborting %d request(s) in it: %s", len(failed), failed[:8])
+        for rid in failed:
+            self.engine.abort_request(rid)  # if this raises too, the engine state is broken: the loop dies
+        self.engine.last_scheduled_request_ids = []
+        self._record(self.engine.take_stats())
+        self._post([], failed, RequestFailedError(f"internal error in an engine step: {error!r}"))

@@ -1,0 +1,1 @@
+"""Serving front ends: HTTP (FastAPI), and later gRPC."""

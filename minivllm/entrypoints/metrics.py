@@ -1,0 +1,119 @@
+"""Prometheus metrics (SPEC §6): the seed's three names and vLLM-style `minivllm:` gauges, counters and
+histograms, on a registry of their own (one per server)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from minivllm.engine.stats import IterationStats, SchedulerSnapshot
+
+_LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0)  # the seed's 0.1…50 s
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                480.0, 960.0)
+_TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
+FINISH_REASONS = ("stop", "length", "abort")
+ENDPOINTS = ("/generate", "/batch_generate", "/ws/generate", "/v1/completions", "/v1/chat/completions")
+OUTCOMES = ("success", "client_error", "server_error", "aborted")
+
+
+class ServerMetrics:
+    """Every metric of one server, plus the StatLogger that feeds the engine's ones."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = r = CollectorRegistry()
+        labels = {"model_name": model_name}
+        names = list(labels)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, [*names, *extra], registry=r)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, names, registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, names, buckets=buckets, registry=r)
+
+        # Seed names, kept for the seed's dashboards.
+        self.requests_total = Counter("inference_requests", "HTTP generation requests, by endpoint and outcome",
+                                      ["endpoint", "status"], registry=r)
+        self.tokens_generated = Counter("inference_tokens_generated", "Generated tokens", registry=r)
+        self.request_latency = Histogram("inference_request_latency_seconds",
+                                         "HTTP generation request latency (arrival to last byte)",
+                                         ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
+        # vLLM-style names.
+        self.running = gauge("minivllm:num_requests_running", "Requests with a sequence in the running batch")
+        self.waiting = gauge("minivllm:num_requests_waiting", "Requests queued for admission")
+        self.kv_usage = gauge("minivllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full)")
+        self.prompt_tokens = counter("minivllm:prompt_tokens", "Prompt tokens of requests that started generating")
+        self.generation_tokens = counter("minivllm:generation_tokens", "Generated tokens")
+        self.preemptions = counter("minivllm:num_preemptions", "Preemptions (recompute) of running sequences")
+        self.request_success = counter("minivllm:request_success", "Finished requests by finish reason",
+                                       ("finished_reason",))
+        self.prefix_queries = counter("minivllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("minivllm:prefix_cache_hits", "Prompt tokens served from the prefix cache")
+        self.ttft = histogram("minivllm:time_to_first_token_seconds", "Arrival to first token", _TTFT_BUCKETS)
+        self.itl = histogram("minivllm:inter_token_latency_seconds", "Time between a request's tokens", _ITL_BUCKETS)
+        self.e2e = histogram("minivllm:e2e_request_latency_seconds", "Arrival to finish", _E2E_BUCKETS)
+        self.queue_time = histogram("minivllm:request_queue_time_seconds", "Arrival to first scheduled",
+                                    _E2E_BUCKETS)
+        self.iteration_tokens = histogram("minivllm:iteration_tokens_total", "Tokens in one engine step",
+                                          _TOKENS_BUCKETS)
+        self.loop_lag = Histogram("minivllm:event_loop_lag_seconds", "Asyncio event-loop lag (timer probe)",
+                                  buckets=_LAG_BUCKETS, registry=r)
+        self.loop_lag_max = Gauge("minivllm:event_loop_lag_max_seconds", "Largest event-loop lag seen",
+                                  registry=r)
+        self._lbl = labels
+        self._lag_max = 0.0
+        # Every series exists from the start (value 0), so dashboards and rate() work before any request.
+        for reason in FINISH_REASONS:
+            self.request_success.labels(**labels, finished_reason=reason)
+        for endpoint in ENDPOINTS:
+            self.request_latency.labels(endpoint=endpoint)
+            for outcome in OUTCOMES:
+                self.requests_total.labels(endpoint=endpoint, status=outcome)
+        for m in (self.running, self.waiting, self.kv_usage, self.prompt_tokens, self.generation_tokens,
+                  self.preemptions, self.prefix_queries, self.prefix_hits, self.ttft, self.itl, self.e2e,
+                  self.queue_time, self.iteration_tokens):
+            m.labels(**labels)
+
+    def record(self, stats: IterationStats | None, snapshot: SchedulerSnapshot) -> None:
+        """StatLogger: engine step stats → metrics (called on the engine thread; prometheus_client locks)."""
+        lbl = self._lbl
+        self.running.labels(**lbl).set(snapshot.num_running)
+        self.waiting.labels(**lbl).set(snapshot.num_waiting)
+        self.kv_usage.labels(**lbl).set(snapshot.kv_cache_usage)
+        if stats is None:
+            return
+        self.prompt_tokens.labels(**lbl).inc(stats.num_prompt_tokens)
+        self.generation_tokens.labels(**lbl).inc(stats.num_generation_tokens)
+        self.tokens_generated.inc(stats.num_generation_tokens)
+        self.preemptions.labels(**lbl).inc(stats.num_preemptions)
+        self.prefix_queries.labels(**lbl).inc(stats.prefix_cache_queries)
+        self.prefix_hits.labels(**lbl).inc(stats.prefix_cache_hits)
+        for n in stats.num_iteration_tokens:
+            self.iteration_tokens.labels(**lbl).observe(n)
+        ttft, itl = self.ttft.labels(**lbl), self.itl.labels(**lbl)
+        for t in stats.time_to_first_tokens:
+            ttft.observe(t)
+        for t in stats.inter_token_latencies:
+            itl.observe(t)
+        for f in stats.finished:
+            self.request_success.labels(**lbl, finished_reason=f.finish_reason).inc()
+            self.e2e.labels(**lbl).observe(f.e2e_latency)
+            if f.queue_time is not None:
+                self.queue_time.labels(**lbl).observe(f.queue_time)
+
+    def observe_loop_lag(self, lag_s: float) -> None:
+        """One event-loop timer-probe sample."""
+        self.loop_lag.observe(lag_s)
+        if lag_s > self._lag_max:
+            self._lag_max = lag_s
+            self.loop_lag_max.set(lag_s)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition."""
+        return generate_latest(self.registry)

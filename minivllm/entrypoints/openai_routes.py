@@ -1,0 +1,276 @@
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (JSON and SSE)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import JSONResponse, Response
+
+from minivllm.engine.async_engine import AsyncStream
+from minivllm.engine.llm_engine import Prompt
+from minivllm.engine.tokenizer import chat_prompt
+from minivllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from minivllm.entrypoints.serving import (
+    APIError,
+    ClientDisconnected,
+    EngineStreamingResponse,
+    ServerState,
+    bad_request,
+    engine_error,
+    final_output,
+    merge,
+    sse,
+    until_disconnect,
+)
+from minivllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
+
+router = APIRouter()
+GENERATION_PATHS = frozenset({"/generate", "/batch_generate", "/v1/completions", "/v1/chat/completions"})
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> JSONResponse:
+    """The one model this server serves."""
+    st = _state(request)
+    return JSONResponse({"object": "list", "data": [{
+        "id": st.model_name, "object": "model", "created": st.created, "owned_by": "minivllm",
+        "root": st.model_path, "max_model_len": st.max_model_len}]})
+
+
+def _check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported by this server", "logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
+
+
+def _params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
+            ) -> SamplingParams:
+    kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+    try:
+        return req.sampling_params(max_tokens, kind, n=req.n, logprobs=logprobs)
+    except ValueError as e:
+        raise bad_request(e) from None
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _top(pos: PositionLogprobs, k: int) -> list[Any]:
+    return sorted(pos.values(), key=lambda lp: lp.rank)[:k]
+
+
+def _completion_logprobs(c: CompletionOutput, k: int, offset: int) -> dict[str, Any]:
+    """OpenAI's legacy completions logprobs for the tokens of c (text offsets continue from offset)."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, pos in zip(c.token_ids, c.logprobs or [], strict=False):
+        chosen = pos[tid]
+        tokens.append(chosen.decoded_token)
+        token_lps.append(chosen.logprob)
+        tops.append({lp.decoded_token: lp.logprob for lp in _top(pos, k)})
+        offsets.append(offset)
+        offset += len(chosen.decoded_token)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chat_logprobs(c: CompletionOutput, k: int) -> dict[str, Any]:
+    """OpenAI's chat logprobs: one entry per token with its top alternatives."""
+    def entry(lp: Any) -> dict[str, Any]:
+        return {"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode())}
+
+    return {"content": [{**entry(pos[tid]), "top_logprobs": [entry(lp) for lp in _top(pos, k)]}
+                        for tid, pos in zip(c.token_ids, c.logprobs or [], strict=False)]}
+
+
+async def _submit(request: Request, st: ServerState, prompts: list[Prompt], params: SamplingParams,
+                  priority: int, prefix: str) -> tuple[str, list[AsyncStream]]:
+    rid = f"{prefix}-{uuid.uuid4().hex}"
+    reqs = [await st.prepare(f"{rid}-{i}", p, params, priority) for i, p in enumerate(prompts)]
+    return rid, st.submit(reqs)
+
+
+async def _finals(request: Request, st: ServerState, streams: list[AsyncStream]) -> list[RequestOutput]:
+    try:
+        return await until_disconnect(request, asyncio.gather(*(final_output(s) for s in streams)))
+    except (ClientDisconnected, asyncio.CancelledError):
+        st.abort(streams)
+        raise
+    except Exception as e:
+        st.abort(streams)
+        raise engine_error(e) from None
+
+
+# ---- /v1/completions -----------------------------------------------------------------------------------
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    """Text completion for one prompt or a list of prompts."""
+    st = _state(request)
+    t0 = request.state.t0
+    st.check_model(body.model)
+    _check_unsupported(body)
+    if body.suffix is not None:
+        raise APIError(400, "suffix is not supported by this server", "suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise APIError(400, f"best_of ({body.best_of}) must equal n ({body.n}) on this server", "best_of")
+    if body.echo and body.logprobs is not None:
+        raise APIError(400, "echo together with logprobs is not supported", "echo")
+    prompts = _completion_prompts(body.prompt)
+    params = _params(body, body.max_tokens, body.logprobs)
+    rid, streams = await _submit(request, st, prompts, params, body.priority, "cmpl")
+    created = int(time.time())
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return EngineStreamingResponse(_completion_sse(st, body, rid, created, streams, include_usage, t0),
+                                       media_type="text/event-stream")
+    outs = await _finals(request, st, streams)
+    choices, completion_tokens = [], 0
+    for i, out in enumerate(outs):
+        echo = _prompt_text(st, out) if body.echo else ""
+        for c in out.outputs:
+            completion_tokens += len(c.token_ids)
+            choices.append({"index": i * body.n + c.index, "text": echo + c.text, "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason,
+                            "logprobs": (_completion_logprobs(c, body.logprobs, 0) if body.logprobs is not None
+                                         else None)})
+    st.count("/v1/completions", "success", t0)
+    return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
+                         "choices": choices,
+                         "usage": _usage(sum(len(o.prompt_token_ids) for o in outs), completion_tokens)})
+
+
+def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt: the prompt list is empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [{"prompt_token_ids": prompt}]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    return [{"prompt_token_ids": p} for p in prompt]
+
+
+def _prompt_text(st: ServerState, out: RequestOutput) -> str:
+    return out.prompt if out.prompt is not None else st.tokenizer.decode(out.prompt_token_ids)
+
+
+async def _completion_sse(st: ServerState, body: CompletionRequest, rid: str, created: int,
+                          streams: list[AsyncStream], include_usage: bool, t0: float) -> AsyncIterator[str]:
+    status, completion_tokens, prompt_tokens = "aborted", 0, 0
+    offsets: dict[int, int] = {}
+    echoed: set[int] = set()
+
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        data = {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
+                "choices": choices}
+        if include_usage:
+            data["usage"] = usage
+        return sse(json.dumps(data, ensure_ascii=False))
+
+    try:
+        async for i, out in merge(streams):
+            for c in out.outputs:
+                index = i * body.n + c.index
+                text = c.text
+                if body.echo and index not in echoed:
+                    echoed.add(index)
+                    text = _prompt_text(st, out) + text
+                completion_tokens += len(c.token_ids)
+                lps = None
+                if body.logprobs is not None:
+                    lps = _completion_logprobs(c, body.logprobs, offsets.get(index, 0))
+                    offsets[index] = offsets.get(index, 0) + sum(len(t) for t in lps["tokens"])
+                yield chunk([{"index": index, "text": text, "logprobs": lps, "finish_reason": c.finish_reason,
+                              "stop_reason": c.stop_reason}])
+        prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
+        if include_usage:
+            yield chunk([], _usage(prompt_tokens, completion_tokens))
+        status = "success"
+        yield sse("[DONE]")
+    except Exception as e:
+        status = "server_error"
+        yield sse(json.dumps(engine_error(e).body()))
+    finally:
+        st.abort(streams)
+        st.count("/v1/completions", status, t0)
+
+
+# ---- /v1/chat/completions ------------------------------------------------------------------------------
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    """A reply to a conversation, through the tokenizer's chat template."""
+    st = _state(request)
+    t0 = request.state.t0
+    st.check_model(body.model)
+    _check_unsupported(body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = _params(body, max_tokens, logprobs)
+    try:
+        prompt = chat_prompt(st.tokenizer, [m.as_template_dict() for m in body.messages],
+                             body.add_generation_prompt, body.chat_template)
+    except ValueError as e:
+        raise bad_request(e) from None
+    rid, streams = await _submit(request, st, [prompt], params, body.priority, "chatcmpl")
+    created = int(time.time())
+    k = body.top_logprobs or 0
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return EngineStreamingResponse(_chat_sse(st, body, rid, created, streams[0], include_usage, k, t0),
+                                       media_type="text/event-stream")
+    (out,) = await _finals(request, st, streams)
+    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": _chat_logprobs(c, k) if body.logprobs else None,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+    st.count("/v1/chat/completions", "success", t0)
+    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": st.model_name,
+                         "choices": choices,
+                         "usage": _usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))})
+
+
+async def _chat_sse(st: ServerState, body: ChatCompletionRequest, rid: str, created: int, stream: AsyncStream,
+                    include_usage: bool, k: int, t0: float) -> AsyncIterator[str]:
+    status, completion_tokens = "aborted", 0
+
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        data = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model_name,
+                "choices": choices}
+        if include_usage:
+            data["usage"] = usage
+        return sse(json.dumps(data, ensure_ascii=False))
+
+    try:
+        for i in range(body.n):  # OpenAI opens every choice with the role
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+        async for out in stream:
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                yield chunk([{"index": c.index, "delta": {"content": c.text} if c.text else {},
+                              "logprobs": _chat_logprobs(c, k) if body.logprobs else None,
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+        if include_usage:
+            yield chunk([], _usage(len(stream.prompt_token_ids), completion_tokens))
+        status = "success"
+        yield sse("[DONE]")
+    except Exception as e:
+        status = "server_error"
+        yield sse(json.dumps(engine_error(e).body()))
+    finally:
+        st.abort([stream])
+        st.count("/v1/chat/completions", status, t0)

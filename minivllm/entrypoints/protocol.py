@@ -1,0 +1,126 @@
+"""Request bodies of the HTTP API (pydantic validates types; SamplingParams validates values)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+class SamplingFields(BaseModel):
+    """Sampling fields shared by every endpoint (None: SamplingParams' default)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    priority: int = 0
+
+    def sampling_params(self, max_tokens: int | None, kind: RequestOutputKind, **extra: Any) -> SamplingParams:
+        """Build SamplingParams (raises ValueError naming a bad value)."""
+        fields = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                                                 "frequency_penalty", "repetition_penalty", "stop_token_ids",
+                                                 "ignore_eos", "min_tokens", "skip_special_tokens",
+                                                 "include_stop_str_in_output")}
+        fields = {k: v for k, v in fields.items() if v is not None}
+        if self.stop is not None:
+            fields["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        fields.update({k: v for k, v in extra.items() if v is not None})
+        return SamplingParams(max_tokens=max_tokens, output_kind=kind, **fields)
+
+
+# ---- the seed's endpoints -----------------------------------------------------------------------------
+class _SeedRequest(SamplingFields):
+    # A misspelt field would otherwise be silently ignored.
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int | None = Field(None, validation_alias=AliasChoices("max_new_tokens", "max_tokens"))
+
+
+class GenerateRequest(_SeedRequest):
+    """POST /generate and WS /ws/generate."""
+
+    prompt: str
+    stream: bool = False
+
+
+class BatchGenerateRequest(_SeedRequest):
+    """POST /batch_generate."""
+
+    prompts: list[str] = Field(min_length=1)
+
+
+# ---- OpenAI-compatible ----------------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    """stream_options of a streaming request."""
+
+    include_usage: bool = False
+
+
+class _OpenAIRequest(SamplingFields):
+    # OpenAI's clients send fields we have no use for (user, store, metadata, ...): ignored, as vLLM does.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(_OpenAIRequest):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content (text only)."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One chat message."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def as_template_dict(self) -> dict[str, Any]:
+        """The dict a chat template reads (text parts joined)."""
+        d = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            d["content"] = "".join(p.text for p in self.content)
+        return d
+
+
+class ChatCompletionRequest(_OpenAIRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template: str | None = None

@@ -1,0 +1,267 @@
+"""What every HTTP route shares: the server's flags, errors in OpenAI's shape, request preparation
+(tokenize, validate, limits), submission with overload handling, and disconnect-aware waiting."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from minivllm.config import parse_size
+from minivllm.engine.async_engine import (
+    AsyncLLMEngine,
+    AsyncStream,
+    EngineDeadError,
+    QueueFullError,
+    RequestFailedError,
+)
+from minivllm.engine.llm_engine import EngineRequest, Prompt
+from minivllm.entrypoints.metrics import ServerMetrics
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+T = TypeVar("T")
+_INLINE_TOKENIZE_CHARS = 4096  # longer prompts are tokenized on a worker thread
+
+
+def _arg(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class ServerArgs:
+    """Front-end flags of `minivllm serve` (the engine's own flags live in EngineArgs)."""
+
+    host: str = _arg("127.0.0.1", "address to listen on")
+    port: int = _arg(8000, "HTTP port")
+    api_key: str | None = _arg(None, "when set, generation endpoints need 'Authorization: Bearer <key>'")
+    served_model_name: str | None = _arg(None, "model name in the OpenAI API (default: the model directory's name)")
+    max_body_size: str = _arg("4MiB", "largest request body accepted (413 beyond)")
+    log_level: str = _arg("info", "log level of the server and engine")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if parse_size(self.max_body_size) <= 0:
+            raise ValueError(f"max_body_size must be positive, got {self.max_body_size!r}")
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers or {}
+
+    @property
+    def type(self) -> str:
+        """OpenAI's error type for the status code."""
+        return _ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
+    def response(self) -> JSONResponse:
+        """As an HTTP response."""
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "BadRequestError",
+                429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its answer was ready."""
+
+
+def bad_request(e: ValueError) -> APIError:
+    """A ValueError from validation → 400, naming the field when the message starts with it."""
+    msg = str(e)
+    head = msg.split(":", 1)[0].split(" ", 1)[0]
+    param = head if head.isidentifier() and head != msg else None
+    return APIError(400, msg, param)
+
+
+def served_model_name(model_path: str | None, args: ServerArgs) -> str:
+    """The model's name in the API: --served-model-name, else the model directory's name."""
+    return args.served_model_name or os.path.basename(os.path.normpath(model_path or "model"))
+
+
+class ServerState:
+    """The engine, metrics and limits the routes use (one per app, on app.state.server)."""
+
+    def __init__(self, engine: AsyncLLMEngine, metrics: ServerMetrics, args: ServerArgs) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.args = args
+        self.model_path = engine.engine.args.model or "model"
+        self.model_name = served_model_name(self.model_path, args)
+        self.max_model_len = engine.engine.max_model_len
+        self.max_num_seqs = engine.engine.scheduler_config.max_num_seqs
+        self.tokenizer = engine.engine.tokenizer
+        self.created = int(time.time())
+
+    def check_model(self, model: str | None) -> None:
+        """404 for a model name this server does not serve."""
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                           "model")
+
+    async def prepare(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0,
+                      arrival_time: float | None = None, default_max_tokens: int | None = None) -> EngineRequest:
+        """Tokenize and validate one request; APIError(400) naming the problem.
+
+        An explicit max_tokens must fit the context with the prompt (vLLM's rule); a default one is
+        clipped to what is left. Long prompts are tokenized on a worker thread, off the event loop."""
+        if params.n > self.max_num_seqs:
+            raise APIError(400, f"n: {params.n} exceeds max_num_seqs ({self.max_num_seqs})", "n")
+        tokenize = self.engine.engine.tokenize
+        try:
+            if isinstance(prompt, str) and len(prompt) > _INLINE_TOKENIZE_CHARS:
+                text, ids = await asyncio.to_thread(tokenize, prompt)
+            else:
+                text, ids = tokenize(prompt)
+            room = self.max_model_len - len(ids)
+            if room < 0:
+                raise ValueError(f"prompt: {len(ids)} tokens exceed max_model_len {self.max_model_len}; "
+                                 "shorten the prompt")
+            if room == 0:
+                raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_model_len "
+                                 f"{self.max_model_len}; shorten the prompt")
+            if params.max_tokens is None and default_max_tokens is not None:
+                params = params.clone(max_tokens=min(default_max_tokens, room))
+            elif params.max_tokens is not None and params.max_tokens > room:
+                raise ValueError(f"max_tokens: the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}"
+                                 f", together over max_model_len {self.max_model_len}; lower max_tokens")
+            return self.engine.process_request(request_id, {"prompt": text, "prompt_token_ids": ids}, params,
+                                               priority, arrival_time)
+        except ValueError as e:
+            raise bad_request(e) from None
+
+    def submit(self, requests: list[EngineRequest]) -> list[AsyncStream]:
+        """Queue requests together; 429 when the waiting queue is full, 503 when the engine is dead."""
+        try:
+            return self.engine.add_requests(requests)
+        except QueueFullError as e:
+            raise APIError(429, str(e), None, {"Retry-After": str(e.retry_after_s)}) from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e)) from None
+        except ValueError as e:
+            raise bad_request(e) from None
+
+    def abort(self, streams: Iterable[AsyncStream]) -> None:
+        """Abort every stream that has not finished (no-op for finished ones)."""
+        for s in streams:
+            self.engine.abort(s.request_id)
+
+    def count(self, endpoint: str, status: str, t0: float) -> None:
+        """Seed metrics: one request of an endpoint with its outcome, and its latency."""
+        self.metrics.requests_total.labels(endpoint=endpoint, status=status).inc()
+        self.metrics.request_latency.labels(endpoint=endpoint).observe(time.monotonic() - t0)
+
+
+def engine_error(e: BaseException) -> APIError:
+    """An engine-side failure of a request → 500 / 503."""
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e))
+    if isinstance(e, RequestFailedError):
+        return APIError(500, str(e))
+    return APIError(500, f"internal error: {e!r}")
+
+
+async def final_output(stream: AsyncStream) -> RequestOutput:
+    """The last output of a stream (FINAL_ONLY requests send exactly one)."""
+    last = None
+    async for out in stream:
+        last = out
+    assert last is not None
+    return last
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await work, cancelling it (ClientDisconnected) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise ClientDisconnected()
+    return task.result()
+
+
+async def merge(streams: list[AsyncStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's position."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncStream) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            await queue.put((i, e))
+            return
+        await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """SSE that stops — and aborts its engine requests — the moment the client disconnects.
+
+    Starlette only notices a disconnect at the next write under ASGI 2.4; this always listens, so a
+    request still queued (no tokens to write yet) is aborted too, and it always closes the generator."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def listen() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        streamer = asyncio.ensure_future(self.stream_response(send))
+        listener = asyncio.ensure_future(listen())
+        try:
+            await asyncio.wait({streamer, listener}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            streamer.cancel()
+            listener.cancel()
+            await asyncio.gather(streamer, listener, return_exceptions=True)
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+def sse(data: str) -> str:
+    """One Server-Sent Event."""
+    return f"data: {data}\n\n"

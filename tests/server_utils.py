@@ -1,0 +1,106 @@
+"""Run the real server (`minivllm serve` under uvicorn) on 127.0.0.1 on a free port, for tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m minivllm serve MODEL ...` in a subprocess, with its log kept for failure messages."""
+
+    def __init__(self, model: str, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="minivllm-serve-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "minivllm", "serve", model, "--port", str(self.port), *args]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_text()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server did not become healthy:\n{self.log_text()}")
+
+    def log_text(self) -> str:
+        """Everything the server printed so far."""
+        with open(self.log.name) as f:
+            return f.read()
+
+    def stop(self) -> None:
+        """Terminate the server."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        os.unlink(self.log.name)
+
+
+@contextmanager
+def in_process_server(app) -> Iterator[str]:
+    """Serve a FastAPI app with uvicorn on a thread of this process (for fault-injection tests)."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while not server.started:
+        assert time.time() < deadline and thread.is_alive(), "in-process server did not start"
+        time.sleep(0.05)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(20)
+
+
+def metrics(url: str) -> dict[str, float]:
+    """/metrics parsed with prometheus_client's parser: 'name{label="v",...}' → value (labels sorted)."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def wait_idle(url: str, timeout: float = 20.0) -> dict[str, float]:
+    """Poll /metrics until nothing runs, nothing waits and no KV block is in use; return the metrics."""
+    deadline = time.time() + timeout
+    while True:
+        m = metrics(url)
+        idle = (m["minivllm:num_requests_running"] == 0 and m["minivllm:num_requests_waiting"] == 0
+                and m["minivllm:kv_cache_usage_perc"] == 0)
+        if idle or time.time() > deadline:
+            return m
+        time.sleep(0.1)
