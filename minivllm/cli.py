@@ -62,6 +62,12 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
     return run_throughput(ns)
 
 
+def _cmd_bench_serve(ns: argparse.Namespace) -> int:
+    from minivllm.bench.serve import run_serve
+
+    return run_serve(ns)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every verb."""
     from minivllm.modelgen.presets import PRESETS
@@ -108,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     tp = bsub.add_parser("throughput", help="offline throughput vs HF transformers, roofline, step split")
     add_throughput_args(tp)
     tp.set_defaults(func=_cmd_bench)
+    from minivllm.bench.serve import add_serve_args
+
+    sv = bsub.add_parser("serve", help="load generator against the real server vs the offline engine")
+    add_serve_args(sv)
+    sv.set_defaults(func=_cmd_bench_serve)
     return parser
 
 

@@ -5,6 +5,12 @@ release the GIL, so the event loop only competes for the GIL during the step's s
 (~2% of a step). A thread shares the tokenizer and needs no serialization of outputs; the measured
 event-loop lag and server/offline throughput ratio are in BENCHMARKS.md (`minivllm bench serve`).
 
+Why the model is built on the engine thread (`from_engine_args`): libgomp cuts its spin-wait to ~1000
+iterations once it manages more threads than there are cores, and every thread that ever ran a parallel
+region keeps a pool. With the model loaded on the main thread and stepped on another, two pools exist
+and each of the hundreds of parallel regions per step pays a futex wake-up: a 2-thread decode step
+measured 70 ms instead of 50 ms here. Built and stepped on one thread, there is one pool.
+
 Threading contract: requests are tokenized and validated on the caller's thread (they only read
 immutable engine state); everything that mutates the engine (add, abort, step) happens on the engine
 thread, fed through one locked inbox. Outputs go back with one `call_soon_threadsafe` per step.
@@ -17,7 +23,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -78,10 +84,11 @@ class AsyncStream:
 class AsyncLLMEngine:
     """Serves an LLMEngine to asyncio code: add requests, stream their outputs, abort them."""
 
-    def __init__(self, engine: LLMEngine, stat_loggers: Sequence[StatLogger] = (), batch_wait_ms: float = 0.0,
-                 max_waiting: int = 512, num_threads: int | None = None, idle_tick_s: float = 1.0) -> None:
-        self.engine = engine
-        engine.log_stats = True
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], stat_loggers: Sequence[StatLogger] = (),
+                 batch_wait_ms: float = 0.0, max_waiting: int = 512, num_threads: int | None = None,
+                 idle_tick_s: float = 1.0) -> None:
+        """engine: an LLMEngine, or a factory that builds one on the engine thread (see the module doc);
+        a factory runs now, and its errors are raised here."""
         self.stat_loggers = list(stat_loggers)
         self.batch_wait_s = batch_wait_ms / 1000.0
         self.max_waiting = max_waiting
@@ -93,38 +100,54 @@ class AsyncLLMEngine:
         self._snapshot = SchedulerSnapshot(0, 0, 0.0)
         self._streams: dict[str, AsyncStream] = {}  # event-loop thread only
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._loop_ready = threading.Event()
         self._stop = False
         self.dead_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._thread_main, args=(engine,), name="minivllm-engine",
+                                        daemon=True)
+        self.engine: LLMEngine
+        if isinstance(engine, LLMEngine):
+            self.engine = engine
+            engine.log_stats = True
+            return
+        self._built = threading.Event()
+        self._build_error: BaseException | None = None
+        self._thread.start()
+        self._built.wait()
+        if self._build_error is not None:
+            raise self._build_error
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, stat_loggers: Sequence[StatLogger] | None = None
                          ) -> AsyncLLMEngine:
-        """Build the engine and its async wrapper from EngineArgs (the log line is on by default)."""
+        """Build the engine on its own thread from EngineArgs (the periodic log line is on by default)."""
         loggers = [LoggingStatLogger()] if stat_loggers is None else list(stat_loggers)
-        return cls(LLMEngine(args, log_stats=True), loggers, args.batch_wait_ms, args.max_waiting, args.num_threads)
+        return cls(lambda: LLMEngine(args, log_stats=True), loggers, args.batch_wait_ms, args.max_waiting,
+                   args.num_threads)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the engine thread; call from the event loop that will consume the streams."""
-        if self._thread is not None:
+        """Start serving: call from the event loop that will consume the streams."""
+        if self._loop is not None:
             return
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
-        self._thread.start()
+        if not self._thread.is_alive() and self._thread.ident is None:
+            self._thread.start()
+        self._loop_ready.set()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread after its current step."""
         with self._cv:
             self._stop = True
             self._cv.notify()
-        if self._thread is not None:
+        self._loop_ready.set()
+        if self._thread.ident is not None:
             self._thread.join(timeout)
 
     @property
     def is_running(self) -> bool:
-        """Whether the engine loop is alive (what /health reports)."""
-        return self._thread is not None and self._thread.is_alive() and self.dead_error is None
+        """Whether the engine loop is alive and serving (what /health reports)."""
+        return self._loop is not None and self._thread.is_alive() and self.dead_error is None
 
     @property
     def snapshot(self) -> SchedulerSnapshot:
@@ -258,9 +281,23 @@ class AsyncLLMEngine:
             except Exception:  # a broken metrics sink must not stop serving
                 logger.exception("stat logger %r failed", sl)
 
-    def _run(self) -> None:
+    def _thread_main(self, engine: LLMEngine | Callable[[], LLMEngine]) -> None:
         # OpenMP thread counts are per calling thread: set them on the thread that runs the model.
         torch.set_num_threads(self.num_threads)
+        if not isinstance(engine, LLMEngine):
+            try:
+                self.engine = engine()
+                self.engine.log_stats = True
+            except BaseException as e:
+                self._build_error = e
+                return
+            finally:
+                self._built.set()
+        self._loop_ready.wait()
+        if not self._stop:
+            self._run()
+
+    def _run(self) -> None:
         eng = self.engine
         try:
             while not self._stop:
