@@ -131,3 +131,16 @@ def test_leaving_a_stream_early_aborts_it(model):
     asyncio.run(scenario())
     assert not llm_engine.has_unfinished_requests()
     assert llm_engine.block_manager.num_used == 0
+
+
+def test_periodic_log_line(caplog):
+    from minivllm.engine.stats import IterationStats, LoggingStatLogger, SchedulerSnapshot
+
+    logger = LoggingStatLogger(interval_s=0.0)
+    with caplog.at_level("INFO", logger="minivllm.stats"):
+        logger.record(IterationStats(num_steps=1, num_iteration_tokens=[40], num_prefill_tokens=36,
+                                     num_generation_tokens=4, prefix_cache_queries=40, prefix_cache_hits=16),
+                      SchedulerSnapshot(num_running=4, num_waiting=2, kv_cache_usage=0.25))
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "Running: 4 reqs, Waiting: 2 reqs" in line and "KV cache usage: 25.0%" in line
+    assert "Prefix cache hit rate: 40.0%" in line

@@ -81,3 +81,20 @@ def test_fifty_clients_twenty_hang_up(url):
         assert r["text"] == solo["generated_text"], r["i"]
     # The server is still healthy and serving.
     assert httpx.get(url + "/health").status_code == 200
+
+
+def test_non_streaming_and_websocket_disconnects_abort(url):
+    from websockets.sync.client import connect
+
+    before = metrics(url)
+    body = {"prompt": "count to a thousand", "max_new_tokens": 900, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up on a JSON answer and closes
+        httpx.post(url + "/generate", json=body, timeout=httpx.Timeout(60, read=1.0))
+    with connect(url.replace("http", "ws") + "/ws/generate") as ws:
+        ws.send(json.dumps(body))
+        json.loads(ws.recv(timeout=60))  # streaming has started; leaving the block closes the socket
+    after = wait_idle(url)
+    assert after["minivllm:kv_cache_usage_perc"] == 0 and after["minivllm:num_requests_running"] == 0
+    aborted = 'minivllm:request_success_total{finished_reason="abort"}'
+    assert after[aborted] - before[aborted] == 2
+    assert after["minivllm:generation_tokens_total"] - before["minivllm:generation_tokens_total"] < 2 * 900
