@@ -73,7 +73,7 @@ class SamplingParams:
         _int("n", self.n, 1, 64)
         _float("temperature", self.temperature, 0.0, 1e6)
         _float("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        _int("top_k", self.top_k, -1)
+        _int("top_k", self.top_k, -1, 2**31 - 1)
         _float("min_p", self.min_p, 0.0, 1.0)
         _int("seed", self.seed, 0, 2**63 - 1 - 64, allow_none=True)  # sample i draws with seed + i
         _float("presence_penalty", self.presence_penalty, -2.0, 2.0)

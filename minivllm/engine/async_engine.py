@@ -151,9 +151,8 @@ class AsyncLLMEngine:
 
     @property
     def snapshot(self) -> SchedulerSnapshot:
-        """Gauges as of the last step, counting requests not yet handed to the engine as waiting."""
-        s = self._snapshot
-        return SchedulerSnapshot(s.num_running, s.num_waiting + self._inbox_adds, s.kv_cache_usage)
+        """Gauges as of the last step (waiting includes requests not yet handed to the engine)."""
+        return self._snapshot
 
     # ---- requests (event-loop thread) -----------------------------------------------------------
     def process_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0,
@@ -173,6 +172,8 @@ class AsyncLLMEngine:
         if waiting + len(requests) > self.max_waiting:
             raise QueueFullError(f"server overloaded: {waiting} requests are waiting (max_waiting="
                                  f"{self.max_waiting}); retry later")
+        if len(requests) > self.max_waiting:  # a 429 would make the client retry something that never fits
+            raise ValueError(f"{len(requests)} requests at once exceed max_waiting ({self.max_waiting})")
         ids = [r.request_id for r in requests]
         if len(set(ids)) != len(ids) or any(i in self._streams for i in ids):
             raise ValueError("request_id: ids must be unique among requests in flight")
@@ -274,7 +275,7 @@ class AsyncLLMEngine:
             self._apply(more)
 
     def _record(self, stats: IterationStats | None) -> None:
-        self._snapshot = snap = self.engine.snapshot()
+        self._snapshot = snap = self.engine.snapshot(self._inbox_adds)
         for sl in self.stat_loggers:
             try:
                 sl.record(stats, snap)

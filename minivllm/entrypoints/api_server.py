@@ -33,6 +33,7 @@ from minivllm.entrypoints.serving import (
     bad_request,
     engine_error,
     final_output,
+    final_outputs,
     served_model_name,
     sse,
     until_disconnect,
@@ -144,6 +145,11 @@ def _install_error_handlers(app: FastAPI) -> None:
             detail = f"method {request.method} is not allowed on {request.url.path}"
         return counted(request, APIError(exc.status_code, detail))
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return counted(request, APIError(500, f"internal server error: {exc!r}"))
+
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, exc: ClientDisconnected) -> Response:
         request.app.state.server.count(request.url.path, "aborted", getattr(request.state, "t0", time.monotonic()))
@@ -193,11 +199,12 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs) -> FastAPI:
     async def generate(body: GenerateRequest, request: Request) -> Response:
         t0 = request.state.t0
         params = _seed_params(body, RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY)
-        req = await state.prepare(_rid("gen"), body.prompt, params, body.priority,
-                                  default_max_tokens=_SEED_DEFAULT_MAX_TOKENS)
+        (req,) = await state.prepare(_rid("gen"), [body.prompt], params, body.priority,
+                                     default_max_tokens=_SEED_DEFAULT_MAX_TOKENS)
         (stream,) = state.submit([req])
         if body.stream:
-            return EngineStreamingResponse(_seed_sse(state, stream, t0), media_type="text/event-stream")
+            return EngineStreamingResponse(_seed_sse(state, stream, t0), lambda: state.abort([stream]),
+                                           media_type="text/event-stream")
         try:
             out = await until_disconnect(request, final_output(stream))
         except (ClientDisconnected, asyncio.CancelledError):
@@ -215,12 +222,11 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs) -> FastAPI:
     async def batch_generate(body: BatchGenerateRequest, request: Request) -> Response:
         t0 = request.state.t0
         params = _seed_params(body, RequestOutputKind.FINAL_ONLY)
-        batch = _rid("batch")
-        reqs = [await state.prepare(f"{batch}-{i}", p, params, body.priority,
-                                    default_max_tokens=_SEED_DEFAULT_MAX_TOKENS) for i, p in enumerate(body.prompts)]
+        reqs = await state.prepare(_rid("batch"), list(body.prompts), params, body.priority,
+                                   default_max_tokens=_SEED_DEFAULT_MAX_TOKENS)
         streams = state.submit(reqs)  # one inbox entry: the engine sees them together and batches them
         try:
-            outs = await until_disconnect(request, asyncio.gather(*(final_output(s) for s in streams)))
+            outs = await until_disconnect(request, final_outputs(streams))
         except (ClientDisconnected, asyncio.CancelledError):
             state.abort(streams)
             raise
@@ -277,70 +283,83 @@ async def _seed_sse(state: ServerState, stream: AsyncStream, t0: float) -> Async
 
 async def _serve_websocket(state: ServerState, ws: WebSocket) -> None:
     """WS /ws/generate: each JSON request gets one message per delta, then a final one with usage.
-    Requests on one connection run one after another; closing the socket aborts the current one."""
-    inbox: asyncio.Queue[str | None] = asyncio.Queue()
+    Requests on one connection run one after another; closing the socket aborts the current one and
+    drops any still queued."""
+    inbox: asyncio.Queue[str] = asyncio.Queue()
 
-    async def reader() -> None:
-        try:
+    async def reader() -> None:  # ends when the client goes away
+        with contextlib.suppress(WebSocketDisconnect, RuntimeError, KeyError):
             while True:
                 await inbox.put(await ws.receive_text())
-        except (WebSocketDisconnect, RuntimeError, KeyError):
-            await inbox.put(None)
 
     reading = asyncio.ensure_future(reader())
     try:
-        while (text := await inbox.get()) is not None:
-            t0 = time.monotonic()
-            try:
-                body = GenerateRequest.model_validate_json(text)
-                params = _seed_params(body, RequestOutputKind.DELTA)
-                req = await state.prepare(_rid("ws"), body.prompt, params, body.priority,
-                                          default_max_tokens=_SEED_DEFAULT_MAX_TOKENS)
-                (stream,) = state.submit([req])
-            except ValidationError as e:
-                msg, param = _validation_message(e)
-                await ws.send_json(APIError(400, msg, param).body())
-                state.count("/ws/generate", "client_error", t0)
-                continue
-            except APIError as e:
-                await ws.send_json(e.body())
-                state.count("/ws/generate", "client_error" if e.status < 500 else "server_error", t0)
-                continue
-            await _ws_stream(state, ws, stream, reading, t0)
+        while True:
+            getting = asyncio.ensure_future(inbox.get())
+            await asyncio.wait({getting, reading}, return_when=asyncio.FIRST_COMPLETED)
+            if reading.done():
+                getting.cancel()
+                return
+            await _ws_request(state, ws, getting.result(), reading)
     except (WebSocketDisconnect, RuntimeError):
         pass
     finally:
         reading.cancel()
 
 
-async def _ws_stream(state: ServerState, ws: WebSocket, stream: AsyncStream, reading: asyncio.Future[None],
-                     t0: float) -> None:
-    n, text, finish, status = 0, [], None, "aborted"
+async def _ws_request(state: ServerState, ws: WebSocket, text: str, reading: asyncio.Future[None]) -> None:
+    t0 = time.monotonic()
+    try:
+        body = GenerateRequest.model_validate_json(text)
+        params = _seed_params(body, RequestOutputKind.DELTA)
+        (req,) = await state.prepare(_rid("ws"), [body.prompt], params, body.priority,
+                                     default_max_tokens=_SEED_DEFAULT_MAX_TOKENS)
+        if reading.done():
+            return
+        (stream,) = state.submit([req])
+    except ValidationError as e:
+        msg, param = _validation_message(e)
+        await ws.send_json(APIError(400, msg, param).body())
+        state.count("/ws/generate", "client_error", t0)
+        return
+    except APIError as e:
+        await ws.send_json(e.body())
+        state.count("/ws/generate", "client_error" if e.status < 500 else "server_error", t0)
+        return
+    outcome = ["aborted"]
+    pump = asyncio.ensure_future(_ws_stream(ws, stream, t0, outcome))
+    try:
+        await asyncio.wait({pump, reading}, return_when=asyncio.FIRST_COMPLETED)  # the client may leave
+    finally:
+        if not pump.done():
+            pump.cancel()
+        await asyncio.gather(pump, return_exceptions=True)
+        state.abort([stream])
+        state.count("/ws/generate", outcome[0], t0)
+
+
+async def _ws_stream(ws: WebSocket, stream: AsyncStream, t0: float, outcome: list[str]) -> None:
+    n, text, finish = 0, [], None
     try:
         async for out in stream:
-            if reading.done():  # the client closed the socket
-                break
             for c in out.outputs:
                 n += len(c.token_ids)
                 text.append(c.text)
                 finish = c.finish_reason or finish
                 if c.text:
                     await ws.send_json({"text": c.text, "tokens_generated": n})
-        else:
-            prompt_tokens = len(stream.prompt_token_ids)
-            await ws.send_json({"text": "", "finish_reason": finish, "generated_text": "".join(text),
-                                "latency_ms": 1000.0 * (time.monotonic() - t0),
-                                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
-                                          "total_tokens": prompt_tokens + n}})
-            status = "success"
-    except (WebSocketDisconnect, RuntimeError):
+    except (WebSocketDisconnect, RuntimeError, asyncio.CancelledError):
         raise
     except Exception as e:
-        status = "server_error"
+        outcome[0] = "server_error"
         await ws.send_json(engine_error(e).body())
-    finally:
-        state.abort([stream])
-        state.count("/ws/generate", status, t0)
+        return
+    prompt_tokens = len(stream.prompt_token_ids)
+    await ws.send_json({"text": "", "finish_reason": finish, "generated_text": "".join(text),
+                        "latency_ms": 1000.0 * (time.monotonic() - t0),
+                        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
+                                  "total_tokens": prompt_tokens + n}})
+    outcome[0] = "success"
 
 
 def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:

@@ -23,7 +23,7 @@ from minivllm.entrypoints.serving import (
     ServerState,
     bad_request,
     engine_error,
-    final_output,
+    final_outputs,
     merge,
     sse,
     until_disconnect,
@@ -98,13 +98,12 @@ def _chat_logprobs(c: CompletionOutput, k: int) -> dict[str, Any]:
 async def _submit(request: Request, st: ServerState, prompts: list[Prompt], params: SamplingParams,
                   priority: int, prefix: str) -> tuple[str, list[AsyncStream]]:
     rid = f"{prefix}-{uuid.uuid4().hex}"
-    reqs = [await st.prepare(f"{rid}-{i}", p, params, priority) for i, p in enumerate(prompts)]
-    return rid, st.submit(reqs)
+    return rid, st.submit(await st.prepare(rid, prompts, params, priority))
 
 
 async def _finals(request: Request, st: ServerState, streams: list[AsyncStream]) -> list[RequestOutput]:
     try:
-        return await until_disconnect(request, asyncio.gather(*(final_output(s) for s in streams)))
+        return await until_disconnect(request, final_outputs(streams))
     except (ClientDisconnected, asyncio.CancelledError):
         st.abort(streams)
         raise
@@ -134,7 +133,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EngineStreamingResponse(_completion_sse(st, body, rid, created, streams, include_usage, t0),
-                                       media_type="text/event-stream")
+                                       lambda: st.abort(streams), media_type="text/event-stream")
     outs = await _finals(request, st, streams)
     choices, completion_tokens = [], 0
     for i, out in enumerate(outs):
@@ -221,9 +220,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = _params(body, max_tokens, logprobs)
+    if body.chat_template is not None:  # untrusted Jinja from a client: refused, as vLLM does by default
+        raise APIError(400, "chat_template: a request may not carry its own chat template", "chat_template")
+    messages = [m.as_template_dict() for m in body.messages]
     try:
-        prompt = chat_prompt(st.tokenizer, [m.as_template_dict() for m in body.messages],
-                             body.add_generation_prompt, body.chat_template)
+        # Rendering and tokenizing a long conversation would stall every stream: do it off the loop.
+        prompt = await asyncio.to_thread(chat_prompt, st.tokenizer, messages, body.add_generation_prompt)
     except ValueError as e:
         raise bad_request(e) from None
     rid, streams = await _submit(request, st, [prompt], params, body.priority, "chatcmpl")
@@ -232,7 +234,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EngineStreamingResponse(_chat_sse(st, body, rid, created, streams[0], include_usage, k, t0),
-                                       media_type="text/event-stream")
+                                       lambda: st.abort(streams), media_type="text/event-stream")
     (out,) = await _finals(request, st, streams)
     choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                 "logprobs": _chat_logprobs(c, k) if body.logprobs else None,

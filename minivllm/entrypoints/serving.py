@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -116,36 +116,47 @@ class ServerState:
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                            "model")
 
-    async def prepare(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0,
-                      arrival_time: float | None = None, default_max_tokens: int | None = None) -> EngineRequest:
-        """Tokenize and validate one request; APIError(400) naming the problem.
+    async def prepare(self, request_id: str, prompts: list[Prompt], params: SamplingParams, priority: int = 0,
+                      default_max_tokens: int | None = None) -> list[EngineRequest]:
+        """Tokenize and validate the requests of one call (ids request_id-0, -1, ...); APIError(400)
+        naming the problem. Large inputs are tokenized on a worker thread, off the event loop.
 
         An explicit max_tokens must fit the context with the prompt (vLLM's rule); a default one is
-        clipped to what is left. Long prompts are tokenized on a worker thread, off the event loop."""
+        clipped to what is left."""
         if params.n > self.max_num_seqs:
             raise APIError(400, f"n: {params.n} exceeds max_num_seqs ({self.max_num_seqs})", "n")
-        tokenize = self.engine.engine.tokenize
+        if len(prompts) > self.engine.max_waiting:
+            raise APIError(400, f"prompts: {len(prompts)} prompts in one request exceed max_waiting "
+                                f"({self.engine.max_waiting}); split the batch", "prompts")
+        arrival = time.time()
+
+        def build() -> list[EngineRequest]:
+            return [self._prepare_one(f"{request_id}-{i}", p, params, priority, arrival, default_max_tokens)
+                    for i, p in enumerate(prompts)]
+
+        size = sum(len(p) if isinstance(p, str) else 64 for p in prompts)
         try:
-            if isinstance(prompt, str) and len(prompt) > _INLINE_TOKENIZE_CHARS:
-                text, ids = await asyncio.to_thread(tokenize, prompt)
-            else:
-                text, ids = tokenize(prompt)
-            room = self.max_model_len - len(ids)
-            if room < 0:
-                raise ValueError(f"prompt: {len(ids)} tokens exceed max_model_len {self.max_model_len}; "
-                                 "shorten the prompt")
-            if room == 0:
-                raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_model_len "
-                                 f"{self.max_model_len}; shorten the prompt")
-            if params.max_tokens is None and default_max_tokens is not None:
-                params = params.clone(max_tokens=min(default_max_tokens, room))
-            elif params.max_tokens is not None and params.max_tokens > room:
-                raise ValueError(f"max_tokens: the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}"
-                                 f", together over max_model_len {self.max_model_len}; lower max_tokens")
-            return self.engine.process_request(request_id, {"prompt": text, "prompt_token_ids": ids}, params,
-                                               priority, arrival_time)
+            return await asyncio.to_thread(build) if size > _INLINE_TOKENIZE_CHARS else build()
         except ValueError as e:
             raise bad_request(e) from None
+
+    def _prepare_one(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int,
+                     arrival: float, default_max_tokens: int | None) -> EngineRequest:
+        text, ids = self.engine.engine.tokenize(prompt)
+        room = self.max_model_len - len(ids)
+        if room < 0:
+            raise ValueError(f"prompt: {len(ids)} tokens exceed max_model_len {self.max_model_len}; "
+                             "shorten the prompt")
+        if room == 0:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_model_len "
+                             f"{self.max_model_len}; shorten the prompt")
+        if params.max_tokens is None and default_max_tokens is not None:
+            params = params.clone(max_tokens=min(default_max_tokens, room))
+        elif params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(f"max_tokens: the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}, "
+                             f"together over max_model_len {self.max_model_len}; lower max_tokens")
+        return self.engine.process_request(request_id, {"prompt": text, "prompt_token_ids": ids}, params,
+                                           priority, arrival)
 
     def submit(self, requests: list[EngineRequest]) -> list[AsyncStream]:
         """Queue requests together; 429 when the waiting queue is full, 503 when the engine is dead."""
@@ -187,6 +198,17 @@ async def final_output(stream: AsyncStream) -> RequestOutput:
     return last
 
 
+async def final_outputs(streams: list[AsyncStream]) -> list[RequestOutput]:
+    """The last output of every stream; if one fails (or this is cancelled), stop waiting on the rest."""
+    tasks = [asyncio.ensure_future(final_output(s)) for s in streams]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def _wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -198,12 +220,15 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # e.g. server shutdown: not a client disconnect
+        task.cancel()
+        raise
     finally:
         watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            raise ClientDisconnected()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientDisconnected()
     return task.result()
 
 
@@ -244,7 +269,12 @@ class EngineStreamingResponse(StreamingResponse):
     """SSE that stops — and aborts its engine requests — the moment the client disconnects.
 
     Starlette only notices a disconnect at the next write under ASGI 2.4; this always listens, so a
-    request still queued (no tokens to write yet) is aborted too, and it always closes the generator."""
+    request still queued (no tokens to write yet) is aborted too, and it always closes the generator
+    and calls on_close (which aborts, even if the generator never started)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def listen() -> None:
@@ -260,6 +290,7 @@ class EngineStreamingResponse(StreamingResponse):
             listener.cancel()
             await asyncio.gather(streamer, listener, return_exceptions=True)
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            self.on_close()
 
 
 def sse(data: str) -> str:
