@@ -325,12 +325,11 @@ class AsyncLLMEngine:
 
     def _fail_step(self, error: Exception) -> None:
         """A step raised: abort the requests it held, fail their streams, keep serving the rest."""
-        failed = list(dict.fromkeys(self.engine.last_scheduled_request_ids))
+        failed = self.engine.take_failed_step()
         if not failed:  # not tied to any request (e.g. in the scheduler): retrying would fail forever
             raise error
         logger.exception("engine step failed; aborting %d request(s) in it: %s", len(failed), failed[:8])
         for rid in failed:
             self.engine.abort_request(rid)  # if this raises too, the engine state is broken: the loop dies
-        self.engine.last_scheduled_request_ids = []
         self._record(self.engine.take_stats())
         self._post([], failed, RequestFailedError(f"internal error in an engine step: {error!r}"))

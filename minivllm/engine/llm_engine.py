@@ -110,7 +110,7 @@ class LLMEngine:
         self.stats = IterationStats()  # since the last take_stats()
         self._stats_base = (0, 0, 0)  # scheduler counters at the last take_stats()
         self._produced: set[str] = set()  # request ids that got a new token in the current step
-        self.last_scheduled_request_ids: list[str] = []  # the requests of the step in progress (error handling)
+        self._in_flight: SchedulerOutput | None = None  # the step in progress (to name its requests on error)
         logger.info("engine: %s (%s, %s) on %s, KV pool %d blocks x %d tokens",
                     mc.architecture, args.model, self.dtype, self.device, cc.num_blocks, cc.block_size)
 
@@ -232,7 +232,7 @@ class LLMEngine:
         if sched.is_empty:
             return []
         t1 = time.perf_counter()
-        self.last_scheduled_request_ids = [seq.request_id for seq, _ in sched.scheduled]
+        self._in_flight = sched
         if self.log_stats:
             self._step_stats_before(sched)
         if self.args.check_invariants:
@@ -258,7 +258,7 @@ class LLMEngine:
                 if self.log_stats:
                     self._record_finished(group, now)
         self._produced.clear()
-        self.last_scheduled_request_ids = []
+        self._in_flight = None
         t4 = time.perf_counter()
         tm, forward = self.timings, self.runner.last_forward_time
         tm.steps += 1
@@ -465,6 +465,11 @@ class LLMEngine:
         queued = group.first_scheduled_time - group.arrival_time if group.first_scheduled_time is not None else None
         self.stats.finished.append(FinishedRequestStats(reason, now - group.arrival_time, queued,
                                                         len(group.prompt_token_ids), generated))
+
+    def take_failed_step(self) -> list[str]:
+        """The request ids of a step that raised (empty if none was in progress); clears it."""
+        sched, self._in_flight = self._in_flight, None
+        return list(dict.fromkeys(seq.request_id for seq, _ in sched.scheduled)) if sched else []
 
     def take_stats(self) -> IterationStats:
         """The stats gathered since the previous call (scheduler counters as deltas)."""

@@ -1,5 +1,5 @@
-"""The HTTP server: FastAPI app with the seed endpoints, the OpenAI routes, /health, /metrics and the
-WebSocket stream, behind a guard for API keys and body size; `run_server` starts it under uvicorn."""
+"""The HTTP server: the FastAPI app (seed and OpenAI routes, /health, /metrics) behind a guard for API
+keys and body size, its error handlers and lifespan; `run_server` starts it under uvicorn."""
 
 from __future__ import annotations
 
@@ -9,40 +9,29 @@ import hmac
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from minivllm.config import EngineArgs, parse_size
-from minivllm.engine.async_engine import AsyncLLMEngine, AsyncStream
-from minivllm.entrypoints import openai_routes
-from minivllm.entrypoints.metrics import ServerMetrics
-from minivllm.entrypoints.protocol import BatchGenerateRequest, GenerateRequest
+from minivllm.engine.async_engine import AsyncLLMEngine
+from minivllm.entrypoints import openai_routes, seed_routes
+from minivllm.entrypoints.metrics import ENDPOINTS, ServerMetrics
 from minivllm.entrypoints.serving import (
     APIError,
     ClientDisconnected,
-    EngineStreamingResponse,
     ServerArgs,
     ServerState,
-    bad_request,
-    engine_error,
-    final_output,
-    final_outputs,
     served_model_name,
-    sse,
-    until_disconnect,
+    validation_message,
 )
-from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_SEED_DEFAULT_MAX_TOKENS = 128
 _LAG_PROBE_S = 0.01
 # Routes that need the API key (monitoring stays open, as Prometheus scrapes without one).
 _OPEN_PATHS = frozenset({"/health", "/metrics", "/docs", "/openapi.json"})
@@ -99,28 +88,10 @@ class GuardMiddleware:
         await self.app(scope, counting_receive, send)
 
 
-def _validation_message(e: ValidationError | RequestValidationError) -> tuple[str, str | None]:
-    parts, param = [], None
-    for err in e.errors():
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        if err.get("type") == "json_invalid":
-            parts.append(f"invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
-            continue
-        got = err.get("input")
-        if not loc and isinstance(got, bytes | str):
-            parts.append("the request body must be a JSON object (send it with Content-Type: application/json)")
-            continue
-        field = ".".join(loc) or "body"
-        param = param or (loc[0] if loc else None)
-        shown = "" if err.get("type") == "missing" else f" (got {json.dumps(got, default=str)[:80]})"
-        parts.append(f"{field}: {err.get('msg')}{shown}")
-    return "; ".join(parts) or "invalid request", param
-
-
 def _install_error_handlers(app: FastAPI) -> None:
     def counted(request: Request, err: APIError) -> JSONResponse:
         state: ServerState = request.app.state.server
-        if request.url.path in openai_routes.GENERATION_PATHS:
+        if request.url.path in ENDPOINTS:
             status = "client_error" if err.status < 500 else "server_error"
             state.count(request.url.path, status, getattr(request.state, "t0", time.monotonic()))
         return err.response()
@@ -131,7 +102,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        msg, param = _validation_message(exc)
+        msg, param = validation_message(exc)
         return counted(request, APIError(400, msg, param))
 
     @app.exception_handler(StarletteHTTPException)
@@ -181,7 +152,7 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs) -> FastAPI:
             await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="Mini-vLLM", lifespan=lifespan)
-    app.state.server = state = ServerState(engine, metrics, args)
+    app.state.server = ServerState(engine, metrics, args)
     _install_error_handlers(app)
 
     @app.get("/health")
@@ -195,171 +166,10 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs) -> FastAPI:
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/generate")
-    async def generate(body: GenerateRequest, request: Request) -> Response:
-        t0 = request.state.t0
-        params = _seed_params(body, RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY)
-        (req,) = await state.prepare(_rid("gen"), [body.prompt], params, body.priority,
-                                     default_max_tokens=_SEED_DEFAULT_MAX_TOKENS)
-        (stream,) = state.submit([req])
-        if body.stream:
-            return EngineStreamingResponse(_seed_sse(state, stream, t0), lambda: state.abort([stream]),
-                                           media_type="text/event-stream")
-        try:
-            out = await until_disconnect(request, final_output(stream))
-        except (ClientDisconnected, asyncio.CancelledError):
-            state.abort([stream])
-            raise
-        except Exception as e:
-            raise engine_error(e) from None
-        c = out.outputs[0]
-        state.count("/generate", "success", t0)
-        return JSONResponse({"generated_text": c.text, "tokens_generated": len(c.token_ids),
-                             "latency_ms": 1000.0 * (time.monotonic() - t0), "finish_reason": c.finish_reason,
-                             "prompt_tokens": len(out.prompt_token_ids)})
-
-    @app.post("/batch_generate")
-    async def batch_generate(body: BatchGenerateRequest, request: Request) -> Response:
-        t0 = request.state.t0
-        params = _seed_params(body, RequestOutputKind.FINAL_ONLY)
-        reqs = await state.prepare(_rid("batch"), list(body.prompts), params, body.priority,
-                                   default_max_tokens=_SEED_DEFAULT_MAX_TOKENS)
-        streams = state.submit(reqs)  # one inbox entry: the engine sees them together and batches them
-        try:
-            outs = await until_disconnect(request, final_outputs(streams))
-        except (ClientDisconnected, asyncio.CancelledError):
-            state.abort(streams)
-            raise
-        except Exception as e:
-            state.abort(streams)
-            raise engine_error(e) from None
-        state.count("/batch_generate", "success", t0)
-        return JSONResponse({"generated_texts": [o.outputs[0].text for o in outs],
-                             "tokens_generated": [len(o.outputs[0].token_ids) for o in outs],
-                             "finish_reasons": [o.outputs[0].finish_reason for o in outs],
-                             "latency_ms": 1000.0 * (time.monotonic() - t0)})
-
-    @app.websocket("/ws/generate")
-    async def ws_generate(ws: WebSocket) -> None:
-        await ws.accept()
-        await _serve_websocket(state, ws)
-
+    app.include_router(seed_routes.router)
     app.include_router(openai_routes.router)
     app.add_middleware(GuardMiddleware, api_key=args.api_key, max_body_bytes=parse_size(args.max_body_size))
     return app
-
-
-def _rid(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def _seed_params(body: GenerateRequest | BatchGenerateRequest, kind: RequestOutputKind) -> SamplingParams:
-    try:
-        return body.sampling_params(body.max_new_tokens, kind)
-    except ValueError as e:
-        raise bad_request(e) from None
-
-
-async def _seed_sse(state: ServerState, stream: AsyncStream, t0: float) -> AsyncIterator[str]:
-    """/generate with stream: one event per text delta, then [DONE]."""
-    n = 0
-    status = "aborted"
-    try:
-        async for out in stream:
-            for c in out.outputs:
-                n += len(c.token_ids)
-                if c.text or c.finished:
-                    yield sse(json.dumps({"text": c.text, "tokens_generated": n, "finish_reason": c.finish_reason},
-                                         ensure_ascii=False))
-        status = "success"
-        yield sse("[DONE]")
-    except Exception as e:
-        status = "server_error"
-        yield sse(json.dumps(engine_error(e).body()))
-    finally:
-        state.abort([stream])
-        state.count("/generate", status, t0)
-
-
-async def _serve_websocket(state: ServerState, ws: WebSocket) -> None:
-    """WS /ws/generate: each JSON request gets one message per delta, then a final one with usage.
-    Requests on one connection run one after another; closing the socket aborts the current one and
-    drops any still queued."""
-    inbox: asyncio.Queue[str] = asyncio.Queue()
-
-    async def reader() -> None:  # ends when the client goes away
-        with contextlib.suppress(WebSocketDisconnect, RuntimeError, KeyError):
-            while True:
-                await inbox.put(await ws.receive_text())
-
-    reading = asyncio.ensure_future(reader())
-    try:
-        while True:
-            getting = asyncio.ensure_future(inbox.get())
-            await asyncio.wait({getting, reading}, return_when=asyncio.FIRST_COMPLETED)
-            if reading.done():
-                getting.cancel()
-                return
-            await _ws_request(state, ws, getting.result(), reading)
-    except (WebSocketDisconnect, RuntimeError):
-        pass
-    finally:
-        reading.cancel()
-
-
-async def _ws_request(state: ServerState, ws: WebSocket, text: str, reading: asyncio.Future[None]) -> None:
-    t0 = time.monotonic()
-    try:
-        body = GenerateRequest.model_validate_json(text)
-        params = _seed_params(body, RequestOutputKind.DELTA)
-        (req,) = await state.prepare(_rid("ws"), [body.prompt], params, body.priority,
-                                     default_max_tokens=_SEED_DEFAULT_MAX_TOKENS)
-        if reading.done():
-            return
-        (stream,) = state.submit([req])
-    except ValidationError as e:
-        msg, param = _validation_message(e)
-        await ws.send_json(APIError(400, msg, param).body())
-        state.count("/ws/generate", "client_error", t0)
-        return
-    except APIError as e:
-        await ws.send_json(e.body())
-        state.count("/ws/generate", "client_error" if e.status < 500 else "server_error", t0)
-        return
-    outcome = ["aborted"]
-    pump = asyncio.ensure_future(_ws_stream(ws, stream, t0, outcome))
-    try:
-        await asyncio.wait({pump, reading}, return_when=asyncio.FIRST_COMPLETED)  # the client may leave
-    finally:
-        if not pump.done():
-            pump.cancel()
-        await asyncio.gather(pump, return_exceptions=True)
-        state.abort([stream])
-        state.count("/ws/generate", outcome[0], t0)
-
-
-async def _ws_stream(ws: WebSocket, stream: AsyncStream, t0: float, outcome: list[str]) -> None:
-    n, text, finish = 0, [], None
-    try:
-        async for out in stream:
-            for c in out.outputs:
-                n += len(c.token_ids)
-                text.append(c.text)
-                finish = c.finish_reason or finish
-                if c.text:
-                    await ws.send_json({"text": c.text, "tokens_generated": n})
-    except (WebSocketDisconnect, RuntimeError, asyncio.CancelledError):
-        raise
-    except Exception as e:
-        outcome[0] = "server_error"
-        await ws.send_json(engine_error(e).body())
-        return
-    prompt_tokens = len(stream.prompt_token_ids)
-    await ws.send_json({"text": "", "finish_reason": finish, "generated_text": "".join(text),
-                        "latency_ms": 1000.0 * (time.monotonic() - t0),
-                        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
-                                  "total_tokens": prompt_tokens + n}})
-    outcome[0] = "success"
 
 
 def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:

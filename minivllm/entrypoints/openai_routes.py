@@ -7,6 +7,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -18,21 +19,15 @@ from minivllm.engine.tokenizer import chat_prompt
 from minivllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from minivllm.entrypoints.serving import (
     APIError,
-    ClientDisconnected,
-    EngineStreamingResponse,
     ServerState,
     bad_request,
-    engine_error,
-    final_outputs,
     merge,
     sse,
-    until_disconnect,
 )
 from minivllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 router = APIRouter()
-GENERATION_PATHS = frozenset({"/generate", "/batch_generate", "/v1/completions", "/v1/chat/completions"})
 
 
 def _state(request: Request) -> ServerState:
@@ -95,21 +90,10 @@ def _chat_logprobs(c: CompletionOutput, k: int) -> dict[str, Any]:
                         for tid, pos in zip(c.token_ids, c.logprobs or [], strict=False)]}
 
 
-async def _submit(request: Request, st: ServerState, prompts: list[Prompt], params: SamplingParams,
+async def _submit(st: ServerState, prompts: list[Prompt], params: SamplingParams,
                   priority: int, prefix: str) -> tuple[str, list[AsyncStream]]:
     rid = f"{prefix}-{uuid.uuid4().hex}"
     return rid, st.submit(await st.prepare(rid, prompts, params, priority))
-
-
-async def _finals(request: Request, st: ServerState, streams: list[AsyncStream]) -> list[RequestOutput]:
-    try:
-        return await until_disconnect(request, final_outputs(streams))
-    except (ClientDisconnected, asyncio.CancelledError):
-        st.abort(streams)
-        raise
-    except Exception as e:
-        st.abort(streams)
-        raise engine_error(e) from None
 
 
 # ---- /v1/completions -----------------------------------------------------------------------------------
@@ -128,13 +112,13 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         raise APIError(400, "echo together with logprobs is not supported", "echo")
     prompts = _completion_prompts(body.prompt)
     params = _params(body, body.max_tokens, body.logprobs)
-    rid, streams = await _submit(request, st, prompts, params, body.priority, "cmpl")
+    rid, streams = await _submit(st, prompts, params, body.priority, "cmpl")
     created = int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EngineStreamingResponse(_completion_sse(st, body, rid, created, streams, include_usage, t0),
-                                       lambda: st.abort(streams), media_type="text/event-stream")
-    outs = await _finals(request, st, streams)
+        events = _completion_events(st, body, _Chunker(st, rid, "text_completion", created, include_usage), streams)
+        return st.stream_response("/v1/completions", t0, events, streams)
+    outs = await st.wait_finals(request, streams)
     choices, completion_tokens = [], 0
     for i, out in enumerate(outs):
         echo = _prompt_text(st, out) if body.echo else ""
@@ -166,45 +150,45 @@ def _prompt_text(st: ServerState, out: RequestOutput) -> str:
     return out.prompt if out.prompt is not None else st.tokenizer.decode(out.prompt_token_ids)
 
 
-async def _completion_sse(st: ServerState, body: CompletionRequest, rid: str, created: int,
-                          streams: list[AsyncStream], include_usage: bool, t0: float) -> AsyncIterator[str]:
-    status, completion_tokens, prompt_tokens = "aborted", 0, 0
-    offsets: dict[int, int] = {}
-    echoed: set[int] = set()
+@dataclass
+class _Chunker:
+    """Formats the SSE chunks of one streamed OpenAI response."""
 
-    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-        data = {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
-                "choices": choices}
-        if include_usage:
+    st: ServerState
+    rid: str
+    object: str
+    created: int
+    include_usage: bool
+
+    def __call__(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        data: dict[str, Any] = {"id": self.rid, "object": self.object, "created": self.created,
+                                "model": self.st.model_name, "choices": choices}
+        if self.include_usage:  # OpenAI: usage null on every chunk but the last
             data["usage"] = usage
         return sse(json.dumps(data, ensure_ascii=False))
 
-    try:
-        async for i, out in merge(streams):
-            for c in out.outputs:
-                index = i * body.n + c.index
-                text = c.text
-                if body.echo and index not in echoed:
-                    echoed.add(index)
-                    text = _prompt_text(st, out) + text
-                completion_tokens += len(c.token_ids)
-                lps = None
-                if body.logprobs is not None:
-                    lps = _completion_logprobs(c, body.logprobs, offsets.get(index, 0))
-                    offsets[index] = offsets.get(index, 0) + sum(len(t) for t in lps["tokens"])
-                yield chunk([{"index": index, "text": text, "logprobs": lps, "finish_reason": c.finish_reason,
-                              "stop_reason": c.stop_reason}])
-        prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
-        if include_usage:
-            yield chunk([], _usage(prompt_tokens, completion_tokens))
-        status = "success"
-        yield sse("[DONE]")
-    except Exception as e:
-        status = "server_error"
-        yield sse(json.dumps(engine_error(e).body()))
-    finally:
-        st.abort(streams)
-        st.count("/v1/completions", status, t0)
+
+async def _completion_events(st: ServerState, body: CompletionRequest, chunk: _Chunker, streams: list[AsyncStream]
+                             ) -> AsyncIterator[str]:
+    completion_tokens = 0
+    offsets: dict[int, int] = {}
+    echoed: set[int] = set()
+    async for i, out in merge(streams):
+        for c in out.outputs:
+            index = i * body.n + c.index
+            text = c.text
+            if body.echo and index not in echoed:
+                echoed.add(index)
+                text = _prompt_text(st, out) + text
+            completion_tokens += len(c.token_ids)
+            lps = None
+            if body.logprobs is not None:
+                lps = _completion_logprobs(c, body.logprobs, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + sum(len(t) for t in lps["tokens"])
+            yield chunk([{"index": index, "text": text, "logprobs": lps, "finish_reason": c.finish_reason,
+                          "stop_reason": c.stop_reason}])
+    if chunk.include_usage:
+        yield chunk([], _usage(sum(len(s.prompt_token_ids) for s in streams), completion_tokens))
 
 
 # ---- /v1/chat/completions ------------------------------------------------------------------------------
@@ -228,14 +212,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         prompt = await asyncio.to_thread(chat_prompt, st.tokenizer, messages, body.add_generation_prompt)
     except ValueError as e:
         raise bad_request(e) from None
-    rid, streams = await _submit(request, st, [prompt], params, body.priority, "chatcmpl")
+    rid, streams = await _submit(st, [prompt], params, body.priority, "chatcmpl")
     created = int(time.time())
     k = body.top_logprobs or 0
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EngineStreamingResponse(_chat_sse(st, body, rid, created, streams[0], include_usage, k, t0),
-                                       lambda: st.abort(streams), media_type="text/event-stream")
-    (out,) = await _finals(request, st, streams)
+        events = _chat_events(body, _Chunker(st, rid, "chat.completion.chunk", created, include_usage), streams[0], k)
+        return st.stream_response("/v1/chat/completions", t0, events, streams)
+    (out,) = await st.wait_finals(request, streams)
     choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                 "logprobs": _chat_logprobs(c, k) if body.logprobs else None,
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
@@ -245,34 +229,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                          "usage": _usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))})
 
 
-async def _chat_sse(st: ServerState, body: ChatCompletionRequest, rid: str, created: int, stream: AsyncStream,
-                    include_usage: bool, k: int, t0: float) -> AsyncIterator[str]:
-    status, completion_tokens = "aborted", 0
-
-    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-        data = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model_name,
-                "choices": choices}
-        if include_usage:
-            data["usage"] = usage
-        return sse(json.dumps(data, ensure_ascii=False))
-
-    try:
-        for i in range(body.n):  # OpenAI opens every choice with the role
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
-        async for out in stream:
-            for c in out.outputs:
-                completion_tokens += len(c.token_ids)
-                yield chunk([{"index": c.index, "delta": {"content": c.text} if c.text else {},
-                              "logprobs": _chat_logprobs(c, k) if body.logprobs else None,
-                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
-        if include_usage:
-            yield chunk([], _usage(len(stream.prompt_token_ids), completion_tokens))
-        status = "success"
-        yield sse("[DONE]")
-    except Exception as e:
-        status = "server_error"
-        yield sse(json.dumps(engine_error(e).body()))
-    finally:
-        st.abort([stream])
-        st.count("/v1/chat/completions", status, t0)
+async def _chat_events(body: ChatCompletionRequest, chunk: _Chunker, stream: AsyncStream, k: int
+                       ) -> AsyncIterator[str]:
+    completion_tokens = 0
+    for i in range(body.n):  # OpenAI opens every choice with the role
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None}])
+    async for out in stream:
+        for c in out.outputs:
+            completion_tokens += len(c.token_ids)
+            yield chunk([{"index": c.index, "delta": {"content": c.text} if c.text else {},
+                          "logprobs": _chat_logprobs(c, k) if body.logprobs else None,
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+    if chunk.include_usage:
+        yield chunk([], _usage(len(stream.prompt_token_ids), completion_tokens))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -81,6 +82,25 @@ _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFou
 
 class ClientDisconnected(Exception):
     """The client went away before its answer was ready."""
+
+
+def validation_message(e: Exception) -> tuple[str, str | None]:
+    """A pydantic / FastAPI validation error → (message naming each bad field, first field)."""
+    parts, param = [], None
+    for err in e.errors():  # type: ignore[attr-defined]
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            parts.append(f"invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
+            continue
+        got = err.get("input")
+        if not loc and isinstance(got, bytes | str):
+            parts.append("the request body must be a JSON object (send it with Content-Type: application/json)")
+            continue
+        field = ".".join(loc) or "body"
+        param = param or (loc[0] if loc else None)
+        shown = "" if err.get("type") == "missing" else f" (got {json.dumps(got, default=str)[:80]})"
+        parts.append(f"{field}: {err.get('msg')}{shown}")
+    return "; ".join(parts) or "invalid request", param
 
 
 def bad_request(e: ValueError) -> APIError:
@@ -168,6 +188,36 @@ class ServerState:
             raise APIError(503, str(e)) from None
         except ValueError as e:
             raise bad_request(e) from None
+
+    async def wait_finals(self, request: Request, streams: list[AsyncStream]) -> list[RequestOutput]:
+        """The final output of every stream; a disconnect or a failure aborts them all."""
+        try:
+            return await until_disconnect(request, final_outputs(streams))
+        except (ClientDisconnected, asyncio.CancelledError):
+            self.abort(streams)
+            raise
+        except Exception as e:
+            self.abort(streams)
+            raise engine_error(e) from None
+
+    def stream_response(self, endpoint: str, t0: float, events: AsyncIterator[str], streams: list[AsyncStream]
+                        ) -> EngineStreamingResponse:
+        """SSE of `events`, then [DONE]; an engine failure becomes an error event. Counted and aborted
+        whatever happens."""
+        async def body() -> AsyncIterator[str]:
+            status = "aborted"
+            try:
+                async for event in events:
+                    yield event
+                status = "success"
+                yield sse("[DONE]")
+            except Exception as e:
+                status = "server_error"
+                yield sse(json.dumps(engine_error(e).body()))
+            finally:
+                self.count(endpoint, status, t0)
+
+        return EngineStreamingResponse(body(), lambda: self.abort(streams), media_type="text/event-stream")
 
     def abort(self, streams: Iterable[AsyncStream]) -> None:
         """Abort every stream that has not finished (no-op for finished ones)."""

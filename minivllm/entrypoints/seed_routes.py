@@ -1,0 +1,169 @@
+"""The seed's endpoints: POST /generate (JSON or SSE), POST /batch_generate (one engine batch) and
+WS /ws/generate."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
+from pydantic import ValidationError
+from starlette.responses import JSONResponse, Response
+
+from minivllm.engine.async_engine import AsyncStream
+from minivllm.entrypoints.protocol import BatchGenerateRequest, GenerateRequest
+from minivllm.entrypoints.serving import APIError, ServerState, bad_request, engine_error, sse, validation_message
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
+
+router = APIRouter()
+_DEFAULT_MAX_TOKENS = 128
+
+
+def _rid(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _params(body: GenerateRequest | BatchGenerateRequest, kind: RequestOutputKind) -> SamplingParams:
+    try:
+        return body.sampling_params(body.max_new_tokens, kind)
+    except ValueError as e:
+        raise bad_request(e) from None
+
+
+@router.post("/generate")
+async def generate(body: GenerateRequest, request: Request) -> Response:
+    """One prompt: JSON, or SSE with stream=true."""
+    state: ServerState = request.app.state.server
+    t0 = request.state.t0
+    params = _params(body, RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY)
+    (req,) = await state.prepare(_rid("gen"), [body.prompt], params, body.priority,
+                                 default_max_tokens=_DEFAULT_MAX_TOKENS)
+    streams = state.submit([req])
+    if body.stream:
+        return state.stream_response("/generate", t0, _deltas(streams[0]), streams)
+    (out,) = await state.wait_finals(request, streams)
+    c = out.outputs[0]
+    state.count("/generate", "success", t0)
+    return JSONResponse({"generated_text": c.text, "tokens_generated": len(c.token_ids),
+                         "latency_ms": 1000.0 * (time.monotonic() - t0), "finish_reason": c.finish_reason,
+                         "prompt_tokens": len(out.prompt_token_ids)})
+
+
+async def _deltas(stream: AsyncStream) -> AsyncIterator[str]:
+    """/generate with stream: one event per text delta (the last one carries finish_reason)."""
+    n = 0
+    async for out in stream:
+        for c in out.outputs:
+            n += len(c.token_ids)
+            if c.text or c.finished:
+                yield sse(json.dumps({"text": c.text, "tokens_generated": n, "finish_reason": c.finish_reason},
+                                     ensure_ascii=False))
+
+
+@router.post("/batch_generate")
+async def batch_generate(body: BatchGenerateRequest, request: Request) -> Response:
+    """Several prompts, run as one batch."""
+    state: ServerState = request.app.state.server
+    t0 = request.state.t0
+    params = _params(body, RequestOutputKind.FINAL_ONLY)
+    reqs = await state.prepare(_rid("batch"), list(body.prompts), params, body.priority,
+                               default_max_tokens=_DEFAULT_MAX_TOKENS)
+    streams = state.submit(reqs)  # one inbox entry: the engine sees them together and batches them
+    outs = await state.wait_finals(request, streams)
+    state.count("/batch_generate", "success", t0)
+    return JSONResponse({"generated_texts": [o.outputs[0].text for o in outs],
+                         "tokens_generated": [len(o.outputs[0].token_ids) for o in outs],
+                         "finish_reasons": [o.outputs[0].finish_reason for o in outs],
+                         "latency_ms": 1000.0 * (time.monotonic() - t0)})
+
+
+@router.websocket("/ws/generate")
+async def ws_generate(ws: WebSocket) -> None:
+    """Streaming over a WebSocket."""
+    await ws.accept()
+    await _serve_websocket(ws.app.state.server, ws)
+
+
+async def _serve_websocket(state: ServerState, ws: WebSocket) -> None:
+    """WS /ws/generate: each JSON request gets one message per delta, then a final one with usage.
+    Requests on one connection run one after another; closing the socket aborts the current one and
+    drops any still queued."""
+    inbox: asyncio.Queue[str] = asyncio.Queue()
+
+    async def reader() -> None:  # ends when the client goes away
+        with contextlib.suppress(WebSocketDisconnect, RuntimeError, KeyError):
+            while True:
+                await inbox.put(await ws.receive_text())
+
+    reading = asyncio.ensure_future(reader())
+    try:
+        while True:
+            getting = asyncio.ensure_future(inbox.get())
+            await asyncio.wait({getting, reading}, return_when=asyncio.FIRST_COMPLETED)
+            if reading.done():
+                getting.cancel()
+                return
+            await _ws_request(state, ws, getting.result(), reading)
+    except (WebSocketDisconnect, RuntimeError):
+        pass
+    finally:
+        reading.cancel()
+
+
+async def _ws_request(state: ServerState, ws: WebSocket, text: str, reading: asyncio.Future[None]) -> None:
+    t0 = time.monotonic()
+    try:
+        body = GenerateRequest.model_validate_json(text)
+        params = _params(body, RequestOutputKind.DELTA)
+        (req,) = await state.prepare(_rid("ws"), [body.prompt], params, body.priority,
+                                     default_max_tokens=_DEFAULT_MAX_TOKENS)
+        if reading.done():
+            return
+        (stream,) = state.submit([req])
+    except ValidationError as e:
+        msg, param = validation_message(e)
+        await ws.send_json(APIError(400, msg, param).body())
+        state.count("/ws/generate", "client_error", t0)
+        return
+    except APIError as e:
+        await ws.send_json(e.body())
+        state.count("/ws/generate", "client_error" if e.status < 500 else "server_error", t0)
+        return
+    outcome = ["aborted"]
+    pump = asyncio.ensure_future(_ws_stream(ws, stream, t0, outcome))
+    try:
+        await asyncio.wait({pump, reading}, return_when=asyncio.FIRST_COMPLETED)  # the client may leave
+    finally:
+        if not pump.done():
+            pump.cancel()
+        await asyncio.gather(pump, return_exceptions=True)
+        state.abort([stream])
+        state.count("/ws/generate", outcome[0], t0)
+
+
+async def _ws_stream(ws: WebSocket, stream: AsyncStream, t0: float, outcome: list[str]) -> None:
+    n, text, finish = 0, [], None
+    try:
+        async for out in stream:
+            for c in out.outputs:
+                n += len(c.token_ids)
+                text.append(c.text)
+                finish = c.finish_reason or finish
+                if c.text:
+                    await ws.send_json({"text": c.text, "tokens_generated": n})
+    except (WebSocketDisconnect, RuntimeError, asyncio.CancelledError):
+        raise
+    except Exception as e:
+        outcome[0] = "server_error"
+        await ws.send_json(engine_error(e).body())
+        return
+    prompt_tokens = len(stream.prompt_token_ids)
+    await ws.send_json({"text": "", "finish_reason": finish, "generated_text": "".join(text),
+                        "latency_ms": 1000.0 * (time.monotonic() - t0),
+                        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
+                                  "total_tokens": prompt_tokens + n}})
+    outcome[0] = "success"
