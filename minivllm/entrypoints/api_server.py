@@ -1,5 +1,6 @@
 """The HTTP server: the FastAPI app (seed and OpenAI routes, /health, /metrics) behind a guard for API
-keys and body size, its error handlers and lifespan; `run_server` starts it under uvicorn."""
+keys and body size, its error handlers and lifespan (which also starts the gRPC server on the same loop
+and engine when --grpc-port is given); `run_server` starts it under uvicorn."""
 
 from __future__ import annotations
 
@@ -145,9 +146,17 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
         probe = asyncio.ensure_future(_lag_probe(metrics))
+        grpc_server = None
         try:
+            if args.grpc_port is not None:  # same loop, same engine (imported here: HTTP-only needs no grpc)
+                from minivllm.entrypoints.grpc_server import start_grpc_server
+
+                grpc_server = await start_grpc_server(app.state.server, args.host, args.grpc_port)
+                app.state.grpc_port = grpc_server.port
             yield
         finally:
+            if grpc_server is not None:
+                await grpc_server.stop()
             probe.cancel()
             await asyncio.to_thread(engine.shutdown)
 

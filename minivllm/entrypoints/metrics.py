@@ -16,7 +16,10 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 _TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 FINISH_REASONS = ("stop", "length", "abort")
-ENDPOINTS = ("/generate", "/batch_generate", "/ws/generate", "/v1/completions", "/v1/chat/completions")
+# gRPC calls are labelled with their method path (see grpc_server.ENDPOINTS).
+ENDPOINTS = ("/generate", "/batch_generate", "/ws/generate", "/v1/completions", "/v1/chat/completions",
+             "/minivllm.v1.InferenceService/Generate", "/minivllm.v1.InferenceService/BatchGenerate",
+             "/minivllm.v1.InferenceService/GenerateStream")
 OUTCOMES = ("success", "client_error", "server_error", "aborted")
 
 
@@ -38,11 +41,12 @@ class ServerMetrics:
             return Histogram(name, doc, names, buckets=buckets, registry=r)
 
         # Seed names, kept for the seed's dashboards.
-        self.requests_total = Counter("inference_requests", "HTTP generation requests, by endpoint and outcome",
+        self.requests_total = Counter("inference_requests",
+                                      "Generation requests (HTTP and gRPC), by endpoint and outcome",
                                       ["endpoint", "status"], registry=r)
         self.tokens_generated = Counter("inference_tokens_generated", "Generated tokens", registry=r)
         self.request_latency = Histogram("inference_request_latency_seconds",
-                                         "HTTP generation request latency (arrival to last byte)",
+                                         "Generation request latency (arrival to last byte), by endpoint",
                                          ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
         # vLLM-style names.
         self.running = gauge("minivllm:num_requests_running", "Requests with a sequence in the running batch")

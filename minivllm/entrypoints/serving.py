@@ -1,4 +1,4 @@
-"""What every HTTP route shares: the server's flags, errors in OpenAI's shape, request preparation
+"""What every route (HTTP and gRPC) shares: the server's flags, errors in OpenAI's shape, request preparation
 (tokenize, validate, limits), submission with overload handling, and disconnect-aware waiting."""
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ class ServerArgs:
 
     host: str = _arg("127.0.0.1", "address to listen on")
     port: int = _arg(8000, "HTTP port")
+    grpc_port: int | None = _arg(None, "also serve gRPC (InferenceService, grpc.health.v1, reflection) on this port, "
+                                       "on the same engine (0: any free port)")
     api_key: str | None = _arg(None, "when set, generation endpoints need 'Authorization: Bearer <key>'")
     served_model_name: str | None = _arg(None, "model name in the OpenAI API (default: the model directory's name)")
     max_body_size: str = _arg("4MiB", "largest request body accepted (413 beyond)")
@@ -50,6 +52,10 @@ class ServerArgs:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.grpc_port is not None and not 0 <= self.grpc_port < 65536:
+            raise ValueError(f"grpc_port must be in [0, 65535], got {self.grpc_port}")
+        if self.grpc_port is not None and self.grpc_port == self.port != 0:
+            raise ValueError(f"grpc_port and port are both {self.port}; give gRPC a port of its own")
         if parse_size(self.max_body_size) <= 0:
             raise ValueError(f"max_body_size must be positive, got {self.max_body_size!r}")
 
@@ -189,9 +195,12 @@ class ServerState:
         except ValueError as e:
             raise bad_request(e) from None
 
-    async def wait_finals(self, request: Request, streams: list[AsyncStream]) -> list[RequestOutput]:
-        """The final output of every stream; a disconnect or a failure aborts them all."""
+    async def wait_finals(self, request: Request | None, streams: list[AsyncStream]) -> list[RequestOutput]:
+        """The final output of every stream; a disconnect (of the HTTP request, if given), a cancellation
+        or a failure aborts them all."""
         try:
+            if request is None:
+                return await final_outputs(streams)
             return await until_disconnect(request, final_outputs(streams))
         except (ClientDisconnected, asyncio.CancelledError):
             self.abort(streams)

@@ -1,0 +1,284 @@
+"""The gRPC front end (SPEC §5): InferenceService on grpc.aio, served next to the HTTP server in the same
+process, on the same event loop and the same AsyncLLMEngine, with the standard grpc.health.v1 service
+(reflecting the engine loop's real state) and server reflection.
+
+Every call goes through the HTTP routes' ServerState (tokenize and validate, limits, submission,
+metrics), so both transports accept and refuse exactly the same requests: a 400 becomes
+INVALID_ARGUMENT, a full queue RESOURCE_EXHAUSTED (with a retry-after trailer), a dead engine
+UNAVAILABLE. grpc.aio cancels a handler when its client cancels or its deadline passes; the handlers
+abort their engine requests on the way out, so the KV blocks are freed before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from pydantic import ValidationError
+
+from minivllm.entrypoints.proto import inference_pb2 as pb
+from minivllm.entrypoints.proto import inference_pb2_grpc as pb_grpc
+from minivllm.entrypoints.protocol import SamplingFields
+from minivllm.entrypoints.serving import APIError, ServerState, bad_request, engine_error, validation_message
+from minivllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name  # "minivllm.v1.InferenceService"
+METHODS = ("Generate", "BatchGenerate", "GenerateStream")
+ENDPOINTS = tuple(f"/{SERVICE_NAME}/{m}" for m in METHODS)  # the metrics' endpoint label: the gRPC method path
+_DEFAULT_MAX_TOKENS = 128  # as /generate
+_HEALTH_POLL_S = 0.25  # how often Watch subscribers learn of a change (Check is exact)
+_SAMPLING_FIELDS = frozenset(SamplingFields.model_fields) - {"priority"}
+_STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+                 413: grpc.StatusCode.INVALID_ARGUMENT, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+                 503: grpc.StatusCode.UNAVAILABLE}
+
+
+def status_code(http_status: int) -> grpc.StatusCode:
+    """The gRPC status of an APIError's HTTP status."""
+    return _STATUS_CODES.get(http_status, grpc.StatusCode.INTERNAL)
+
+
+def sampling_params(msg: pb.GenerateRequest | pb.BatchGenerateRequest, kind: RequestOutputKind) -> SamplingParams:
+    """The request's sampling fields → SamplingParams, validated as the HTTP routes validate them (APIError
+    400 naming the field). An unset optional field keeps SamplingParams' default."""
+    fields = {fd.name: v if isinstance(v, int | float | str) else list(v)
+              for fd, v in msg.ListFields() if fd.name in _SAMPLING_FIELDS}
+    try:
+        sampling = SamplingFields.model_validate(fields)
+        return sampling.sampling_params(msg.max_new_tokens if msg.HasField("max_new_tokens") else None, kind,
+                                        logprobs=msg.logprobs if msg.HasField("logprobs") else None)
+    except ValidationError as e:
+        raise APIError(400, *validation_message(e)) from None
+    except ValueError as e:
+        raise bad_request(e) from None
+
+
+def _logprobs(c: CompletionOutput, k: int) -> list[pb.TokenLogprob]:
+    """The chosen token's log-probability at each position, with the k most likely alternatives."""
+    out = []
+    for tid, pos in zip(c.token_ids, c.logprobs or [], strict=False):
+        chosen = pos[tid]
+        out.append(pb.TokenLogprob(token_id=tid, token=chosen.decoded_token, logprob=chosen.logprob, rank=chosen.rank,
+                                   top_logprobs=_top(pos, k)))
+    return out
+
+
+def _top(pos: PositionLogprobs, k: int) -> list[pb.TopLogprob]:
+    ranked = sorted(pos.items(), key=lambda kv: kv[1].rank)[:k]
+    return [pb.TopLogprob(token_id=t, token=lp.decoded_token, logprob=lp.logprob, rank=lp.rank) for t, lp in ranked]
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> pb.Usage:
+    return pb.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                    total_tokens=prompt_tokens + completion_tokens)
+
+
+def _response(out: RequestOutput, t0: float, logprobs: int | None) -> pb.GenerateResponse:
+    c = out.outputs[0]
+    return pb.GenerateResponse(
+        generated_text=c.text, tokens_generated=len(c.token_ids), latency_ms=1000.0 * (time.monotonic() - t0),
+        finish_reason=c.finish_reason or "", usage=_usage(len(out.prompt_token_ids), len(c.token_ids)),
+        token_ids=c.token_ids, logprobs=_logprobs(c, logprobs) if logprobs is not None else (),
+        request_id=out.request_id)
+
+
+class InferenceServicer(pb_grpc.InferenceServiceServicer):
+    """InferenceService on the server's shared engine."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def _call(self, method: str, context: grpc.aio.ServicerContext, work: Callable[[float], Awaitable[T]]
+                    ) -> T:
+        """Run a unary call: count its outcome in the metrics and turn APIErrors into gRPC statuses."""
+        t0 = time.monotonic()
+        status = "aborted"  # stays so when the client cancels or its deadline passes
+        try:
+            result = await work(t0)
+            status = "success"
+            return result
+        except APIError as e:
+            status = "client_error" if e.status < 500 else "server_error"
+            await _abort(context, e)
+            raise AssertionError("unreachable: context.abort raises") from None
+        except Exception:  # a bug: grpc answers UNKNOWN with the exception's type
+            status = "server_error"
+            logger.exception("unhandled error in %s", method)
+            raise
+        finally:
+            self.state.count(f"/{SERVICE_NAME}/{method}", status, t0)
+
+    async def _prepare(self, msg: pb.GenerateRequest | pb.BatchGenerateRequest, kind: RequestOutputKind,
+                       prompts: list[Any], request_id: str = "") -> list:
+        params = sampling_params(msg, kind)
+        rid = request_id or f"grpc-{uuid.uuid4().hex}"
+        return await self.state.prepare(rid, prompts, params, msg.priority, default_max_tokens=_DEFAULT_MAX_TOKENS)
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        """One prompt, answered once finished."""
+        async def work(t0: float) -> pb.GenerateResponse:
+            reqs = await self._prepare(request, RequestOutputKind.FINAL_ONLY, [_prompt(request)], request.request_id)
+            (out,) = await self.state.wait_finals(None, self.state.submit(reqs))
+            return _response(out, t0, _opt(request, "logprobs"))
+
+        return await self._call("Generate", context, work)
+
+    async def BatchGenerate(self, request: pb.BatchGenerateRequest, context: grpc.aio.ServicerContext
+                            ) -> pb.BatchGenerateResponse:
+        """Several prompts submitted together, so the engine runs them as one batch."""
+        async def work(t0: float) -> pb.BatchGenerateResponse:
+            if not request.prompts:
+                raise APIError(400, "prompts: give at least one prompt", "prompts")
+            reqs = await self._prepare(request, RequestOutputKind.FINAL_ONLY, list(request.prompts))
+            outs = await self.state.wait_finals(None, self.state.submit(reqs))
+            results = [_response(o, t0, _opt(request, "logprobs")) for o in outs]
+            latency = 1000.0 * (time.monotonic() - t0)
+            for r in results:
+                r.latency_ms = latency
+            return pb.BatchGenerateResponse(
+                generated_texts=[r.generated_text for r in results],
+                tokens_generated=[r.tokens_generated for r in results], latency_ms=latency,
+                finish_reasons=[r.finish_reason for r in results],
+                usage=_usage(sum(r.usage.prompt_tokens for r in results), sum(r.tokens_generated for r in results)),
+                results=results)
+
+        return await self._call("BatchGenerate", context, work)
+
+    async def GenerateStream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+                             ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        """One message per engine step with new tokens; the last carries finish_reason, usage and latency."""
+        endpoint, t0 = f"/{SERVICE_NAME}/GenerateStream", time.monotonic()
+        try:
+            reqs = await self._prepare(request, RequestOutputKind.DELTA, [_prompt(request)], request.request_id)
+            (stream,) = self.state.submit(reqs)
+        except APIError as e:
+            self.state.count(endpoint, "client_error" if e.status < 500 else "server_error", t0)
+            await _abort(context, e)
+            return
+        status, k, n = "aborted", _opt(request, "logprobs"), 0
+        try:
+            async for out in stream:
+                c = out.outputs[0]
+                n += len(c.token_ids)
+                msg = pb.GenerateStreamResponse(text=c.text, token_ids=c.token_ids, tokens_generated=n,
+                                                request_id=out.request_id,
+                                                logprobs=_logprobs(c, k) if k is not None else ())
+                if out.finished:
+                    msg.finish_reason = c.finish_reason or ""
+                    msg.usage.CopyFrom(_usage(len(out.prompt_token_ids), n))
+                    msg.latency_ms = 1000.0 * (time.monotonic() - t0)
+                if c.token_ids or out.finished:
+                    yield msg
+            status = "success"
+        except Exception as e:  # an engine failure: the stream ends with its status
+            status = "server_error"
+            await _abort(context, engine_error(e))
+        finally:  # also on cancellation and deadline: free the request's KV blocks now
+            self.state.abort([stream])
+            self.state.count(endpoint, status, t0)
+
+    async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
+        """SERVING while the engine loop runs, with its gauges; NOT_SERVING and why otherwise."""
+        engine = self.state.engine
+        snap = engine.snapshot
+        if engine.is_running:
+            status, message = pb.SERVING, ""
+        else:
+            status, message = pb.NOT_SERVING, f"engine loop is not running ({engine.dead_error!r})"
+        return pb.HealthResponse(status=status, message=message, num_requests_running=snap.num_running,
+                                 num_requests_waiting=snap.num_waiting, kv_cache_usage=snap.kv_cache_usage)
+
+
+def _prompt(msg: pb.GenerateRequest) -> str | list[int]:
+    if msg.prompt_token_ids and msg.prompt:
+        raise APIError(400, "prompt: give prompt or prompt_token_ids, not both", "prompt")
+    return list(msg.prompt_token_ids) if msg.prompt_token_ids else msg.prompt
+
+
+def _opt(msg: Any, name: str) -> Any:
+    return getattr(msg, name) if msg.HasField(name) else None
+
+
+async def _abort(context: grpc.aio.ServicerContext, err: APIError) -> None:
+    """End the call with the error's status and message (raises)."""
+    if "Retry-After" in err.headers:
+        context.set_trailing_metadata((("retry-after", err.headers["Retry-After"]),))
+    # The engine's messages name SamplingParams' max_tokens; the proto's field is max_new_tokens.
+    await context.abort(status_code(err.status), re.sub(r"\bmax_tokens\b", "max_new_tokens", err.message))
+
+
+class EngineHealthServicer(health.aio.HealthServicer):
+    """grpc.health.v1.Health reporting the engine loop's state for the server ("") and InferenceService:
+    Check reads it at the call; Watch subscribers hear of a change within _HEALTH_POLL_S."""
+
+    def __init__(self, state: ServerState) -> None:
+        super().__init__()
+        self.state = state
+        self._serving: bool | None = None
+
+    async def refresh(self) -> None:
+        """Publish the engine loop's current state if it changed."""
+        serving = self.state.engine.is_running
+        if serving != self._serving:
+            self._serving = serving
+            status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+            for service in (health.OVERALL_HEALTH, SERVICE_NAME):
+                await self.set(service, status)
+
+    async def Check(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+                    ) -> health_pb2.HealthCheckResponse:
+        await self.refresh()
+        return await super().Check(request, context)
+
+    async def watch_engine(self) -> None:
+        """Keep the published state current (runs until cancelled)."""
+        while True:
+            await self.refresh()
+            await asyncio.sleep(_HEALTH_POLL_S)
+
+
+class GrpcServer:
+    """The running gRPC server and its health watcher."""
+
+    def __init__(self, server: grpc.aio.Server, port: int, watcher: asyncio.Task[None]) -> None:
+        self.server, self.port, self._watcher = server, port, watcher
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        """Stop accepting calls; calls still running after grace_s are cancelled (and so aborted)."""
+        self._watcher.cancel()
+        await self.server.stop(grace_s)
+
+
+async def start_grpc_server(state: ServerState, host: str, port: int) -> GrpcServer:
+    """Serve InferenceService, grpc.health.v1 and reflection on host:port, on the running event loop."""
+    # SO_REUSEPORT (gRPC's default on Linux) would let a second server bind a port already in use.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(state), server)
+    health_servicer = EngineHealthServicer(state)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as e:
+        raise RuntimeError(f"cannot serve gRPC on {address}: {e}") from None
+    if bound == 0:
+        raise RuntimeError(f"cannot serve gRPC on {address}: the port is in use or the address is invalid")
+    await server.start()
+    await health_servicer.refresh()
+    watcher = asyncio.ensure_future(health_servicer.watch_engine())
+    logger.info("serving gRPC (%s, grpc.health.v1, reflection) on %s:%d", SERVICE_NAME, host, bound)
+    return GrpcServer(server, bound, watcher)
