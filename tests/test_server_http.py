@@ -56,7 +56,8 @@ def test_generate_json_and_sse_agree_with_offline_engine(url, offline):
         assert "".join(d["text"] for d in deltas) == answer["generated_text"]
         assert deltas[-1]["tokens_generated"] == answer["tokens_generated"]
         assert deltas[-1]["finish_reason"] == "length" and all(d["finish_reason"] is None for d in deltas[:-1])
-        assert len(deltas) > 1  # really streamed, not one event at the end
+        # Really streamed: one event per decode step, each one token more than the last.
+        assert [d["tokens_generated"] for d in deltas] == list(range(1, answer["tokens_generated"] + 1))
 
 
 def test_max_tokens_alias(url):
@@ -101,7 +102,7 @@ def test_websocket_streams_deltas_then_final(url, offline):
                 if "finish_reason" in msg:
                     break
                 deltas.append(msg)
-            assert len(deltas) > 1
+            assert [d["tokens_generated"] for d in deltas] == list(range(1, len(offline[prompt].token_ids) + 1))
             assert "".join(d["text"] for d in deltas) == msg["generated_text"] == offline[prompt].text
             assert msg["finish_reason"] == offline[prompt].finish_reason
             usage = msg["usage"]

@@ -229,7 +229,7 @@ def text_prompts(tokenizer: Any, n: int, lo: int, hi: int, seed: int) -> list[st
     import random
 
     sources = [inspect.getsource(importlib.import_module(m)) for m in _CORPUS_MODULES]
-    ids = tokenizer.encode("\n".join(sources))
+    ids = tokenizer("\n".join(sources), add_special_tokens=False, verbose=False)["input_ids"]  # no length warning
     rng = random.Random(seed)
     out = []
     for _ in range(n):
@@ -284,12 +284,15 @@ def _summary(results: list[RequestResult], elapsed: float, lag: dict[str, float]
     ok = [r for r in results if r.ok]
     tokens = sum(r.output_tokens for r in ok)
     itls = [x for r in ok for x in r.itls]
+    # Time per output token after the first: independent of how the transport groups tokens into messages.
+    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     return {
         "elapsed_s": elapsed, "requests_ok": len(ok), "errors": len(results) - len(ok),
         "first_error": next((r.error for r in results if not r.ok), ""),
         "req_per_s": len(ok) / elapsed, "output_tok_per_s": tokens / elapsed,
         "ttft_ms": {f"p{q}": 1000 * _pct([r.ttft for r in ok], q) for q in (50, 95, 99)},
         "itl_ms": {f"p{q}": 1000 * _pct(itls, q) for q in (50, 95, 99)},
+        "tpot_ms": {f"p{q}": 1000 * _pct(tpots, q) for q in (50, 95, 99)},
         "e2e_s": {f"p{q}": _pct([r.e2e for r in ok], q) for q in (50, 95, 99)},
         "event_loop_lag": lag,
     }
@@ -364,7 +367,7 @@ def _merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {k: mean(r[k] for r in runs) for k in ("elapsed_s", "req_per_s", "output_tok_per_s")}
     out.update({k: sum(r[k] for r in runs) for k in ("requests_ok", "errors")})
     out["first_error"] = next((r["first_error"] for r in runs if r["first_error"]), "")
-    for k in ("ttft_ms", "itl_ms", "e2e_s"):
+    for k in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_s"):
         out[k] = {q: mean(r[k][q] for r in runs) for q in runs[0][k]}
     lags = [r["event_loop_lag"] for r in runs]
     out["event_loop_lag"] = {"probes": sum(x["probes"] for x in lags),
@@ -412,6 +415,8 @@ def report(r: dict[str, Any]) -> str:
         f"{s['ttft_ms']['p99']:.0f} ms")
     row("ITL p50 / p95 / p99", lambda s: f"{s['itl_ms']['p50']:.1f} / {s['itl_ms']['p95']:.1f} / "
         f"{s['itl_ms']['p99']:.1f} ms")
+    row("TPOT p50 / p95 / p99", lambda s: f"{s['tpot_ms']['p50']:.1f} / {s['tpot_ms']['p95']:.1f} / "
+        f"{s['tpot_ms']['p99']:.1f} ms")
     row("end-to-end p50 / p95 / p99", lambda s: f"{s['e2e_s']['p50']:.2f} / {s['e2e_s']['p95']:.2f} / "
         f"{s['e2e_s']['p99']:.2f} s")
     row("errors", lambda s: f"{s['errors']} {s['first_error']}".strip())

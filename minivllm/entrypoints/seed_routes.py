@@ -54,12 +54,14 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
 
 
 async def _deltas(stream: AsyncStream) -> AsyncIterator[str]:
-    """/generate with stream: one event per text delta (the last one carries finish_reason)."""
+    """/generate with stream: one event per engine step with new tokens (the last one carries finish_reason).
+    Its text may be empty (a character still incomplete, or a token with no text): the event still tells
+    the client that a token arrived, as OpenAI's chunks and gRPC's messages do."""
     n = 0
     async for out in stream:
         for c in out.outputs:
             n += len(c.token_ids)
-            if c.text or c.finished:
+            if c.token_ids or c.finished:
                 yield sse(json.dumps({"text": c.text, "tokens_generated": n, "finish_reason": c.finish_reason},
                                      ensure_ascii=False))
 
@@ -153,7 +155,7 @@ async def _ws_stream(ws: WebSocket, stream: AsyncStream, t0: float, outcome: lis
                 n += len(c.token_ids)
                 text.append(c.text)
                 finish = c.finish_reason or finish
-                if c.text:
+                if c.token_ids:  # one message per step with new tokens, as /generate's events
                     await ws.send_json({"text": c.text, "tokens_generated": n})
     except (WebSocketDisconnect, RuntimeError, asyncio.CancelledError):
         raise
