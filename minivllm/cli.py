@@ -62,6 +62,12 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
     return run_throughput(ns)
 
 
+def _cmd_bench_latency(ns: argparse.Namespace) -> int:
+    from minivllm.bench.latency import run_latency
+
+    return run_latency(ns)
+
+
 def _cmd_bench_serve(ns: argparse.Namespace) -> int:
     from minivllm.bench.serve import run_serve
 
@@ -114,9 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
     tp = bsub.add_parser("throughput", help="offline throughput vs HF transformers, roofline, step split")
     add_throughput_args(tp)
     tp.set_defaults(func=_cmd_bench)
+    from minivllm.bench.latency import add_latency_args
     from minivllm.bench.serve import add_serve_args
 
-    sv = bsub.add_parser("serve", help="load generator against the real server vs the offline engine")
+    lt = bsub.add_parser("latency", help="one request at a time: TTFT and per-token latency vs prompt length")
+    add_latency_args(lt)
+    lt.set_defaults(func=_cmd_bench_latency)
+    sv = bsub.add_parser("serve", help="load generator against a server (HTTP, OpenAI or gRPC) vs the offline engine")
     add_serve_args(sv)
     sv.set_defaults(func=_cmd_bench_serve)
     return parser

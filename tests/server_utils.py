@@ -101,6 +101,9 @@ def wait_idle(url: str, timeout: float = 20.0) -> dict[str, float]:
         m = metrics(url)
         idle = (m["minivllm:num_requests_running"] == 0 and m["minivllm:num_requests_waiting"] == 0
                 and m["minivllm:kv_cache_usage_perc"] == 0)
-        if idle or time.time() > deadline:
+        if idle:
             return m
+        assert time.time() < deadline, f"the server did not become idle in {timeout} s: running " \
+            f"{m['minivllm:num_requests_running']}, waiting {m['minivllm:num_requests_waiting']}, " \
+            f"KV usage {m['minivllm:kv_cache_usage_perc']}"
         time.sleep(0.1)

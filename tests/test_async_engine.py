@@ -16,6 +16,7 @@ from minivllm.engine.llm_engine import LLMEngine
 from minivllm.entrypoints.api_server import build_app
 from minivllm.entrypoints.serving import ServerArgs
 
+KV = "64MiB"  # these engines live in pytest's memory: a small pool (the default is 2 GiB)
 POISON = 777  # a prompt holding this token id makes the forward raise (fault injection)
 
 
@@ -36,7 +37,8 @@ def _inject_fault(engine: AsyncLLMEngine) -> None:
 
 
 def test_step_error_fails_its_requests_and_the_loop_keeps_serving(model):
-    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=model, num_threads=1), stat_loggers=[])
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=model, num_threads=1, kv_cache_memory=KV),
+                                             stat_loggers=[])
     _inject_fault(engine)
     with in_process_server(build_app(engine, ServerArgs())) as url:
         r = httpx.post(url + "/v1/completions", json={"prompt": [5, POISON, 9], "max_tokens": 4}, timeout=60)
@@ -58,7 +60,8 @@ def test_step_error_fails_its_requests_and_the_loop_keeps_serving(model):
 
 
 def test_dead_engine_loop_answers_503(model):
-    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=model, num_threads=1), stat_loggers=[])
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=model, num_threads=1, kv_cache_memory=KV),
+                                             stat_loggers=[])
 
     def broken_schedule():
         raise RuntimeError("scheduler state corrupted")
@@ -87,7 +90,7 @@ class Recorder:
 
 
 def test_batch_wait_coalesces_arrivals(model):
-    llm_engine = LLMEngine(EngineArgs(model=model, num_threads=1))
+    llm_engine = LLMEngine(EngineArgs(model=model, num_threads=1, kv_cache_memory=KV))
     prompts = [[10 + i] * 12 for i in range(4)]
     params = SamplingParams(max_tokens=3, ignore_eos=True)
 
@@ -113,7 +116,7 @@ def test_batch_wait_coalesces_arrivals(model):
 
 
 def test_leaving_a_stream_early_aborts_it(model):
-    llm_engine = LLMEngine(EngineArgs(model=model, num_threads=1))
+    llm_engine = LLMEngine(EngineArgs(model=model, num_threads=1, kv_cache_memory=KV))
 
     async def scenario() -> None:
         eng = AsyncLLMEngine(llm_engine, num_threads=1)

@@ -45,6 +45,12 @@ def server(model_factory):
     proc.stop()
 
 
+def small_engine(model_factory, **kw: Any) -> AsyncLLMEngine:
+    """An engine for an in-process server; its KV pool is small, as it lives in pytest's memory."""
+    args = EngineArgs(model=model_factory("tiny-llama"), num_threads=1, kv_cache_memory="64MiB", **kw)
+    return AsyncLLMEngine.from_engine_args(args, stat_loggers=[])
+
+
 def run(target: str, body: Callable[[pb_grpc.InferenceServiceStub, grpc.aio.Channel], Awaitable[Any]]) -> Any:
     """Run body(stub, channel) on a fresh grpc.aio channel."""
     async def main() -> Any:
@@ -143,7 +149,8 @@ def test_cancelling_10_of_30_streams(server):
         solo = {p: (await stub.Generate(greedy(p, max_new))).generated_text for p in set(prompts)}
 
         async def consume(i: int) -> str | None:
-            call = stub.GenerateStream(greedy(prompts[i], max_new))
+            # The ones to cancel ask for 900 tokens: they cannot finish on their own before the cancel lands.
+            call = stub.GenerateStream(greedy(prompts[i], 900 if i % 3 == 0 else max_new))
             text, seen = [], 0
             async for m in call:
                 text.append(m.text)
@@ -169,23 +176,32 @@ def test_cancelling_10_of_30_streams(server):
     assert health.status == pb.SERVING and health.kv_cache_usage == 0 and health.num_requests_running == 0
 
 
-def test_deadline_exceeded_aborts_the_request(server):
-    before = metrics(server.url)
+def test_deadline_exceeded_aborts_the_request(model_factory):
+    """In process, with every engine step slowed to 5 ms, so 1000 tokens surely outlast a 0.5 s deadline."""
+    engine = small_engine(model_factory)
+    real = engine.engine.runner.execute
 
-    async def body(stub, _):
-        t = time.monotonic()
-        with pytest.raises(grpc.aio.AioRpcError) as e:
-            await stub.Generate(greedy("count", 1000), timeout=0.3)
-        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - t < 5
-        with pytest.raises(grpc.aio.AioRpcError) as e:
-            async for _ in stub.GenerateStream(greedy("count", 1000), timeout=0.3):
-                pass
-        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    def slow_execute(seqs):
+        time.sleep(0.005)
+        return real(seqs)
 
-    run(server.target, body)
-    after = wait_idle(server.url)
+    engine.engine.runner.execute = slow_execute
+    port = free_port()
+    with in_process_server(build_app(engine, ServerArgs(grpc_port=port))) as url:
+        async def body(stub, _):
+            t = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Generate(greedy("count", 1000), timeout=0.5)
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - t < 3
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in stub.GenerateStream(greedy("count", 1000), timeout=0.5):
+                    pass
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+        run(f"127.0.0.1:{port}", body)
+        after = wait_idle(url, timeout=3)  # aborted, not run to the end (1000 steps take ≥ 5 s)
     assert after["minivllm:kv_cache_usage_perc"] == 0
-    assert after[ABORTS] - before[ABORTS] == 2  # both stopped long before their 1000 tokens
+    assert after[ABORTS] == 2 and after['minivllm:request_success_total{finished_reason="length"}'] == 0
 
 
 BAD = [
@@ -243,6 +259,8 @@ def test_reflection_lists_the_services(server):
 
 def test_grpc_and_http_share_one_engine(server):
     """A request in flight over gRPC shows in HTTP's /metrics gauges: there is one engine."""
+    before = metrics(server.url)
+
     async def body(stub, _):
         call = stub.GenerateStream(greedy("count", 1000))
         async for _ in call:
@@ -254,14 +272,51 @@ def test_grpc_and_http_share_one_engine(server):
 
     running, health = run(server.target, body)
     assert running == 1 and health.num_requests_running == 1 and health.kv_cache_usage > 0
-    assert wait_idle(server.url)["minivllm:kv_cache_usage_perc"] == 0
+    after = wait_idle(server.url)
+    assert after["minivllm:kv_cache_usage_perc"] == 0 and after[ABORTS] - before[ABORTS] == 1
+    cancelled = f'inference_requests_total{{endpoint="/{SERVICE}/GenerateStream",status="aborted"}}'
+    assert after[cancelled] - before[cancelled] == 1
+
+
+def test_grpc_endpoints_are_in_the_metrics():
+    from minivllm.entrypoints import grpc_server
+    from minivllm.entrypoints import metrics as metrics_module
+
+    assert grpc_server.ENDPOINTS == metrics_module.GRPC_ENDPOINTS
+
+
+def test_api_key_and_message_size_in_process(model_factory):
+    """--api-key guards the generation calls (health and reflection stay open); --max-body-size bounds
+    a gRPC message as it bounds an HTTP body."""
+    engine = small_engine(model_factory)
+    port = free_port()
+    app = build_app(engine, ServerArgs(grpc_port=port, api_key="sk-1", max_body_size="64KiB"))
+    with in_process_server(app):
+        async def body(stub, channel):
+            good = (("authorization", "Bearer sk-1"),)
+            for bad in ((), (("authorization", "Bearer nope"),)):
+                for call in (lambda m: stub.Generate(greedy("x", 2), metadata=m),
+                             lambda m: _drain(stub.GenerateStream(greedy("x", 2), metadata=m)),
+                             lambda m: stub.BatchGenerate(pb.BatchGenerateRequest(prompts=["x"]), metadata=m)):
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        await call(bad)
+                    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "API key" in e.value.details()
+            assert (await stub.Generate(greedy("x", 2), metadata=good)).tokens_generated == 2
+            assert len(await _drain(stub.GenerateStream(greedy("x", 2), metadata=good))) == 2
+            assert (await stub.Health(pb.HealthRequest())).status == pb.SERVING  # open, as HTTP /health
+            check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+            assert (await check).status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Generate(greedy("word " * 20_000, 2), metadata=good)  # ~100 KB > 64 KiB
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+        run(f"127.0.0.1:{port}", body)
 
 
 def test_overload_and_dead_loop_in_process(model_factory):
     """RESOURCE_EXHAUSTED past --max-waiting; then the engine loop dies: grpc.health.v1 (Check and Watch)
     and Health say NOT_SERVING, and calls get UNAVAILABLE."""
-    args = EngineArgs(model=model_factory("tiny-llama"), num_threads=1, max_num_seqs=1, max_waiting=2)
-    engine = AsyncLLMEngine.from_engine_args(args, stat_loggers=[])
+    engine = small_engine(model_factory, max_num_seqs=1, max_waiting=2)
     port = free_port()
     with in_process_server(build_app(engine, ServerArgs(grpc_port=port))) as url:
         target = f"127.0.0.1:{port}"

@@ -1,10 +1,11 @@
-"""`minivllm bench serve`: a closed-loop load generator against the real server (`minivllm serve` in a
-subprocess), and the offline engine on the same requests in the same run.
+"""`minivllm bench serve`: the load generator (bench/loadgen.py) against a server — a running one
+(`--base-url`), or `minivllm serve` started here in a subprocess — over one or more endpoints on the
+same requests, and the offline engine on the same requests in the same run as the baseline.
 
-Reports req/s, output tok/s, TTFT / ITL / end-to-end percentiles, errors, the server's event-loop lag
-(its own timer probe, read from /metrics), and server throughput as a fraction of the offline engine's
-at the same concurrency. The offline engine runs before and after the server and its mean is used,
-since the machine's speed drifts over minutes.
+Reports per endpoint: req/s, output tok/s, TTFT / TPOT / ITL / end-to-end p50/p95/p99, failures by
+cause, and the server's event-loop lag (its own timer probe, read from /metrics). Several endpoints
+run in ABBA order, and the offline engine before and after, since the machine's speed drifts over
+minutes. Writes JSON (--out) and a PNG plot next to it.
 """
 
 from __future__ import annotations
@@ -18,232 +19,65 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from minivllm.bench.throughput import greedy, resolve_model, run_engine
-from minivllm.config import EngineArgs, cpu_count
-from minivllm.engine.llm_engine import LLMEngine
-from minivllm.engine.tokenizer import get_tokenizer
-
-TRANSPORTS = ("openai", "http", "grpc")
+from minivllm.bench.loadgen import ENDPOINT_NAMES, ENDPOINTS, RequestSpec, make_client, make_workload, run_load
+from minivllm.config import cpu_count
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """Flags of `minivllm bench serve`."""
-    p.add_argument("--model", default=None, help="model directory (default: make --preset in a cache dir)")
+    p.add_argument("--model", default=None, help="model directory to serve (and whose tokenizer makes the prompts; "
+                                                   "default: make --preset in a cache dir)")
     p.add_argument("--preset", default="smollm2-135m", help="preset to make when --model is not given")
-    p.add_argument("--transport", default="openai",
-                   help="comma-separated, each run on the same server and requests: openai (/v1/completions SSE), "
-                        "http (the seed's /generate SSE), grpc (GenerateStream)")
+    p.add_argument("--base-url", default=None,
+                   help="a running server (e.g. http://127.0.0.1:8000); default: start `minivllm serve` here")
+    p.add_argument("--grpc-target", default=None, help="the running server's gRPC address host:port (with --base-url)")
+    p.add_argument("--api-key", default=None, help="the running server's API key")
+    p.add_argument("--transport", "--endpoint", dest="transport", default="openai",
+                   help="comma-separated, each run on the same requests: openai (/v1/completions), http (the "
+                        "seed's /generate), grpc (InferenceService)")
+    p.add_argument("--no-stream", dest="stream", action="store_false",
+                   help="ask for whole answers (no TTFT / ITL then) instead of streams")
     p.add_argument("--rounds", type=int, default=None,
-                   help="measured runs per transport, in ABBA order against drift (default: 1, or 2 when "
-                        "comparing transports)")
-    p.add_argument("--concurrency", type=int, default=32, help="clients, each with one request in flight")
+                   help="measured runs per endpoint, in ABBA order against drift (default: 1, or 2 for several)")
+    p.add_argument("--concurrency", type=int, default=32, help="closed loop: clients, one request in flight each")
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="open loop instead: Poisson arrivals at this many requests/s")
     p.add_argument("--num-requests", type=int, default=96)
     p.add_argument("--input-len-min", type=int, default=32)
     p.add_argument("--input-len-max", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128, help="tokens out (the minimum with --output-len-max)")
+    p.add_argument("--output-len-max", type=int, default=None, help="tokens out uniform in [output-len, this]")
+    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="let requests stop at EOS (then output lengths are the model's)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--threads", type=int, default=None, help="offline engine threads (default: all cores)")
-    p.add_argument("--server-threads", type=int, default=None, help="the server engine's threads (default: all)")
+    p.add_argument("--server-threads", type=int, default=None, help="the started server's threads (default: all)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="the started server's (default: --concurrency)")
     p.add_argument("--kv-cache-memory", default="4GiB")
+    p.add_argument("--server-arg", action="append", default=[],
+                   help="an extra flag for the started server (repeat), e.g. --server-arg=--batch-wait-ms=5")
     p.add_argument("--no-offline", action="store_true", help="skip the offline engine baseline")
-    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--out", default=None, help="write the results as JSON here (and a PNG plot next to it)")
 
 
-@dataclass
-class RequestResult:
-    """Client-side timings of one streamed request; output_tokens as the server reported them."""
+def _free_port() -> int:
+    import socket
 
-    ok: bool
-    output_tokens: int = 0
-    ttft: float = 0.0
-    e2e: float = 0.0
-    itls: list[float] = field(default_factory=list)
-    error: str = ""
-
-
-class _Timer:
-    """TTFT and inter-token gaps from the arrival times of messages carrying tokens."""
-
-    def __init__(self) -> None:
-        self.t0 = self.last = time.perf_counter()
-        self.res = RequestResult(ok=False)
-
-    def tokens_arrived(self) -> None:
-        now = time.perf_counter()
-        if self.res.ttft == 0.0:
-            self.res.ttft = now - self.t0
-        else:
-            self.res.itls.append(now - self.last)
-        self.last = now
-
-    def done(self, output_tokens: int, expected: int) -> RequestResult:
-        res = self.res
-        res.e2e = time.perf_counter() - self.t0
-        res.output_tokens = output_tokens
-        res.ok = output_tokens == expected
-        if not res.ok:
-            res.error = f"{output_tokens} tokens instead of {expected}"
-        return res
-
-
-class _HTTPClient:
-    """Streaming over HTTP: OpenAI /v1/completions or the seed's /generate, both SSE."""
-
-    def __init__(self, url: str, transport: str, concurrency: int) -> None:
-        self.url, self.transport = url, transport
-        limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-        self.http = httpx.AsyncClient(timeout=600, limits=limits)
-
-    async def one(self, prompt: str, output_len: int) -> RequestResult:
-        if self.transport == "openai":
-            path = "/v1/completions"
-            body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
-                    "stream_options": {"include_usage": True}}
-        else:
-            path = "/generate"
-            body = {"prompt": prompt, "max_new_tokens": output_len, "temperature": 0, "ignore_eos": True,
-                    "stream": True}
-        timer, tokens = _Timer(), 0
-        try:
-            async with self.http.stream("POST", self.url + path, json=body) as resp:
-                if resp.status_code != 200:
-                    return RequestResult(False, error=f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        return RequestResult(False, error=event["error"]["message"])
-                    if self.transport == "openai":
-                        # Every chunk is one engine step's tokens, text or not (a partial UTF-8 character
-                        # streams as an empty delta), as in vLLM's benchmark.
-                        if event["choices"]:
-                            timer.tokens_arrived()
-                        if event.get("usage"):
-                            tokens = event["usage"]["completion_tokens"]
-                    else:  # /generate: an event per text delta, each with the running token count
-                        if event["tokens_generated"] > tokens:
-                            timer.tokens_arrived()
-                        tokens = event["tokens_generated"]
-        except httpx.HTTPError as e:
-            return RequestResult(False, error=repr(e))
-        return timer.done(tokens, output_len)
-
-    async def aclose(self) -> None:
-        await self.http.aclose()
-
-
-class _GRPCClient:
-    """Streaming over gRPC: GenerateStream on one grpc.aio channel (HTTP/2 multiplexes the calls)."""
-
-    def __init__(self, target: str) -> None:
-        import grpc
-
-        from minivllm.entrypoints.proto import inference_pb2, inference_pb2_grpc
-
-        self.grpc, self.pb = grpc, inference_pb2
-        self.channel = grpc.aio.insecure_channel(target)
-        self.stub = inference_pb2_grpc.InferenceServiceStub(self.channel)
-
-    async def one(self, prompt: str, output_len: int) -> RequestResult:
-        req = self.pb.GenerateRequest(prompt=prompt, max_new_tokens=output_len, temperature=0, ignore_eos=True)
-        timer, tokens = _Timer(), 0
-        try:
-            async for msg in self.stub.GenerateStream(req, timeout=600):
-                if msg.token_ids:
-                    timer.tokens_arrived()
-                if msg.finish_reason:
-                    tokens = msg.usage.completion_tokens
-        except self.grpc.aio.AioRpcError as e:
-            return RequestResult(False, error=f"{e.code().name}: {e.details()}")
-        return timer.done(tokens, output_len)
-
-    async def aclose(self) -> None:
-        await self.channel.close()
-
-
-async def run_load(transport: str, url: str, grpc_target: str | None, prompts: list[str], output_len: int,
-                   concurrency: int) -> tuple[list[RequestResult], float]:
-    """Closed loop: `concurrency` clients, each sending its next request when the last one ends."""
-    queue: asyncio.Queue[str] = asyncio.Queue()
-    for p in prompts:
-        queue.put_nowait(p)
-    results: list[RequestResult] = []
-    client = _GRPCClient(grpc_target) if transport == "grpc" else _HTTPClient(url, transport, concurrency)
-    try:
-        async def worker() -> None:
-            while not queue.empty():
-                results.append(await client.one(queue.get_nowait(), output_len))
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return results, time.perf_counter() - t0
-    finally:
-        await client.aclose()
-
-
-def _scrape(url: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out = {}
-    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
-        for s in fam.samples:
-            if s.name.startswith("minivllm:event_loop_lag"):
-                out[s.name + (f"{{le={s.labels['le']}}}" if "le" in s.labels else "")] = s.value
-    return out
-
-
-def _lag(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Event-loop lag over the measured window from the probe histogram: count, mean, p99 and max bucket."""
-    name = "minivllm:event_loop_lag_seconds"
-    n = after[name + "_count"] - before[name + "_count"]
-    mean = (after[name + "_sum"] - before[name + "_sum"]) / n if n else 0.0
-    buckets = sorted((float(k.split("le=")[1].rstrip("}")), after[k] - before[k])
-                     for k in after if k.startswith(name + "_bucket"))
-    p99 = next((le for le, c in buckets if c >= 0.99 * n), float("inf"))
-    worst = next((le for le, c in buckets if c >= n), float("inf"))
-    return {"probes": n, "mean_s": mean, "p99_le_s": p99, "max_le_s": worst,
-            "max_since_start_s": after["minivllm:event_loop_lag_max_seconds"]}
-
-
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return 0.0
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
-
-
-_CORPUS_MODULES = ("argparse", "asyncio.base_events", "json.decoder", "logging", "statistics", "subprocess")
-
-
-def text_prompts(tokenizer: Any, n: int, lo: int, hi: int, seed: int) -> list[str]:
-    """n prompts of real text (the standard library's own source, present on every machine), each a
-    window of about lo–hi tokens; text, so that every transport (including /generate, which takes no
-    token ids) sends exactly the same requests."""
-    import importlib
-    import inspect
-    import random
-
-    sources = [inspect.getsource(importlib.import_module(m)) for m in _CORPUS_MODULES]
-    ids = tokenizer("\n".join(sources), add_special_tokens=False, verbose=False)["input_ids"]  # no length warning
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        length = rng.randint(lo, hi)
-        start = rng.randrange(0, len(ids) - length)
-        out.append(tokenizer.decode(ids[start:start + length]))
-    return out
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _start_server(path: str, port: int, grpc_port: int | None, ns: argparse.Namespace) -> subprocess.Popen[bytes]:
-    # Prefix caching off: the transports replay the same prompts, and the second would find them cached.
+    # Prefix caching off: the endpoints replay the same prompts, and the second would find them cached.
     cmd = [sys.executable, "-m", "minivllm", "serve", path, "--port", str(port), "--kv-cache-memory",
-           ns.kv_cache_memory, "--max-num-seqs", str(max(ns.concurrency, 1)), "--log-level", "warning",
-           "--max-waiting", str(ns.num_requests + 16), "--no-enable-prefix-caching"]
+           ns.kv_cache_memory, "--max-num-seqs", str(ns.max_num_seqs or max(ns.concurrency, 1)),
+           "--log-level", "warning", "--max-waiting", str(ns.num_requests + 16), "--no-enable-prefix-caching",
+           *ns.server_arg]
     if grpc_port is not None:
         cmd += ["--grpc-port", str(grpc_port)]
     if ns.server_threads:
@@ -263,90 +97,150 @@ def _start_server(path: str, port: int, grpc_port: int | None, ns: argparse.Name
     raise RuntimeError("server did not become healthy in 300 s")
 
 
-def _offline(path: str, prompts: list[list[int]], ns: argparse.Namespace) -> float:
+def _scrape_lag(url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        for s in fam.samples:
+            if s.name.startswith("minivllm:event_loop_lag"):
+                out[s.name + (f"{{le={s.labels['le']}}}" if "le" in s.labels else "")] = s.value
+    return out
+
+
+def _lag(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Event-loop lag over the measured window from the probe histogram: count, mean, p99 and max bucket."""
+    name = "minivllm:event_loop_lag_seconds"
+    if name + "_count" not in after:  # not our server
+        return {}
+    n = after[name + "_count"] - before[name + "_count"]
+    mean = (after[name + "_sum"] - before[name + "_sum"]) / n if n else 0.0
+    buckets = sorted((float(k.split("le=")[1].rstrip("}")), after[k] - before[k])
+                     for k in after if k.startswith(name + "_bucket"))
+    p99 = next((le for le, c in buckets if c >= 0.99 * n), float("inf"))
+    worst = next((le for le, c in buckets if c >= n), float("inf"))
+    return {"probes": n, "mean_s": mean, "p99_le_s": p99, "max_le_s": worst}
+
+
+def _offline(path: str, requests: list[RequestSpec], tokenizer: Any, ns: argparse.Namespace) -> float:
+    """The offline engine's output tok/s on the same requests at the same concurrency."""
+    from minivllm.bench.throughput import greedy, run_engine
+    from minivllm.config import EngineArgs
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.sampling_params import RequestOutputKind, SamplingParams
+
     engine = LLMEngine(EngineArgs(model=path, num_threads=ns.threads, kv_cache_memory=ns.kv_cache_memory,
-                                  max_num_seqs=ns.concurrency, enable_prefix_caching=False))
+                                  max_num_seqs=ns.max_num_seqs or ns.concurrency, enable_prefix_caching=False))
+    prompts = [tokenizer.encode(r.prompt) for r in requests]
     run_engine(engine, prompts[:2], greedy(4))  # warm-up
-    r = run_engine(engine, prompts, greedy(ns.output_len))
-    del engine
-    return len(prompts) * ns.output_len / r["elapsed"]
+    t0 = time.perf_counter()
+    for i, (p, r) in enumerate(zip(prompts, requests, strict=True)):
+        params = SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=ns.ignore_eos,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        engine.add_request(f"offline-{i}", {"prompt_token_ids": p}, params)
+    tokens = 0
+    while engine.has_unfinished_requests():
+        tokens += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    return tokens / (time.perf_counter() - t0)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _summary(results: list[RequestResult], elapsed: float, lag: dict[str, float]) -> dict[str, Any]:
-    ok = [r for r in results if r.ok]
-    tokens = sum(r.output_tokens for r in ok)
-    itls = [x for r in ok for x in r.itls]
-    # Time per output token after the first: independent of how the transport groups tokens into messages.
-    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    return {
-        "elapsed_s": elapsed, "requests_ok": len(ok), "errors": len(results) - len(ok),
-        "first_error": next((r.error for r in results if not r.ok), ""),
-        "req_per_s": len(ok) / elapsed, "output_tok_per_s": tokens / elapsed,
-        "ttft_ms": {f"p{q}": 1000 * _pct([r.ttft for r in ok], q) for q in (50, 95, 99)},
-        "itl_ms": {f"p{q}": 1000 * _pct(itls, q) for q in (50, 95, 99)},
-        "tpot_ms": {f"p{q}": 1000 * _pct(tpots, q) for q in (50, 95, 99)},
-        "e2e_s": {f"p{q}": _pct([r.e2e for r in ok], q) for q in (50, 95, 99)},
-        "event_loop_lag": lag,
-    }
-
-
-def _order(transports: list[str], rounds: int) -> list[str]:
-    """ABBA…: each transport runs early and late as often as the others, so drift cancels in the means."""
+def _order(endpoints: list[str], rounds: int) -> list[str]:
+    """ABBA…: each endpoint runs early and late as often as the others, so drift cancels in the means."""
     out: list[str] = []
     for r in range(rounds):
-        out += transports if r % 2 == 0 else transports[::-1]
+        out += endpoints if r % 2 == 0 else endpoints[::-1]
+    return out
+
+
+def _merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One endpoint's runs: rates and percentiles averaged, counts summed."""
+    if len(runs) == 1:
+        return runs[0]
+    mean = statistics.mean
+    out: dict[str, Any] = {k: mean(r[k] for r in runs) for k in ("elapsed_s", "req_per_s", "output_tok_per_s")}
+    out.update({k: sum(r[k] for r in runs) for k in ("requests", "successes", "failures", "output_tokens")})
+    out["failure_causes"] = {}
+    for r in runs:
+        for cause, n in r["failure_causes"].items():
+            out["failure_causes"][cause] = out["failure_causes"].get(cause, 0) + n
+    out["first_failure"] = next((r["first_failure"] for r in runs if r["first_failure"]), "")
+    for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        out[k] = {q: mean(r[k][q] for r in runs) for q in runs[0][k]}
+    lags = [r["event_loop_lag"] for r in runs if r.get("event_loop_lag")]
+    if lags:
+        out["event_loop_lag"] = {"probes": sum(x["probes"] for x in lags), "mean_s": mean(x["mean_s"] for x in lags),
+                                 "p99_le_s": max(x["p99_le_s"] for x in lags),
+                                 "max_le_s": max(x["max_le_s"] for x in lags)}
+    out["runs_tok_per_s"] = [r["output_tok_per_s"] for r in runs]
     return out
 
 
 def run_serve(ns: argparse.Namespace) -> int:
     """`minivllm bench serve`."""
+    from minivllm.bench.throughput import resolve_model
+    from minivllm.engine.tokenizer import get_tokenizer
+
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the report
-    transports = [t.strip() for t in ns.transport.split(",") if t.strip()]
-    bad = [t for t in transports if t not in TRANSPORTS]
-    if bad or not transports or len(set(transports)) != len(transports):
-        raise ValueError(f"--transport: expected distinct names among {', '.join(TRANSPORTS)}, got {ns.transport!r}")
-    rounds = ns.rounds or (2 if len(transports) > 1 else 1)
+    endpoints = [t.strip() for t in ns.transport.split(",") if t.strip()]
+    if not endpoints or any(t not in ENDPOINTS for t in endpoints) or len(set(endpoints)) != len(endpoints):
+        raise ValueError(f"--transport: expected distinct names among {', '.join(ENDPOINTS)}, got {ns.transport!r}")
+    if ns.base_url and "grpc" in endpoints and not ns.grpc_target:
+        raise ValueError("--transport grpc with --base-url needs --grpc-target host:port")
+    rounds = ns.rounds or (2 if len(endpoints) > 1 else 1)
     path = resolve_model(ns.model, ns.preset)
     tokenizer = get_tokenizer(path)
-    prompts = text_prompts(tokenizer, ns.num_requests, ns.input_len_min, ns.input_len_max, seed=0)
-    threads = ns.threads or cpu_count()
-    result: dict[str, Any] = {"model": path, "concurrency": ns.concurrency, "num_requests": ns.num_requests,
-                              "input_len": [ns.input_len_min, ns.input_len_max], "output_len": ns.output_len,
-                              "threads": threads, "server_threads": ns.server_threads or cpu_count(),
-                              "transports": transports, "order": _order(transports, rounds)}
+    out_len = (ns.output_len, ns.output_len_max or ns.output_len)
+    requests = make_workload(tokenizer, ns.num_requests, (ns.input_len_min, ns.input_len_max), out_len, ns.seed)
+    mode = (f"open loop, Poisson arrivals at {ns.request_rate} req/s" if ns.request_rate
+            else f"closed loop, {ns.concurrency} clients")
+    result: dict[str, Any] = {
+        "model": path, "mode": mode, "concurrency": None if ns.request_rate else ns.concurrency,
+        "request_rate": ns.request_rate, "num_requests": ns.num_requests, "stream": ns.stream,
+        "input_len": [ns.input_len_min, ns.input_len_max], "output_len": list(out_len), "ignore_eos": ns.ignore_eos,
+        "threads": ns.threads or cpu_count(), "server_threads": ns.server_threads or cpu_count(),
+        "endpoints": endpoints, "order": _order(endpoints, rounds), "base_url": ns.base_url,
+    }
+    run_offline = not ns.no_offline and not ns.base_url
     offline = []
-    token_prompts = [tokenizer.encode(p) for p in prompts]
-    if not ns.no_offline:
-        offline.append(_offline(path, token_prompts, ns))
+    if run_offline:
+        offline.append(_offline(path, requests, tokenizer, ns))
         print(f"offline engine: {offline[-1]:.1f} tok/s", flush=True)
-    port = _free_port()
-    grpc_port = _free_port() if "grpc" in transports else None
-    url, target = f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
-    proc = _start_server(path, port, grpc_port, ns)
-    runs: dict[str, list[dict[str, Any]]] = {t: [] for t in transports}
+    proc = None
+    if ns.base_url:
+        url, target = ns.base_url.rstrip("/"), ns.grpc_target
+    else:
+        port, grpc_port = _free_port(), (_free_port() if "grpc" in endpoints else None)
+        url, target = f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
+        proc = _start_server(path, port, grpc_port, ns)
+    max_conn = (ns.concurrency if not ns.request_rate else ns.num_requests) + 4
+
+    async def one_run(endpoint: str, reqs: list[RequestSpec], desc: str | None, **load: Any) -> dict[str, Any]:
+        client = make_client(endpoint, url, target, ns.stream, ns.ignore_eos, max_conn, ns.api_key)
+        try:
+            return await run_load(client, reqs, desc=desc, **load)
+        finally:
+            await client.aclose()
+
+    load = {"rate": ns.request_rate, "seed": ns.seed} if ns.request_rate else {"concurrency": ns.concurrency}
+    runs: dict[str, list[dict[str, Any]]] = {t: [] for t in endpoints}
     try:
-        for t in transports:  # warm-up, every client path once
-            asyncio.run(run_load(t, url, target, prompts[:4], 8, 4))
+        for t in endpoints:  # warm-up: every client path once
+            asyncio.run(one_run(t, [RequestSpec(r.prompt, 8) for r in requests[:4]], None, concurrency=4))
         for t in result["order"]:
-            before = _scrape(url)
-            results, elapsed = asyncio.run(run_load(t, url, target, prompts, ns.output_len, ns.concurrency))
-            runs[t].append(_summary(results, elapsed, _lag(before, _scrape(url))))
-            print(f"{t}: {runs[t][-1]['output_tok_per_s']:.1f} tok/s, {runs[t][-1]['errors']} errors", flush=True)
+            before = _scrape_lag(url)
+            summary = asyncio.run(one_run(t, requests, f"{t} ({len(runs[t]) + 1}/{rounds})", **load))
+            summary["event_loop_lag"] = _lag(before, _scrape_lag(url))
+            runs[t].append(summary)
+            print(f"{t}: {summary['output_tok_per_s']:.1f} tok/s, {summary['successes']} ok, "
+                  f"{summary['failures']} failed", flush=True)
     finally:
-        proc.terminate()
-        proc.wait(30)
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
     result["runs"] = runs
     result["server"] = {t: _merge(rs) for t, rs in runs.items()}
-    if not ns.no_offline:
-        offline.append(_offline(path, token_prompts, ns))
+    if run_offline:
+        offline.append(_offline(path, requests, tokenizer, ns))
         print(f"offline engine (again): {offline[-1]:.1f} tok/s", flush=True)
         result["offline_tok_per_s"] = offline
         result["server_vs_offline"] = {t: s["output_tok_per_s"] / statistics.mean(offline)
@@ -356,70 +250,92 @@ def run_serve(ns: argparse.Namespace) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(ns.out)), exist_ok=True)
         with open(ns.out, "w") as f:
             json.dump(result, f, indent=2)
-    return 0 if not any(s["errors"] for s in result["server"].values()) else 1
-
-
-def _merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One transport's runs: throughput and percentiles averaged, errors summed, worst lag kept."""
-    if len(runs) == 1:
-        return runs[0]
-    mean = statistics.mean
-    out: dict[str, Any] = {k: mean(r[k] for r in runs) for k in ("elapsed_s", "req_per_s", "output_tok_per_s")}
-    out.update({k: sum(r[k] for r in runs) for k in ("requests_ok", "errors")})
-    out["first_error"] = next((r["first_error"] for r in runs if r["first_error"]), "")
-    for k in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_s"):
-        out[k] = {q: mean(r[k][q] for r in runs) for q in runs[0][k]}
-    lags = [r["event_loop_lag"] for r in runs]
-    out["event_loop_lag"] = {"probes": sum(x["probes"] for x in lags),
-                             "mean_s": mean(x["mean_s"] for x in lags),
-                             "p99_le_s": max(x["p99_le_s"] for x in lags), "max_le_s": max(x["max_le_s"] for x in lags),
-                             "max_since_start_s": max(x["max_since_start_s"] for x in lags)}
-    out["runs_tok_per_s"] = [r["output_tok_per_s"] for r in runs]
-    return out
-
-
-_NAMES = {"openai": "OpenAI /v1/completions (SSE)", "http": "seed /generate (SSE)", "grpc": "gRPC GenerateStream"}
+        png = os.path.splitext(ns.out)[0] + ".png"
+        plot(result, png)
+        print(f"wrote {ns.out} and {png}")
+    return 0 if not any(s["failures"] for s in result["server"].values()) else 1
 
 
 def report(r: dict[str, Any]) -> str:
-    """A markdown summary: one column per transport."""
-    ts = r["transports"]
+    """A markdown summary: one column per endpoint."""
+    ts = r["endpoints"]
     ss = [r["server"][t] for t in ts]
     rounds = len(r["order"]) // len(ts)
+    out_len = r["output_len"]
     lines = [
-        f"closed loop, {r['concurrency']} streaming clients, {r['num_requests']} requests of stdlib-source text, "
-        f"prompts {r['input_len'][0]}–{r['input_len'][1]} tokens, {r['output_len']} tokens out (ignore_eos), "
-        f"engine threads: server {r['server_threads']}, offline {r['threads']}; prefix caching off; "
-        f"{rounds} run(s) per transport, order {' '.join(r['order'])}",
+        f"{r['mode']}, {r['num_requests']} requests of stdlib-source text, prompts {r['input_len'][0]}–"
+        f"{r['input_len'][1]} tokens, {out_len[0] if out_len[0] == out_len[1] else f'{out_len[0]}–{out_len[1]}'} "
+        f"tokens out{' (ignore_eos)' if r['ignore_eos'] else ''}, {'streamed' if r['stream'] else 'whole answers'}; "
+        + (f"server at {r['base_url']}; " if r["base_url"] else
+           f"engine threads: server {r['server_threads']}, offline {r['threads']}; ")
+        + f"{rounds} run(s) per endpoint, order {' '.join(r['order'])}",
         "",
-        "| | " + " | ".join(_NAMES[t] for t in ts) + " |",
+        "| | " + " | ".join(ENDPOINT_NAMES[t] for t in ts) + " |",
         "|---|" + "---|" * len(ts),
     ]
 
     def row(name: str, cell: Any) -> None:
-        lines.append(f"| {name} | " + " | ".join(cell(s) for s in ss) + " |")
+        lines.append(f"| {name} | " + " | ".join(cell(t, s) for t, s in zip(ts, ss, strict=True)) + " |")
 
-    row("output throughput", lambda s: f"{s['output_tok_per_s']:.1f} tok/s ({s['req_per_s']:.2f} req/s)"
+    def dist(key: str, unit: str = "ms", fmt: str = ".1f") -> Any:
+        return lambda t, s: " / ".join(format(s[key][f"p{q}"], fmt) for q in (50, 95, 99)) + f" {unit}"
+
+    row("output throughput", lambda t, s: f"{s['output_tok_per_s']:.1f} tok/s ({s['req_per_s']:.2f} req/s)"
         + (f"; runs {', '.join(f'{x:.1f}' for x in s['runs_tok_per_s'])}" if "runs_tok_per_s" in s else ""))
     if len(ts) > 1:
         base = ss[0]["output_tok_per_s"]
-        row(f"throughput / {ts[0]}", lambda s: f"{s['output_tok_per_s'] / base:.3f}")
+        row(f"throughput / {ts[0]}", lambda t, s: f"{s['output_tok_per_s'] / base:.3f}")
     if "server_vs_offline" in r:
         off = r["offline_tok_per_s"]
-        lines.append(f"| offline engine, same requests, max_num_seqs={r['concurrency']} | "
-                     + " | ".join(f"{statistics.mean(off):.1f} tok/s (runs: {', '.join(f'{x:.1f}' for x in off)})"
-                                  for _ in ts) + " |")
-        row("**server / offline**", lambda s: "")
-        lines[-1] = "| **server / offline** | " + " | ".join(f"**{r['server_vs_offline'][t]:.2f}**" for t in ts) + " |"
-    row("TTFT p50 / p95 / p99", lambda s: f"{s['ttft_ms']['p50']:.0f} / {s['ttft_ms']['p95']:.0f} / "
-        f"{s['ttft_ms']['p99']:.0f} ms")
-    row("ITL p50 / p95 / p99", lambda s: f"{s['itl_ms']['p50']:.1f} / {s['itl_ms']['p95']:.1f} / "
-        f"{s['itl_ms']['p99']:.1f} ms")
-    row("TPOT p50 / p95 / p99", lambda s: f"{s['tpot_ms']['p50']:.1f} / {s['tpot_ms']['p95']:.1f} / "
-        f"{s['tpot_ms']['p99']:.1f} ms")
-    row("end-to-end p50 / p95 / p99", lambda s: f"{s['e2e_s']['p50']:.2f} / {s['e2e_s']['p95']:.2f} / "
-        f"{s['e2e_s']['p99']:.2f} s")
-    row("errors", lambda s: f"{s['errors']} {s['first_error']}".strip())
-    row("event-loop lag (10 ms timer probe)", lambda s: f"mean {1000 * s['event_loop_lag']['mean_s']:.2f} ms, "
-        f"p99 ≤ {1000 * s['event_loop_lag']['p99_le_s']:.0f} ms, max ≤ {1000 * s['event_loop_lag']['max_le_s']:.0f} ms")
+        row("offline engine, same requests", lambda t, s: f"{statistics.mean(off):.1f} tok/s "
+            f"(runs: {', '.join(f'{x:.1f}' for x in off)})")
+        row("**server / offline**", lambda t, s: f"**{r['server_vs_offline'][t]:.2f}**")
+    if r["stream"]:
+        row("TTFT p50 / p95 / p99", dist("ttft_ms", fmt=".0f"))
+        row("TPOT p50 / p95 / p99", dist("tpot_ms"))
+        row("ITL p50 / p95 / p99", dist("itl_ms"))
+    row("end-to-end p50 / p95 / p99", dist("e2e_ms", fmt=".0f"))
+    row("successes / failures", lambda t, s: f"{s['successes']} / {s['failures']}"
+        + (f" ({', '.join(f'{k}: {v}' for k, v in s['failure_causes'].items())})" if s["failures"] else ""))
+    if all(s.get("event_loop_lag") for s in ss):
+        def lag(t: str, s: dict[str, Any]) -> str:
+            x = s["event_loop_lag"]
+            return (f"mean {1000 * x['mean_s']:.2f} ms, p99 ≤ {1000 * x['p99_le_s']:.0f} ms, "
+                    f"max ≤ {1000 * x['max_le_s']:.0f} ms")
+
+        row("event-loop lag (10 ms timer probe)", lag)
     return "\n".join(lines)
+
+
+def plot(r: dict[str, Any], path: str) -> None:
+    """Throughput and latency percentiles per endpoint, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ts = r["endpoints"]
+    names = [ENDPOINT_NAMES[t] for t in ts]
+    keys = [k for k in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "end-to-end")) if r["stream"]
+            or k[0] == "e2e_ms"]
+    fig, axes = plt.subplots(1, 1 + len(keys), figsize=(4 * (1 + len(keys)), 3.6))
+    tok = [r["server"][t]["output_tok_per_s"] for t in ts]
+    axes[0].bar(names, tok, color="tab:blue")
+    if "offline_tok_per_s" in r:
+        axes[0].axhline(statistics.mean(r["offline_tok_per_s"]), color="k", ls="--", label="offline engine")
+        axes[0].legend(fontsize=7)
+    axes[0].set_title("output tok/s")
+    for ax, (key, title) in zip(axes[1:], keys, strict=True):
+        width = 0.8 / 3
+        for i, q in enumerate((50, 95, 99)):
+            ax.bar([j + (i - 1) * width for j in range(len(ts))], [r["server"][t][key][f"p{q}"] for t in ts],
+                   width, label=f"p{q}")
+        ax.set_xticks(range(len(ts)), names)
+        ax.set_title(f"{title} (ms)")
+        ax.legend(fontsize=7)
+    for ax in axes:
+        ax.tick_params(axis="x", labelsize=7, rotation=15)
+    fig.suptitle(f"minivllm bench serve: {r['mode']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -202,6 +202,11 @@ class AsyncLLMEngine:
             self._inbox.append(_Abort(request_id))
             self._cv.notify()
 
+    def abort_stream(self, stream: AsyncStream) -> None:
+        """Abort the request of this stream, unless it finished (its id may already serve a newer request)."""
+        if self._streams.get(stream.request_id) is stream:
+            self.abort(stream.request_id)
+
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str, priority: int = 0
                        ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs; leaving early (cancel, break) aborts it."""

@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from minivllm.config import EngineArgs, parse_size
 from minivllm.engine.async_engine import AsyncLLMEngine
 from minivllm.entrypoints import openai_routes, seed_routes
-from minivllm.entrypoints.metrics import ENDPOINTS, ServerMetrics
+from minivllm.entrypoints.metrics import HTTP_ENDPOINTS, ServerMetrics
 from minivllm.entrypoints.serving import (
     APIError,
     ClientDisconnected,
@@ -92,7 +92,7 @@ class GuardMiddleware:
 def _install_error_handlers(app: FastAPI) -> None:
     def counted(request: Request, err: APIError) -> JSONResponse:
         state: ServerState = request.app.state.server
-        if request.url.path in ENDPOINTS:
+        if request.url.path in HTTP_ENDPOINTS:
             status = "client_error" if err.status < 500 else "server_error"
             state.count(request.url.path, status, getattr(request.state, "t0", time.monotonic()))
         return err.response()
@@ -151,7 +151,7 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs) -> FastAPI:
             if args.grpc_port is not None:  # same loop, same engine (imported here: HTTP-only needs no grpc)
                 from minivllm.entrypoints.grpc_server import start_grpc_server
 
-                grpc_server = await start_grpc_server(app.state.server, args.host, args.grpc_port)
+                grpc_server = await start_grpc_server(app.state.server)
                 app.state.grpc_port = grpc_server.port
             yield
         finally:

@@ -12,6 +12,7 @@ abort their engine requests on the way out, so the KV blocks are freed before th
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import re
 import time
@@ -24,6 +25,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 
+from minivllm.config import parse_size
+from minivllm.engine.async_engine import EngineDeadError, RequestFailedError
 from minivllm.entrypoints.proto import inference_pb2 as pb
 from minivllm.entrypoints.proto import inference_pb2_grpc as pb_grpc
 from minivllm.entrypoints.protocol import SamplingFields
@@ -113,10 +116,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             status = "client_error" if e.status < 500 else "server_error"
             await _abort(context, e)
             raise AssertionError("unreachable: context.abort raises") from None
-        except Exception:  # a bug: grpc answers UNKNOWN with the exception's type
+        except Exception as e:  # a bug: INTERNAL, as HTTP answers 500
             status = "server_error"
             logger.exception("unhandled error in %s", method)
-            raise
+            await _abort(context, APIError(500, f"internal server error: {e!r}"))
+            raise AssertionError("unreachable: context.abort raises") from None
         finally:
             self.state.count(f"/{SERVICE_NAME}/{method}", status, t0)
 
@@ -159,16 +163,12 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def GenerateStream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[pb.GenerateStreamResponse]:
         """One message per engine step with new tokens; the last carries finish_reason, usage and latency."""
-        endpoint, t0 = f"/{SERVICE_NAME}/GenerateStream", time.monotonic()
+        t0 = time.monotonic()
+        status, stream = "aborted", None  # stays "aborted" when the client cancels or its deadline passes
         try:
             reqs = await self._prepare(request, RequestOutputKind.DELTA, [_prompt(request)], request.request_id)
             (stream,) = self.state.submit(reqs)
-        except APIError as e:
-            self.state.count(endpoint, "client_error" if e.status < 500 else "server_error", t0)
-            await _abort(context, e)
-            return
-        status, k, n = "aborted", _opt(request, "logprobs"), 0
-        try:
+            k, n = _opt(request, "logprobs"), 0
             async for out in stream:
                 c = out.outputs[0]
                 n += len(c.token_ids)
@@ -182,12 +182,18 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 if c.token_ids or out.finished:
                     yield msg
             status = "success"
-        except Exception as e:  # an engine failure: the stream ends with its status
+        except APIError as e:  # bad input, a full queue, a dead engine
+            status = "client_error" if e.status < 500 else "server_error"
+            await _abort(context, e)
+        except Exception as e:  # the engine failed this request (or a bug): the stream ends with its status
             status = "server_error"
+            if not isinstance(e, RequestFailedError | EngineDeadError):
+                logger.exception("unhandled error in GenerateStream")
             await _abort(context, engine_error(e))
         finally:  # also on cancellation and deadline: free the request's KV blocks now
-            self.state.abort([stream])
-            self.state.count(endpoint, status, t0)
+            if stream is not None:
+                self.state.abort([stream])
+            self.state.count(f"/{SERVICE_NAME}/GenerateStream", status, t0)
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         """SERVING while the engine loop runs, with its gauges; NOT_SERVING and why otherwise."""
@@ -249,28 +255,75 @@ class EngineHealthServicer(health.aio.HealthServicer):
             await asyncio.sleep(_HEALTH_POLL_S)
 
 
-class GrpcServer:
-    """The running gRPC server and its health watcher."""
+# Calls that need no API key, as /health and /metrics over HTTP: health checks and reflection.
+_OPEN_METHODS = (f"/{SERVICE_NAME}/Health", "/grpc.health.v1.Health/", "/grpc.reflection.")
 
-    def __init__(self, server: grpc.aio.Server, port: int, watcher: asyncio.Task[None]) -> None:
-        self.server, self.port, self._watcher = server, port, watcher
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """--api-key for gRPC: generation calls need metadata `authorization: Bearer <key>` (UNAUTHENTICATED
+    otherwise)."""
+
+    def __init__(self, api_key: str) -> None:
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]],
+                                details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(_OPEN_METHODS):
+            return handler
+        auth = next((v for k, v in details.invocation_metadata or () if k == "authorization"), "")
+        if hmac.compare_digest(auth.encode() if isinstance(auth, str) else auth, self._expected):
+            return handler
+        return _denied(handler)
+
+
+def _denied(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same kind that ends the call with UNAUTHENTICATED."""
+    message = "invalid or missing API key: send metadata 'authorization: Bearer <key>'"
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # an async generator, as the streaming handler it replaces
+
+    kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(streaming, **kw)
+    return grpc.unary_unary_rpc_method_handler(unary, **kw)
+
+
+class GrpcServer:
+    """The running gRPC server and its health servicer."""
+
+    def __init__(self, server: grpc.aio.Server, port: int, health: EngineHealthServicer,
+                 watcher: asyncio.Task[None]) -> None:
+        self.server, self.port, self.health, self._watcher = server, port, health, watcher
 
     async def stop(self, grace_s: float = 2.0) -> None:
-        """Stop accepting calls; calls still running after grace_s are cancelled (and so aborted)."""
+        """Report NOT_SERVING, stop accepting calls; calls still running after grace_s are cancelled (and so
+        aborted)."""
         self._watcher.cancel()
+        await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
 
 
-async def start_grpc_server(state: ServerState, host: str, port: int) -> GrpcServer:
-    """Serve InferenceService, grpc.health.v1 and reflection on host:port, on the running event loop."""
-    # SO_REUSEPORT (gRPC's default on Linux) would let a second server bind a port already in use.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+async def start_grpc_server(state: ServerState) -> GrpcServer:
+    """Serve InferenceService, grpc.health.v1 and reflection on --host:--grpc-port, on the running event loop,
+    with the HTTP server's API key and request size limit."""
+    args = state.args
+    assert args.grpc_port is not None
+    options = [("grpc.so_reuseport", 0),  # gRPC's default on Linux would let a second server share the port
+               ("grpc.max_receive_message_length", parse_size(args.max_body_size))]
+    interceptors = [ApiKeyInterceptor(args.api_key)] if args.api_key else []
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(state), server)
     health_servicer = EngineHealthServicer(state)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    address = f"[{args.host}]:{args.grpc_port}" if ":" in args.host else f"{args.host}:{args.grpc_port}"
     try:
         bound = server.add_insecure_port(address)
     except RuntimeError as e:
@@ -280,5 +333,5 @@ async def start_grpc_server(state: ServerState, host: str, port: int) -> GrpcSer
     await server.start()
     await health_servicer.refresh()
     watcher = asyncio.ensure_future(health_servicer.watch_engine())
-    logger.info("serving gRPC (%s, grpc.health.v1, reflection) on %s:%d", SERVICE_NAME, host, bound)
-    return GrpcServer(server, bound, watcher)
+    logger.info("serving gRPC (%s, grpc.health.v1, reflection) on %s:%d", SERVICE_NAME, args.host, bound)
+    return GrpcServer(server, bound, health_servicer, watcher)

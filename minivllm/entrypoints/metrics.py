@@ -16,10 +16,11 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 _TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 FINISH_REASONS = ("stop", "length", "abort")
-# gRPC calls are labelled with their method path (see grpc_server.ENDPOINTS).
-ENDPOINTS = ("/generate", "/batch_generate", "/ws/generate", "/v1/completions", "/v1/chat/completions",
-             "/minivllm.v1.InferenceService/Generate", "/minivllm.v1.InferenceService/BatchGenerate",
-             "/minivllm.v1.InferenceService/GenerateStream")
+HTTP_ENDPOINTS = ("/generate", "/batch_generate", "/ws/generate", "/v1/completions", "/v1/chat/completions")
+# gRPC calls are labelled with their method path (grpc_server.ENDPOINTS; a test keeps the two in step).
+GRPC_ENDPOINTS = ("/minivllm.v1.InferenceService/Generate", "/minivllm.v1.InferenceService/BatchGenerate",
+                  "/minivllm.v1.InferenceService/GenerateStream")
+ENDPOINTS = HTTP_ENDPOINTS + GRPC_ENDPOINTS
 OUTCOMES = ("success", "client_error", "server_error", "aborted")
 
 
@@ -87,11 +88,15 @@ class ServerMetrics:
     def record(self, stats: IterationStats | None, snapshot: SchedulerSnapshot) -> None:
         """StatLogger: engine step stats → metrics (called on the engine thread; prometheus_client locks)."""
         lbl = self._lbl
+        if stats is not None:
+            self._record_stats(stats)
+        # Gauges last: a scrape that sees the server idle also sees the counters of what just finished.
         self.running.labels(**lbl).set(snapshot.num_running)
         self.waiting.labels(**lbl).set(snapshot.num_waiting)
         self.kv_usage.labels(**lbl).set(snapshot.kv_cache_usage)
-        if stats is None:
-            return
+
+    def _record_stats(self, stats: IterationStats) -> None:
+        lbl = self._lbl
         self.prompt_tokens.labels(**lbl).inc(stats.num_prompt_tokens)
         self.generation_tokens.labels(**lbl).inc(stats.num_generation_tokens)
         self.tokens_generated.inc(stats.num_generation_tokens)

@@ -231,7 +231,7 @@ class ServerState:
     def abort(self, streams: Iterable[AsyncStream]) -> None:
         """Abort every stream that has not finished (no-op for finished ones)."""
         for s in streams:
-            self.engine.abort(s.request_id)
+            self.engine.abort_stream(s)
 
     def count(self, endpoint: str, status: str, t0: float) -> None:
         """Seed metrics: one request of an endpoint with its outcome, and its latency."""
