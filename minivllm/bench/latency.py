@@ -10,7 +10,6 @@ measured bandwidth); for the prefill it is 2 x params x prompt tokens / measured
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -18,6 +17,7 @@ from typing import Any
 
 import torch
 
+from minivllm.bench.results import save
 from minivllm.bench.roofline import ModelCost, measure_ceilings
 from minivllm.bench.throughput import greedy, random_prompts, resolve_model
 from minivllm.config import EngineArgs, ModelConfig, cpu_count
@@ -86,13 +86,7 @@ def run_latency(ns: argparse.Namespace) -> int:
               "ceilings": {"peak_flops": ceilings.peak_flops, "bandwidth": ceilings.bandwidth},
               "weight_bytes": cost.weight_bytes, "rows": rows}
     print(report(result))
-    if ns.out:
-        os.makedirs(os.path.dirname(os.path.abspath(ns.out)), exist_ok=True)
-        with open(ns.out, "w") as f:
-            json.dump(result, f, indent=2)
-        png = os.path.splitext(ns.out)[0] + ".png"
-        plot(result, png)
-        print(f"wrote {ns.out} and {png}")
+    save(result, ns.out, plot)
     return 0
 
 

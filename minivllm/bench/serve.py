@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
-import os
 import statistics
 import subprocess
 import sys
@@ -24,6 +22,7 @@ from typing import Any
 import httpx
 
 from minivllm.bench.loadgen import ENDPOINT_NAMES, ENDPOINTS, RequestSpec, make_client, make_workload, run_load
+from minivllm.bench.results import save
 from minivllm.config import cpu_count
 
 
@@ -246,13 +245,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         result["server_vs_offline"] = {t: s["output_tok_per_s"] / statistics.mean(offline)
                                        for t, s in result["server"].items()}
     print(report(result))
-    if ns.out:
-        os.makedirs(os.path.dirname(os.path.abspath(ns.out)), exist_ok=True)
-        with open(ns.out, "w") as f:
-            json.dump(result, f, indent=2)
-        png = os.path.splitext(ns.out)[0] + ".png"
-        plot(result, png)
-        print(f"wrote {ns.out} and {png}")
+    save(result, ns.out, plot)
     return 0 if not any(s["failures"] for s in result["server"].values()) else 1
 
 

@@ -1,0 +1,20 @@
+"""Where every bench puts its results: JSON, and a PNG plot next to it."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+
+def save(result: dict[str, Any], out: str | None, plot: Callable[[dict[str, Any], str], None]) -> None:
+    """Write result as JSON to out and plot(result, png) to the same name with .png (nothing if out is None)."""
+    if not out:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
+    png = os.path.splitext(out)[0] + ".png"
+    plot(result, png)
+    print(f"wrote {out} and {png}")
