@@ -189,17 +189,16 @@ def test_deadline_exceeded_aborts_the_request(model_factory):
     port = free_port()
     with in_process_server(build_app(engine, ServerArgs(grpc_port=port))) as url:
         async def body(stub, _):
-            t = time.monotonic()
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await stub.Generate(greedy("count", 1000), timeout=0.5)
-            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - t < 3
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 async for _ in stub.GenerateStream(greedy("count", 1000), timeout=0.5):
                     pass
             assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
         run(f"127.0.0.1:{port}", body)
-        after = wait_idle(url, timeout=3)  # aborted, not run to the end (1000 steps take ≥ 5 s)
+        after = wait_idle(url)  # aborted: had they run to the end (≥ 5 s), they would finish by "length"
     assert after["minivllm:kv_cache_usage_perc"] == 0
     assert after[ABORTS] == 2 and after['minivllm:request_success_total{finished_reason="length"}'] == 0
 

@@ -17,6 +17,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from typing import Any
 
 import httpx
@@ -158,10 +159,7 @@ def _merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
     mean = statistics.mean
     out: dict[str, Any] = {k: mean(r[k] for r in runs) for k in ("elapsed_s", "req_per_s", "output_tok_per_s")}
     out.update({k: sum(r[k] for r in runs) for k in ("requests", "successes", "failures", "output_tokens")})
-    out["failure_causes"] = {}
-    for r in runs:
-        for cause, n in r["failure_causes"].items():
-            out["failure_causes"][cause] = out["failure_causes"].get(cause, 0) + n
+    out["failure_causes"] = dict(sum((Counter(r["failure_causes"]) for r in runs), Counter()))
     out["first_failure"] = next((r["first_failure"] for r in runs if r["first_failure"]), "")
     for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         out[k] = {q: mean(r[k][q] for r in runs) for q in runs[0][k]}

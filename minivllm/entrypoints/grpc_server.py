@@ -16,7 +16,6 @@ import hmac
 import logging
 import re
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -30,7 +29,14 @@ from minivllm.engine.async_engine import EngineDeadError, RequestFailedError
 from minivllm.entrypoints.proto import inference_pb2 as pb
 from minivllm.entrypoints.proto import inference_pb2_grpc as pb_grpc
 from minivllm.entrypoints.protocol import SamplingFields
-from minivllm.entrypoints.serving import APIError, ServerState, bad_request, engine_error, validation_message
+from minivllm.entrypoints.serving import (
+    APIError,
+    ServerState,
+    bad_request,
+    engine_error,
+    new_request_id,
+    validation_message,
+)
 from minivllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -127,7 +133,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def _prepare(self, msg: pb.GenerateRequest | pb.BatchGenerateRequest, kind: RequestOutputKind,
                        prompts: list[Any], request_id: str = "") -> list:
         params = sampling_params(msg, kind)
-        rid = request_id or f"grpc-{uuid.uuid4().hex}"
+        rid = request_id or new_request_id("grpc")
         return await self.state.prepare(rid, prompts, params, msg.priority, default_max_tokens=_DEFAULT_MAX_TOKENS)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +21,7 @@ from minivllm.entrypoints.serving import (
     ServerState,
     bad_request,
     merge,
+    new_request_id,
     sse,
 )
 from minivllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
@@ -92,7 +92,7 @@ def _chat_logprobs(c: CompletionOutput, k: int) -> dict[str, Any]:
 
 async def _submit(st: ServerState, prompts: list[Prompt], params: SamplingParams,
                   priority: int, prefix: str) -> tuple[str, list[AsyncStream]]:
-    rid = f"{prefix}-{uuid.uuid4().hex}"
+    rid = new_request_id(prefix)
     return rid, st.submit(await st.prepare(rid, prompts, params, priority))
 
 

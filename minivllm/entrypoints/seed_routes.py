@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
@@ -16,15 +15,19 @@ from starlette.responses import JSONResponse, Response
 
 from minivllm.engine.async_engine import AsyncStream
 from minivllm.entrypoints.protocol import BatchGenerateRequest, GenerateRequest
-from minivllm.entrypoints.serving import APIError, ServerState, bad_request, engine_error, sse, validation_message
+from minivllm.entrypoints.serving import (
+    APIError,
+    ServerState,
+    bad_request,
+    engine_error,
+    new_request_id,
+    sse,
+    validation_message,
+)
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 router = APIRouter()
 _DEFAULT_MAX_TOKENS = 128
-
-
-def _rid(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def _params(body: GenerateRequest | BatchGenerateRequest, kind: RequestOutputKind) -> SamplingParams:
@@ -40,7 +43,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     state: ServerState = request.app.state.server
     t0 = request.state.t0
     params = _params(body, RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY)
-    (req,) = await state.prepare(_rid("gen"), [body.prompt], params, body.priority,
+    (req,) = await state.prepare(new_request_id("gen"), [body.prompt], params, body.priority,
                                  default_max_tokens=_DEFAULT_MAX_TOKENS)
     streams = state.submit([req])
     if body.stream:
@@ -72,7 +75,7 @@ async def batch_generate(body: BatchGenerateRequest, request: Request) -> Respon
     state: ServerState = request.app.state.server
     t0 = request.state.t0
     params = _params(body, RequestOutputKind.FINAL_ONLY)
-    reqs = await state.prepare(_rid("batch"), list(body.prompts), params, body.priority,
+    reqs = await state.prepare(new_request_id("batch"), list(body.prompts), params, body.priority,
                                default_max_tokens=_DEFAULT_MAX_TOKENS)
     streams = state.submit(reqs)  # one inbox entry: the engine sees them together and batches them
     outs = await state.wait_finals(request, streams)
@@ -121,7 +124,7 @@ async def _ws_request(state: ServerState, ws: WebSocket, text: str, reading: asy
     try:
         body = GenerateRequest.model_validate_json(text)
         params = _params(body, RequestOutputKind.DELTA)
-        (req,) = await state.prepare(_rid("ws"), [body.prompt], params, body.priority,
+        (req,) = await state.prepare(new_request_id("ws"), [body.prompt], params, body.priority,
                                      default_max_tokens=_DEFAULT_MAX_TOKENS)
         if reading.done():
             return

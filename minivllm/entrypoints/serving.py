@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -115,6 +116,11 @@ def bad_request(e: ValueError) -> APIError:
     head = msg.split(":", 1)[0].split(" ", 1)[0]
     param = head if head.isidentifier() and head != msg else None
     return APIError(400, msg, param)
+
+
+def new_request_id(prefix: str) -> str:
+    """A fresh engine request id, e.g. gen-3f2a…, for a call whose client named none."""
+    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def served_model_name(model_path: str | None, args: ServerArgs) -> str:
