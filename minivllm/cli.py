@@ -74,6 +74,12 @@ def _cmd_bench_serve(ns: argparse.Namespace) -> int:
     return run_serve(ns)
 
 
+def _cmd_bench_all(ns: argparse.Namespace) -> int:
+    from minivllm.bench.all import run_all
+
+    return run_all(ns)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every verb."""
     from minivllm.modelgen.presets import PRESETS
@@ -129,6 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv = bsub.add_parser("serve", help="load generator against a server (HTTP, OpenAI or gRPC) vs the offline engine")
     add_serve_args(sv)
     sv.set_defaults(func=_cmd_bench_serve)
+    from minivllm.bench.all import add_all_args
+
+    al = bsub.add_parser("all", help="every bench in turn, then BENCHMARKS.md regenerated from their results")
+    add_all_args(al)
+    al.set_defaults(func=_cmd_bench_all)
     return parser
 
 

@@ -57,6 +57,10 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+BATCHING_MODES = ("continuous", "static")
+KV_CACHE_MODES = ("paged", "contiguous", "none")
+
+
 def _arg(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
@@ -87,6 +91,14 @@ class EngineArgs:
         0.0, "serving: when the engine is idle, coalesce arrivals for up to this many ms before the first prefill "
         "step (0: continuous batching already merges arrivals)")
     max_waiting: int = _arg(512, "serving: most requests queued before new ones get 429 with Retry-After")
+    batching: str = _arg(
+        "continuous", "continuous | static. static is request-level batching, the seed's and HF generate's (an "
+        "ablation baseline): a batch of up to max_num_seqs requests is admitted only once the previous batch has "
+        "finished, so it runs to its longest request; with --batch-wait-ms a batch waits that long to fill")
+    kv_cache_mode: str = _arg(
+        "paged", "paged | contiguous | none (ablation baselines). contiguous: each sequence reserves max_model_len "
+        "slots at admission, as a per-request contiguous cache must; none: no KV reuse, the whole sequence is "
+        "recomputed every step. Both serve only n=1 requests without beam search")
 
     def __post_init__(self) -> None:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -100,6 +112,10 @@ class EngineArgs:
             raise ValueError(f"batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+        if self.batching not in BATCHING_MODES:
+            raise ValueError(f"batching must be one of {', '.join(BATCHING_MODES)}, got {self.batching!r}")
+        if self.kv_cache_mode not in KV_CACHE_MODES:
+            raise ValueError(f"kv_cache_mode must be one of {', '.join(KV_CACHE_MODES)}, got {self.kv_cache_mode!r}")
         if parse_size(self.kv_cache_memory) <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
 
@@ -159,6 +175,8 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
+    static_batching: bool = False  # admit a new batch only when the running one has finished
+    reserve_tokens: int | None = None  # contiguous cache: slots each sequence reserves at admission
 
 
 def default_batched_tokens(device: torch.device, max_model_len: int, chunked_prefill: bool) -> int:

@@ -98,3 +98,39 @@ def test_aborts_free_every_block(setup):
     assert set(done) == set(range(N_REQ)) - set(aborts)
     assert all(done[i] == solo[i] for i in done)
     _assert_clean(engine)
+
+
+# The ablation baselines of `bench throughput` must compute the same thing, only slower or with more memory.
+@pytest.mark.parametrize("mode", [{"batching": "static", "max_num_seqs": 4},
+                                  {"kv_cache_mode": "contiguous", "max_model_len": 160},
+                                  {"kv_cache_mode": "none"}], ids=["static", "contiguous", "no-kv-cache"])
+def test_ablation_modes_equal_solo(setup, mode):
+    path, prompts, solo, _ = setup
+    engine = LLMEngine(EngineArgs(model=path, check_invariants=True, num_kv_blocks=256, **mode), log_stats=True)
+    assert run_staggered(engine, prompts, PARAMS, ARRIVALS) == solo
+    steps = engine.take_stats().num_iteration_tokens
+    total = sum(len(p) for p in prompts) + N_REQ * (MAX_TOKENS - 1)
+    if mode.get("kv_cache_mode") == "none":
+        # Every token is computed once per later step of its sequence: far more than once.
+        per_seq = sum(sum(range(len(p), len(p) + MAX_TOKENS)) for p in prompts)
+        assert sum(steps) == per_seq
+    else:
+        assert sum(steps) == total  # no recompute, no preemption
+    if mode.get("batching") == "static":
+        # Four batches of four that each run to their end: 4 x (prefill + 23 decodes) at least.
+        assert len(steps) >= 4 * MAX_TOKENS
+    _assert_clean(engine)
+
+
+def test_ablation_modes_refuse_what_needs_shared_blocks(setup):
+    path = setup[0]
+    for mode in ("contiguous", "none"):
+        engine = LLMEngine(EngineArgs(model=path, num_kv_blocks=256, max_model_len=160, kv_cache_mode=mode))
+        assert not engine.block_manager.enable_prefix_caching
+        for params in (SamplingParams(n=2), SamplingParams(use_beam_search=True, beam_width=2, max_tokens=4)):
+            with pytest.raises(ValueError, match=f"kv_cache_mode={mode} serves only n=1"):
+                engine.add_request("x", [5, 6, 7], params)
+    with pytest.raises(ValueError, match="reserves max_model_len"):
+        LLMEngine(EngineArgs(model=path, num_kv_blocks=4, max_model_len=160, kv_cache_mode="contiguous"))
+    with pytest.raises(ValueError, match="batching must be one of"):
+        EngineArgs(model=path, batching="dynamic")

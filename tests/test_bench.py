@@ -10,10 +10,12 @@ from minivllm.cli import main
 def test_bench_throughput_smoke(model_factory, tmp_path):
     out = tmp_path / "bench.json"
     rc = main(["bench", "throughput", "--model", model_factory("tiny-llama"), "--num-requests", "4",
-               "--input-len-min", "4", "--input-len-max", "12", "--output-len", "6", "--batch1-output-len", "4",
-               "--kv-cache-memory", "8MiB", "--output-json", str(out)])
+               "--input-len-min", "20", "--input-len-max", "60", "--output-len", "6", "--batch1-output-len", "4",
+               "--kv-cache-memory", "8MiB", "--ablation-requests", "6", "--concurrency-levels", "1,4",
+               "--output-json", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
+    assert (tmp_path / "bench.png").stat().st_size > 0
     assert r["output_tokens"] == 4 * 6
     # Same greedy tokens as HF and as the portable paths: the comparison is apples to apples.
     assert r["hf"]["identical_outputs"] == 4 and r["portable"]["identical_outputs"] == 4
@@ -21,6 +23,22 @@ def test_bench_throughput_smoke(model_factory, tmp_path):
     assert set(r["step_split"]) == {"schedule", "prepare", "forward", "sample", "update"}
     assert r["decode_profile"]["batch"] == 4
     assert r["sampled"]["output_tok_s"] > 0 and r["sampled"]["ratio_to_greedy"] > 0
+    p = r["decode_profile"]
+    assert 0 < p["non_model_share"] < 1 and p["phases_ms"]["forward"] > 0
+    assert [x["concurrency"] for x in r["concurrency_sweep"]] == [1, 4]
+    assert all(x["output_tok_s"] > 0 and 0 < x["output_tok_s"] <= x["roofline_tok_s"] for x in r["concurrency_sweep"])
+    ab = r["ablations"]
+    assert set(ab) == {"static-batching", "contiguous-cache", "no-chunked-prefill", "no-prefix-caching",
+                       "no-kv-cache", "full engine (mixed)", "full engine (shared-prefix)", "full engine (small)"}
+    for name, x in ab.items():
+        if not name.startswith("full"):
+            # Every mode computes the same greedy tokens as the full engine, only at another cost.
+            assert x["identical_outputs"] == 6
+            assert x["ratio_to_full"] > 0
+    # A contiguous cache reserves max_model_len per sequence: far more of its memory holds nothing.
+    assert ab["contiguous-cache"]["kv_waste"] > ab["full engine (mixed)"]["kv_waste"] + 0.1
+    assert 0 <= ab["full engine (shared-prefix)"]["kv_waste"] < ab["no-prefix-caching"]["kv_waste"] + 0.05
+    assert ab["contiguous-cache"]["peak_kv_slots"] <= ab["full engine (mixed)"]["pool_slots"]
 
 
 def test_bench_latency_smoke(model_factory, tmp_path):
@@ -52,3 +70,41 @@ def test_bench_serve_smoke_over_grpc_and_http(model_factory, tmp_path):
         assert r["server_vs_offline"][t] > 0
     assert r["server"]["grpc"]["output_tokens"] == r["server"]["http"]["output_tokens"]  # the same requests
     assert (tmp_path / "serve.png").stat().st_size > 0
+
+
+def test_bench_serve_variants_static_batching_served_the_same_way(model_factory, tmp_path):
+    """Two real servers, continuous and static batching, on the same requests in ABBA order, with rooflines."""
+    out = tmp_path / "seed.json"
+    rc = main(["bench", "serve", "--model", model_factory("tiny-llama"), "--transport", "http",
+               "--variant", "continuous=", "--variant", "static=--batching static --max-num-seqs 2 --batch-wait-ms 20",
+               "--concurrency", "4", "--num-requests", "8", "--input-len-min", "8", "--input-len-max", "16",
+               "--output-len", "5", "--server-threads", "1", "--kv-cache-memory", "64MiB", "--no-offline",
+               "--roofline", "--out", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["order"] == ["continuous/http", "static/http", "static/http", "continuous/http"]
+    for k in ("continuous/http", "static/http"):
+        assert r["server"][k]["successes"] == 16 and r["server"][k]["failures"] == 0
+        assert r["server"][k]["output_tokens"] == 16 * 5
+    rf = r["roofline"]["columns"]
+    assert rf["continuous/http"]["batch"] == 4 and rf["static/http"]["batch"] == 2
+    assert rf["continuous/http"]["output_tok_s"] >= rf["static/http"]["output_tok_s"] > 0
+
+
+def test_bench_all_quick_regenerates_the_markdown(model_factory, tmp_path):
+    """Every bench runs (tiny sizes) and the markdown gets each section, rendered from the JSON alone."""
+    md, results = tmp_path / "BENCHMARKS.md", tmp_path / "results"
+    rc = main(["bench", "all", "--quick", "--model", model_factory("tiny-llama"), "--out-dir", str(results),
+               "--markdown", str(md)])
+    assert rc == 0
+    text = md.read_text()
+    for heading in ("The seed's serving workload", "Offline throughput", "Step-time split at", "Throughput vs "
+                    "concurrency", "Ablations", "Single-request latency", "Transports"):
+        assert heading in text, heading
+    assert "**Machine**" in text and "peak GEMM" in text and "xychart-beta" in text
+    assert "zero errors: **met**" in text and "p95 latency below the static-batching p50" in text
+    for name in ("seed", "throughput", "latency", "transports"):
+        assert (results / f"{name}.json").is_file() and (results / f"{name}.png").stat().st_size > 0
+    md.unlink()
+    assert main(["bench", "all", "--render-only", "--out-dir", str(results), "--markdown", str(md)]) == 0
+    assert md.read_text() == text  # the same, from the files alone

@@ -117,3 +117,49 @@ def test_budget_never_exceeded(budget):
         assert out.num_batched_tokens <= budget
         assert sum(n for _, n in out.scheduled) == out.num_batched_tokens
         _advance(s, out)
+
+
+def test_static_batching_admits_a_new_batch_only_when_the_last_has_finished():
+    s = Scheduler(SchedulerConfig(2, 64, True, static_batching=True), BlockManager(64, 4))
+    seqs = [_seq(c, 6) for c in "abcd"]
+    for q in seqs:
+        s.add(q)
+    out = s.schedule()
+    assert [q.request_id for q, _ in out.scheduled] == ["a", "b"]
+    _advance(s, out)
+    s.finish(seqs[0], SequenceStatus.FINISHED_LENGTH)  # a is done; b still runs
+    out = s.schedule()
+    assert [(q.request_id, n) for q, n in out.scheduled] == [("b", 1)]  # c waits for the batch to end
+    _advance(s, out)
+    s.finish(seqs[1], SequenceStatus.FINISHED_LENGTH)
+    out = s.schedule()
+    assert [q.request_id for q, _ in out.scheduled] == ["c", "d"]
+
+
+def test_static_batch_keeps_forming_while_its_prompts_exceed_the_budget():
+    s = Scheduler(SchedulerConfig(3, 8, True, static_batching=True), BlockManager(64, 4))
+    a, b, c, d = (_seq(x, 6) for x in "abcd")
+    for q in (a, b, c, d):
+        s.add(q)
+    out = s.schedule()
+    assert [(q.request_id, n) for q, n in out.scheduled] == [("a", 6), ("b", 2)]
+    _advance(s, out)
+    out = s.schedule()  # the batch is still forming: c joins; the batch is then full, d waits
+    assert [(q.request_id, n) for q, n in out.scheduled] == [("a", 1), ("b", 4), ("c", 3)]
+    _advance(s, out)
+    out = s.schedule()
+    assert [q.request_id for q, _ in out.scheduled] == ["a", "b", "c"]
+
+
+def test_contiguous_reservation_limits_admission_by_max_len():
+    # 64 blocks of 4 slots, 40 slots (10 blocks) reserved per sequence: 6 sequences fit, not 10.
+    s = Scheduler(SchedulerConfig(16, 256, True, reserve_tokens=40), BlockManager(64, 4, False))
+    seqs = [_seq(str(i), 6) for i in range(10)]
+    for q in seqs:
+        s.add(q)
+    out = s.schedule()
+    assert len(out.scheduled) == 6 and all(n == 6 for _, n in out.scheduled)
+    assert all(len(q.block_table) == 10 for q, _ in out.scheduled)
+    _advance(s, out)
+    out = s.schedule()  # decodes allocate nothing more
+    assert s.bm.num_used == 60 and len(out.scheduled) == 6

@@ -109,3 +109,18 @@ class ModelCost:
             ctx += len(prompt_lens)
             total += self.step_roofline(len(prompt_lens), len(prompt_lens), ctx, m)
         return total
+
+    def serving_roofline(self, prompt_lens: list[int], output_lens: list[int], batch: int, m: MachineCeilings
+                         ) -> dict[str, float]:
+        """Lower bound on serving these requests with at most `batch` running at once: every token's FLOPs
+        at peak FLOP/s, or the weights read once per step at peak bandwidth (each step yields at most
+        `batch` tokens), whichever is larger."""
+        flops = 2 * self.body_params * (sum(prompt_lens) + sum(output_lens))
+        flops += 2 * self.head_params * sum(output_lens)
+        flops += self.attn_flops_per_ctx_token * sum((p + o) ** 2 // 2 for p, o in zip(prompt_lens, output_lens,
+                                                                                      strict=True))
+        steps = -(-sum(output_lens) // batch)
+        compute_s, memory_s = flops / m.peak_flops, steps * self.weight_bytes / m.bandwidth
+        seconds = max(compute_s, memory_s)
+        return {"batch": batch, "compute_s": compute_s, "memory_s": memory_s, "seconds": seconds,
+                "output_tok_s": sum(output_lens) / seconds, "bound": "compute" if compute_s >= memory_s else "memory"}

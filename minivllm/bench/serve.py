@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import shlex
 import statistics
 import subprocess
 import sys
@@ -60,6 +61,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", default="4GiB")
     p.add_argument("--server-arg", action="append", default=[],
                    help="an extra flag for the started server (repeat), e.g. --server-arg=--batch-wait-ms=5")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="serve the same requests from another server started with these extra flags (repeat); "
+                        "e.g. --variant 'static=--batching static --max-num-seqs 8 --batch-wait-ms 20'. With "
+                        "variants, every (variant, endpoint) pair is a column, run in ABBA order")
+    p.add_argument("--roofline", action="store_true",
+                   help="measure the machine's ceilings here and report each column's roofline throughput")
     p.add_argument("--no-offline", action="store_true", help="skip the offline engine baseline")
     p.add_argument("--out", default=None, help="write the results as JSON here (and a PNG plot next to it)")
 
@@ -72,12 +79,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_server(path: str, port: int, grpc_port: int | None, ns: argparse.Namespace) -> subprocess.Popen[bytes]:
+def _start_server(path: str, port: int, grpc_port: int | None, ns: argparse.Namespace, extra: list[str]
+                  ) -> subprocess.Popen[bytes]:
     # Prefix caching off: the endpoints replay the same prompts, and the second would find them cached.
     cmd = [sys.executable, "-m", "minivllm", "serve", path, "--port", str(port), "--kv-cache-memory",
            ns.kv_cache_memory, "--max-num-seqs", str(ns.max_num_seqs or max(ns.concurrency, 1)),
            "--log-level", "warning", "--max-waiting", str(ns.num_requests + 16), "--no-enable-prefix-caching",
-           *ns.server_arg]
+           *ns.server_arg, *extra]
     if grpc_port is not None:
         cmd += ["--grpc-port", str(grpc_port)]
     if ns.server_threads:
@@ -172,6 +180,23 @@ def _merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _variants(specs: list[str]) -> dict[str, list[str]]:
+    """--variant NAME=FLAGS → {name: flags}; no variant means one server with the base flags."""
+    out: dict[str, list[str]] = {}
+    for spec in specs:
+        name, sep, flags = spec.partition("=")
+        if not sep or not name.strip() or name.strip() in out or "/" in name:
+            raise ValueError(f"--variant: expected a new NAME=FLAGS (no '/' in NAME), got {spec!r}")
+        out[name.strip()] = shlex.split(flags)
+    return out or {"": []}
+
+
+def _max_num_seqs(flags: list[str], default: int) -> int:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--max-num-seqs", type=int, default=default)
+    return p.parse_known_args(flags)[0].max_num_seqs
+
+
 def run_serve(ns: argparse.Namespace) -> int:
     """`minivllm bench serve`."""
     from minivllm.bench.throughput import resolve_model
@@ -183,7 +208,13 @@ def run_serve(ns: argparse.Namespace) -> int:
         raise ValueError(f"--transport: expected distinct names among {', '.join(ENDPOINTS)}, got {ns.transport!r}")
     if ns.base_url and "grpc" in endpoints and not ns.grpc_target:
         raise ValueError("--transport grpc with --base-url needs --grpc-target host:port")
-    rounds = ns.rounds or (2 if len(endpoints) > 1 else 1)
+    variants = _variants(ns.variant)
+    if ns.base_url and len(variants) > 1:
+        raise ValueError("--variant starts its own servers; it cannot be used with --base-url")
+    # A column is one (variant, endpoint) pair; its key is the endpoint alone when there is one server.
+    columns = {(f"{v}/{t}" if v else t): (v, t) for v in variants for t in endpoints}
+    keys = list(columns)
+    rounds = ns.rounds or (2 if len(keys) > 1 else 1)
     path = resolve_model(ns.model, ns.preset)
     tokenizer = get_tokenizer(path)
     out_len = (ns.output_len, ns.output_len_max or ns.output_len)
@@ -195,23 +226,24 @@ def run_serve(ns: argparse.Namespace) -> int:
         "request_rate": ns.request_rate, "num_requests": ns.num_requests, "stream": ns.stream,
         "input_len": [ns.input_len_min, ns.input_len_max], "output_len": list(out_len), "ignore_eos": ns.ignore_eos,
         "threads": ns.threads or cpu_count(), "server_threads": ns.server_threads or cpu_count(),
-        "endpoints": endpoints, "order": _order(endpoints, rounds), "base_url": ns.base_url,
+        "endpoints": keys, "labels": {k: _label(*columns[k]) for k in keys},
+        "variants": {v: " ".join(f) for v, f in variants.items() if v},
+        "order": _order(keys, rounds), "base_url": ns.base_url,
     }
+    if ns.roofline:
+        result["roofline"] = _roofline(path, requests, tokenizer, ns, variants, columns)
     run_offline = not ns.no_offline and not ns.base_url
     offline = []
     if run_offline:
         offline.append(_offline(path, requests, tokenizer, ns))
         print(f"offline engine: {offline[-1]:.1f} tok/s", flush=True)
-    proc = None
-    if ns.base_url:
-        url, target = ns.base_url.rstrip("/"), ns.grpc_target
-    else:
-        port, grpc_port = _free_port(), (_free_port() if "grpc" in endpoints else None)
-        url, target = f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
-        proc = _start_server(path, port, grpc_port, ns)
+    procs: list[subprocess.Popen[bytes]] = []
+    addrs: dict[str, tuple[str, str | None]] = {}
     max_conn = (ns.concurrency if not ns.request_rate else ns.num_requests) + 4
 
-    async def one_run(endpoint: str, reqs: list[RequestSpec], desc: str | None, **load: Any) -> dict[str, Any]:
+    async def one_run(key: str, reqs: list[RequestSpec], desc: str | None, **load: Any) -> dict[str, Any]:
+        variant, endpoint = columns[key]
+        url, target = addrs[variant]
         client = make_client(endpoint, url, target, ns.stream, ns.ignore_eos, max_conn, ns.api_key)
         try:
             return await run_load(client, reqs, desc=desc, **load)
@@ -219,37 +251,73 @@ def run_serve(ns: argparse.Namespace) -> int:
             await client.aclose()
 
     load = {"rate": ns.request_rate, "seed": ns.seed} if ns.request_rate else {"concurrency": ns.concurrency}
-    runs: dict[str, list[dict[str, Any]]] = {t: [] for t in endpoints}
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in keys}
     try:
-        for t in endpoints:  # warm-up: every client path once
-            asyncio.run(one_run(t, [RequestSpec(r.prompt, 8) for r in requests[:4]], None, concurrency=4))
-        for t in result["order"]:
+        for v, flags in variants.items():
+            if ns.base_url:
+                addrs[v] = (ns.base_url.rstrip("/"), ns.grpc_target)
+                continue
+            port, grpc_port = _free_port(), (_free_port() if "grpc" in endpoints else None)
+            procs.append(_start_server(path, port, grpc_port, ns, flags))
+            addrs[v] = (f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}")
+        for k in keys:  # warm-up: every client path once
+            asyncio.run(one_run(k, [RequestSpec(r.prompt, 8) for r in requests[:4]], None, concurrency=4))
+        for k in result["order"]:
+            url = addrs[columns[k][0]][0]
             before = _scrape_lag(url)
-            summary = asyncio.run(one_run(t, requests, f"{t} ({len(runs[t]) + 1}/{rounds})", **load))
+            summary = asyncio.run(one_run(k, requests, f"{k} ({len(runs[k]) + 1}/{rounds})", **load))
             summary["event_loop_lag"] = _lag(before, _scrape_lag(url))
-            runs[t].append(summary)
-            print(f"{t}: {summary['output_tok_per_s']:.1f} tok/s, {summary['successes']} ok, "
+            runs[k].append(summary)
+            print(f"{k}: {summary['output_tok_per_s']:.1f} tok/s, {summary['successes']} ok, "
                   f"{summary['failures']} failed", flush=True)
     finally:
-        if proc is not None:
+        for proc in procs:
             proc.terminate()
             proc.wait(30)
     result["runs"] = runs
-    result["server"] = {t: _merge(rs) for t, rs in runs.items()}
+    result["server"] = {k: _merge(rs) for k, rs in runs.items()}
     if run_offline:
         offline.append(_offline(path, requests, tokenizer, ns))
         print(f"offline engine (again): {offline[-1]:.1f} tok/s", flush=True)
         result["offline_tok_per_s"] = offline
-        result["server_vs_offline"] = {t: s["output_tok_per_s"] / statistics.mean(offline)
-                                       for t, s in result["server"].items()}
+        result["server_vs_offline"] = {k: s["output_tok_per_s"] / statistics.mean(offline)
+                                       for k, s in result["server"].items()}
     print(report(result))
     save(result, ns.out, plot)
     return 0 if not any(s["failures"] for s in result["server"].values()) else 1
 
 
+def _label(variant: str, endpoint: str) -> str:
+    return ENDPOINT_NAMES[endpoint] + (f" ({variant})" if variant else "")
+
+
+def _roofline(path: str, requests: list[RequestSpec], tokenizer: Any, ns: argparse.Namespace,
+              variants: dict[str, list[str]], columns: dict[str, tuple[str, str]]) -> dict[str, Any]:
+    """Each column's roofline: the workload's FLOPs at peak, or one weight read per step at most
+    min(clients, max_num_seqs) tokens wide, whichever is slower; ceilings measured here, now."""
+    import torch
+
+    from minivllm.bench.roofline import ModelCost, measure_ceilings
+    from minivllm.config import ModelConfig, resolve_dtype
+
+    mc = ModelConfig.from_pretrained(path)
+    ceil = measure_ceilings(mc.hidden_size, mc.hf_config.get("intermediate_size") or 4 * mc.hidden_size)
+    cost = ModelCost.from_config(mc, resolve_dtype("auto", mc.checkpoint_dtype, torch.device("cpu")))
+    prompt_lens = [len(tokenizer.encode(r.prompt)) for r in requests]
+    out_lens = [r.max_tokens for r in requests]
+    clients = ns.concurrency if not ns.request_rate else ns.num_requests
+    base = ns.max_num_seqs or max(ns.concurrency, 1)
+    per_key = {}
+    for k, (v, _) in columns.items():
+        batch = min(clients, _max_num_seqs([*ns.server_arg, *variants[v]], base))
+        per_key[k] = cost.serving_roofline(prompt_lens, out_lens, batch, ceil)
+    return {"ceilings": ceil.as_dict(), "prompt_tokens": sum(prompt_lens), "columns": per_key}
+
+
 def report(r: dict[str, Any]) -> str:
-    """A markdown summary: one column per endpoint."""
+    """A markdown summary: one column per endpoint (per variant and endpoint with --variant)."""
     ts = r["endpoints"]
+    labels = r.get("labels") or {t: ENDPOINT_NAMES[t] for t in ts}
     ss = [r["server"][t] for t in ts]
     rounds = len(r["order"]) // len(ts)
     out_len = r["output_len"]
@@ -259,9 +327,10 @@ def report(r: dict[str, Any]) -> str:
         f"tokens out{' (ignore_eos)' if r['ignore_eos'] else ''}, {'streamed' if r['stream'] else 'whole answers'}; "
         + (f"server at {r['base_url']}; " if r["base_url"] else
            f"engine threads: server {r['server_threads']}, offline {r['threads']}; ")
-        + f"{rounds} run(s) per endpoint, order {' '.join(r['order'])}",
+        + f"{rounds} run(s) per column, order {' '.join(r['order'])}",
+        *(f"- variant `{v}`: `minivllm serve ... {flags}`" for v, flags in r.get("variants", {}).items()),
         "",
-        "| | " + " | ".join(ENDPOINT_NAMES[t] for t in ts) + " |",
+        "| | " + " | ".join(labels[t] for t in ts) + " |",
         "|---|" + "---|" * len(ts),
     ]
 
@@ -275,7 +344,12 @@ def report(r: dict[str, Any]) -> str:
         + (f"; runs {', '.join(f'{x:.1f}' for x in s['runs_tok_per_s'])}" if "runs_tok_per_s" in s else ""))
     if len(ts) > 1:
         base = ss[0]["output_tok_per_s"]
-        row(f"throughput / {ts[0]}", lambda t, s: f"{s['output_tok_per_s'] / base:.3f}")
+        row(f"**throughput / {labels[ts[0]]}**", lambda t, s: f"**{s['output_tok_per_s'] / base:.2f}**")
+    if "roofline" in r:
+        rf = r["roofline"]["columns"]
+        row("roofline (at most B running)", lambda t, s: f"{rf[t]['output_tok_s']:.0f} tok/s (B={rf[t]['batch']}, "
+            f"{rf[t]['bound']}-bound)")
+        row("fraction of roofline", lambda t, s: f"{100 * s['output_tok_per_s'] / rf[t]['output_tok_s']:.0f}%")
     if "server_vs_offline" in r:
         off = r["offline_tok_per_s"]
         row("offline engine, same requests", lambda t, s: f"{statistics.mean(off):.1f} tok/s "
@@ -306,12 +380,17 @@ def plot(r: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     ts = r["endpoints"]
-    names = [ENDPOINT_NAMES[t] for t in ts]
+    labels = r.get("labels") or {t: ENDPOINT_NAMES[t] for t in ts}
+    names = [labels[t] for t in ts]
     keys = [k for k in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "end-to-end")) if r["stream"]
             or k[0] == "e2e_ms"]
     fig, axes = plt.subplots(1, 1 + len(keys), figsize=(4 * (1 + len(keys)), 3.6))
     tok = [r["server"][t]["output_tok_per_s"] for t in ts]
     axes[0].bar(names, tok, color="tab:blue")
+    if "roofline" in r:
+        axes[0].scatter(names, [r["roofline"]["columns"][t]["output_tok_s"] for t in ts], color="k", marker="_",
+                        s=400, label="roofline")
+        axes[0].legend(fontsize=7)
     if "offline_tok_per_s" in r:
         axes[0].axhline(statistics.mean(r["offline_tok_per_s"]), color="k", ls="--", label="offline engine")
         axes[0].legend(fontsize=7)

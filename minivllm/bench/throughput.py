@@ -8,7 +8,6 @@ and the engine's step-time split.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -17,9 +16,12 @@ from typing import Any
 
 import torch
 
+from minivllm.bench.ablations import make_workloads, run_ablations, sweep_concurrency
+from minivllm.bench.results import save
 from minivllm.bench.roofline import MachineCeilings, ModelCost, measure_ceilings
 from minivllm.config import EngineArgs, ModelConfig, cpu_count
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -40,8 +42,14 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-portable", action="store_true", help="skip the run on the portable torch paths")
     p.add_argument("--no-sampled", action="store_true", help="skip the sampled (T=0.8, top-p 0.95) run")
     p.add_argument("--batch1-output-len", type=int, default=64, help="tokens for the batch-1 decode comparison")
+    p.add_argument("--no-ablations", action="store_true", help="skip the ablations (each technique switched off)")
+    p.add_argument("--ablation-requests", type=int, default=64,
+                   help="requests of the ablation workloads (outputs uniform in [output-len / 8, output-len])")
+    p.add_argument("--concurrency-levels", default="1,4,16,64",
+                   help="throughput-vs-concurrency sweep: max running sequences per level ('' to skip)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output-json", default=None, help="write all figures to this JSON file")
+    p.add_argument("--out", "--output-json", dest="out", default=None,
+                   help="write all figures to this JSON file (and a PNG plot next to it)")
 
 
 def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
@@ -70,16 +78,23 @@ def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list
     return [[rng.randrange(16, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def run_engine(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict[str, Any]:
-    """Run every prompt to completion; time each step and keep the step-time split."""
+def run_engine(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+               ) -> dict[str, Any]:
+    """Run every prompt to completion (params: one for all, or one per prompt); time each step and keep the
+    step-time split, the longest step, and how much of the allocated KV memory held tokens."""
     engine.block_manager.reset_prefix_cache()
     t_split0 = dict(engine.timings.as_dict())
     steps0 = engine.timings.steps
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+    bm = engine.block_manager
     t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
-        engine.add_request(f"bench-{i}", {"prompt_token_ids": p}, params)
+    for i, (p, sp) in enumerate(zip(prompts, per_prompt, strict=True)):
+        engine.add_request(f"bench-{i}", {"prompt_token_ids": p}, sp)
     decode_steps: list[tuple[float, int, int]] = []  # (seconds, batch, context tokens) of pure-decode steps
     outputs: dict[str, list[int]] = {}
+    held = allocated = 0  # token-steps of KV held vs slot-steps allocated (the waste is the difference)
+    peak_slots = longest = 0
+    bookkeeping = 0.0  # the KV accounting below, kept out of the timings
     while engine.has_unfinished_requests():
         ts = time.perf_counter()
         running = list(engine.scheduler.running)
@@ -88,12 +103,33 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], params: SamplingPara
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out.outputs[0].token_ids
+        dt = time.perf_counter() - ts
+        longest = max(longest, dt)
         if pure_decode and running:
-            decode_steps.append((time.perf_counter() - ts, len(running), ctx))
-    elapsed = time.perf_counter() - t0
+            decode_steps.append((dt, len(running), ctx))
+        tb = time.perf_counter()
+        slots = bm.num_used * bm.block_size
+        held += _kv_slots_holding_tokens(engine.scheduler.running, bm.block_size)
+        allocated += slots
+        peak_slots = max(peak_slots, slots)
+        bookkeeping += time.perf_counter() - tb
+    elapsed = time.perf_counter() - t0 - bookkeeping
     split = {k: v - t_split0[k] for k, v in engine.timings.as_dict().items()}
     return {"elapsed": elapsed, "steps": engine.timings.steps - steps0, "split": split,
-            "decode_steps": decode_steps, "outputs": [outputs[f"bench-{i}"] for i in range(len(prompts))]}
+            "decode_steps": decode_steps, "outputs": [outputs[f"bench-{i}"] for i in range(len(prompts))],
+            "kv_waste": 1 - held / allocated if allocated else 0.0, "peak_kv_slots": peak_slots,
+            "longest_step_s": longest}
+
+
+def _kv_slots_holding_tokens(running: list[Any], block_size: int) -> int:
+    """Slots of the used blocks that hold a computed token after a step; a block shared by several
+    sequences (a cached prefix) counts once. Recompute mode holds nothing between steps."""
+    filled: dict[int, int] = {}
+    for s in running:
+        n = s.num_computed_tokens
+        for i, b in enumerate(s.block_table[:-(-n // block_size)]):
+            filled[b] = max(filled.get(b, 0), min(block_size, n - i * block_size))
+    return sum(filled.values())
 
 
 def run_hf(path: str, prompts: list[list[int]], output_len: int, pad_id: int) -> dict[str, Any]:
@@ -166,11 +202,14 @@ def profile_decode(engine: LLMEngine, prompts: list[list[int]], steps: int = 6) 
 
     backend.decode = timed_decode  # instance attribute: shadows the method until deleted below
     walls = []
+    split0 = engine.timings.as_dict()
     for _ in range(steps):
         t = time.perf_counter()
         engine.step()
         walls.append(time.perf_counter() - t)
     wall, attn = statistics.median(walls), attn_time[0] / steps
+    # The engine's own phases over the same steps: model = forward (+ logits), the rest is our overhead.
+    phases = {k: 1e3 * (v - split0[k]) / steps for k, v in engine.timings.as_dict().items()}
     del backend.decode
     # GEMM time from the profiler (its per-op overhead would inflate the rest, so only GEMMs are read).
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -191,7 +230,8 @@ def profile_decode(engine: LLMEngine, prompts: list[list[int]], steps: int = 6) 
     for i in range(len(prompts)):
         engine.abort_request(f"prof-{i}")
     return {"batch": len(prompts), "step_ms": 1e3 * wall, "gemm_ms": 1e3 * gemm, "attention_ms": 1e3 * attn,
-            "other_ms": 1e3 * (wall - gemm - attn),
+            "other_ms": 1e3 * (wall - gemm - attn), "phases_ms": phases,
+            "non_model_share": 1 - phases["forward"] / sum(phases.values()),
             "step_ms_by_threads": {n: 1e3 * statistics.median(v) for n, v in by_threads.items()}}
 
 
@@ -237,6 +277,19 @@ def run_throughput(ns: argparse.Namespace) -> int:
     b1_prompt = prompts[0][:32]
     result["ours"]["batch1_decode_tok_s"] = ours_batch1(engine, b1_prompt, ns.batch1_output_len)
     result["decode_profile"] = profile_decode(engine, prompts)
+    levels = [int(c) for c in ns.concurrency_levels.split(",") if c.strip()]
+    if levels:
+        # Distinct prompts for every request of the largest level: a repeated one would hit the prefix cache.
+        sweep_prompts = random_prompts(max(2 * max(levels), 4), ns.input_len_min, ns.input_len_max, vocab, ns.seed + 3)
+        result["concurrency_sweep"] = sweep_concurrency(engine, sweep_prompts, min(ns.output_len, 64), levels, cost,
+                                                        ceil, run_engine, greedy)
+    if not ns.no_ablations:
+        base = engine.args
+        del engine
+        wls = make_workloads(ns.ablation_requests, (ns.input_len_min, ns.input_len_max),
+                             (max(1, ns.output_len // 8), ns.output_len), vocab, ns.seed + 2, greedy)
+        result["ablations"] = run_ablations(base, wls, run_engine)
+        engine = None
     if not ns.no_portable:
         # The same engine on its portable paths (what CUDA / compiler-less machines run): what the
         # CPU fast paths buy, measured on the same requests.
@@ -253,7 +306,7 @@ def run_throughput(ns: argparse.Namespace) -> int:
         tokenizer = portable.tokenizer
         del portable
     else:
-        tokenizer = engine.tokenizer
+        tokenizer = engine.tokenizer if engine is not None else get_tokenizer(path)
     if not ns.no_hf:
         pad = tokenizer.pad_token_id or tokenizer.eos_token_id or 0
         hf = run_hf(path, prompts, ns.output_len, pad)
@@ -264,9 +317,7 @@ def run_throughput(ns: argparse.Namespace) -> int:
         result["speedup_vs_hf"] = hf["elapsed"] / ours["elapsed"]
         result["batch1_speedup_vs_hf"] = result["ours"]["batch1_decode_tok_s"] / b1
     print(report(result))
-    if ns.output_json:
-        with open(ns.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+    save(result, ns.out, plot)
     return 0
 
 
@@ -291,6 +342,11 @@ def _decode_roofline(steps: list[tuple[float, int, int]], cost: ModelCost, ceil:
 
 def report(r: dict[str, Any]) -> str:
     """Markdown summary of a throughput run."""
+    return "\n".join(main_report(r) + step_split_report(r) + concurrency_report(r) + ablation_report(r))
+
+
+def main_report(r: dict[str, Any]) -> list[str]:
+    """Markdown: engines side by side, rooflines, batch 1, the whole run's step split, the decode profile."""
     c, o = r["ceilings"], r["ours"]
     lines = [
         f"### Offline throughput: {r['num_requests']} requests, {r['prompt_tokens']} prompt + "
@@ -342,4 +398,108 @@ def report(r: dict[str, Any]) -> str:
                   f"GEMMs {p['gemm_ms']:.1f} ms, paged attention {p['attention_ms']:.1f} ms, everything else "
                   f"{p['other_ms']:.1f} ms. Same step by thread count: " + ", ".join(
                       f"{n} thread(s) {ms:.1f} ms" for n, ms in p["step_ms_by_threads"].items()) + "."]
-    return "\n".join(lines)
+    return lines
+
+
+def step_split_report(r: dict[str, Any]) -> list[str]:
+    """Markdown: the engine's phases in a pure-decode step at the profiled concurrency."""
+    p = r.get("decode_profile") or {}
+    if "phases_ms" not in p:
+        return []
+    ph = p["phases_ms"]
+    total = sum(ph.values())
+    lines = ["", f"Step-time split of a pure-decode step at {p['batch']} concurrent sequences "
+             f"(target: non-model time ≤ 10% of the step): **non-model {100 * p['non_model_share']:.1f}%**.",
+             "", "| phase | ms/step | share |", "|---|---|---|"]
+    return lines + [f"| {k}{' (the model: forward + logits)' if k == 'forward' else ''} | {v:.2f} | "
+                    f"{100 * v / total:.1f}% |" for k, v in ph.items()]
+
+
+def concurrency_report(r: dict[str, Any]) -> list[str]:
+    """Markdown table of the throughput-vs-concurrency sweep."""
+    sw = r.get("concurrency_sweep")
+    if not sw:
+        return []
+    lines = ["", "Throughput vs concurrency: at most C sequences running, 2C requests (at least 4) with the "
+             f"workload's prompt lengths, {sw[0]['output_len']} tokens out each; the roofline is the same requests' "
+             "prefill and decode FLOPs at peak, or one weight read per step of at most C tokens, whichever is "
+             "slower:", "",
+             "| concurrency | output tok/s | vs C=1 | roofline at C (tok/s) | fraction of roofline |",
+             "|---|---|---|---|---|"]
+    one = sw[0]["output_tok_s"]
+    lines += [f"| {x['concurrency']} | {x['output_tok_s']:.1f} | {x['output_tok_s'] / one:.2f}x | "
+              f"{x['roofline_tok_s']:.0f} ({x['roofline_bound']}-bound) | "
+              f"{100 * x['output_tok_s'] / x['roofline_tok_s']:.0f}% |"
+              for x in sw]
+    return lines
+
+
+def ablation_report(r: dict[str, Any]) -> list[str]:
+    """Markdown table of the ablations: ratio to the full engine, KV memory waste, longest step."""
+    ab = r.get("ablations")
+    if not ab:
+        return []
+    lines = ["", "Ablations: each technique switched off, in the same process on the same requests as the full "
+             "engine (run before and after; its mean is the 1.00). Every engine of a workload has the same KV pool, "
+             "the paged engine's peak need. KV waste: share of the allocated KV slots, step-averaged, that held no "
+             "token.", "",
+             "| engine | workload | output tok/s | ratio to full | KV waste | peak KV slots | longest step | "
+             "outputs identical |", "|---|---|---|---|---|---|---|---|"]
+    for name, x in ab.items():
+        ident = f"{x['identical_outputs']}" if "identical_outputs" in x else "–"
+        ratio = f"**{x['ratio_to_full']:.2f}**" if "ratio_to_full" in x else "1.00"
+        desc = x.get("what", name)
+        # Recomputing everything keeps no KV between steps: its blocks are scratch, "waste" means nothing.
+        waste = "–" if x.get("args", {}).get("kv_cache_mode") == "none" else f"{100 * x['kv_waste']:.1f}%"
+        lines.append(f"| {desc} | {x['workload']} | {x['output_tok_s']:.1f} | {ratio} | {waste} | "
+                     f"{x['peak_kv_slots']} | {x['longest_step_ms']:.0f} ms | {ident} |")
+    fulls = {k: v for k, v in ab.items() if k.startswith("full engine")}
+    for k, v in fulls.items():
+        lines.append(f"\n{k}: {v['requests']} requests, {v['output_tokens']} tokens out; pool {v['pool_slots']} slots, "
+                     f"max_model_len {v['max_model_len']}; full-engine runs "
+                     + ", ".join(f"{t:.1f}" for t in v["runs_output_tok_s"]) + " tok/s.")
+    return lines
+
+
+def plot(r: dict[str, Any], path: str) -> None:
+    """Engines side by side, throughput vs concurrency against the roofline, and the ablation ratios."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = 1 + bool(r.get("concurrency_sweep")) + bool(r.get("ablations"))
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 3.8))
+    axes = list(axes) if panels > 1 else [axes]
+    names, vals = ["Mini-vLLM"], [r["ours"]["output_tok_s"]]
+    for key, label in (("portable", "portable paths"), ("sampled", "sampled"), ("hf", "HF generate")):
+        if key in r:
+            names.append(label)
+            vals.append(r[key]["output_tok_s"])
+    ax = axes.pop(0)
+    ax.bar(names, vals, color="tab:blue")
+    ax.set_title(f"offline output tok/s ({r['num_requests']} requests)", fontsize=9)
+    ax.tick_params(axis="x", labelsize=7, rotation=15)
+    if r.get("concurrency_sweep"):
+        ax = axes.pop(0)
+        sw = r["concurrency_sweep"]
+        cs = [x["concurrency"] for x in sw]
+        ax.plot(cs, [x["output_tok_s"] for x in sw], "o-", label="Mini-vLLM")
+        ax.plot(cs, [x["roofline_tok_s"] for x in sw], "k--", label="roofline")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(cs, [str(c) for c in cs])
+        ax.set_xlabel("concurrent sequences")
+        ax.set_title("output tok/s vs concurrency", fontsize=9)
+        ax.legend(fontsize=7)
+    if r.get("ablations"):
+        ax = axes.pop(0)
+        ab = {k: v for k, v in r["ablations"].items() if "ratio_to_full" in v}
+        ax.barh(list(ab), [v["ratio_to_full"] for v in ab.values()], color="tab:orange")
+        ax.axvline(1.0, color="k", ls="--")
+        ax.set_title("ablations: throughput / full engine", fontsize=9)
+        ax.tick_params(axis="y", labelsize=7)
+    fig.suptitle(f"minivllm bench throughput: {os.path.basename(r['model'])} ({r['dtype']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

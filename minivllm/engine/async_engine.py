@@ -265,15 +265,18 @@ class AsyncLLMEngine:
                 except ValueError as e:  # validated already; only a duplicate id can get here
                     self._post([], [item.request_id], e)
 
-    def _coalesce(self, items: list[EngineRequest | _Abort]) -> None:
-        """--batch-wait-ms: an idle engine waits for more arrivals before its first prefill step."""
-        adds = [i for i in items if isinstance(i, EngineRequest)]
-        if not adds or self.engine.scheduler.running:
+    def _coalesce(self) -> None:
+        """--batch-wait-ms: an idle engine (with static batching: one between batches) waits up to that long
+        after the oldest waiting request's arrival for more to join its first step, until a batch is full."""
+        sched = self.engine.scheduler
+        if sched.running or not sched.waiting:
             return
-        deadline = min(a.arrival_time for a in adds) + self.batch_wait_s
-        while (left := deadline - time.time()) > 0 and not self._stop:
+        deadline = min(s.group.arrival_time for s in sched.waiting if s.group is not None) + self.batch_wait_s
+        while ((left := deadline - time.time()) > 0 and not self._stop
+               and len(sched.waiting) < sched.config.max_num_seqs):
             with self._cv:
-                self._cv.wait(left)
+                if not self._inbox:
+                    self._cv.wait(left)
                 more = list(self._inbox)
                 self._inbox.clear()
                 self._inbox_adds = 0
@@ -310,7 +313,7 @@ class AsyncLLMEngine:
                 items = self._take_inbox(block=not eng.has_unfinished_requests())
                 self._apply(items)
                 if self.batch_wait_s > 0:
-                    self._coalesce(items)
+                    self._coalesce()
                 if not eng.has_unfinished_requests():
                     self._record(eng.take_stats() if items else None)
                     continue

@@ -91,9 +91,18 @@ class LLMEngine:
         per_token = mc.kv_bytes_per_token(self.dtype)
         kv_bytes = (args.num_kv_blocks * args.block_size * per_token if args.num_kv_blocks
                     else parse_size(args.kv_cache_memory))
-        self.cache_config = CacheConfig.from_budget(kv_bytes, args.block_size, per_token, args.enable_prefix_caching)
-        self.scheduler_config = SchedulerConfig(args.max_num_seqs, token_budget, args.enable_chunked_prefill)
+        # Ablation modes: neither a per-request contiguous cache nor a recomputed one can share prefix blocks.
+        self.recompute_kv = args.kv_cache_mode == "none"
+        prefix_caching = args.enable_prefix_caching and args.kv_cache_mode == "paged"
+        self.cache_config = CacheConfig.from_budget(kv_bytes, args.block_size, per_token, prefix_caching)
         cc = self.cache_config
+        reserve = self.max_model_len if args.kv_cache_mode == "contiguous" else None
+        if reserve is not None and -(-reserve // cc.block_size) > cc.num_blocks:
+            raise ValueError(f"kv_cache_mode=contiguous reserves max_model_len ({reserve}) slots per sequence but the "
+                             f"pool holds {cc.num_blocks * cc.block_size}; give the KV cache more memory or lower "
+                             "max_model_len")
+        self.scheduler_config = SchedulerConfig(args.max_num_seqs, token_budget, args.enable_chunked_prefill,
+                                                static_batching=args.batching == "static", reserve_tokens=reserve)
         self.runner = ModelRunner(mc, self.dtype, self.device, cc.num_blocks, cc.block_size, self.max_model_len,
                                   args.attention_backend, args.linear_backend)
         self.block_manager = BlockManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching)
@@ -182,6 +191,10 @@ class LLMEngine:
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
             raise ValueError("prompt: the prompt is empty (0 tokens)")
+        if self.args.kv_cache_mode != "paged" and (params.n > 1 or params.use_beam_search):
+            # Samples and beams share KV blocks copy-on-write, which only the paged cache does.
+            raise ValueError(f"n / use_beam_search: kv_cache_mode={self.args.kv_cache_mode} serves only n=1 requests "
+                             "without beam search; use kv_cache_mode=paged")
         vocab = self.model_config.vocab_size
         for i, t in enumerate(ids):
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
@@ -309,6 +322,12 @@ class LLMEngine:
         for seq, _, _, _ in prompt_jobs:
             assert seq.group is not None
             touched.setdefault(seq.group.request_id, seq.group)
+        if self.recompute_kv:
+            # No KV reuse: the next token is computed from the whole sequence again (its blocks stay
+            # allocated only as the forward's scratch space).
+            for seq, _ in sample_rows:
+                if not seq.status.finished:
+                    seq.num_computed_tokens = 0
         return list(touched.values())
 
     def _sample(self, logits: torch.Tensor, rows: list[tuple[Sequence, int]], touched: dict[str, SequenceGroup]

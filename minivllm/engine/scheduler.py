@@ -48,6 +48,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []  # sorted by sort_key: the preemption victim is the last
         self.stats = SchedulerStats()
+        self._batch_forming = True  # static batching: the current batch still admits requests
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence."""
@@ -81,8 +82,11 @@ class Scheduler:
                 budget -= n
                 i += 1
         # vLLM v1's rule: no admissions in a step that had to preempt (the pool is under pressure).
-        if not out.preempted:
+        if not out.preempted and self._may_admit():
             budget = self._admit(out, budget)
+            # A static batch keeps forming only while the step budget (not the batch size or the pool)
+            # stopped it, i.e. its prompts did not fit one step.
+            self._batch_forming = budget == 0 and bool(self.waiting) and len(self.running) < self.config.max_num_seqs
         # Beams waiting for their siblings hold blocks but compute nothing, so they are never preempted
         # above. If they starve a waiting sibling (nothing at all could run), they make room: their
         # next-token log-probs are kept by their beam group, only their KV is recomputed later.
@@ -95,6 +99,15 @@ class Scheduler:
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         out.block_copies = self.bm.take_copies()
         return out
+
+    def _may_admit(self) -> bool:
+        """Continuous batching admits every step; static batching only while a batch forms, and a new
+        batch starts once the previous one has finished."""
+        if not self.config.static_batching:
+            return True
+        if not self.running:
+            self._batch_forming = True
+        return self._batch_forming
 
     @staticmethod
     def _idle(seq: Sequence) -> bool:
@@ -110,7 +123,9 @@ class Scheduler:
             if n > budget and not cfg.enable_chunked_prefill:
                 break
             n = min(n, budget)
-            if not self.bm.allocate_slots(seq, n, computed):
+            # A contiguous cache holds a sequence's whole reservation from admission on.
+            reserve = max(n, (cfg.reserve_tokens or 0) - num_cached)
+            if not self.bm.allocate_slots(seq, reserve, computed):
                 break
             self.waiting.pop(0)
             self.stats.prefix_cache_queries += seq.num_tokens

@@ -1,0 +1,253 @@
+"""`minivllm bench all`: every bench in one command, then BENCHMARKS.md regenerated from their JSON.
+
+Runs, one after the other (never two heavy jobs at once on a small machine): the seed's serving workload
+against static batching served the same way; offline throughput with its ablations, concurrency sweep
+and step split; single-request latency; and the transports side by side. Each writes JSON and a PNG
+into --out-dir; the markdown is rendered from those files only, so `--render-only` rebuilds it without
+measuring again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+from collections.abc import Callable
+from typing import Any
+
+SEED_STATIC = "--batching static --max-num-seqs 8 --batch-wait-ms 20"
+
+
+def add_all_args(p: argparse.ArgumentParser) -> None:
+    """Flags of `minivllm bench all`."""
+    p.add_argument("--out-dir", default="benchmarks/results", help="JSON and PNG of every bench go here")
+    p.add_argument("--markdown", default="BENCHMARKS.md", help="the report to (re)write")
+    p.add_argument("--only", default=None, help="comma-separated subset of: " + ", ".join(BENCHES))
+    p.add_argument("--render-only", action="store_true", help="rebuild the markdown from the JSON in --out-dir")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny sizes on --model for every bench (a smoke run: the figures mean nothing)")
+    p.add_argument("--model", default=None, help="with --quick: the model every bench uses")
+
+
+def _argv(quick: bool, model: str | None) -> dict[str, list[str]]:
+    """Each bench's command line: the documented workloads, or tiny ones with --quick."""
+    if quick:
+        m = ["--model", model or ""]
+        return {
+            "seed": ["serve", *m, "--transport", "http", "--no-stream", "--variant", "continuous=", "--variant",
+                     "static=--batching static --max-num-seqs 2 --batch-wait-ms 20", "--concurrency", "5",
+                     "--num-requests", "10", "--input-len-min", "8", "--input-len-max", "16", "--output-len", "3",
+                     "--kv-cache-memory", "64MiB", "--roofline", "--no-offline", "--server-threads", "1"],
+            "throughput": ["throughput", *m, "--num-requests", "4", "--input-len-min", "20", "--input-len-max", "40",
+                           "--output-len", "6", "--batch1-output-len", "4", "--kv-cache-memory", "8MiB",
+                           "--ablation-requests", "4", "--concurrency-levels", "1,4", "--no-hf", "--no-portable"],
+            "latency": ["latency", *m, "--prompt-lens", "16,32", "--output-len", "4", "--repeats", "1"],
+            "transports": ["serve", *m, "--transport", "grpc,http", "--concurrency", "2", "--num-requests", "4",
+                           "--input-len-min", "8", "--input-len-max", "16", "--output-len", "3", "--rounds", "1",
+                           "--kv-cache-memory", "64MiB", "--server-threads", "1", "--no-offline"],
+        }
+    return {
+        # The seed's workload: 50 clients, 500 requests, 30 new tokens, GPT-2 (124M) in float32, the seed's
+        # /generate, whole answers; continuous batching against the seed's static batching.
+        "seed": ["serve", "--preset", "gpt2", "--transport", "http", "--no-stream", "--variant", "continuous=",
+                 "--variant", f"static={SEED_STATIC}", "--concurrency", "50", "--max-num-seqs", "64",
+                 "--num-requests", "500", "--input-len-min", "8", "--input-len-max", "32", "--output-len", "30",
+                 "--kv-cache-memory", "1GiB", "--roofline", "--rounds", "2", "--no-offline"],
+        "throughput": ["throughput"],
+        "latency": ["latency"],
+        "transports": ["serve", "--transport", "grpc,http,openai", "--concurrency", "32", "--num-requests", "64",
+                       "--output-len", "128", "--rounds", "2"],
+    }
+
+
+BENCHES = ("seed", "throughput", "latency", "transports")
+
+
+def machine_info() -> dict[str, Any]:
+    """What the figures were measured on."""
+    import psutil
+    import torch
+
+    from minivllm.config import cpu_count
+
+    cpu = platform.processor() or platform.machine()
+    flags: list[str] = []
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and cpu in (platform.processor(), platform.machine()):
+                    cpu = line.split(":", 1)[1].strip()
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    flags = [x for x in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if x in have]
+                    break
+    except OSError:
+        pass
+    return {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "cpu": cpu,
+            "cpu_flags": flags, "cores": cpu_count(), "memory_gib": psutil.virtual_memory().total / 2**30,
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "torch": torch.__version__, "python": platform.python_version(), "os": platform.platform()}
+
+
+def run_all(ns: argparse.Namespace) -> int:
+    """Run the benches (unless --render-only), then write the markdown."""
+    from minivllm.cli import main
+
+    if ns.quick and not ns.model:
+        raise ValueError("--quick needs --model (a small model directory)")
+    only = [b.strip() for b in ns.only.split(",")] if ns.only else list(BENCHES)
+    if any(b not in BENCHES for b in only):
+        raise ValueError(f"--only: choose among {', '.join(BENCHES)}, got {ns.only!r}")
+    os.makedirs(ns.out_dir, exist_ok=True)
+    codes = {}
+    if not ns.render_only:
+        with open(os.path.join(ns.out_dir, "machine.json"), "w") as f:
+            json.dump(machine_info(), f, indent=2)
+        argv = _argv(ns.quick, ns.model)
+        for b in only:
+            print(f"=== minivllm bench {' '.join(argv[b])}", flush=True)
+            codes[b] = main(["bench", *argv[b], "--out", os.path.join(ns.out_dir, f"{b}.json")])
+    md = render(ns.out_dir, _argv(False, None))
+    with open(ns.markdown, "w") as f:
+        f.write(md)
+    print(f"wrote {ns.markdown}")
+    return max(codes.values(), default=0)
+
+
+def _load(out_dir: str, name: str) -> dict[str, Any] | None:
+    path = os.path.join(out_dir, f"{name}.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def render(out_dir: str, argv: dict[str, list[str]]) -> str:
+    """BENCHMARKS.md from the JSON files in out_dir (a section per bench found)."""
+    from minivllm.bench import latency, serve, throughput
+
+    m = _load(out_dir, "machine") or {}
+    lines = [
+        "# Benchmarks", "",
+        "Generated by `minivllm bench all` (JSON and PNG plots in `benchmarks/results/`, not committed); "
+        "`minivllm bench all --render-only` rebuilds this file from them. Every figure is measured side by "
+        "side with its baseline in one run: this machine's speed drifts ±30% over minutes, so only ratios "
+        "from the same run mean anything. Development records of earlier issues (micro-benchmarks, the "
+        "sampling kernel, what each fast path bought) are in [benchmarks/RECORDS.md](benchmarks/RECORDS.md).",
+        "",
+    ]
+    if m:
+        mem = f"{m['memory_gib']:.0f} GiB"
+        lines += [f"**Machine** ({m['date']}): {m['cpu']} ({', '.join(m['cpu_flags']) or 'no AVX-512'}), "
+                  f"{m['cores']} cores, {mem} RAM, {m['gpu'] or 'no GPU'}; torch {m['torch']}, Python {m['python']}, "
+                  f"{m['os']}.", ""]
+    sections: list[tuple[str, Callable[[dict[str, Any]], list[str]]]] = [
+        ("seed", lambda r: _seed(r, serve.report)),
+        ("throughput", lambda r: _throughput(r, throughput)),
+        ("latency", lambda r: ["## Single-request latency (`bench latency`)", "", latency.report(r)]),
+        ("transports", lambda r: ["## Transports: gRPC vs HTTP vs OpenAI (`bench serve`)", "",
+                                  "One server, the same requests over each endpoint in ABBA order, prefix "
+                                  "caching off (each endpoint replays the same prompts).", "", serve.report(r)]),
+    ]
+    for name, section in sections:
+        r = _load(out_dir, name)
+        if r is None:
+            continue
+        lines += section(r)
+        lines += ["", f"Command: `minivllm bench {' '.join(_quote(a) for a in argv[name])}`", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _quote(a: str) -> str:
+    return f"'{a}'" if " " in a or a.endswith("=") else a
+
+
+def _ceilings(c: dict[str, float]) -> str:
+    return (f"peak GEMM {c['peak_flops'] / 1e9:.0f} GFLOP/s (aten/MKL {c['mkl_gemm_flops'] / 1e9:.0f}), "
+            f"memory bandwidth {c['bandwidth'] / 1e9:.1f} GB/s")
+
+
+def _seed(r: dict[str, Any], report: Callable[[dict[str, Any]], str]) -> list[str]:
+    s = r["server"]
+    cont, stat = (next(k for k in r["endpoints"] if k.startswith(v + "/")) for v in ("continuous", "static"))
+    a, b = s[cont], s[stat]
+    ratio = a["output_tok_per_s"] / b["output_tok_per_s"]
+    rf = r["roofline"]["columns"]
+    roof_ratio = rf[cont]["output_tok_s"] / rf[stat]["output_tok_s"]
+    errors = a["failures"] + b["failures"]
+    p95_met = "met" if a["e2e_ms"]["p95"] < b["e2e_ms"]["p50"] else "not met"
+    frac = lambda k, x: x["output_tok_per_s"] / rf[k]["output_tok_s"]  # noqa: E731
+    verdict = [
+        f"- zero errors: **{'met' if errors == 0 else f'not met ({errors} failures)'}** "
+        f"({a['successes']} + {b['successes']} successes over {len(r['order'])} runs).",
+        f"- ≥ 3x the static-batching throughput: **{'met' if ratio >= 3 else 'not met'}: {ratio:.2f}x** "
+        f"({a['output_tok_per_s']:.0f} vs {b['output_tok_per_s']:.0f} tok/s). By this run's ceilings the workload "
+        f"needs {rf[cont]['compute_s']:.1f} s of FLOPs at peak (prefill and decode), and one weight read per step "
+        f"takes {rf[stat]['memory_s']:.1f} s in all with {rf[stat]['batch']} running, {rf[cont]['memory_s']:.1f} s "
+        f"with {rf[cont]['batch']}: rooflines of {rf[stat]['output_tok_s']:.0f} and {rf[cont]['output_tok_s']:.0f} "
+        f"tok/s, a ratio of **{roof_ratio:.2f}x**. The 3–4x estimate counts decode only, with weights streamed at "
+        f"~21 GB/s; this run measured {r['roofline']['ceilings']['bandwidth'] / 1e9:.0f} GB/s, and the prompts' "
+        "prefill is compute that batching cannot share. Measured, continuous batching reaches "
+        f"{100 * frac(cont, a):.0f}% of its roofline and static batching {100 * frac(stat, b):.0f}%"
+        + (": small-batch steps take longer than either of their bounds (GEMMs with a few rows do not stream the "
+           "weights at full bandwidth), which is why the measured ratio is above the roofline ratio."
+           if ratio > roof_ratio else "."),
+        f"- p95 latency below the static-batching p50: **{p95_met}** ({a['e2e_ms']['p95']:.0f} ms vs "
+        f"{b['e2e_ms']['p50']:.0f} ms).",
+    ]
+    model = os.path.basename(r["model"].rstrip("/"))
+    return ["## The seed's serving workload: continuous vs static batching (`bench serve`)", "",
+            f"{r['concurrency']} concurrent clients, {r['num_requests']} requests, {r['output_len'][0]} new tokens "
+            f"each, {model} shape in float32, over the seed's `/generate`. The static-batching server is the same "
+            f"engine with `{r['variants'].get('static', '')}` (the seed's policy: up to 8 requests per batch, a "
+            "20 ms window to fill it, no request joins a batch "
+            "once it runs, so each batch runs to its longest request). Both servers run with the same client, "
+            "on the same requests, in ABBA order. Rooflines: the workload's FLOPs (prefill and decode) at the "
+            "measured peak, or one read of the weights per step of at most B tokens at the measured bandwidth, "
+            f"whichever is slower; ceilings measured in this run: {_ceilings(r['roofline']['ceilings'])}.", "",
+            report(r), "", "Targets:", "", *verdict]
+
+
+def _mermaid_line(title: str, xs: list[int], series: dict[str, list[float]]) -> list[str]:
+    top = max(max(v) for v in series.values())
+    out = ["```mermaid", "xychart-beta", f'    title "{title}"',
+           f'    x-axis "concurrent sequences" [{", ".join(str(x) for x in xs)}]',
+           f'    y-axis "output tok/s" 0 --> {int(top * 1.1) + 1}']
+    out += [f"    line [{', '.join(f'{v:.0f}' for v in vals)}]" for vals in series.values()]
+    names = list(series)
+    return out + ["```", "", f"First line: {names[0]}; " + "; ".join(f"then {n}" for n in names[1:]) + "."]
+
+
+def _throughput(r: dict[str, Any], tp: Any) -> list[str]:
+    lines = ["## Offline throughput, ablations and step split (`bench throughput`)", "",
+             f"Ceilings measured in this run: {_ceilings(r['ceilings'])}.", "", *tp.main_report(r)]
+    if r.get("decode_profile", {}).get("phases_ms"):
+        lines += ["", f"### Step-time split at {r['decode_profile']['batch']} concurrent sequences",
+                  *tp.step_split_report(r)]
+    sw = r.get("concurrency_sweep")
+    if sw:
+        name = os.path.basename(r["model"].rstrip("/"))
+        lines += ["", f"### Throughput vs concurrency ({name} shape, {r['dtype']})", *tp.concurrency_report(r),
+                  "", *_mermaid_line(f"{name}: output tok/s vs concurrency", [x["concurrency"] for x in sw],
+                                     {"Mini-vLLM": [x["output_tok_s"] for x in sw],
+                                      "roofline": [x["roofline_tok_s"] for x in sw]}),
+                  "", "The PNG (`benchmarks/results/throughput.png`) has the same curve on log axes."]
+    if r.get("ablations"):
+        ab = r["ablations"]
+        lines += ["", "### Ablations", *tp.ablation_report(r)]
+        full, cont = ab.get("full engine (mixed)"), ab.get("contiguous-cache")
+        if full and cont:
+            fits = full["pool_slots"] // full["max_model_len"]
+            bound = next((x["concurrency"] for x in sw or [] if x["roofline_bound"] == "compute"), None)
+            lines += ["", f"KV memory: the paged cache left {100 * full['kv_waste']:.1f}% of its allocated slots empty "
+                      f"(the unfilled tail block of each sequence); the contiguous cache "
+                      f"{100 * cont['kv_waste']:.1f}%, because it reserves max_model_len ({full['max_model_len']}) "
+                      f"slots per sequence from the start, so the same pool held at most {fits} sequences at once "
+                      f"instead of {full['requests']}. That cost {100 * (1 - cont['ratio_to_full']):.0f}% of "
+                      "throughput here" + (f": from {bound} sequences on, this machine's roofline is compute-bound "
+                                           "(the concurrency sweep above), so fewer sequences per step lose little"
+                                           if bound else "") +
+                      "; where memory, not compute, bounds the batch (a GPU), the same waste caps throughput directly."]
+    return lines
