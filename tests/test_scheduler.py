@@ -163,3 +163,32 @@ def test_contiguous_reservation_limits_admission_by_max_len():
     _advance(s, out)
     out = s.schedule()  # decodes allocate nothing more
     assert s.bm.num_used == 60 and len(out.scheduled) == 6
+
+
+def test_static_batch_without_chunking_keeps_forming_until_its_prompts_are_in():
+    # Budget 16 fits two whole 6-token prompts per step: the batch of four forms over two steps.
+    s = Scheduler(SchedulerConfig(4, 16, False, static_batching=True), BlockManager(64, 4))
+    seqs = [_seq(c, 6) for c in "abcde"]
+    for q in seqs:
+        s.add(q)
+    out = s.schedule()
+    assert [q.request_id for q, _ in out.scheduled] == ["a", "b"]
+    for q, n in out.scheduled:  # prefill only (no token sampled yet, as for a prompt chunk)
+        q.num_computed_tokens += n
+    out = s.schedule()
+    assert [q.request_id for q, _ in out.scheduled] == ["c", "d"]  # a and b wait for the next token
+    _advance(s, out)
+
+
+def test_static_batch_closes_once_it_decodes_even_if_steps_stay_full():
+    # A step budget that decodes keep full must not let new requests into a running batch.
+    s = Scheduler(SchedulerConfig(4, 2, True, static_batching=True), BlockManager(64, 4))
+    a, b, c = _seq("a", 2), _seq("b", 2), _seq("c", 2)
+    for q in (a, b):
+        s.add(q)
+    _advance(s, s.schedule())  # a prefills and samples (budget 2 spent)
+    s.add(c)
+    for _ in range(4):
+        out = s.schedule()
+        assert "c" not in [q.request_id for q, _ in out.scheduled]
+        _advance(s, out)

@@ -30,6 +30,10 @@ class Ablation:
 
 
 ABLATIONS = (
+    # Static batching caps the batch at 8, so a continuous engine capped at 8 is its control: the two
+    # rows separate what the cap costs from what running each batch to its end costs.
+    Ablation("continuous-8", "continuous batching, at most 8 running (the control for static batching)",
+             {"max_num_seqs": 8}),
     Ablation("static-batching", "static request-level batching (the seed's): batches of 8, each runs to its "
              "longest request", {"batching": "static", "max_num_seqs": 8}),
     Ablation("contiguous-cache", "contiguous per-request KV cache: max_model_len slots reserved per sequence",
@@ -115,10 +119,13 @@ def run_ablations(base: EngineArgs, workloads: dict[str, Workload], run_engine: 
         for name, r in abl.items():
             r["ratio_to_full"] = r["output_tok_s"] / base_tok_s
             results[name] = {**r, "workload": wname}
+        if "static-batching" in abl and "continuous-8" in abl:
+            results["static-batching"]["ratio_to_control"] = (abl["static-batching"]["output_tok_s"]
+                                                              / abl["continuous-8"]["output_tok_s"])
         results[f"full engine ({wname})"] = {
             "workload": wname, "output_tok_s": base_tok_s, "runs_output_tok_s": [r["output_tok_s"] for r in runs],
             "kv_waste": runs[0]["kv_waste"], "peak_kv_slots": runs[0]["peak_kv_slots"],
-            "longest_step_ms": max(r["longest_step_ms"] for r in runs), "requests": len(wl.prompts),
+            "longest_step_ms": runs[0]["longest_step_ms"], "requests": len(wl.prompts),
             "output_tokens": wl.output_tokens, "pool_slots": args.num_kv_blocks * block,
             "max_model_len": args.max_model_len}
         del full
@@ -131,19 +138,26 @@ def _summary(r: dict[str, Any], wl: Workload) -> dict[str, Any]:
             "longest_step_ms": 1e3 * r["longest_step_s"], "outputs": r["outputs"]}
 
 
-def sweep_concurrency(engine: LLMEngine, prompts: list[list[int]], output_len: int, levels: list[int],
-                      cost: ModelCost, ceil: MachineCeilings, run_engine: Any, greedy: Any) -> list[dict[str, Any]]:
-    """Output tok/s with at most C sequences running (the first 2C prompts, at least 4), against the
-    roofline of the same requests at C (their prefill and decode FLOPs at peak, or a weight read per
-    step of at most C tokens); one engine, its max_num_seqs changed between levels."""
+def spread_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    """n prompts of random ids with lengths evenly spread over [lo, hi]: every n gets the same mix."""
+    rng = random.Random(seed)
+    return [[rng.randrange(16, vocab) for _ in range(round(lo + (hi - lo) * (i + 0.5) / n))] for i in range(n)]
+
+
+def sweep_concurrency(engine: LLMEngine, input_len: tuple[int, int], vocab: int, seed: int, output_len: int,
+                      levels: list[int], cost: ModelCost, ceil: MachineCeilings, run_engine: Any, greedy: Any
+                      ) -> list[dict[str, Any]]:
+    """Output tok/s with at most C sequences running (2C requests, at least 4, prompt lengths spread
+    evenly over input_len at every level), against the roofline of the same requests at C (their
+    prefill and decode FLOPs at peak, or a weight read per step of at most C tokens); one engine, its
+    max_num_seqs changed between levels."""
     sched = engine.scheduler
     saved = sched.config
     out = []
     try:
         for c in levels:
             sched.config = replace(saved, max_num_seqs=c)
-            reqs = prompts[:max(2 * c, 4)]
-            assert len(reqs) == max(2 * c, 4), "sweep_concurrency needs 2 x the largest level of prompts"
+            reqs = spread_prompts(max(2 * c, 4), *input_len, vocab, seed + c)
             r = run_engine(engine, reqs, greedy(output_len))
             roof = cost.serving_roofline([len(p) for p in reqs], [output_len] * len(reqs), c, ceil)
             out.append({"concurrency": c, "requests": len(reqs), "output_len": output_len,

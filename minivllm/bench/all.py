@@ -108,7 +108,15 @@ def run_all(ns: argparse.Namespace) -> int:
         argv = _argv(ns.quick, ns.model)
         for b in only:
             print(f"=== minivllm bench {' '.join(argv[b])}", flush=True)
-            codes[b] = main(["bench", *argv[b], "--out", os.path.join(ns.out_dir, f"{b}.json")])
+            out = os.path.join(ns.out_dir, f"{b}.json")
+            codes[b] = main(["bench", *argv[b], "--out", out])
+            if os.path.isfile(out):  # what produced it and when, for the report
+                with open(out) as f:
+                    r = json.load(f)
+                r["command"] = argv[b]
+                r["measured_at"] = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+                with open(out, "w") as f:
+                    json.dump(r, f, indent=2)
     md = render(ns.out_dir, _argv(False, None))
     with open(ns.markdown, "w") as f:
         f.write(md)
@@ -140,7 +148,7 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
     ]
     if m:
         mem = f"{m['memory_gib']:.0f} GiB"
-        lines += [f"**Machine** ({m['date']}): {m['cpu']} ({', '.join(m['cpu_flags']) or 'no AVX-512'}), "
+        lines += [f"**Machine**: {m['cpu']} ({', '.join(m['cpu_flags']) or 'no AVX-512'}), "
                   f"{m['cores']} cores, {mem} RAM, {m['gpu'] or 'no GPU'}; torch {m['torch']}, Python {m['python']}, "
                   f"{m['os']}.", ""]
     sections: list[tuple[str, Callable[[dict[str, Any]], list[str]]]] = [
@@ -156,7 +164,9 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
         if r is None:
             continue
         lines += section(r)
-        lines += ["", f"Command: `minivllm bench {' '.join(_quote(a) for a in argv[name])}`", ""]
+        cmd = " ".join(_quote(a) for a in r.get("command", argv[name]))
+        lines += ["", f"Command: `minivllm bench {cmd}`" + (f" (run {r['measured_at']})" if "measured_at" in r else ""),
+                  ""]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -190,10 +200,9 @@ def _seed(r: dict[str, Any], report: Callable[[dict[str, Any]], str]) -> list[st
         f"tok/s, a ratio of **{roof_ratio:.2f}x**. The 3–4x estimate counts decode only, with weights streamed at "
         f"~21 GB/s; this run measured {r['roofline']['ceilings']['bandwidth'] / 1e9:.0f} GB/s, and the prompts' "
         "prefill is compute that batching cannot share. Measured, continuous batching reaches "
-        f"{100 * frac(cont, a):.0f}% of its roofline and static batching {100 * frac(stat, b):.0f}%"
-        + (": small-batch steps take longer than either of their bounds (GEMMs with a few rows do not stream the "
-           "weights at full bandwidth), which is why the measured ratio is above the roofline ratio."
-           if ratio > roof_ratio else "."),
+        f"{100 * frac(cont, a):.0f}% of its roofline and static batching {100 * frac(stat, b):.0f}%, which is "
+        f"why the measured ratio is {'above' if ratio > roof_ratio else 'below'} the roofline ratio (see "
+        "benchmarks/RECORDS.md for where each one's step time goes).",
         f"- p95 latency below the static-batching p50: **{p95_met}** ({a['e2e_ms']['p95']:.0f} ms vs "
         f"{b['e2e_ms']['p50']:.0f} ms).",
     ]
@@ -241,13 +250,14 @@ def _throughput(r: dict[str, Any], tp: Any) -> list[str]:
         if full and cont:
             fits = full["pool_slots"] // full["max_model_len"]
             bound = next((x["concurrency"] for x in sw or [] if x["roofline_bound"] == "compute"), None)
+            cost = max(0.0, 1 - cont["ratio_to_full"])
+            why = (f": from {bound} sequences on, this machine's roofline is compute-bound (the concurrency sweep "
+                   f"above), and {fits} sequences is past that, so fewer sequences per step lose little"
+                   if bound is not None and fits >= bound else "")
             lines += ["", f"KV memory: the paged cache left {100 * full['kv_waste']:.1f}% of its allocated slots empty "
                       f"(the unfilled tail block of each sequence); the contiguous cache "
                       f"{100 * cont['kv_waste']:.1f}%, because it reserves max_model_len ({full['max_model_len']}) "
                       f"slots per sequence from the start, so the same pool held at most {fits} sequences at once "
-                      f"instead of {full['requests']}. That cost {100 * (1 - cont['ratio_to_full']):.0f}% of "
-                      "throughput here" + (f": from {bound} sequences on, this machine's roofline is compute-bound "
-                                           "(the concurrency sweep above), so fewer sequences per step lose little"
-                                           if bound else "") +
-                      "; where memory, not compute, bounds the batch (a GPU), the same waste caps throughput directly."]
+                      f"instead of {full['requests']}. That cost {100 * cost:.0f}% of throughput here{why}; where "
+                      "memory, not compute, bounds the batch (a GPU), the same waste caps throughput directly."]
     return lines

@@ -115,10 +115,10 @@ class ModelCost:
         """Lower bound on serving these requests with at most `batch` running at once: every token's FLOPs
         at peak FLOP/s, or the weights read once per step at peak bandwidth (each step yields at most
         `batch` tokens), whichever is larger."""
-        flops = 2 * self.body_params * (sum(prompt_lens) + sum(output_lens))
-        flops += 2 * self.head_params * sum(output_lens)
-        flops += self.attn_flops_per_ctx_token * sum((p + o) ** 2 // 2 for p, o in zip(prompt_lens, output_lens,
-                                                                                      strict=True))
+        # The last output token is sampled, never fed back: p + o - 1 tokens go through the model.
+        fed = [p + o - 1 for p, o in zip(prompt_lens, output_lens, strict=True)]
+        flops = 2 * self.body_params * sum(fed) + 2 * self.head_params * sum(output_lens)
+        flops += self.attn_flops_per_ctx_token * sum(n * (n + 1) // 2 for n in fed)
         steps = -(-sum(output_lens) // batch)
         compute_s, memory_s = flops / m.peak_flops, steps * self.weight_bytes / m.bandwidth
         seconds = max(compute_s, memory_s)

@@ -17,9 +17,10 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
-from typing import Any
+from typing import IO, Any
 
 import httpx
 
@@ -79,30 +80,47 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_server(path: str, port: int, grpc_port: int | None, ns: argparse.Namespace, extra: list[str]
-                  ) -> subprocess.Popen[bytes]:
+def _start_server(path: str, port: int, grpc_port: int | None, ns: argparse.Namespace, extra: list[str],
+                  procs: list[tuple[subprocess.Popen[bytes], IO[bytes]]]) -> None:
+    """Start `minivllm serve` and wait until it is healthy. The process is added to procs before the
+    wait, so that the caller's _stop_servers() stops it whatever happens."""
     # Prefix caching off: the endpoints replay the same prompts, and the second would find them cached.
     cmd = [sys.executable, "-m", "minivllm", "serve", path, "--port", str(port), "--kv-cache-memory",
            ns.kv_cache_memory, "--max-num-seqs", str(ns.max_num_seqs or max(ns.concurrency, 1)),
            "--log-level", "warning", "--max-waiting", str(ns.num_requests + 16), "--no-enable-prefix-caching",
-           *ns.server_arg, *extra]
+           *ns.server_arg]
     if grpc_port is not None:
         cmd += ["--grpc-port", str(grpc_port)]
     if ns.server_threads:
         cmd += ["--num-threads", str(ns.server_threads)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    cmd += extra  # a variant's flags come last, so they win
+    log = tempfile.TemporaryFile()  # not a pipe: nobody reads it while the server runs, and a full pipe blocks it
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+    procs.append((proc, log))
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-2000:] if proc.stderr else ''}")
+            log.seek(0)
+            raise RuntimeError(f"server exited: {log.read().decode(errors='replace')[-2000:]}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc
+                return
         except httpx.HTTPError:
             time.sleep(0.3)
-    proc.kill()
     raise RuntimeError("server did not become healthy in 300 s")
+
+
+def _stop_servers(procs: list[tuple[subprocess.Popen[bytes], IO[bytes]]]) -> None:
+    """Terminate every started server (kill one that does not exit in 30 s) and close its log."""
+    for proc, log in procs:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
 
 
 def _scrape_lag(url: str) -> dict[str, float]:
@@ -209,7 +227,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     if ns.base_url and "grpc" in endpoints and not ns.grpc_target:
         raise ValueError("--transport grpc with --base-url needs --grpc-target host:port")
     variants = _variants(ns.variant)
-    if ns.base_url and len(variants) > 1:
+    if ns.base_url and ns.variant:
         raise ValueError("--variant starts its own servers; it cannot be used with --base-url")
     # A column is one (variant, endpoint) pair; its key is the endpoint alone when there is one server.
     columns = {(f"{v}/{t}" if v else t): (v, t) for v in variants for t in endpoints}
@@ -232,12 +250,13 @@ def run_serve(ns: argparse.Namespace) -> int:
     }
     if ns.roofline:
         result["roofline"] = _roofline(path, requests, tokenizer, ns, variants, columns)
-    run_offline = not ns.no_offline and not ns.base_url
+    # The offline engine runs the base flags, so it is a baseline only for a single server of those flags.
+    run_offline = not ns.no_offline and not ns.base_url and not ns.variant
     offline = []
     if run_offline:
         offline.append(_offline(path, requests, tokenizer, ns))
         print(f"offline engine: {offline[-1]:.1f} tok/s", flush=True)
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[tuple[subprocess.Popen[bytes], IO[bytes]]] = []
     addrs: dict[str, tuple[str, str | None]] = {}
     max_conn = (ns.concurrency if not ns.request_rate else ns.num_requests) + 4
 
@@ -258,7 +277,7 @@ def run_serve(ns: argparse.Namespace) -> int:
                 addrs[v] = (ns.base_url.rstrip("/"), ns.grpc_target)
                 continue
             port, grpc_port = _free_port(), (_free_port() if "grpc" in endpoints else None)
-            procs.append(_start_server(path, port, grpc_port, ns, flags))
+            _start_server(path, port, grpc_port, ns, flags, procs)
             addrs[v] = (f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}")
         for k in keys:  # warm-up: every client path once
             asyncio.run(one_run(k, [RequestSpec(r.prompt, 8) for r in requests[:4]], None, concurrency=4))
@@ -271,9 +290,7 @@ def run_serve(ns: argparse.Namespace) -> int:
             print(f"{k}: {summary['output_tok_per_s']:.1f} tok/s, {summary['successes']} ok, "
                   f"{summary['failures']} failed", flush=True)
     finally:
-        for proc in procs:
-            proc.terminate()
-            proc.wait(30)
+        _stop_servers(procs)
     result["runs"] = runs
     result["server"] = {k: _merge(rs) for k, rs in runs.items()}
     if run_offline:
@@ -301,7 +318,13 @@ def _roofline(path: str, requests: list[RequestSpec], tokenizer: Any, ns: argpar
     from minivllm.config import ModelConfig, resolve_dtype
 
     mc = ModelConfig.from_pretrained(path)
-    ceil = measure_ceilings(mc.hidden_size, mc.hf_config.get("intermediate_size") or 4 * mc.hidden_size)
+    # Measured with the server's thread count: the ceilings are the server engine's.
+    saved = torch.get_num_threads()
+    torch.set_num_threads(ns.server_threads or cpu_count())
+    try:
+        ceil = measure_ceilings(mc.hidden_size, mc.hf_config.get("intermediate_size") or 4 * mc.hidden_size)
+    finally:
+        torch.set_num_threads(saved)
     cost = ModelCost.from_config(mc, resolve_dtype("auto", mc.checkpoint_dtype, torch.device("cpu")))
     prompt_lens = [len(tokenizer.encode(r.prompt)) for r in requests]
     out_lens = [r.max_tokens for r in requests]

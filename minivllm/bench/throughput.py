@@ -279,10 +279,9 @@ def run_throughput(ns: argparse.Namespace) -> int:
     result["decode_profile"] = profile_decode(engine, prompts)
     levels = [int(c) for c in ns.concurrency_levels.split(",") if c.strip()]
     if levels:
-        # Distinct prompts for every request of the largest level: a repeated one would hit the prefix cache.
-        sweep_prompts = random_prompts(max(2 * max(levels), 4), ns.input_len_min, ns.input_len_max, vocab, ns.seed + 3)
-        result["concurrency_sweep"] = sweep_concurrency(engine, sweep_prompts, min(ns.output_len, 64), levels, cost,
-                                                        ceil, run_engine, greedy)
+        result["concurrency_sweep"] = sweep_concurrency(engine, (ns.input_len_min, ns.input_len_max), vocab,
+                                                        ns.seed + 3, min(ns.output_len, 64), levels, cost, ceil,
+                                                        run_engine, greedy)
     if not ns.no_ablations:
         base = engine.args
         del engine
@@ -440,14 +439,17 @@ def ablation_report(r: dict[str, Any]) -> list[str]:
     if not ab:
         return []
     lines = ["", "Ablations: each technique switched off, in the same process on the same requests as the full "
-             "engine (run before and after; its mean is the 1.00). Every engine of a workload has the same KV pool, "
-             "the paged engine's peak need. KV waste: share of the allocated KV slots, step-averaged, that held no "
-             "token.", "",
+             "engine (run before and after; its mean is the 1.00). Every engine of a workload has the same KV pool: "
+             "the sum of every request's final size, enough for the paged engine to hold them all at once. KV "
+             "waste: share of the allocated KV slots, step-averaged, that held no token. Longest step: one run's.",
+             "",
              "| engine | workload | output tok/s | ratio to full | KV waste | peak KV slots | longest step | "
              "outputs identical |", "|---|---|---|---|---|---|---|---|"]
     for name, x in ab.items():
         ident = f"{x['identical_outputs']}" if "identical_outputs" in x else "–"
         ratio = f"**{x['ratio_to_full']:.2f}**" if "ratio_to_full" in x else "1.00"
+        if "ratio_to_control" in x:
+            ratio += f" ({x['ratio_to_control']:.2f} of its control)"
         desc = x.get("what", name)
         # Recomputing everything keeps no KV between steps: its blocks are scratch, "waste" means nothing.
         waste = "–" if x.get("args", {}).get("kv_cache_mode") == "none" else f"{100 * x['kv_waste']:.1f}%"

@@ -83,10 +83,15 @@ class Scheduler:
                 i += 1
         # vLLM v1's rule: no admissions in a step that had to preempt (the pool is under pressure).
         if not out.preempted and self._may_admit():
-            budget = self._admit(out, budget)
-            # A static batch keeps forming only while the step budget (not the batch size or the pool)
-            # stopped it, i.e. its prompts did not fit one step.
-            self._batch_forming = budget == 0 and bool(self.waiting) and len(self.running) < self.config.max_num_seqs
+            scheduled = len(out.scheduled)
+            budget, budget_bound = self._admit(out, budget)
+            if self.config.static_batching:
+                # A static batch keeps forming only while the step budget (not the batch size or the pool)
+                # stopped it, i.e. its prompts did not fit one step, and not once it decodes without
+                # admitting (decodes alone can fill a step, e.g. when every step recomputes everything).
+                admitted = len(out.scheduled) > scheduled
+                started = any(s.num_output_tokens for s in self.running)
+                self._batch_forming = budget_bound and (admitted or not started)
         # Beams waiting for their siblings hold blocks but compute nothing, so they are never preempted
         # above. If they starve a waiting sibling (nothing at all could run), they make room: their
         # next-token log-probs are kept by their beam group, only their KV is recomputed later.
@@ -95,7 +100,7 @@ class Scheduler:
             self.running.remove(victim)
             self._preempt(victim)
             out.preempted.append(victim)
-            budget = self._admit(out, budget)
+            budget, _ = self._admit(out, budget)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         out.block_copies = self.bm.take_copies()
         return out
@@ -113,20 +118,24 @@ class Scheduler:
     def _idle(seq: Sequence) -> bool:
         return seq.num_computed_tokens == seq.num_tokens
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+    def _admit(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
+        """Admit waiting sequences in order while they fit; returns the budget left and whether the step
+        budget (rather than the seats, the pool, or an empty queue) is what stopped admission."""
         cfg = self.config
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        while self.waiting and len(self.running) < cfg.max_num_seqs:
+            if budget == 0:
+                return budget, True
             seq = self.waiting[0]
             computed = [] if seq.skips_prefix_cache else self.bm.get_computed_blocks(seq)
             num_cached = len(computed) * self.bm.block_size
             n = seq.num_tokens - num_cached
             if n > budget and not cfg.enable_chunked_prefill:
-                break
+                return budget, True
             n = min(n, budget)
             # A contiguous cache holds a sequence's whole reservation from admission on.
             reserve = max(n, (cfg.reserve_tokens or 0) - num_cached)
             if not self.bm.allocate_slots(seq, reserve, computed):
-                break
+                return budget, False
             self.waiting.pop(0)
             self.stats.prefix_cache_queries += seq.num_tokens
             self.stats.prefix_cache_hits += num_cached
@@ -137,7 +146,7 @@ class Scheduler:
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)
             out.scheduled.append((seq, n))
             budget -= n
-        return budget
+        return budget, False
 
     def _preempt(self, seq: Sequence) -> None:
         """Preempt by recompute (seq already off the running list): drop its KV blocks and requeue it;
