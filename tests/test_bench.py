@@ -30,7 +30,8 @@ def test_bench_throughput_smoke(model_factory, tmp_path):
     p = r["decode_profile"]
     assert 0 < p["non_model_share"] < 1 and p["phases_ms"]["forward"] > 0
     assert [x["concurrency"] for x in r["concurrency_sweep"]] == [1, 4]
-    assert all(x["output_tok_s"] > 0 and 0 < x["output_tok_s"] and (ON_CUDA or x["output_tok_s"] <= x["roofline_tok_s"]) for x in r["concurrency_sweep"])
+    for x in r["concurrency_sweep"]:
+        assert x["output_tok_s"] > 0 and (ON_CUDA or x["output_tok_s"] <= x["roofline_tok_s"])
     ab = r["ablations"]
     assert set(ab) == {"continuous-8", "static-batching", "contiguous-cache", "no-chunked-prefill", "no-prefix-caching",
                        "no-kv-cache", "full engine (mixed)", "full engine (shared-prefix)", "full engine (small)"}
