@@ -419,8 +419,9 @@ def concurrency_report(r: dict[str, Any]) -> list[str]:
     sw = r.get("concurrency_sweep")
     if not sw:
         return []
-    lines = ["", "Throughput vs concurrency: at most C sequences running, 2C requests (at least 4) with the "
-             f"workload's prompt lengths, {sw[0]['output_len']} tokens out each; the roofline is the same requests' "
+    lines = ["", "Throughput vs concurrency: at most C sequences running, 2C requests (at least 4) with prompt "
+             f"lengths spread evenly over the workload's range, {sw[0]['output_len']} tokens out each; the "
+             "roofline is the same requests' "
              "prefill and decode FLOPs at peak, or one weight read per step of at most C tokens, whichever is "
              "slower:", "",
              "| concurrency | output tok/s | vs C=1 | roofline at C (tok/s) | fraction of roofline |",
