@@ -20,6 +20,7 @@ import json
 import math
 import os
 import random
+import sys
 import sysconfig
 import time
 from typing import Any
@@ -186,7 +187,12 @@ def main() -> None:
     p.add_argument("--eval-tokens", type=int, default=200_000, help="held-out tokens scored at the end")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cards-only", action="store_true", help="only (re)write the model cards from OUT/metrics.json")
     ns = p.parse_args()
+    if ns.cards_only:
+        with open(os.path.join(ns.out, "metrics.json")) as f:
+            write_model_cards(ns.out, json.load(f), " ".join(a for a in sys.argv[1:] if a != "--cards-only"))
+        return
 
     from transformers import LlamaForCausalLM
 
@@ -227,6 +233,47 @@ def main() -> None:
         save(model, tok, os.path.join(ns.out, name), max_len, {**metrics[name], "data": metrics["data"]})
     with open(os.path.join(ns.out, "metrics.json"), "w") as f:
         json.dump(metrics, f, indent=2)
+    write_model_cards(ns.out, metrics, " ".join(sys.argv[1:]))
+
+
+def write_model_cards(out: str, m: dict[str, Any], args: str) -> None:
+    """README.md (the model card) in both model directories, from the run's metrics."""
+    rows = "\n".join(
+        f"| {name} | {m[name]['parameters'] / 1e6:.1f}M | {m[name]['hidden_size']} | {m[name]['num_hidden_layers']} | "
+        f"{m[name]['num_attention_heads']}/{m[name]['num_key_value_heads']} | {m[name]['tokens'] / 1e6:.1f}M | "
+        f"{m[name]['minutes']:.0f} min | {m[name]['final_loss']:.2f} | **{m[name]['held_out_ppl']:.2f}** |"
+        for name in ("main", "draft") if name in m)
+    card = f"""# Mini-vLLM's embedded default model
+
+Small Llama-architecture language models of Python source, trained from scratch on CPU by
+`tools/train_tiny.py` (kept in the Mini-vLLM repository; fixed seed {m['seed']}), so that Mini-vLLM
+answers with recognisable text on a machine with no network. `draft` shares `main`'s tokenizer and
+serves as its speculative-decoding draft. Not a general assistant: it continues Python code.
+
+| model | parameters | hidden | layers | heads (q/kv) | tokens seen | training time | final loss | held-out perplexity |
+|---|---|---|---|---|---|---|---|---|
+{rows}
+
+Unigram baseline on the same held-out tokens (training-set token frequencies, add-one smoothing):
+perplexity **{m['unigram_ppl']:.1f}**.
+
+- **Data**: {m['data']}: the `.py` files of CPython {m['python']}'s standard library as installed with
+  the interpreter ({m['train_files']} files for training, {m['train_tokens'] / 1e6:.1f}M tokens). 1 file in 50,
+  chosen by a hash of its path, is held out ({m['held_out_files']} files, {m['held_out_tokens'] / 1e3:.0f}k tokens).
+  The Python Software Foundation License applies to the source text; these weights are derived from it.
+- **Tokenizer**: byte-level BPE, {m['vocab']} entries, trained on the training split; specials
+  `<|endoftext|>` (BOS/EOS, between files), `<|im_start|>`, `<|im_end|>`; a ChatML chat template.
+- **Architecture**: LlamaForCausalLM, RMSNorm, SwiGLU, RoPE (theta 10000), grouped-query attention,
+  tied input/output embeddings, 1024 positions; weights stored in bfloat16.
+- **Training**: AdamW (betas 0.9/0.95, weight decay 0.1), peak learning rate with 100 warm-up steps and
+  cosine decay over a fixed time budget, batches of 16 x 256 tokens, gradient clipping at 1.0, float32
+  on CPU. Held-out perplexity is measured on the bfloat16 weights as shipped.
+- **Reproduce**: `python tools/train_tiny.py {args}`.
+"""
+    for name in ("main", "draft"):
+        if os.path.isdir(os.path.join(out, name)):
+            with open(os.path.join(out, name, "README.md"), "w") as f:
+                f.write(card)
 
 
 if __name__ == "__main__":
