@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
+from collections.abc import Callable
 
 from minivllm.config import EngineArgs
 
@@ -56,28 +58,12 @@ def _cmd_make_model(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench(ns: argparse.Namespace) -> int:
-    from minivllm.bench.throughput import run_throughput
+def _bench(module: str, entry: str) -> Callable[[argparse.Namespace], int]:
+    """A bench verb's handler, importing its module only when that verb runs."""
+    def run(ns: argparse.Namespace) -> int:
+        return getattr(importlib.import_module(f"minivllm.bench.{module}"), entry)(ns)
 
-    return run_throughput(ns)
-
-
-def _cmd_bench_latency(ns: argparse.Namespace) -> int:
-    from minivllm.bench.latency import run_latency
-
-    return run_latency(ns)
-
-
-def _cmd_bench_serve(ns: argparse.Namespace) -> int:
-    from minivllm.bench.serve import run_serve
-
-    return run_serve(ns)
-
-
-def _cmd_bench_all(ns: argparse.Namespace) -> int:
-    from minivllm.bench.all import run_all
-
-    return run_all(ns)
+    return run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,21 +111,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     tp = bsub.add_parser("throughput", help="offline throughput vs HF transformers, roofline, step split")
     add_throughput_args(tp)
-    tp.set_defaults(func=_cmd_bench)
+    tp.set_defaults(func=_bench("throughput", "run_throughput"))
     from minivllm.bench.latency import add_latency_args
     from minivllm.bench.serve import add_serve_args
 
     lt = bsub.add_parser("latency", help="one request at a time: TTFT and per-token latency vs prompt length")
     add_latency_args(lt)
-    lt.set_defaults(func=_cmd_bench_latency)
+    lt.set_defaults(func=_bench("latency", "run_latency"))
     sv = bsub.add_parser("serve", help="load generator against a server (HTTP, OpenAI or gRPC) vs the offline engine")
     add_serve_args(sv)
-    sv.set_defaults(func=_cmd_bench_serve)
+    sv.set_defaults(func=_bench("serve", "run_serve"))
     from minivllm.bench.all import add_all_args
 
     al = bsub.add_parser("all", help="every bench in turn, then BENCHMARKS.md regenerated from their results")
     add_all_args(al)
-    al.set_defaults(func=_cmd_bench_all)
+    al.set_defaults(func=_bench("all", "run_all"))
     return parser
 
 

@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 from collections.abc import Callable
 from typing import Any
 
@@ -134,7 +135,7 @@ def _load(out_dir: str, name: str) -> dict[str, Any] | None:
 
 def render(out_dir: str, argv: dict[str, list[str]]) -> str:
     """BENCHMARKS.md from the JSON files in out_dir (a section per bench found)."""
-    from minivllm.bench import latency, serve, throughput
+    from minivllm.bench import latency, serve, throughput_report
 
     m = _load(out_dir, "machine") or {}
     lines = [
@@ -153,7 +154,7 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
                   f"{m['os']}.", ""]
     sections: list[tuple[str, Callable[[dict[str, Any]], list[str]]]] = [
         ("seed", lambda r: _seed(r, serve.report)),
-        ("throughput", lambda r: _throughput(r, throughput)),
+        ("throughput", lambda r: _throughput(r, throughput_report)),
         ("latency", lambda r: ["## Single-request latency (`bench latency`)", "", latency.report(r)]),
         ("transports", lambda r: ["## Transports: gRPC vs HTTP vs OpenAI (`bench serve`)", "",
                                   "One server, the same requests over each endpoint in ABBA order, prefix "
@@ -164,14 +165,11 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
         if r is None:
             continue
         lines += section(r)
-        cmd = " ".join(_quote(a) for a in r.get("command", argv[name]))
+        cmd = shlex.join(r.get("command", argv[name]))
         lines += ["", f"Command: `minivllm bench {cmd}`" + (f" (run {r['measured_at']})" if "measured_at" in r else ""),
                   ""]
     return "\n".join(lines).rstrip() + "\n"
 
-
-def _quote(a: str) -> str:
-    return f"'{a}'" if " " in a or a.endswith("=") else a
 
 
 def _ceilings(c: dict[str, float]) -> str:

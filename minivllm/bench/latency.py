@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from minivllm.bench.results import save
-from minivllm.bench.roofline import ModelCost, measure_ceilings
+from minivllm.bench.roofline import ModelCost, measure_ceilings_for
 from minivllm.bench.throughput import greedy, random_prompts, resolve_model
 from minivllm.config import EngineArgs, ModelConfig, cpu_count
 from minivllm.engine.llm_engine import LLMEngine
@@ -66,8 +66,7 @@ def run_latency(ns: argparse.Namespace) -> int:
         raise ValueError(f"--prompt-lens: {lens[-1]} + {ns.output_len} tokens exceed the model's context "
                          f"({config.max_position_embeddings})")
     engine = LLMEngine(EngineArgs(model=path, num_threads=threads, dtype=ns.dtype, kv_cache_memory="1GiB"))
-    ceilings = measure_ceilings(config.hidden_size, config.hf_config.get("intermediate_size") or 4 * config.hidden_size,
-                                engine.dtype)
+    ceilings = measure_ceilings_for(config, engine.dtype)
     cost = ModelCost.from_config(config, engine.dtype)
     one_request(engine, random_prompts(1, 8, 8, config.vocab_size, seed=99)[0], 4)  # warm-up
     rows = []

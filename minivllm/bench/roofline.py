@@ -64,6 +64,11 @@ def measure_ceilings(hidden: int = 576, intermediate: int = 1536, dtype: torch.d
     return MachineCeilings(torch.get_num_threads(), peak, mkl, model_gemm, max(copy_bw, read_bw))
 
 
+def measure_ceilings_for(mc: ModelConfig, dtype: torch.dtype = torch.float32) -> MachineCeilings:
+    """measure_ceilings with the model's own projection shape (hidden x intermediate)."""
+    return measure_ceilings(mc.hidden_size, mc.hf_config.get("intermediate_size") or 4 * mc.hidden_size, dtype)
+
+
 @dataclass
 class ModelCost:
     """FLOPs and bytes of a model per token, from its config."""

@@ -314,7 +314,7 @@ def _roofline(path: str, requests: list[RequestSpec], tokenizer: Any, ns: argpar
     min(clients, max_num_seqs) tokens wide, whichever is slower; ceilings measured here, now."""
     import torch
 
-    from minivllm.bench.roofline import ModelCost, measure_ceilings
+    from minivllm.bench.roofline import ModelCost, measure_ceilings_for
     from minivllm.config import ModelConfig, resolve_dtype
 
     mc = ModelConfig.from_pretrained(path)
@@ -322,7 +322,7 @@ def _roofline(path: str, requests: list[RequestSpec], tokenizer: Any, ns: argpar
     saved = torch.get_num_threads()
     torch.set_num_threads(ns.server_threads or cpu_count())
     try:
-        ceil = measure_ceilings(mc.hidden_size, mc.hf_config.get("intermediate_size") or 4 * mc.hidden_size)
+        ceil = measure_ceilings_for(mc)
     finally:
         torch.set_num_threads(saved)
     cost = ModelCost.from_config(mc, resolve_dtype("auto", mc.checkpoint_dtype, torch.device("cpu")))
