@@ -16,13 +16,10 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     from minivllm.llm import LLM
     from minivllm.sampling_params import SamplingParams
 
-    if ns.model is None:
-        print("minivllm generate: --model DIR is required (the embedded default model is not shipped yet)",
-              file=sys.stderr)
-        return 2
     llm = LLM(**vars(EngineArgs.from_cli_args(ns)))
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
-                            min_p=ns.min_p, seed=ns.seed_sampling, n=ns.n, stop=ns.stop or [],
+                            min_p=ns.min_p, repetition_penalty=ns.repetition_penalty, seed=ns.seed_sampling, n=ns.n,
+                            stop=ns.stop or [],
                             ignore_eos=ns.ignore_eos, use_beam_search=ns.beam_width > 1, beam_width=ns.beam_width)
     outs = llm.generate(ns.prompt, params, use_tqdm=len(ns.prompt) > 1)
     for out in outs:
@@ -41,9 +38,6 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     from minivllm.entrypoints.api_server import run_server
     from minivllm.entrypoints.serving import ServerArgs
 
-    if ns.model is None:
-        print("minivllm serve: give a MODEL_DIR (the embedded default model is not shipped yet)", file=sys.stderr)
-        return 2
     server_args = ServerArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs)})
     logging.getLogger().setLevel(server_args.log_level.upper())
     run_server(EngineArgs.from_cli_args(ns), server_args)
@@ -81,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeating tokens")
     gen.add_argument("--seed-sampling", type=int, default=None, help="per-request sampling seed")
     gen.add_argument("--n", type=int, default=1, help="samples per prompt")
     gen.add_argument("--stop", action="append", help="a stop string (repeat for several)")
@@ -121,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv = bsub.add_parser("serve", help="load generator against a server (HTTP, OpenAI or gRPC) vs the offline engine")
     add_serve_args(sv)
     sv.set_defaults(func=_bench("serve", "run_serve"))
+    from minivllm.bench.perplexity import add_perplexity_args
+
+    pp = bsub.add_parser("perplexity",
+                         help="held-out perplexity by our engine vs HF transformers and a unigram baseline")
+    add_perplexity_args(pp)
+    pp.set_defaults(func=_bench("perplexity", "run_perplexity"))
     from minivllm.bench.all import add_all_args
 
     al = bsub.add_parser("all", help="every bench in turn, then BENCHMARKS.md regenerated from their results")

@@ -69,7 +69,7 @@ def _arg(default: Any, help: str, **kw: Any) -> Any:
 class EngineArgs:
     """Every engine flag with its default; the CLI, `LLM(...)` and the server all build from this."""
 
-    model: str | None = _arg(None, "Hugging Face-format model directory")
+    model: str | None = _arg(None, "Hugging Face-format model directory (default: the embedded model)")
     dtype: str = _arg("auto", "float32 | bfloat16 | float16 | auto (float32 on CPU, checkpoint dtype on GPU)")
     kv_cache_memory: str = _arg("2GiB", "memory budget for the paged KV cache pool, e.g. 2GiB")
     num_kv_blocks: int | None = _arg(None, "pool size in blocks, overriding kv_cache_memory (tests, debugging)")
@@ -101,6 +101,10 @@ class EngineArgs:
         "recomputed every step. Both serve only n=1 requests without beam search")
 
     def __post_init__(self) -> None:
+        if self.model is None:
+            from minivllm.default_model import default_model_path
+
+            self.model = default_model_path()
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -24,13 +24,14 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m minivllm serve MODEL ...` in a subprocess, with its log kept for failure messages."""
+    """`python -m minivllm serve [MODEL] ...` in a subprocess, with its log kept for failure messages
+    (no MODEL: the embedded default model)."""
 
-    def __init__(self, model: str, *args: str) -> None:
+    def __init__(self, model: str | None, *args: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="minivllm-serve-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "minivllm", "serve", model, "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "minivllm", "serve", *([model] if model else []), "--port", str(self.port), *args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.time() + 120

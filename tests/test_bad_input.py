@@ -111,15 +111,18 @@ def test_mismatched_weight_shape(broken_copy):
         LLM(path)
 
 
-def test_no_weights_and_no_config(broken_copy, tmp_path):
+def test_no_weights_and_no_config(broken_copy, tmp_path, monkeypatch):
     path = broken_copy()
     os.remove(os.path.join(path, "model.safetensors"))
     with pytest.raises(FileNotFoundError, match="no weights"):
         LLM(path)
     with pytest.raises(FileNotFoundError, match="no config.json"):
         LLM(str(tmp_path))
-    with pytest.raises(ValueError, match="model: no model directory"):
-        LLM(None)
+    import minivllm.default_model as dm
+
+    monkeypatch.setattr(dm, "_ROOT", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="embedded default model is missing"):
+        LLM()
 
 
 def test_bad_engine_args():

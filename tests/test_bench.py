@@ -105,11 +105,12 @@ def test_bench_all_quick_regenerates_the_markdown(model_factory, tmp_path):
     assert rc == 0
     text = md.read_text()
     for heading in ("The seed's serving workload", "Offline throughput", "Step-time split at", "Throughput vs "
-                    "concurrency", "Ablations", "Single-request latency", "Transports"):
+                    "concurrency", "Ablations", "Single-request latency", "Transports",
+                    "default model's quality"):
         assert heading in text, heading
     assert "**Machine**" in text and "peak GEMM" in text and "xychart-beta" in text
     assert "zero errors: **met**" in text and "p95 latency below the static-batching p50" in text
-    for name in ("seed", "throughput", "latency", "transports"):
+    for name in ("seed", "throughput", "latency", "transports", "perplexity"):
         assert (results / f"{name}.json").is_file() and (results / f"{name}.png").stat().st_size > 0
     md.unlink()
     assert main(["bench", "all", "--render-only", "--out-dir", str(results), "--markdown", str(md)]) == 0

@@ -1,21 +1,21 @@
 """Train the embedded default model (a small Llama) and its draft model on CPU, offline, reproducibly.
 
 The data is what every machine with this Python has: the standard library's sources (code, comments
-and docstrings). Files are split into train and held-out by a hash of their path, so the split is the
-same on every run. A byte-level BPE tokenizer (8k vocabulary, ChatML specials) is trained on the
-training split only; both models share it. Training uses HF transformers' LlamaForCausalLM and plain
-torch (AdamW, cosine schedule, fixed seed), each model within a time budget, with a progress bar and
-a JSON-lines loss log. The result is two HF-format directories with bf16 safetensors, and a
-metrics.json with the held-out perplexities (and a unigram baseline on the same held-out tokens).
+and docstrings), less its test suites and code-page tables. Files are split into train and held-out
+by a hash of their path, so the split is the same on every run. A byte-level BPE tokenizer (8k
+vocabulary, ChatML specials) is trained on the training split only; both models share it. Training
+uses HF transformers' LlamaForCausalLM and plain torch (AdamW, cosine schedule, fixed seed, a fixed
+number of steps so that a rerun gives the same model), with a progress bar and a JSON-lines loss log.
+The result is two HF-format directories with bf16 safetensors, and a metrics.json with the held-out
+perplexities (and a unigram baseline on the same held-out tokens).
 
-    python tools/train_tiny.py --out build/default-model            # about an hour on 2 cores
-    python tools/train_tiny.py --out /tmp/smoke --main-minutes 0.5 --draft-minutes 0.2 --eval-tokens 4096
+    python tools/train_tiny.py --out minivllm/default_model --threads 2   # the shipped model; ~1 hour on 2 cores
+    python tools/train_tiny.py --out /tmp/smoke --main-steps 10 --draft-steps 10 --eval-tokens 4096
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -30,6 +30,18 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from tqdm import tqdm
 
+from minivllm.bench.perplexity import model_perplexity
+from minivllm.default_model import DRAFT_NAME, MAIN_NAME
+from minivllm.default_model.corpus import (
+    HELD_OUT_EVERY,
+    encode_stream,
+    read_texts,
+    relative_path,
+    split_files,
+    unigram_perplexity,
+    windows,
+)
+
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
@@ -43,33 +55,6 @@ DRAFT = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_ke
              intermediate_size=384)
 
 
-def stdlib_files() -> list[str]:
-    """Every .py file of the standard library (not site-packages), sorted for a stable order."""
-    root = sysconfig.get_paths()["stdlib"]
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "__pycache__", "idlelib"))
-        out += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
-    return sorted(out)
-
-
-def is_held_out(path: str, root: str, every: int) -> bool:
-    """1 file in `every`, chosen by a hash of its path under the stdlib root (stable across runs)."""
-    rel = os.path.relpath(path, root).replace(os.sep, "/")
-    return int(hashlib.sha1(rel.encode()).hexdigest(), 16) % every == 0
-
-
-def read_texts(files: list[str]) -> list[str]:
-    texts = []
-    for f in files:
-        try:
-            with open(f, encoding="utf-8") as fh:
-                texts.append(fh.read())
-        except (UnicodeDecodeError, OSError):
-            continue  # a few test files are deliberately not UTF-8
-    return texts
-
-
 def train_tokenizer(texts: list[str], vocab: int) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -81,16 +66,6 @@ def train_tokenizer(texts: list[str], vocab: int) -> Tokenizer:
     return tok
 
 
-def encode_all(tok: Tokenizer, texts: list[str]) -> np.ndarray:
-    """One stream: each file's tokens followed by <|endoftext|>."""
-    eot = tok.token_to_id("<|endoftext|>")
-    ids: list[int] = []
-    for enc in tok.encode_batch(texts):
-        ids += enc.ids
-        ids.append(eot)
-    return np.asarray(ids, dtype=np.int32)
-
-
 def llama_config(shape: dict[str, int], vocab: int, max_len: int) -> Any:
     from transformers import LlamaConfig
 
@@ -98,21 +73,20 @@ def llama_config(shape: dict[str, int], vocab: int, max_len: int) -> Any:
                        tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, **shape)
 
 
-def train(model: torch.nn.Module, data: np.ndarray, minutes: float, seq_len: int, batch: int, lr: float,
+def train(model: torch.nn.Module, data: np.ndarray, steps: int, seq_len: int, batch: int, lr: float,
           seed: int, log_path: str, name: str) -> dict[str, Any]:
-    """AdamW with warm-up and cosine decay over a time budget (the schedule follows elapsed time, so
-    the run ends on time on any machine); logs the loss every 10 steps."""
+    """AdamW with 100 warm-up steps and cosine decay to 10% over `steps`; logs the loss every 10 steps.
+    A step count, not a time budget, so the same seed gives the same model on any machine."""
     rng = np.random.default_rng(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    budget = minutes * 60
     t0 = time.time()
-    step = tokens = 0
+    tokens = 0
     model.train()
-    bar = tqdm(total=int(budget), desc=f"train {name}", unit="s")
+    bar = tqdm(total=steps, desc=f"train {name}", unit="step")
     with open(log_path, "a") as log:
-        while (elapsed := time.time() - t0) < budget:
-            frac = elapsed / budget
-            cur = lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        for step in range(1, steps + 1):
+            frac = (step - 1) / steps
+            cur = lr * min(1.0, step / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
             for g in opt.param_groups:
                 g["lr"] = cur
             starts = rng.integers(0, len(data) - seq_len - 1, batch)
@@ -122,40 +96,16 @@ def train(model: torch.nn.Module, data: np.ndarray, minutes: float, seq_len: int
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
-            step += 1
             tokens += batch * seq_len
             if step % 10 == 0:
                 log.write(json.dumps({"model": name, "step": step, "tokens": tokens, "loss": loss.item(),
                                       "lr": cur, "elapsed_s": time.time() - t0}) + "\n")
                 log.flush()
-                bar.set_postfix(loss=f"{loss.item():.3f}", step=step)
-            bar.n = min(int(time.time() - t0), int(budget))
-            bar.refresh()
+                bar.set_postfix(loss=f"{loss.item():.3f}")
+            bar.update()
     bar.close()
     model.eval()
-    return {"steps": step, "tokens": tokens, "minutes": (time.time() - t0) / 60, "final_loss": loss.item()}
-
-
-@torch.inference_mode()
-def perplexity(model: torch.nn.Module, data: np.ndarray, seq_len: int, max_tokens: int) -> float:
-    """exp(mean next-token NLL) over consecutive windows of the held-out stream."""
-    nll, count = 0.0, 0
-    for s in range(0, min(len(data), max_tokens) - 1, seq_len):
-        x = torch.from_numpy(data[s:s + seq_len + 1].astype(np.int64))[None]
-        if x.shape[1] < 2:
-            break
-        logits = model(input_ids=x[:, :-1]).logits.float()
-        nll += torch.nn.functional.cross_entropy(logits[0], x[0, 1:], reduction="sum").item()
-        count += x.shape[1] - 1
-    return math.exp(nll / count)
-
-
-def unigram_perplexity(train_ids: np.ndarray, held: np.ndarray, vocab: int, max_tokens: int) -> float:
-    """The baseline: each token's training frequency (add-one smoothed), context ignored."""
-    counts = np.bincount(train_ids, minlength=vocab).astype(np.float64) + 1.0
-    logp = np.log(counts / counts.sum())
-    h = held[:max_tokens][1:]
-    return float(math.exp(-logp[h].mean()))
+    return {"steps": steps, "tokens": tokens, "minutes": (time.time() - t0) / 60, "final_loss": loss.item()}
 
 
 def save(model: Any, tok: Tokenizer, out: str, max_len: int, card: dict[str, Any]) -> None:
@@ -176,14 +126,17 @@ def save(model: Any, tok: Tokenizer, out: str, max_len: int, card: dict[str, Any
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="writes OUT/main, OUT/draft, OUT/metrics.json, OUT/train_log.jsonl")
-    p.add_argument("--main-minutes", type=float, default=50.0)
-    p.add_argument("--draft-minutes", type=float, default=8.0)
+    p.add_argument("--out", required=True,
+                   help=f"writes OUT/{MAIN_NAME}, OUT/{DRAFT_NAME}, OUT/metrics.json, OUT/train_log.jsonl "
+                   "(minivllm/default_model: the shipped files)")
+    # ~2.4 s and ~0.3 s a step on 2 cores: about 50 and 7 minutes.
+    p.add_argument("--main-steps", type=int, default=1200)
+    p.add_argument("--draft-steps", type=int, default=1400)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--held-out-every", type=int, default=50, help="1 file in N is held out")
+    p.add_argument("--held-out-every", type=int, default=HELD_OUT_EVERY, help="1 file in N is held out")
     p.add_argument("--eval-tokens", type=int, default=200_000, help="held-out tokens scored at the end")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -201,14 +154,11 @@ def main() -> None:
     if ns.threads:
         torch.set_num_threads(ns.threads)
     os.makedirs(ns.out, exist_ok=True)
-    root = sysconfig.get_paths()["stdlib"]
-    files = stdlib_files()
-    held_files = [f for f in files if is_held_out(f, root, ns.held_out_every)]
-    train_files = [f for f in files if not is_held_out(f, root, ns.held_out_every)]
+    train_files, held_files = split_files(ns.held_out_every)
     train_texts, held_texts = read_texts(train_files), read_texts(held_files)
     print(f"{len(train_texts)} training files, {len(held_texts)} held out")
     tok = train_tokenizer(train_texts, ns.vocab)
-    train_ids, held_ids = encode_all(tok, train_texts), encode_all(tok, held_texts)
+    train_ids, held_ids = encode_stream(tok, train_texts), encode_stream(tok, held_texts)
     print(f"{len(train_ids):,} training tokens, {len(held_ids):,} held-out tokens")
     log_path = os.path.join(ns.out, "train_log.jsonl")
     open(log_path, "w").close()
@@ -217,38 +167,45 @@ def main() -> None:
         "python": sysconfig.get_python_version(), "data": "CPython standard library sources (Python-2.0 license)",
         "train_files": len(train_texts), "held_out_files": len(held_texts), "train_tokens": int(len(train_ids)),
         "held_out_tokens": int(len(held_ids)), "vocab": ns.vocab, "seed": ns.seed,
-        "unigram_ppl": unigram_perplexity(train_ids, held_ids, ns.vocab, ns.eval_tokens),
+        "held_out_every": ns.held_out_every, "lr": ns.lr, "batch": ns.batch, "seq_len": ns.seq_len,
+        "unigram_ppl": unigram_perplexity(train_ids, held_ids[:ns.eval_tokens], ns.vocab),
+        # So that an evaluation (tests/test_default_model.py) can rebuild the held-out text.
+        "held_out": [relative_path(f) for f in held_files],
     }
-    for name, shape, minutes in (("main", MAIN, ns.main_minutes), ("draft", DRAFT, ns.draft_minutes)):
+    for name, shape, steps in (("main", MAIN, ns.main_steps), ("draft", DRAFT, ns.draft_steps)):
         torch.manual_seed(ns.seed)
         model = LlamaForCausalLM(llama_config(shape, ns.vocab, max_len))
         n_params = sum(t.numel() for t in model.parameters())
         print(f"{name}: {n_params / 1e6:.1f}M parameters")
-        stats = train(model, train_ids, minutes, ns.seq_len, ns.batch, ns.lr, ns.seed, log_path, name)
+        stats = train(model, train_ids, steps, ns.seq_len, ns.batch, ns.lr, ns.seed, log_path, name)
         # Scored on the bf16 weights that ship, cast back to float32 (what the engine runs on CPU).
         model.to(torch.bfloat16).float()
-        ppl = perplexity(model, held_ids, ns.seq_len, ns.eval_tokens)
+        ppl = model_perplexity(model, windows(held_ids, ns.seq_len, ns.eval_tokens))
         metrics[name] = {"parameters": n_params, **shape, **stats, "held_out_ppl": ppl}
         print(f"{name}: held-out perplexity {ppl:.2f} (unigram {metrics['unigram_ppl']:.1f})")
-        save(model, tok, os.path.join(ns.out, name), max_len, {**metrics[name], "data": metrics["data"]})
+        save(model, tok, os.path.join(ns.out, DIRS[name]), max_len, {**metrics[name], "data": metrics["data"]})
     with open(os.path.join(ns.out, "metrics.json"), "w") as f:
         json.dump(metrics, f, indent=2)
     write_model_cards(ns.out, metrics, " ".join(sys.argv[1:]))
 
 
+DIRS = {"main": MAIN_NAME, "draft": DRAFT_NAME}
+
+
 def write_model_cards(out: str, m: dict[str, Any], args: str) -> None:
     """README.md (the model card) in both model directories, from the run's metrics."""
     rows = "\n".join(
-        f"| {name} | {m[name]['parameters'] / 1e6:.1f}M | {m[name]['hidden_size']} | {m[name]['num_hidden_layers']} | "
-        f"{m[name]['num_attention_heads']}/{m[name]['num_key_value_heads']} | {m[name]['tokens'] / 1e6:.1f}M | "
+        f"| {DIRS[name]} | {m[name]['parameters'] / 1e6:.1f}M | {m[name]['hidden_size']} | "
+        f"{m[name]['num_hidden_layers']} | {m[name]['num_attention_heads']}/{m[name]['num_key_value_heads']} | "
+        f"{m[name]['tokens'] / 1e6:.1f}M | "
         f"{m[name]['minutes']:.0f} min | {m[name]['final_loss']:.2f} | **{m[name]['held_out_ppl']:.2f}** |"
         for name in ("main", "draft") if name in m)
     card = f"""# Mini-vLLM's embedded default model
 
 Small Llama-architecture language models of Python source, trained from scratch on CPU by
 `tools/train_tiny.py` (kept in the Mini-vLLM repository; fixed seed {m['seed']}), so that Mini-vLLM
-answers with recognisable text on a machine with no network. `draft` shares `main`'s tokenizer and
-serves as its speculative-decoding draft. Not a general assistant: it continues Python code.
+answers with recognisable text on a machine with no network. `{DRAFT_NAME}` shares `{MAIN_NAME}`'s
+tokenizer and serves as its speculative-decoding draft. Not a general assistant: it continues Python code.
 
 | model | parameters | hidden | layers | heads (q/kv) | tokens seen | training time | final loss | held-out perplexity |
 |---|---|---|---|---|---|---|---|---|
@@ -258,19 +215,20 @@ Unigram baseline on the same held-out tokens (training-set token frequencies, ad
 perplexity **{m['unigram_ppl']:.1f}**.
 
 - **Data**: {m['data']}: the `.py` files of CPython {m['python']}'s standard library as installed with
-  the interpreter ({m['train_files']} files for training, {m['train_tokens'] / 1e6:.1f}M tokens). 1 file in 50,
-  chosen by a hash of its path, is held out ({m['held_out_files']} files, {m['held_out_tokens'] / 1e3:.0f}k tokens).
+  the interpreter, less its test suites and code-page tables ({m['train_files']} files for training,
+  {m['train_tokens'] / 1e6:.1f}M tokens). 1 file in {m['held_out_every']}, chosen by a hash of its path, is held out
+  ({m['held_out_files']} files, {m['held_out_tokens'] / 1e3:.0f}k tokens).
   The Python Software Foundation License applies to the source text; these weights are derived from it.
 - **Tokenizer**: byte-level BPE, {m['vocab']} entries, trained on the training split; specials
   `<|endoftext|>` (BOS/EOS, between files), `<|im_start|>`, `<|im_end|>`; a ChatML chat template.
 - **Architecture**: LlamaForCausalLM, RMSNorm, SwiGLU, RoPE (theta 10000), grouped-query attention,
   tied input/output embeddings, 1024 positions; weights stored in bfloat16.
-- **Training**: AdamW (betas 0.9/0.95, weight decay 0.1), peak learning rate with 100 warm-up steps and
-  cosine decay over a fixed time budget, batches of 16 x 256 tokens, gradient clipping at 1.0, float32
-  on CPU. Held-out perplexity is measured on the bfloat16 weights as shipped.
+- **Training**: AdamW (betas 0.9/0.95, weight decay 0.1), peak learning rate {m['lr']:g} with 100 warm-up
+  steps and cosine decay over a fixed number of steps, batches of {m['batch']} x {m['seq_len']} tokens, gradient
+  clipping at 1.0, float32 on CPU. Held-out perplexity is measured on the bfloat16 weights as shipped.
 - **Reproduce**: `python tools/train_tiny.py {args}`.
 """
-    for name in ("main", "draft"):
+    for name in DIRS.values():
         if os.path.isdir(os.path.join(out, name)):
             with open(os.path.join(out, name, "README.md"), "w") as f:
                 f.write(card)

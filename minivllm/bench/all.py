@@ -48,6 +48,7 @@ def _argv(quick: bool, model: str | None) -> dict[str, list[str]]:
             "transports": ["serve", *m, "--transport", "grpc,http", "--concurrency", "2", "--num-requests", "4",
                            "--input-len-min", "8", "--input-len-max", "16", "--output-len", "3", "--rounds", "1",
                            "--kv-cache-memory", "64MiB", "--server-threads", "1", "--no-offline"],
+            "perplexity": ["perplexity", *m, "--max-tokens", "1024"],
         }
     return {
         # The seed's workload: 50 clients, 500 requests, 30 new tokens, GPT-2 (124M) in float32, the seed's
@@ -60,10 +61,11 @@ def _argv(quick: bool, model: str | None) -> dict[str, list[str]]:
         "latency": ["latency"],
         "transports": ["serve", "--transport", "grpc,http,openai", "--concurrency", "32", "--num-requests", "64",
                        "--output-len", "128", "--rounds", "2"],
+        "perplexity": ["perplexity"],
     }
 
 
-BENCHES = ("seed", "throughput", "latency", "transports")
+BENCHES = ("seed", "throughput", "latency", "transports", "perplexity")
 
 
 def machine_info() -> dict[str, Any]:
@@ -135,7 +137,7 @@ def _load(out_dir: str, name: str) -> dict[str, Any] | None:
 
 def render(out_dir: str, argv: dict[str, list[str]]) -> str:
     """BENCHMARKS.md from the JSON files in out_dir (a section per bench found)."""
-    from minivllm.bench import latency, serve, throughput_report
+    from minivllm.bench import latency, perplexity, serve, throughput_report
 
     m = _load(out_dir, "machine") or {}
     lines = [
@@ -159,6 +161,11 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
         ("transports", lambda r: ["## Transports: gRPC vs HTTP vs OpenAI (`bench serve`)", "",
                                   "One server, the same requests over each endpoint in ABBA order, prefix "
                                   "caching off (each endpoint replays the same prompts).", "", serve.report(r)]),
+        ("perplexity", lambda r: ["## The embedded default model's quality (`bench perplexity`)", "",
+                                  "Held-out perplexity (standard-library files the training never saw, windows of "
+                                  f"{r['seq_len']} scored tokens), by our engine's prompt_logprobs and by HF "
+                                  "transformers on the same weights, with a unigram baseline on the same tokens.",
+                                  "", perplexity.report(r)]),
     ]
     for name, section in sections:
         r = _load(out_dir, name)

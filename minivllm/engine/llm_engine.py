@@ -71,8 +71,6 @@ class LLMEngine:
     """The synchronous engine core: one `step()` = schedule, one forward, sample, update."""
 
     def __init__(self, args: EngineArgs, log_stats: bool = False) -> None:
-        if args.model is None:
-            raise ValueError("model: no model directory given")
         self.args = args
         torch.set_num_threads(args.num_threads or cpu_count())
         self.device = torch.device(args.device) if args.device else default_device()

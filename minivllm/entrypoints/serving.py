@@ -123,9 +123,9 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def served_model_name(model_path: str | None, args: ServerArgs) -> str:
+def served_model_name(model_path: str, args: ServerArgs) -> str:
     """The model's name in the API: --served-model-name, else the model directory's name."""
-    return args.served_model_name or os.path.basename(os.path.normpath(model_path or "model"))
+    return args.served_model_name or os.path.basename(os.path.normpath(model_path))
 
 
 class ServerState:
@@ -135,7 +135,7 @@ class ServerState:
         self.engine = engine
         self.metrics = metrics
         self.args = args
-        self.model_path = engine.engine.args.model or "model"
+        self.model_path = engine.engine.args.model
         self.model_name = served_model_name(self.model_path, args)
         self.max_model_len = engine.engine.max_model_len
         self.max_num_seqs = engine.engine.scheduler_config.max_num_seqs
