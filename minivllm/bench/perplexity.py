@@ -144,6 +144,7 @@ def plot(result: dict[str, Any], png: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.bar(labels, values, color=["grey"] + ["C0"] * len(rows))
     ax.set_yscale("log")
+    ax.set_ylim(1, max(values) * 2)  # from perplexity 1 (a perfect model), so bar heights compare honestly
     ax.set_ylabel("held-out perplexity (log)")
     for i, v in enumerate(values):
         ax.text(i, v, f"{v:.1f}", ha="center", va="bottom")
