@@ -3,11 +3,13 @@ good: held-out perplexity by our engine equals HF's and sits far below a unigram
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import os
 import subprocess
 import sys
+import tomllib
 
 import httpx
 import numpy as np
@@ -15,35 +17,32 @@ import pytest
 from server_utils import ServerProcess
 
 from minivllm import LLM, SamplingParams
-from minivllm.bench.perplexity import engine_perplexity, held_out_ids, hf_perplexity, load_tokenizer
+from minivllm.bench.perplexity import (
+    engine_token_logprobs,
+    evaluation_data,
+    hf_model,
+    hf_token_logprobs,
+    load_tokenizer,
+    perplexity,
+)
 from minivllm.default_model import (
     DRAFT_NAME,
     MAIN_NAME,
     default_draft_model_path,
     default_model_path,
+    held_out_path,
     training_metrics_path,
 )
-from minivllm.default_model.corpus import (
-    encode_stream,
-    read_texts,
-    relative_path,
-    split_files,
-    unigram_perplexity,
-    windows,
-)
+from minivllm.default_model.corpus import encode_stream, load_held_out, read_texts, relative_path, split_files, windows
 
 MAIN, DRAFT = default_model_path(), default_draft_model_path()
+ROOT = os.path.dirname(MAIN)
 
 
 @pytest.fixture(scope="module")
 def metrics() -> dict:
     with open(training_metrics_path()) as f:
         return json.load(f)
-
-
-@pytest.fixture(scope="module")
-def held() -> np.ndarray:
-    return held_out_ids(load_tokenizer(MAIN))
 
 
 def test_shipped_within_budget():
@@ -63,33 +62,52 @@ def test_llm_without_a_model_loads_the_embedded_one():
     assert len(out.outputs[0].token_ids) > 0 and out.outputs[0].text.strip()
 
 
-def test_held_out_split_is_the_training_split(metrics):
-    """The split rebuilt here is the one training held out: no held-out file was trained on."""
+def test_package_data_ships_every_model_file():
+    """A non-editable install gets what the repo has: every data file matches pyproject's package-data."""
+    with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml"), "rb") as f:
+        globs = tomllib.load(f)["tool"]["setuptools"]["package-data"]["minivllm.default_model"]
+    for dirpath, _, files in os.walk(ROOT):
+        for name in files:
+            rel = os.path.relpath(os.path.join(dirpath, name), ROOT).replace(os.sep, "/")
+            if not rel.endswith((".py", ".pyc")):
+                assert any(fnmatch.fnmatch(rel, g) and rel.count("/") == g.count("/") for g in globs), rel
+
+
+def test_shipped_held_out_text_is_the_training_split(metrics):
+    """The shipped held-out tokens are the held-out files' (which training never saw); checked where
+    the local stdlib is the one training read (another Python version has other files)."""
     train, held = split_files(metrics["held_out_every"])
-    assert {relative_path(f) for f in held} == set(metrics["held_out"])
+    if {relative_path(f) for f in held} != set(metrics["held_out"]):
+        pytest.skip("this Python's standard library is not the one the model was trained on")
     assert not {relative_path(f) for f in train} & set(metrics["held_out"])
+    ids, counts = load_held_out(held_out_path())
+    assert np.array_equal(encode_stream(load_tokenizer(MAIN), read_texts(held)), ids)
+    assert counts.sum() == metrics["train_tokens"] and len(counts) == metrics["vocab"]
 
 
 @pytest.mark.parametrize("path", [MAIN, DRAFT], ids=[MAIN_NAME, DRAFT_NAME])
-def test_engine_perplexity_equals_hf(path, held):
-    """prompt_logprobs from our engine give HF's perplexity on a held-out sample, within 1e-3 relative."""
-    sample = windows(held, 256, max_tokens=1025)
-    ours, ref = engine_perplexity(path, sample, kv_cache_memory="32MiB"), hf_perplexity(path, sample)
-    assert abs(ours - ref) / ref < 1e-3, (ours, ref)
+def test_engine_logprobs_equal_hf(path):
+    """prompt_logprobs from our engine equal HF's on a held-out sample: the perplexity within 1e-3
+    relative, and every token's logprob within 1e-3."""
+    held, _ = evaluation_data(path, max_tokens=1025)
+    sample = windows(held, 256)
+    ours = engine_token_logprobs(path, sample, kv_cache_memory="32MiB")
+    ref = hf_token_logprobs(hf_model(path), sample)
+    assert len(ours) == len(ref) == 1024
+    assert abs(perplexity(ours) - perplexity(ref)) / perplexity(ref) < 1e-3
+    assert np.abs(ours - ref).max() < 1e-3
 
 
-def test_held_out_perplexity_far_below_unigram_and_draft_between(metrics, held):
-    """Over the whole held-out text, by our engine: main << unigram, and main < draft < unigram."""
-    tok = load_tokenizer(MAIN)
-    train_files, _ = split_files(metrics["held_out_every"])
-    unigram = unigram_perplexity(encode_stream(tok, read_texts(train_files)), held, tok.get_vocab_size())
+def test_held_out_perplexity_far_below_unigram_and_draft_between(metrics):
+    """Over the whole held-out text, by our engine: main << unigram, main < draft < unigram, and the
+    model card's figures (computed by HF at training time) reproduce."""
+    held, unigram = evaluation_data(MAIN)
     wins = windows(held, 256)
-    main, draft = engine_perplexity(MAIN, wins), engine_perplexity(DRAFT, wins)
+    main, draft = perplexity(engine_token_logprobs(MAIN, wins)), perplexity(engine_token_logprobs(DRAFT, wins))
     assert main < unigram / 10 and main < draft < unigram, (main, draft, unigram)
-    if len(held) == metrics["held_out_tokens"]:  # the same stdlib as training's: the model card's figures
-        for ours, card in ((main, metrics["main"]["held_out_ppl"]), (draft, metrics["draft"]["held_out_ppl"]),
-                           (unigram, metrics["unigram_ppl"])):
-            assert math.isclose(ours, card, rel_tol=1e-3), (ours, card)
+    for ours, card in ((main, metrics["main"]["held_out_ppl"]), (draft, metrics["draft"]["held_out_ppl"]),
+                       (unigram, metrics["unigram_ppl"])):
+        assert math.isclose(ours, card, rel_tol=1e-3), (ours, card)
 
 
 def test_generate_cli_without_a_model():

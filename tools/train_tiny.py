@@ -5,9 +5,10 @@ and docstrings), less its test suites and code-page tables. Files are split into
 by a hash of their path, so the split is the same on every run. A byte-level BPE tokenizer (8k
 vocabulary, ChatML specials) is trained on the training split only; both models share it. Training
 uses HF transformers' LlamaForCausalLM and plain torch (AdamW, cosine schedule, fixed seed, a fixed
-number of steps so that a rerun gives the same model), with a progress bar and a JSON-lines loss log.
-The result is two HF-format directories with bf16 safetensors, and a metrics.json with the held-out
-perplexities (and a unigram baseline on the same held-out tokens).
+number of steps), with a progress bar and a JSON-lines loss log. The result is two HF-format
+directories with bf16 safetensors; metrics.json with the held-out perplexities, a unigram baseline on
+the same held-out tokens and the software it ran on; and held_out.safetensors, the held-out tokens and
+training unigram counts, so evaluations need not rebuild them from the local standard library.
 
     python tools/train_tiny.py --out minivllm/default_model --threads 2   # the shipped model; ~1 hour on 2 cores
     python tools/train_tiny.py --out /tmp/smoke --main-steps 10 --draft-steps 10 --eval-tokens 4096
@@ -30,14 +31,16 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from tqdm import tqdm
 
-from minivllm.bench.perplexity import model_perplexity
+from minivllm.bench.perplexity import hf_token_logprobs, perplexity
 from minivllm.default_model import DRAFT_NAME, MAIN_NAME
 from minivllm.default_model.corpus import (
     HELD_OUT_EVERY,
     encode_stream,
     read_texts,
     relative_path,
+    save_held_out,
     split_files,
+    unigram_counts,
     unigram_perplexity,
     windows,
 )
@@ -53,6 +56,7 @@ MAIN = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6, num_key
             intermediate_size=1024)
 DRAFT = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=384)
+DIRS = {"main": MAIN_NAME, "draft": DRAFT_NAME}  # metrics.json's keys → shipped directory names
 
 
 def train_tokenizer(texts: list[str], vocab: int) -> Tokenizer:
@@ -76,7 +80,8 @@ def llama_config(shape: dict[str, int], vocab: int, max_len: int) -> Any:
 def train(model: torch.nn.Module, data: np.ndarray, steps: int, seq_len: int, batch: int, lr: float,
           seed: int, log_path: str, name: str) -> dict[str, Any]:
     """AdamW with 100 warm-up steps and cosine decay to 10% over `steps`; logs the loss every 10 steps.
-    A step count, not a time budget, so the same seed gives the same model on any machine."""
+    A step count, not a time budget: with the same seed, thread count and software a rerun gives the
+    same model (float reductions differ across thread counts and CPUs)."""
     rng = np.random.default_rng(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     t0 = time.time()
@@ -147,6 +152,8 @@ def main() -> None:
             write_model_cards(ns.out, json.load(f), " ".join(a for a in sys.argv[1:] if a != "--cards-only"))
         return
 
+    import tokenizers
+    import transformers
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(ns.seed)
@@ -160,18 +167,23 @@ def main() -> None:
     tok = train_tokenizer(train_texts, ns.vocab)
     train_ids, held_ids = encode_stream(tok, train_texts), encode_stream(tok, held_texts)
     print(f"{len(train_ids):,} training tokens, {len(held_ids):,} held-out tokens")
+    held_tokens = len(held_ids)
+    held_ids, counts = held_ids[:ns.eval_tokens], unigram_counts(train_ids, ns.vocab)
     log_path = os.path.join(ns.out, "train_log.jsonl")
     open(log_path, "w").close()
     max_len = 1024
     metrics: dict[str, Any] = {
         "python": sysconfig.get_python_version(), "data": "CPython standard library sources (Python-2.0 license)",
         "train_files": len(train_texts), "held_out_files": len(held_texts), "train_tokens": int(len(train_ids)),
-        "held_out_tokens": int(len(held_ids)), "vocab": ns.vocab, "seed": ns.seed,
+        "held_out_tokens": held_tokens, "vocab": ns.vocab, "seed": ns.seed,
         "held_out_every": ns.held_out_every, "lr": ns.lr, "batch": ns.batch, "seq_len": ns.seq_len,
-        "unigram_ppl": unigram_perplexity(train_ids, held_ids[:ns.eval_tokens], ns.vocab),
-        # So that an evaluation (tests/test_default_model.py) can rebuild the held-out text.
+        "unigram_ppl": unigram_perplexity(counts, held_ids), "eval_tokens": int(len(held_ids)),
+        # Which files were held out, so an evaluation can check the local stdlib gives the same text.
         "held_out": [relative_path(f) for f in held_files],
+        "software": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "tokenizers": tokenizers.__version__, "threads": torch.get_num_threads()},
     }
+    save_held_out(os.path.join(ns.out, "held_out.safetensors"), held_ids, counts)
     for name, shape, steps in (("main", MAIN, ns.main_steps), ("draft", DRAFT, ns.draft_steps)):
         torch.manual_seed(ns.seed)
         model = LlamaForCausalLM(llama_config(shape, ns.vocab, max_len))
@@ -180,16 +192,14 @@ def main() -> None:
         stats = train(model, train_ids, steps, ns.seq_len, ns.batch, ns.lr, ns.seed, log_path, name)
         # Scored on the bf16 weights that ship, cast back to float32 (what the engine runs on CPU).
         model.to(torch.bfloat16).float()
-        ppl = model_perplexity(model, windows(held_ids, ns.seq_len, ns.eval_tokens))
+        ppl = perplexity(hf_token_logprobs(model, windows(held_ids, ns.seq_len)))
         metrics[name] = {"parameters": n_params, **shape, **stats, "held_out_ppl": ppl}
         print(f"{name}: held-out perplexity {ppl:.2f} (unigram {metrics['unigram_ppl']:.1f})")
         save(model, tok, os.path.join(ns.out, DIRS[name]), max_len, {**metrics[name], "data": metrics["data"]})
     with open(os.path.join(ns.out, "metrics.json"), "w") as f:
         json.dump(metrics, f, indent=2)
+        f.write("\n")
     write_model_cards(ns.out, metrics, " ".join(sys.argv[1:]))
-
-
-DIRS = {"main": MAIN_NAME, "draft": DRAFT_NAME}
 
 
 def write_model_cards(out: str, m: dict[str, Any], args: str) -> None:

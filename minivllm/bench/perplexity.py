@@ -11,7 +11,6 @@ card's.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import math
 import os
 from typing import Any
@@ -20,8 +19,16 @@ import numpy as np
 import torch
 
 from minivllm.bench.results import save
-from minivllm.default_model import default_draft_model_path, default_model_path
-from minivllm.default_model.corpus import encode_stream, read_texts, split_files, unigram_perplexity, windows
+from minivllm.default_model import default_draft_model_path, default_model_path, held_out_path
+from minivllm.default_model.corpus import (
+    encode_stream,
+    load_held_out,
+    read_texts,
+    split_files,
+    unigram_counts,
+    unigram_perplexity,
+    windows,
+)
 
 
 def add_perplexity_args(p: argparse.ArgumentParser) -> None:
@@ -44,76 +51,83 @@ def load_tokenizer(model_dir: str) -> Any:
     return Tokenizer.from_file(path)
 
 
-def held_out_ids(tokenizer: Any, max_tokens: int | None = None) -> np.ndarray:
-    """The held-out files as one token stream."""
-    _, held = split_files()
-    ids = encode_stream(tokenizer, read_texts(held))
-    return ids[:max_tokens] if max_tokens else ids
+def evaluation_data(model_dir: str, max_tokens: int | None = None) -> tuple[np.ndarray, float]:
+    """(held-out token ids, unigram perplexity on them) for the model's tokenizer: the shipped ones for
+    the embedded tokenizer, else rebuilt from the local standard library with the model's tokenizer."""
+    tok_path = os.path.join(model_dir, "tokenizer.json")
+    with open(tok_path, "rb") as a, open(os.path.join(default_model_path(), "tokenizer.json"), "rb") as b:
+        embedded = a.read() == b.read()
+    if embedded:
+        held, counts = load_held_out(held_out_path())
+    else:
+        tok = load_tokenizer(model_dir)
+        train_files, held_files = split_files()
+        held = encode_stream(tok, read_texts(held_files))
+        counts = unigram_counts(encode_stream(tok, read_texts(train_files)), tok.get_vocab_size())
+    held = held[:max_tokens] if max_tokens else held
+    return held, unigram_perplexity(counts, held)
 
 
-def nll_sum(wins: list[list[int]], prompt_logprobs: list[list[dict[int, Any] | None]]) -> tuple[float, int]:
-    """(sum of -log p(token | prefix), tokens scored) from each window's prompt_logprobs."""
-    nll, count = 0.0, 0
-    for w, plp in zip(wins, prompt_logprobs, strict=True):
-        for tok, entry in zip(w[1:], plp[1:], strict=True):
-            assert entry is not None
-            nll -= entry[tok].logprob
-            count += 1
-    return nll, count
+def perplexity(token_logprobs: np.ndarray) -> float:
+    """exp(mean negative log-likelihood)."""
+    return math.exp(-float(np.mean(token_logprobs)))
 
 
-def engine_perplexity(model_dir: str, wins: list[list[int]], **engine_kwargs: Any) -> float:
-    """exp(mean NLL) of the windows, scored by our engine's prompt_logprobs (one request per window)."""
+def engine_token_logprobs(model_dir: str, wins: list[list[int]], **engine_kwargs: Any) -> np.ndarray:
+    """log p(token | prefix) for every scored token of the windows, from our engine's prompt_logprobs
+    (one request per window; float32 by default, as the HF reference)."""
     from minivllm.llm import LLM
     from minivllm.sampling_params import SamplingParams
 
-    llm = LLM(model_dir, **{"kv_cache_memory": "256MiB", **engine_kwargs})
+    llm = LLM(model_dir, **{"kv_cache_memory": "256MiB", "dtype": "float32", **engine_kwargs})
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     outs = llm.generate([{"prompt_token_ids": w} for w in wins], params, use_tqdm=False)
-    nll, count = nll_sum(wins, [o.prompt_logprobs for o in outs])
-    return math.exp(nll / count)
+    out: list[float] = []
+    for w, o in zip(wins, outs, strict=True):
+        if o.prompt_logprobs is None or len(o.prompt_logprobs) != len(w):
+            raise ValueError(f"engine returned {len(o.prompt_logprobs or [])} prompt logprobs for {len(w)} tokens")
+        out += [entry[tok].logprob for tok, entry in zip(w[1:], o.prompt_logprobs[1:], strict=True)]  # type: ignore[index]
+    return np.asarray(out, dtype=np.float64)
 
 
-def hf_perplexity(model_dir: str, wins: list[list[int]]) -> float:
-    """The same figure from HF transformers' model on the same weights (float32, as our engine on CPU)."""
+def hf_model(model_dir: str) -> torch.nn.Module:
+    """HF transformers' model on the same weights, in float32 (our engine's CPU dtype)."""
     from transformers import AutoModelForCausalLM
 
-    return model_perplexity(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), wins)
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 @torch.inference_mode()
-def model_perplexity(model: torch.nn.Module, wins: list[list[int]], batch: int = 8) -> float:
-    """exp(mean NLL) of the windows under an HF causal LM (training's evaluation uses it too)."""
-    nll, count = 0.0, 0
-    for i in range(0, len(wins), batch):
-        group = wins[i:i + batch]
-        # Windows of one length batch together; the stream's last window may be shorter.
-        for length in sorted({len(w) for w in group}):
-            x = torch.tensor([w for w in group if len(w) == length])
-            logits = model(input_ids=x[:, :-1]).logits.float()
-            nll += torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="sum").item()
-            count += x[:, 1:].numel()
-    return math.exp(nll / count)
+def hf_token_logprobs(model: torch.nn.Module, wins: list[list[int]], batch: int = 8) -> np.ndarray:
+    """The same log-probabilities from an HF causal LM, in the windows' order (training's evaluation too)."""
+    out: list[np.ndarray] = []
+    i = 0
+    while i < len(wins):
+        # Consecutive windows of one length batch together; only the stream's last may be shorter.
+        j = i
+        while j < len(wins) and j - i < batch and len(wins[j]) == len(wins[i]):
+            j += 1
+        x = torch.tensor(wins[i:j])
+        logp = torch.log_softmax(model(input_ids=x[:, :-1]).logits.float(), dim=-1)
+        out.append(logp.gather(-1, x[:, 1:, None]).squeeze(-1).flatten().double().numpy())
+        i = j
+    return np.concatenate(out)
 
 
 def run_perplexity(ns: argparse.Namespace) -> int:
     """`minivllm bench perplexity`."""
     models = ns.model or [default_model_path(), default_draft_model_path()]
-    train_files, _ = split_files()
     rows: list[dict[str, Any]] = []
-    baselines: dict[str, float] = {}
     for path in models:
-        tok = load_tokenizer(path)
-        held = held_out_ids(tok, ns.max_tokens)
-        key = hashlib.sha256(tok.to_str().encode()).hexdigest()
-        if key not in baselines:  # one unigram baseline per tokenizer (the embedded pair share one)
-            baselines[key] = unigram_perplexity(encode_stream(tok, read_texts(train_files)), held, tok.get_vocab_size())
+        held, unigram = evaluation_data(path, ns.max_tokens)
         wins = windows(held, ns.seq_len)
-        row = {"model": os.path.basename(os.path.normpath(path)), "tokens": int(len(held) - 1),
-               "unigram": baselines[key], "engine": engine_perplexity(path, wins)}
+        ours = engine_token_logprobs(path, wins)
+        row = {"model": os.path.basename(os.path.normpath(path)), "tokens": len(ours), "unigram": unigram,
+               "engine": perplexity(ours)}
         if not ns.no_hf:
-            row["hf"] = hf_perplexity(path, wins)
-            row["rel_diff"] = abs(row["engine"] - row["hf"]) / row["hf"]
+            ref = hf_token_logprobs(hf_model(path), wins)
+            row |= {"hf": perplexity(ref), "rel_diff": abs(row["engine"] - perplexity(ref)) / perplexity(ref),
+                    "max_logprob_diff": float(np.abs(ours - ref).max())}
         rows.append(row)
     result = {"seq_len": ns.seq_len, "rows": rows}
     print(report(result))
@@ -123,10 +137,10 @@ def run_perplexity(ns: argparse.Namespace) -> int:
 
 def report(result: dict[str, Any]) -> str:
     """The markdown table."""
-    lines = ["| model | held-out tokens | unigram baseline | engine (prompt_logprobs) | HF transformers | "
-             "relative difference |", "|---|---|---|---|---|---|"]
+    lines = ["| model | scored tokens | unigram baseline | engine (prompt_logprobs) | HF transformers | "
+             "relative difference | largest per-token logprob difference |", "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        hf = f"{r['hf']:.3f} | {r['rel_diff']:.1e}" if "hf" in r else "- | -"
+        hf = f"{r['hf']:.3f} | {r['rel_diff']:.1e} | {r['max_logprob_diff']:.1e}" if "hf" in r else "- | - | -"
         lines.append(f"| {r['model']} | {r['tokens']:,} | {r['unigram']:.1f} | **{r['engine']:.3f}** | {hf} |")
     return "\n".join(lines)
 
@@ -139,10 +153,12 @@ def plot(result: dict[str, Any], png: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
-    labels = ["unigram"] + [r["model"] for r in rows]
-    values = [rows[0]["unigram"]] + [r["engine"] for r in rows]
+    unigrams = sorted({round(r["unigram"], 6) for r in rows}, reverse=True)  # one per tokenizer
+    labels = [f"unigram{'' if len(unigrams) == 1 else f' {i + 1}'}" for i in range(len(unigrams))]
+    labels += [r["model"] for r in rows]
+    values = unigrams + [r["engine"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar(labels, values, color=["grey"] + ["C0"] * len(rows))
+    ax.bar(labels, values, color=["grey"] * len(unigrams) + ["C0"] * len(rows))
     ax.set_yscale("log")
     ax.set_ylim(1, max(values) * 2)  # from perplexity 1 (a perfect model), so bar heights compare honestly
     ax.set_ylabel("held-out perplexity (log)")

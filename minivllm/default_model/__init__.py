@@ -29,6 +29,11 @@ def default_draft_model_path() -> str:
     return _path(DRAFT_NAME)
 
 
+def held_out_path() -> str:
+    """held_out.safetensors: the held-out token ids and the training unigram counts (corpus.load_held_out)."""
+    return os.path.join(_ROOT, "held_out.safetensors")
+
+
 def training_metrics_path() -> str:
     """metrics.json of the training run: held-out files, perplexities, unigram baseline."""
     return os.path.join(_ROOT, "metrics.json")

@@ -62,8 +62,7 @@ def read_texts(files: list[str]) -> list[str]:
 
 
 def encode_stream(tokenizer: Any, texts: list[str]) -> np.ndarray:
-    """One token stream (a `tokenizers.Tokenizer`): each file's tokens followed by <|endoftext|> (when the
-    tokenizer has it: another model's may not)."""
+    """One token stream: each file's tokens, then <|endoftext|> where the tokenizer has it."""
     eot = tokenizer.token_to_id("<|endoftext|>")
     ids: list[int] = []
     for enc in tokenizer.encode_batch(texts, add_special_tokens=False):
@@ -74,16 +73,35 @@ def encode_stream(tokenizer: Any, texts: list[str]) -> np.ndarray:
 
 
 def windows(ids: np.ndarray, seq_len: int, max_tokens: int | None = None) -> list[list[int]]:
-    """Consecutive windows of seq_len + 1 tokens, overlapping by one, so that each window scores
-    seq_len next tokens and every token of the stream but the first is scored once."""
+    """Windows of seq_len + 1 tokens overlapping by one: every token but the first is scored once."""
     ids = ids[:max_tokens] if max_tokens else ids
     out = [ids[s:s + seq_len + 1].tolist() for s in range(0, len(ids) - 1, seq_len)]
     return [w for w in out if len(w) >= 2]
 
 
-def unigram_perplexity(train_ids: np.ndarray, held: np.ndarray, vocab: int) -> float:
-    """The baseline: each token's training frequency (add-one smoothed), context ignored; the first
-    held-out token is not scored, as with the windows."""
-    counts = np.bincount(train_ids, minlength=vocab).astype(np.float64) + 1.0
-    logp = np.log(counts / counts.sum())
+def unigram_counts(train_ids: np.ndarray, vocab: int) -> np.ndarray:
+    """How often each token id occurs in the training stream."""
+    return np.bincount(train_ids, minlength=vocab).astype(np.int64)
+
+
+def unigram_perplexity(counts: np.ndarray, held: np.ndarray) -> float:
+    """The baseline: training frequencies (add-one smoothed), context ignored, first token unscored."""
+    p = counts.astype(np.float64) + 1.0
+    logp = np.log(p / p.sum())
     return float(math.exp(-logp[held[1:]].mean()))
+
+
+def save_held_out(path: str, held_ids: np.ndarray, counts: np.ndarray) -> None:
+    """Ship the held-out token stream and the training unigram counts, so that evaluation does not
+    depend on the local standard library (another Python version has other files)."""
+    from safetensors.numpy import save_file
+
+    save_file({"input_ids": held_ids.astype(np.int32), "unigram_counts": counts.astype(np.int64)}, path)
+
+
+def load_held_out(path: str) -> tuple[np.ndarray, np.ndarray]:
+    """(held-out token ids, training unigram counts) as save_held_out wrote them."""
+    from safetensors.numpy import load_file
+
+    t = load_file(path)
+    return t["input_ids"], t["unigram_counts"]
