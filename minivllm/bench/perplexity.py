@@ -2,8 +2,9 @@
 same corpus), computed by our engine from prompt_logprobs and by HF transformers on the same weights,
 against a unigram baseline on the same held-out tokens.
 
-The held-out text is the standard library files that tools/train_tiny.py held out (the split is a
-hash of each path, so it is rebuilt here, not shipped). The stream is cut into windows of seq_len + 1
+The held-out text is the standard library files that tools/train_tiny.py held out. For the embedded
+tokenizer its tokens (and the training unigram counts) ship in held_out.safetensors; another model's
+tokenizer re-encodes the local standard library's split. The stream is cut into windows of seq_len + 1
 tokens overlapping by one, as in training's evaluation, so the figures are comparable to the model
 card's.
 """
@@ -54,13 +55,10 @@ def load_tokenizer(model_dir: str) -> Any:
 def evaluation_data(model_dir: str, max_tokens: int | None = None) -> tuple[np.ndarray, float]:
     """(held-out token ids, unigram perplexity on them) for the model's tokenizer: the shipped ones for
     the embedded tokenizer, else rebuilt from the local standard library with the model's tokenizer."""
-    tok_path = os.path.join(model_dir, "tokenizer.json")
-    with open(tok_path, "rb") as a, open(os.path.join(default_model_path(), "tokenizer.json"), "rb") as b:
-        embedded = a.read() == b.read()
-    if embedded:
+    tok = load_tokenizer(model_dir)
+    if tok.to_str() == load_tokenizer(default_model_path()).to_str():
         held, counts = load_held_out(held_out_path())
     else:
-        tok = load_tokenizer(model_dir)
         train_files, held_files = split_files()
         held = encode_stream(tok, read_texts(held_files))
         counts = unigram_counts(encode_stream(tok, read_texts(train_files)), tok.get_vocab_size())
@@ -126,7 +124,8 @@ def run_perplexity(ns: argparse.Namespace) -> int:
                "engine": perplexity(ours)}
         if not ns.no_hf:
             ref = hf_token_logprobs(hf_model(path), wins)
-            row |= {"hf": perplexity(ref), "rel_diff": abs(row["engine"] - perplexity(ref)) / perplexity(ref),
+            hf = perplexity(ref)
+            row |= {"hf": hf, "rel_diff": abs(row["engine"] - hf) / hf,
                     "max_logprob_diff": float(np.abs(ours - ref).max())}
         rows.append(row)
     result = {"seq_len": ns.seq_len, "rows": rows}
