@@ -61,6 +61,54 @@ BATCHING_MODES = ("continuous", "static")
 KV_CACHE_MODES = ("paged", "contiguous", "none")
 
 
+QUANTIZATION_METHODS = ("int8", "int4", "w8a8")
+GROUP_SIZES = (32, 64, 128, 256)
+QUANTIZATION_KERNELS = ("auto", "native", "reference", "int_mm")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How a model's weights are quantized; recorded in a saved checkpoint's config.json."""
+
+    method: str
+    group_size: int = 32  # int4 only
+    quantize_lm_head: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization: unknown method {self.method!r}; choose one of "
+                             f"{', '.join(QUANTIZATION_METHODS)}")
+        if self.group_size not in GROUP_SIZES:
+            raise ValueError(f"quantization_group_size: {self.group_size} does not divide into the int4 kernel's "
+                             f"32-weight blocks as a power of two; choose one of {', '.join(map(str, GROUP_SIZES))}")
+
+    def as_hf_dict(self) -> dict[str, object]:
+        """The `quantization_config` entry of a saved checkpoint's config.json."""
+        return {"quant_method": "minivllm", "mode": self.method, "group_size": self.group_size,
+                "lm_head": self.quantize_lm_head, "format_version": 1}
+
+    @staticmethod
+    def resolve(method: str | None, group_size: int, quantize_lm_head: bool, mc: ModelConfig
+                ) -> QuantConfig | None:
+        """The quantization to run: the checkpoint's own (a saved quantized model), else the requested one."""
+        saved = mc.hf_config.get("quantization_config")
+        if saved is None:
+            return None if method is None else QuantConfig(method, group_size, quantize_lm_head)
+        cfg = QuantConfig.from_hf_dict(saved, f"{mc.path}/config.json")
+        if method is not None and method != cfg.method:
+            raise ValueError(f"quantization: {mc.path} is a checkpoint quantized as {cfg.method}; it cannot be "
+                             f"loaded as {method} (omit --quantization, or quantize the original model)")
+        return cfg
+
+    @staticmethod
+    def from_hf_dict(d: dict[str, object], where: str) -> QuantConfig:
+        """Parse a checkpoint's `quantization_config`; anything we did not write is a clear error."""
+        if d.get("quant_method") != "minivllm" or d.get("format_version") != 1:
+            raise ValueError(f"{where}: quantization_config {d!r} is not a minivllm quantized checkpoint "
+                             "(format_version 1); only checkpoints saved by `minivllm quantize` load quantized")
+        return QuantConfig(str(d.get("mode")), int(d.get("group_size", 32)), bool(d.get("lm_head", True)))
+
+
 def _arg(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
@@ -84,6 +132,13 @@ class EngineArgs:
     num_threads: int | None = _arg(None, "torch intra-op threads for the engine (default: all cores)")
     attention_backend: str = _arg("auto", "paged attention implementation: auto | torch | cpu_native")
     linear_backend: str = _arg("auto", "projection GEMMs: auto (oneDNN prepacked on CPU) | onednn | torch")
+    quantization: str | None = _arg(
+        None, "quantize weights at load: int8 (per-channel, weight-only) | int4 (group-wise, weight-only) | w8a8 "
+        "(int8 weights and per-token int8 activations); a checkpoint saved by `minivllm quantize` loads as saved")
+    quantization_group_size: int = _arg(32, "int4: weights per scale/min group (32, 64, 128 or 256)")
+    quantize_lm_head: bool = _arg(True, "quantize the LM head too (the largest matrix of a small model)")
+    quantization_kernel: str = _arg(
+        "auto", "quantized matmul kernel: auto (timed per shape class at start-up) | native | reference | int_mm")
     seed: int = _arg(0, "seed of the engine's random generator")
     device: str | None = _arg(None, "cpu | cuda (default: cuda when present)")
     check_invariants: bool = _arg(False, "check block-manager invariants after every step (tests, debugging)")
@@ -120,6 +175,11 @@ class EngineArgs:
             raise ValueError(f"batching must be one of {', '.join(BATCHING_MODES)}, got {self.batching!r}")
         if self.kv_cache_mode not in KV_CACHE_MODES:
             raise ValueError(f"kv_cache_mode must be one of {', '.join(KV_CACHE_MODES)}, got {self.kv_cache_mode!r}")
+        if self.quantization is not None:
+            QuantConfig(self.quantization, self.quantization_group_size, self.quantize_lm_head)
+        if self.quantization_kernel not in QUANTIZATION_KERNELS:
+            raise ValueError(f"quantization_kernel must be one of {', '.join(QUANTIZATION_KERNELS)}, "
+                             f"got {self.quantization_kernel!r}")
         if parse_size(self.kv_cache_memory) <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
 

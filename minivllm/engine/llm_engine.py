@@ -14,6 +14,7 @@ from minivllm.config import (
     CacheConfig,
     EngineArgs,
     ModelConfig,
+    QuantConfig,
     SchedulerConfig,
     cpu_count,
     default_batched_tokens,
@@ -101,8 +102,11 @@ class LLMEngine:
                              "max_model_len")
         self.scheduler_config = SchedulerConfig(args.max_num_seqs, token_budget, args.enable_chunked_prefill,
                                                 static_batching=args.batching == "static", reserve_tokens=reserve)
+        self.quant_config = QuantConfig.resolve(args.quantization, args.quantization_group_size,
+                                                args.quantize_lm_head, mc)
         self.runner = ModelRunner(mc, self.dtype, self.device, cc.num_blocks, cc.block_size, self.max_model_len,
-                                  args.attention_backend, args.linear_backend)
+                                  args.attention_backend, args.linear_backend, self.quant_config,
+                                  args.quantization_kernel)
         self.block_manager = BlockManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.sampler = Sampler(self.device, args.seed)
@@ -118,8 +122,10 @@ class LLMEngine:
         self._stats_base = (0, 0, 0)  # scheduler counters at the last take_stats()
         self._produced: set[str] = set()  # request ids that got a new token in the current step
         self._in_flight: SchedulerOutput | None = None  # the step in progress (to name its requests on error)
-        logger.info("engine: %s (%s, %s) on %s, KV pool %d blocks x %d tokens",
-                    mc.architecture, args.model, self.dtype, self.device, cc.num_blocks, cc.block_size)
+        logger.info("engine: %s (%s, %s%s) on %s, KV pool %d blocks x %d tokens",
+                    mc.architecture, args.model, self.dtype,
+                    f", {self.quant_config.method} {self.runner.quant_kernels}" if self.quant_config else "",
+                    self.device, cc.num_blocks, cc.block_size)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, log_stats: bool = False) -> LLMEngine:

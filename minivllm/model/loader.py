@@ -11,8 +11,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from minivllm.config import ModelConfig
+from minivllm.config import ModelConfig, QuantConfig
 from minivllm.model.models import get_model_class
+from minivllm.model.quantization import quantize_model
+from minivllm.model.quantized_checkpoint import load_quantized
 
 
 def weight_files(path: str) -> list[str]:
@@ -45,8 +47,10 @@ def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
             yield from torch.load(file, map_location="cpu", weights_only=True).items()
 
 
-def load_model(mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_model_len: int) -> nn.Module:
-    """Build the model for mc.architecture and fill it from the checkpoint."""
+def load_model(mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_model_len: int,
+               quant: QuantConfig | None = None) -> nn.Module:
+    """Build the model for mc.architecture and fill it from the checkpoint; with `quant`, its projections
+    become quantized layers (quantized here, or copied as saved from a quantized checkpoint)."""
     cls = get_model_class(mc)
     # Built on the meta device in the target dtype: no random init to throw away (11 s per billion
     # parameters here) and no float32 detour for a bf16 model.
@@ -55,11 +59,19 @@ def load_model(mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_mo
     try:
         with torch.device("meta"):
             model = cls(mc, max_model_len)
+            saved = quant is not None and "quantization_config" in mc.hf_config
+            if saved:
+                quantize_model(model, quant, materialize=False)
     finally:
         torch.set_default_dtype(prev)
     model.to_empty(device=device)
     for module in model.modules():
         if hasattr(module, "reset_buffers"):
             module.reset_buffers()
-    model.load_weights(iterate_weights(mc.path))
+    if saved:
+        load_quantized(model, mc)
+    else:
+        model.load_weights(iterate_weights(mc.path))
+        if quant is not None:
+            quantize_model(model, quant)
     return model.eval().requires_grad_(False)

@@ -9,10 +9,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from minivllm.config import ModelConfig
+from minivllm.config import ModelConfig, QuantConfig
 from minivllm.model.attention import Attention, AttentionMetadata, PrefillSpan, forward_context, get_backend
 from minivllm.model.layers import Linear, onednn_linear_available
 from minivllm.model.loader import load_model
+from minivllm.model.quantization import check_device, plan_kernels
 
 
 def _use_onednn(name: str, device: torch.device, dtype: torch.dtype) -> bool:
@@ -40,10 +41,15 @@ class ModelRunner:
 
     def __init__(self, mc: ModelConfig, dtype: torch.dtype, device: torch.device, num_blocks: int,
                  block_size: int, max_model_len: int, attention_backend: str = "auto",
-                 linear_backend: str = "auto") -> None:
+                 linear_backend: str = "auto", quant: QuantConfig | None = None,
+                 quantization_kernel: str = "auto") -> None:
         self.mc, self.dtype, self.device = mc, dtype, device
         self.block_size = block_size
-        self.model = load_model(mc, dtype, device, max_model_len)
+        if quant is not None:
+            check_device(quant, device)
+        self.model = load_model(mc, dtype, device, max_model_len, quant)
+        # Shape class → kernel for the quantized layers, timed on this machine (empty without quantization).
+        self.quant_kernels = plan_kernels(self.model, quantization_kernel)
         if _use_onednn(linear_backend, device, dtype):
             for m in self.model.modules():
                 if isinstance(m, Linear):

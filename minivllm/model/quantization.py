@@ -1,0 +1,232 @@
+"""Weight quantization as a weight transform: int8 (per-channel), int4 (group-wise), W8A8.
+
+After loading, every projection `Linear` of the model (and the LM head unless told otherwise) becomes a
+`QuantizedLinear` holding packed integer weights; the model code does not change. Layouts and the
+native kernels are in csrc/quant_gemm.c; `dequantize()` gives the exact weight every kernel computes
+with, and the portable path (any device, any M) is a matmul against it.
+
+Which kernel runs is chosen per shape class (1 token, a few, many) by timing the candidates on the
+model's own layers at start-up (`plan_kernels`): the CPU model changes between machines, and what is
+fastest differs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm.config import QuantConfig
+from minivllm.model import cpu_kernels
+from minivllm.model.layers import Linear
+
+logger = logging.getLogger(__name__)
+
+# Shape classes: tokens in the step's matmul (1 = one decode, <= 16 = a few, more = a batch or a prefill).
+SHAPE_CLASSES = ((1, 1), (16, 8), (1 << 62, 64))  # (largest M of the class, M timed for it)
+
+
+# ---- packing (torch, any device) -------------------------------------------------------------------------------
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: (q [N, K] int8, scale [N] float32), w ≈ scale[:, None] * q."""
+    wf = w.float()
+    scale = (wf.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    q = torch.round(wf / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric group-wise int4: (packed [N, Kp/2] uint8, scale [N, G] bf16, min [N, G] bf16).
+
+    K is zero-padded to Kp, a multiple of the group size. The min costs no extra work in the kernel
+    (it multiplies the group's sum of x, computed once per token) and cuts the error of groups whose
+    weights are not centred on zero. Codes are chosen against the stored (bf16) scale and min, so they
+    are the nearest codes for the weights the kernels actually use.
+    """
+    n, k = w.shape
+    kp = -(-k // group_size) * group_size
+    wf = F.pad(w.float(), (0, kp - k)).view(n, kp // group_size, group_size)
+    lo, hi = wf.amin(-1), wf.amax(-1)
+    scale = ((hi - lo) / 15).to(torch.bfloat16)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    mins = lo.to(torch.bfloat16)
+    q = torch.round((wf - mins.float()[..., None]) / scale.float()[..., None]).clamp(0, 15).to(torch.uint8)
+    q = q.view(n, kp // 32, 2, 16)
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).view(n, kp // 2), scale, mins
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Codes [N, Kp] (0..15) of a packed int4 weight."""
+    n = packed.shape[0]
+    b = packed.view(n, -1, 16)
+    return torch.stack([b & 15, b >> 4], dim=2).view(n, -1)
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W8A8's dynamic activation quantization: per row, symmetric, absmax / 127."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    return torch.round(xf / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+class QuantizedLinear(nn.Module):
+    """A Linear whose weight is stored quantized; forward picks the kernel planned for the input's M."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, cfg: QuantConfig) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.method, self.group_size = cfg.method, cfg.group_size
+        if cfg.method == "int4":
+            kp = -(-in_features // cfg.group_size) * cfg.group_size
+            self.register_buffer("qweight", torch.empty(out_features, kp // 2, dtype=torch.uint8))
+            self.register_buffer("scales", torch.empty(out_features, kp // cfg.group_size, dtype=torch.bfloat16))
+            self.register_buffer("mins", torch.empty(out_features, kp // cfg.group_size, dtype=torch.bfloat16))
+        else:
+            self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
+            self.register_buffer("scales", torch.empty(out_features, dtype=torch.float32))
+        self.register_buffer("bias", torch.empty(out_features) if bias else None)
+        # One kernel per shape class, set by plan_kernels; the portable path until then.
+        self.kernels: tuple[Callable[[torch.Tensor], torch.Tensor], ...] = (self.forward_reference,) * 3
+
+    @torch.no_grad()
+    def quantize_from(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Fill the packed buffers from a full-precision weight [N, K]."""
+        if self.method == "int4":
+            q, s, m = quantize_int4(weight, self.group_size)
+            self.qweight.copy_(q)
+            self.scales.copy_(s)
+            self.mins.copy_(m)
+        else:
+            q, s = quantize_int8(weight)
+            self.qweight.copy_(q)
+            self.scales.copy_(s)
+        if bias is not None:
+            self.bias.copy_(bias)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K] every kernel computes with."""
+        if self.method == "int4":
+            n, g = self.out_features, self.scales.shape[1]
+            q = unpack_int4(self.qweight).float().view(n, g, self.group_size)
+            w = q * self.scales.float()[..., None] + self.mins.float()[..., None]
+            return w.view(n, -1)[:, :self.in_features]
+        return self.qweight.float() * self.scales[:, None]
+
+    def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
+        """Portable path (any device, any M): dequantize, then a float32 matmul."""
+        bias = None if self.bias is None else self.bias.float()
+        if self.method == "w8a8":
+            xq, xs = quantize_rows_int8(x)
+            y = (xq.float() @ self.qweight.float().t()) * (xs[:, None] * self.scales[None, :])
+            return y if bias is None else y + bias
+        return F.linear(x.float(), self.dequantize(), bias)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        """The C kernels of csrc/quant_gemm.c (CPU, float32 activations): weights read once for all M rows."""
+        xf = x.float()
+        if xf.stride(-1) != 1:
+            xf = xf.contiguous()
+        if self.method == "int8":
+            return cpu_kernels.linear_int8(xf, self.qweight, self.scales, self.bias)
+        if self.method == "w8a8":
+            return cpu_kernels.linear_w8a8(xf, self.qweight, self.scales, self.bias)
+        return cpu_kernels.linear_int4(xf, self.qweight, self.scales, self.mins, self.group_size, self.bias)
+
+    def forward_int_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """W8A8 through torch's integer GEMM (`torch._int_mm`, oneDNN's VNNI path on CPU)."""
+        xq, xs = quantize_rows_int8(x)
+        y = torch._int_mm(xq, self.qweight.t()).float() * (xs[:, None] * self.scales[None, :])
+        return y if self.bias is None else y + self.bias
+
+    def candidates(self) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+        """Kernels that compute this layer's math on this device (same result within float rounding)."""
+        found: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"reference": self.forward_reference}
+        if self.qweight.device.type == "cpu" and cpu_kernels.available():
+            found["native"] = self.forward_native
+        if self.method == "w8a8":
+            found["int_mm"] = self.forward_int_mm
+        return found
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        kernel = self.kernels[0] if m <= 1 else self.kernels[1] if m <= SHAPE_CLASSES[1][0] else self.kernels[2]
+        out = kernel(x)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, method={self.method}, group={self.group_size}"
+
+
+def check_device(cfg: QuantConfig, device: torch.device) -> None:
+    """Fail early where a mode has no kernel at all."""
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"quantization {cfg.method}: no kernel for device {device.type!r}; supported: cpu, cuda")
+
+
+def quantize_model(model: nn.Module, cfg: QuantConfig, materialize: bool = True) -> int:
+    """Replace every Linear (the LM head too unless cfg says not) by a QuantizedLinear, in place.
+
+    materialize=False builds empty quantized layers (for loading a saved quantized checkpoint).
+    Returns the number of layers replaced."""
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, Linear) or (name == "lm_head" and not cfg.quantize_lm_head):
+                continue
+            weight = child.weight
+            assert weight is not None, "quantize before packing"
+            q = QuantizedLinear(child.in_features, child.out_features, child.bias is not None, cfg)
+            if materialize:
+                q = q.to(weight.device)
+                q.quantize_from(weight.detach(), None if child.bias is None else child.bias.detach())
+            setattr(parent, name, q)
+            replaced += 1
+    return replaced
+
+
+def _time(fn: Callable[[], object], reps: int = 3) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+@torch.no_grad()
+def plan_kernels(model: nn.Module, kernel: str = "auto") -> dict[str, str]:
+    """Pick each shape class's kernel by timing every candidate on the model's quantized layers (all of
+    them, so the time covers the real weight bytes), or force one by name. Returns class → kernel."""
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    if not layers:
+        return {}
+    names = list(layers[0].candidates())
+    if kernel != "auto":
+        if kernel not in names:
+            raise ValueError(f"quantization_kernel: {kernel!r} has no kernel for {layers[0].method} on "
+                             f"{layers[0].qweight.device.type}; choose auto or one of {', '.join(names)}")
+        names = [kernel]
+    device = layers[0].qweight.device
+    plan: dict[str, str] = {}
+    chosen: list[str] = []
+    for largest, m in SHAPE_CLASSES:
+        best = names[0]
+        if len(names) > 1:
+            xs = {k: torch.randn(m, k, device=device) for k in {q.in_features for q in layers}}
+            timings = {n: _time(lambda n=n, xs=xs: [q.candidates()[n](xs[q.in_features]) for q in layers])
+                       for n in names}
+            best = min(timings, key=timings.__getitem__)
+            logger.info("quantization %s, %d tokens: %s", layers[0].method, m,
+                        ", ".join(f"{n} {t * 1e3:.1f} ms" for n, t in timings.items()))
+        chosen.append(best)
+        plan[f"m<={largest}" if largest < 1 << 62 else f"m>{SHAPE_CLASSES[1][0]}"] = best
+    for q in layers:
+        candidates = q.candidates()
+        q.kernels = tuple(candidates[n] for n in chosen)
+    return plan
