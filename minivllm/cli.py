@@ -1,4 +1,4 @@
-"""The `minivllm` command: generate | make-model | bench."""
+"""The `minivllm` command: serve | generate | make-model | quantize | bench."""
 
 from __future__ import annotations
 
@@ -52,6 +52,26 @@ def _cmd_make_model(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_quantize(ns: argparse.Namespace) -> int:
+    import torch
+
+    from minivllm.config import _DTYPES, ModelConfig, QuantConfig
+    from minivllm.model.loader import load_model
+    from minivllm.model.quantized_checkpoint import save_quantized
+
+    mc = ModelConfig.from_pretrained(ns.model)
+    if "quantization_config" in mc.hf_config:
+        raise ValueError(f"{ns.model} is already quantized (config.json has a quantization_config); quantize the "
+                         "original model")
+    cfg = QuantConfig(ns.quantization, ns.quantization_group_size, ns.quantize_lm_head)
+    # Norms and embeddings keep the checkpoint's own dtype (float32 if it names none).
+    dtype = _DTYPES.get(mc.checkpoint_dtype or "", torch.float32) if ns.dtype == "auto" else _DTYPES[ns.dtype]
+    model = load_model(mc, dtype, torch.device("cpu"), mc.max_position_embeddings, cfg)
+    out = save_quantized(model, mc, cfg, ns.out)
+    print(f"wrote {cfg.method} model to {out}")
+    return 0
+
+
 def _bench(module: str, entry: str) -> Callable[[argparse.Namespace], int]:
     """A bench verb's handler, importing its module only when that verb runs."""
     def run(ns: argparse.Namespace) -> int:
@@ -99,6 +119,17 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--seed", type=int, default=0, help="weight seed")
     mk.add_argument("--max-shard-size", default=None, help="write sharded safetensors, e.g. 200MB")
     mk.set_defaults(func=_cmd_make_model)
+
+    qz = sub.add_parser("quantize", help="save a quantized copy of a model that loads without re-quantizing")
+    qz.add_argument("model", help="Hugging Face-format model directory")
+    qz.add_argument("--quantization", required=True, choices=["int8", "int4", "w8a8"])
+    qz.add_argument("--quantization-group-size", type=int, default=32, help="int4: weights per scale/min group")
+    qz.add_argument("--quantize-lm-head", action=argparse.BooleanOptionalAction, default=True,
+                    help="quantize the LM head too")
+    qz.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="dtype of the tensors left in full precision (auto: the checkpoint's)")
+    qz.add_argument("--out", required=True, help="output directory (new or empty)")
+    qz.set_defaults(func=_cmd_quantize)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)

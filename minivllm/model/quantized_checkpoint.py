@@ -39,8 +39,9 @@ def save_quantized(model: nn.Module, mc: ModelConfig, cfg: QuantConfig, out: str
     save_file(tensors, os.path.join(out, WEIGHTS_FILE), metadata={"format": "pt", "minivllm": "quantized"})
     for entry in os.listdir(mc.path):
         src = os.path.join(mc.path, entry)
+        # Not the weights, config.json (rewritten below) or the model card, which describes the original.
         if os.path.isfile(src) and not entry.endswith((".safetensors", ".bin", ".index.json", ".pt")) \
-                and entry != "config.json":
+                and entry not in ("config.json", "README.md"):
             shutil.copy2(src, os.path.join(out, entry))
     config = dict(mc.hf_config)
     config["quantization_config"] = {**cfg.as_hf_dict(), "tied_weights": tied}
