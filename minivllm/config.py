@@ -131,7 +131,9 @@ class EngineArgs:
     enable_chunked_prefill: bool = _arg(True, "split long prefills across steps within the token budget")
     num_threads: int | None = _arg(None, "torch intra-op threads for the engine (default: all cores)")
     attention_backend: str = _arg("auto", "paged attention implementation: auto | torch | cpu_native")
-    linear_backend: str = _arg("auto", "projection GEMMs: auto (oneDNN prepacked on CPU) | onednn | torch")
+    linear_backend: str = _arg(
+        "auto", "full-precision projections: auto (timed per shape class at start-up among oneDNN prepacked, the "
+        "native streaming kernel and torch) | onednn | native | torch")
     quantization: str | None = _arg(
         None, "quantize weights at load: int8 (per-channel, weight-only) | int4 (group-wise, weight-only) | w8a8 "
         "(int8 weights and per-token int8 activations); a checkpoint saved by `minivllm quantize` loads as saved")

@@ -221,7 +221,7 @@ def test_bad_quantization_settings_name_the_problem_and_the_choices(model_factor
         EngineArgs(quantization="int4", quantization_group_size=48)
     with pytest.raises(ValueError, match="quantization_kernel must be one of auto, native, reference, int_mm"):
         EngineArgs(quantization="int8", quantization_kernel="fast")
-    with pytest.raises(ValueError, match="'int_mm' has no kernel for int4 on cpu; choose auto or one of reference"):
+    with pytest.raises(ValueError, match="int4: 'int_mm' has no kernel here; choose auto or one of reference, native"):
         LLM(model_factory("tiny-llama"), quantization="int4", quantization_kernel="int_mm", num_kv_blocks=16)
     with pytest.raises(ValueError, match="quantization int4: no kernel for device 'meta'; supported: cpu, cuda"):
         check_device(QuantConfig("int4"), torch.device("meta"))

@@ -45,7 +45,7 @@ def _cpu_signature() -> str:
     return platform.machine() + flags
 
 
-_SOURCES = ("paged_attention.c", "sampling.c", "quant_gemm.c", "membw.c")
+_SOURCES = ("paged_attention.c", "sampling.c", "gemv.c", "membw.c")
 
 
 @functools.cache
@@ -83,13 +83,10 @@ def load_library() -> ctypes.CDLL | None:
     lib.paged_attention_f32.restype = None
     lib.sample_rows_f32.argtypes = [p, i64, i64, p, p, p, p, p, p, p, c_int]
     lib.sample_rows_f32.restype = None
-    lib.linear_int8_f32.argtypes = [p, i64, p, i64, c_int, i64, p, i64, p, p, p, c_int]
-    lib.linear_int4_f32.argtypes = [p, i64, p, i64, c_int, i64, p, i64, i64, p, p, p, p, c_int]
-    lib.linear_w8a8_f32.argtypes = [p, i64, p, i64, c_int, i64, p, i64, p, p, p, c_int]
+    lib.linear_gemv.argtypes = [p, i64, p, i64, c_int, i64, i64, c_int, p, p, p, i64, p, p, c_int]
+    lib.linear_gemv.restype = None
     lib.stream_read_f32.argtypes = [p, i64, c_int]
     lib.stream_read_f32.restype = ctypes.c_double
-    for fn in (lib.linear_int8_f32, lib.linear_int4_f32, lib.linear_w8a8_f32):
-        fn.restype = None
     return lib
 
 
@@ -154,57 +151,39 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     return out
 
 
-_MAX_M = 16  # csrc/quant_gemm.c's rows of x per pass
+_MAX_M = 16  # csrc/gemv.c's rows of x staged per pass
+GEMV_FORMATS = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3, "w8a8": 4}
 
 
-def _linear_args(x: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    assert x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
-    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-    return x, out, torch.get_num_threads()
+class GemvWeights:
+    """One layer's weights bound for csrc/gemv.c: pointers and sizes resolved once, so a call does only
+    the per-input work (this runs for every projection of every decode step)."""
+
+    __slots__ = ("fmt", "k", "n", "group", "ptrs", "tensors", "scratch_numel")
+
+    def __init__(self, fmt: str, weight: torch.Tensor, in_features: int, scale: torch.Tensor | None = None,
+                 mins: torch.Tensor | None = None, group: int = 0, bias: torch.Tensor | None = None) -> None:
+        assert load_library() is not None and weight.device.type == "cpu" and weight.is_contiguous()
+        assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
+        self.fmt, self.k, self.n, self.group = GEMV_FORMATS[fmt], in_features, weight.shape[0], group
+        self.tensors = (weight, scale, mins, bias)  # the pointers below stay valid while these live
+        self.ptrs = tuple(_ptr(t) for t in self.tensors)
+        kp = -(-in_features // group) * group if group else in_features
+        self.scratch_numel = _MAX_M * (kp + (kp // group if group else 0) + 16)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 with unit column stride → [M, N] float32."""
+        lib = load_library()
+        m = x.shape[0]
+        out = torch.empty(m, self.n, dtype=torch.float32)
+        w, scale, mins, bias = self.ptrs
+        lib.linear_gemv(out.data_ptr(), self.n, x.data_ptr(), x.stride(0), m, self.k, self.n, self.fmt, w, scale, mins,
+                        self.group, bias, _scratch_for(self.scratch_numel).data_ptr(), torch.get_num_threads())
+        return out
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
-
-
-def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
-                ) -> torch.Tensor:
-    """x [M, K] float32 @ (scales[:, None] * qweight [N, K] int8)^T + bias."""
-    lib = load_library()
-    assert lib is not None
-    x, out, threads = _linear_args(x, qweight.shape[0])
-    k = qweight.shape[1]
-    scratch = _scratch_for(_MAX_M * (k + 16))
-    lib.linear_int8_f32(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), x.shape[0], k, qweight.data_ptr(),
-                        qweight.shape[0], scales.data_ptr(), _ptr(bias), scratch.data_ptr(), threads)
-    return out
-
-
-def linear_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] float32 @ W^T + bias for a group-wise int4 weight (layout in csrc/quant_gemm.c)."""
-    lib = load_library()
-    assert lib is not None
-    x, out, threads = _linear_args(x, qweight.shape[0])
-    k, kp = x.shape[1], qweight.shape[1] * 2
-    scratch = _scratch_for(_MAX_M * (kp + kp // group_size))
-    lib.linear_int4_f32(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), x.shape[0], k, qweight.data_ptr(),
-                        qweight.shape[0], group_size, scales.data_ptr(), mins.data_ptr(), _ptr(bias),
-                        scratch.data_ptr(), threads)
-    return out
-
-
-def linear_w8a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
-                ) -> torch.Tensor:
-    """x quantized per row to int8 (absmax / 127), int8 x int8 products summed in int32, rescaled."""
-    lib = load_library()
-    assert lib is not None
-    x, out, threads = _linear_args(x, qweight.shape[0])
-    k = qweight.shape[1]
-    scratch = _scratch_for(_MAX_M + (_MAX_M * (k + 16) + 3) // 4)
-    lib.linear_w8a8_f32(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), x.shape[0], k, qweight.data_ptr(),
-                        qweight.shape[0], scales.data_ptr(), _ptr(bias), scratch.data_ptr(), threads)
-    return out
 
 
 def stream_read(buf: torch.Tensor, threads: int) -> float:

@@ -9,17 +9,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.model import cpu_kernels
+from minivllm.model.kernel_plan import Kernel, PlannedLinear
+
 
 def onednn_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether oneDNN's prepacked linear can run here (CPU, fp32 or bf16)."""
     return device.type == "cpu" and torch.backends.mkldnn.is_available() and dtype in (torch.float32, torch.bfloat16)
 
 
-class Linear(nn.Module):
-    """y = x W^T + b, optionally through a oneDNN prepacked weight.
+class Linear(PlannedLinear):
+    """y = x W^T + b through one of three kernels per shape class (kernel_plan.plan_kernels):
 
-    Measured on this class of CPU (benchmarks/micro_linear.py): oneDNN's prepacked GEMM runs the model's
-    projections 2.1-2.4x faster than aten's MKL path at 1 and 64 tokens alike, in fp32 and bf16.
+    - onednn: oneDNN's prepacked GEMM (2.1-2.5x aten's MKL path at 1 to 512 tokens on this class of
+      CPU, benchmarks/micro_linear.py);
+    - native: csrc/gemv.c streaming the plain weight once for all rows (decode: one pass over the
+      weights at ~0.95 of the bandwidth probe, where oneDNN reached ~0.6-0.75);
+    - torch: F.linear, the portable path.
+    When the plan uses both a packed and a plain kernel, both copies of the weight are kept.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
@@ -28,17 +35,55 @@ class Linear(nn.Module):
         self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None
+        self._gemv: cpu_kernels.GemvWeights | None = None
+        self.kernels = (self.forward_default,) * 3
 
-    def pack(self) -> None:
-        """Switch to the prepacked oneDNN weight; the dense copy is released to save memory."""
+    def pack(self, keep_weight: bool = False) -> None:
+        """Add the prepacked oneDNN weight; the dense copy is released unless kept for other kernels."""
         assert self.weight is not None
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
-        self.weight = None
+        if not keep_weight:
+            self.weight = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+    def forward_default(self, x: torch.Tensor) -> torch.Tensor:
+        """Before planning: oneDNN when packed, else F.linear."""
+        return self.forward_onednn(x) if self.packed is not None else self.forward_torch(x)
+
+    def forward_onednn(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+
+    def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        if self._gemv is None:
+            assert self.weight is not None
+            bias = None if self.bias is None else self.bias.detach().float().contiguous()
+            fmt = "f32" if self.weight.dtype == torch.float32 else "bf16"
+            self._gemv = cpu_kernels.GemvWeights(fmt, self.weight.detach(), self.in_features, bias=bias)
+        xf = x if x.dtype == torch.float32 else x.float()
+        out = self._gemv(xf if xf.stride(-1) == 1 else xf.contiguous())
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+
+    def candidates(self) -> dict[str, Kernel]:
+        found: dict[str, Kernel] = {}
+        if self.packed is not None:
+            found["onednn"] = self.forward_onednn
+        if self.weight is not None:
+            found["torch"] = self.forward_torch
+            if (self.weight.device.type == "cpu" and self.weight.dtype in (torch.float32, torch.bfloat16)
+                    and cpu_kernels.available()):
+                found["native"] = self.forward_native
+        return found
+
+    def release_unused(self) -> None:
+        """After planning: drop the copy of the weight no planned kernel reads."""
+        used = {k.__name__ for k in self.kernels}
+        if self.packed is not None and "forward_onednn" not in used and "forward_default" not in used:
+            self.packed = None
+        if self.weight is not None and used <= {"forward_onednn"}:
+            self.weight = None
+            self._gemv = None
 
 
 class RMSNorm(nn.Module):

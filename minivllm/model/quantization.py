@@ -6,15 +6,11 @@ native kernels are in csrc/quant_gemm.c; `dequantize()` gives the exact weight e
 with, and the portable path (any device, any M) is a matmul against it.
 
 Which kernel runs is chosen per shape class (1 token, a few, many) by timing the candidates on the
-model's own layers at start-up (`plan_kernels`): the CPU model changes between machines, and what is
-fastest differs.
+model's own layers at start-up (kernel_plan.plan_kernels): the CPU model changes between machines, and
+what is fastest differs.
 """
 
 from __future__ import annotations
-
-import logging
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -22,12 +18,8 @@ from torch import nn
 
 from minivllm.config import QuantConfig
 from minivllm.model import cpu_kernels
+from minivllm.model.kernel_plan import Kernel, PlannedLinear
 from minivllm.model.layers import Linear
-
-logger = logging.getLogger(__name__)
-
-# Shape classes: tokens in the step's matmul (1 = one decode, <= 16 = a few, more = a batch or a prefill).
-SHAPE_CLASSES = ((1, 1), (16, 8), (1 << 62, 64))  # (largest M of the class, M timed for it)
 
 
 # ---- packing (torch, any device) -------------------------------------------------------------------------------
@@ -74,7 +66,7 @@ def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(xf / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
 
-class QuantizedLinear(nn.Module):
+class QuantizedLinear(PlannedLinear):
     """A Linear whose weight is stored quantized; forward picks the kernel planned for the input's M."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, cfg: QuantConfig) -> None:
@@ -90,8 +82,8 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
             self.register_buffer("scales", torch.empty(out_features, dtype=torch.float32))
         self.register_buffer("bias", torch.empty(out_features) if bias else None)
-        # One kernel per shape class, set by plan_kernels; the portable path until then.
-        self.kernels: tuple[Callable[[torch.Tensor], torch.Tensor], ...] = (self.forward_reference,) * 3
+        self._gemv: cpu_kernels.GemvWeights | None = None  # bound on first native call (buffers final by then)
+        self.kernels = (self.forward_reference,) * 3  # the portable path until plan_kernels
 
     @torch.no_grad()
     def quantize_from(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -127,15 +119,14 @@ class QuantizedLinear(nn.Module):
         return F.linear(x.float(), self.dequantize(), bias)
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
-        """The C kernels of csrc/quant_gemm.c (CPU, float32 activations): weights read once for all M rows."""
-        xf = x.float()
-        if xf.stride(-1) != 1:
-            xf = xf.contiguous()
-        if self.method == "int8":
-            return cpu_kernels.linear_int8(xf, self.qweight, self.scales, self.bias)
-        if self.method == "w8a8":
-            return cpu_kernels.linear_w8a8(xf, self.qweight, self.scales, self.bias)
-        return cpu_kernels.linear_int4(xf, self.qweight, self.scales, self.mins, self.group_size, self.bias)
+        """The C kernels of csrc/gemv.c (CPU, float32 activations): weights read once for all M rows."""
+        if self._gemv is None:
+            bias = None if self.bias is None else self.bias.float().contiguous()
+            self._gemv = cpu_kernels.GemvWeights(self.method, self.qweight, self.in_features, self.scales,
+                                                 self.mins if self.method == "int4" else None,
+                                                 self.group_size if self.method == "int4" else 0, bias)
+        xf = x if x.dtype == torch.float32 else x.float()
+        return self._gemv(xf if xf.stride(-1) == 1 else xf.contiguous())
 
     def forward_int_mm(self, x: torch.Tensor) -> torch.Tensor:
         """W8A8 through torch's integer GEMM (`torch._int_mm`, oneDNN's VNNI path on CPU)."""
@@ -143,9 +134,9 @@ class QuantizedLinear(nn.Module):
         y = torch._int_mm(xq, self.qweight.t()).float() * (xs[:, None] * self.scales[None, :])
         return y if self.bias is None else y + self.bias
 
-    def candidates(self) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    def candidates(self) -> dict[str, Kernel]:
         """Kernels that compute this layer's math on this device (same result within float rounding)."""
-        found: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"reference": self.forward_reference}
+        found: dict[str, Kernel] = {"reference": self.forward_reference}
         if self.qweight.device.type == "cpu" and cpu_kernels.available():
             found["native"] = self.forward_native
         if self.method == "w8a8":
@@ -153,9 +144,7 @@ class QuantizedLinear(nn.Module):
         return found
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        m = x.shape[0]
-        kernel = self.kernels[0] if m <= 1 else self.kernels[1] if m <= SHAPE_CLASSES[1][0] else self.kernels[2]
-        out = kernel(x)
+        out = super().forward(x)
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -187,46 +176,3 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, materialize: bool = True)
             setattr(parent, name, q)
             replaced += 1
     return replaced
-
-
-def _time(fn: Callable[[], object], reps: int = 3) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
-@torch.no_grad()
-def plan_kernels(model: nn.Module, kernel: str = "auto") -> dict[str, str]:
-    """Pick each shape class's kernel by timing every candidate on the model's quantized layers (all of
-    them, so the time covers the real weight bytes), or force one by name. Returns class → kernel."""
-    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    if not layers:
-        return {}
-    names = list(layers[0].candidates())
-    if kernel != "auto":
-        if kernel not in names:
-            raise ValueError(f"quantization_kernel: {kernel!r} has no kernel for {layers[0].method} on "
-                             f"{layers[0].qweight.device.type}; choose auto or one of {', '.join(names)}")
-        names = [kernel]
-    device = layers[0].qweight.device
-    plan: dict[str, str] = {}
-    chosen: list[str] = []
-    for largest, m in SHAPE_CLASSES:
-        best = names[0]
-        if len(names) > 1:
-            xs = {k: torch.randn(m, k, device=device) for k in {q.in_features for q in layers}}
-            timings = {n: _time(lambda n=n, xs=xs: [q.candidates()[n](xs[q.in_features]) for q in layers])
-                       for n in names}
-            best = min(timings, key=timings.__getitem__)
-            logger.info("quantization %s, %d tokens: %s", layers[0].method, m,
-                        ", ".join(f"{n} {t * 1e3:.1f} ms" for n, t in timings.items()))
-        chosen.append(best)
-        plan[f"m<={largest}" if largest < 1 << 62 else f"m>{SHAPE_CLASSES[1][0]}"] = best
-    for q in layers:
-        candidates = q.candidates()
-        q.kernels = tuple(candidates[n] for n in chosen)
-    return plan

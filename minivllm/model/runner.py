@@ -11,18 +11,19 @@ import torch
 
 from minivllm.config import ModelConfig, QuantConfig
 from minivllm.model.attention import Attention, AttentionMetadata, PrefillSpan, forward_context, get_backend
+from minivllm.model.kernel_plan import plan_kernels
 from minivllm.model.layers import Linear, onednn_linear_available
 from minivllm.model.loader import load_model
-from minivllm.model.quantization import check_device, plan_kernels
+from minivllm.model.quantization import QuantizedLinear, check_device
 
 
 def _use_onednn(name: str, device: torch.device, dtype: torch.dtype) -> bool:
-    if name not in ("auto", "onednn", "torch"):
-        raise ValueError(f"linear_backend: unknown {name!r}; choose auto, onednn or torch")
+    if name not in ("auto", "onednn", "torch", "native"):
+        raise ValueError(f"linear_backend: unknown {name!r}; choose auto, onednn, native or torch")
     available = onednn_linear_available(device, dtype)
     if name == "onednn" and not available:
         raise ValueError(f"linear_backend: onednn needs a CPU with oneDNN and fp32/bf16 weights ({device}, {dtype})")
-    return available and name != "torch"
+    return available and name in ("auto", "onednn")
 
 
 @dataclass(slots=True)
@@ -48,12 +49,17 @@ class ModelRunner:
         if quant is not None:
             check_device(quant, device)
         self.model = load_model(mc, dtype, device, max_model_len, quant)
-        # Shape class → kernel for the quantized layers, timed on this machine (empty without quantization).
-        self.quant_kernels = plan_kernels(self.model, quantization_kernel)
+        # Shape class → kernel of the full-precision and of the quantized projections, timed on this machine.
+        linears = [m for m in self.model.modules() if isinstance(m, Linear)]
         if _use_onednn(linear_backend, device, dtype):
-            for m in self.model.modules():
-                if isinstance(m, Linear):
-                    m.pack()
+            for m in linears:
+                m.pack(keep_weight=linear_backend == "auto")
+        self.linear_kernels = plan_kernels(linears, linear_backend, "linear_backend", dtype)
+        for m in linears:
+            m.release_unused()
+        quantized = [m for m in self.model.modules() if isinstance(m, QuantizedLinear)]
+        self.quant_kernels = plan_kernels(quantized, quantization_kernel, f"quantization {quant and quant.method}",
+                                          dtype)
         self.sliding_window: int | None = getattr(self.model, "sliding_window", None)
         # One allocation for the whole pool: [2, layers, blocks, block_size, kv_heads, head_dim].
         self.kv_cache = torch.zeros(2, mc.num_layers, num_blocks, block_size, mc.num_kv_heads, mc.head_dim,

@@ -1,0 +1,80 @@
+"""Full-precision projection kernels: every candidate (oneDNN prepacked, the native streaming GEMV,
+F.linear) computes the same y = x W^T + b, the plan binds one per shape class, and unused copies of
+the weight are released."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import PROMPTS
+
+from minivllm import LLM, SamplingParams
+from minivllm.model import cpu_kernels
+from minivllm.model.kernel_plan import plan_kernels
+from minivllm.model.layers import Linear
+
+
+def _linear(k: int, n: int, dtype: torch.dtype, bias: bool) -> Linear:
+    torch.manual_seed(k + n)
+    lin = Linear(k, n, bias=bias).to(dtype)
+    with torch.no_grad():
+        lin.weight.normal_(0, 0.05)
+        if bias:
+            lin.bias.normal_()
+    return lin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k,n", [(100, 37), (72, 130), (576, 64), (31, 5)])
+@pytest.mark.parametrize("m", [1, 3, 17, 64])
+@pytest.mark.parametrize("bias", [True, False])
+def test_every_dense_kernel_computes_the_same_linear(dtype, k, n, m, bias):
+    lin = _linear(k, n, dtype, bias)
+    x = torch.randn(m, k).to(dtype)
+    expected = x.double() @ lin.weight.double().t() + (lin.bias.double() if bias else 0)
+    lin.pack(keep_weight=True)
+    names = set(lin.candidates())
+    assert {"onednn", "torch", "native"} <= names or not cpu_kernels.available()
+    # bf16 rounds the output (and oneDNN may round the accumulation) to 8 bits of mantissa.
+    tol = (2e-6 if dtype == torch.float32 else 1e-2) * expected.abs().max().item()
+    for name, kernel in lin.candidates().items():
+        got = kernel(x)
+        assert got.shape == (m, n) and got.dtype == dtype, name
+        assert (got.double() - expected).abs().max().item() <= tol, name
+
+
+def test_plan_binds_kernels_and_releases_the_unused_copy():
+    lins = [_linear(64, 96, torch.float32, True) for _ in range(3)]
+    for lin in lins:
+        lin.pack(keep_weight=True)
+    plan = plan_kernels(lins, "native")
+    assert plan == {"m<=1": "native", "m<=16": "native", "m>16": "native"}
+    for lin in lins:
+        lin.release_unused()
+        assert lin.weight is not None and lin.packed is None
+    plan = plan_kernels(lins, "torch")
+    assert set(plan.values()) == {"torch"}
+    onednn_only = _linear(64, 96, torch.float32, False)
+    onednn_only.pack(keep_weight=True)
+    plan_kernels([onednn_only], "onednn")
+    onednn_only.release_unused()
+    assert onednn_only.weight is None and onednn_only.packed is not None
+    with pytest.raises(ValueError, match="'fast' has no kernel here; choose auto or one of onednn, torch, native"):
+        plan_kernels([_packed()], "fast")
+
+
+def _packed() -> Linear:
+    lin = _linear(16, 16, torch.float32, False)
+    lin.pack(keep_weight=True)
+    return lin
+
+
+@pytest.mark.parametrize("backend", ["native", "onednn", "torch"])
+def test_engine_greedy_output_does_not_depend_on_the_linear_backend(model_factory, backend):
+    path = model_factory("tiny-llama")
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in LLM(path, linear_backend="torch", num_kv_blocks=64).generate(
+        PROMPTS, sp, use_tqdm=False)]
+    llm = LLM(path, linear_backend=backend, num_kv_blocks=64)
+    assert set(llm.llm_engine.runner.linear_kernels.values()) == {backend}
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)] == ref
