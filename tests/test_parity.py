@@ -39,7 +39,9 @@ def test_hidden_states_and_logits_match_hf(model_factory, preset):
     decoder_layers = [m for m in runner.model.modules() if type(m).__name__ in ("LlamaDecoderLayer", "GPT2Block")]
     assert len(decoder_layers) == mc.num_layers
     for layer in decoder_layers:
-        layer.register_forward_hook(lambda m, i, o: ours.append(o))
+        # A Llama layer returns (output, residual): the hidden state is their sum (summed now: the next
+        # layer updates the residual in place).
+        layer.register_forward_hook(lambda m, i, o: ours.append(o[0] + o[1] if isinstance(o, tuple) else o))
     final_hidden = []
     runner.model.register_forward_hook(lambda m, i, o: final_hidden.append(o))
     # Prefill in two chunks so the second one attends through the paged cache.

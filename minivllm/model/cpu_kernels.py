@@ -45,7 +45,7 @@ def _cpu_signature() -> str:
     return platform.machine() + flags
 
 
-_SOURCES = ("paged_attention.c", "sampling.c", "gemv.c", "membw.c")
+_SOURCES = ("paged_attention.c", "sampling.c", "gemv.c", "fused_ops.c", "membw.c")
 
 
 @functools.cache
@@ -85,6 +85,11 @@ def load_library() -> ctypes.CDLL | None:
     lib.sample_rows_f32.restype = None
     lib.linear_gemv.argtypes = [p, i64, p, i64, c_int, i64, i64, c_int, p, p, p, i64, p, p, c_int]
     lib.linear_gemv.restype = None
+    lib.add_rmsnorm_f32.argtypes = [p, p, i64, p, c_float, p, i64, i64, c_int]
+    lib.rope_f32.argtypes = [p, i64, i64, c_int, c_int, p, p, c_int]
+    lib.silu_mul_f32.argtypes = [p, i64, p, i64, i64, c_int]
+    for fn in (lib.add_rmsnorm_f32, lib.rope_f32, lib.silu_mul_f32):
+        fn.restype = None
     lib.stream_read_f32.argtypes = [p, i64, c_int]
     lib.stream_read_f32.restype = ctypes.c_double
     return lib
@@ -184,6 +189,40 @@ class GemvWeights:
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of (x + residual), returning (normed, residual updated in place); without a residual, of x
+    (returned as the residual). float32 [M, H], residual contiguous; x may have any row stride."""
+    lib = load_library()
+    m, h = x.shape
+    if residual is None:
+        residual, x_ptr, ldx = x.contiguous(), None, 0  # read only: x itself is never written
+    else:
+        x_ptr, ldx = x.data_ptr(), x.stride(0)
+    out = torch.empty(m, h, dtype=torch.float32)
+    lib.add_rmsnorm_f32(residual.data_ptr(), x_ptr, ldx, weight.data_ptr(), eps, out.data_ptr(), m, h,
+                        torch.get_num_threads())
+    return out, residual
+
+
+def rope_inplace(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """Neox rotary embedding in place on x [M, heads, D] (float32, rows any stride, heads contiguous)."""
+    lib = load_library()
+    m, heads, d = x.shape
+    lib.rope_f32(x.data_ptr(), x.stride(0), m, heads, d, positions.data_ptr(), cos_sin_cache.data_ptr(),
+                 torch.get_num_threads())
+    return x
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused [M, 2I] float32 projection (rows any stride) → [M, I]."""
+    lib = load_library()
+    m, two_i = x.shape
+    out = torch.empty(m, two_i // 2, dtype=torch.float32)
+    lib.silu_mul_f32(x.data_ptr(), x.stride(0), out.data_ptr(), m, two_i // 2, torch.get_num_threads())
+    return out
 
 
 def stream_read(buf: torch.Tensor, threads: int) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -86,15 +87,34 @@ class Linear(PlannedLinear):
             self._gemv = None
 
 
+def fused_ok(x: torch.Tensor) -> bool:
+    """Whether csrc/fused_ops.c can take this activation (float32 on the CPU, kernels built)."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and cpu_kernels.available()
+
+
 class RMSNorm(nn.Module):
-    """Llama's RMSNorm, computed in float32 like the reference, cast back to the input dtype."""
+    """Llama's RMSNorm, computed in float32 like the reference, cast back to the input dtype.
+
+    With `residual` (vLLM's convention) it first adds x into the residual stream and returns (normed,
+    residual): one fused pass on the CPU instead of a separate add and eight small ops per norm.
+    """
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if fused_ok(x) and x.stride(-1) == 1 and self.weight.dtype == torch.float32:
+            out, res = cpu_kernels.add_rmsnorm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, res)
+        if residual is not None:
+            residual = x + residual
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -105,6 +125,8 @@ class SiluAndMul(nn.Module):
     """SwiGLU on a fused [gate | up] projection."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_ok(x) and x.stride(-1) == 1:
+            return cpu_kernels.silu_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -177,6 +199,15 @@ def _yarn_inv_freq(p: dict[str, Any], dim: int, base: float, cfg: dict[str, Any]
     return inv_freq, float(attn_factor)
 
 
+@dataclass(slots=True)
+class RopeInput:
+    """One step's rotary inputs, shared by every layer."""
+
+    positions: torch.Tensor  # [T] int64
+    cos: torch.Tensor | None  # [T, 1, D/2], None when the fused kernel reads the table itself
+    sin: torch.Tensor | None
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style (rotate-half) rotary embedding with a cos/sin table precomputed for every position."""
 
@@ -197,15 +228,24 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)
         self.cos_sin_cache = cache.to(self.cos_sin_cache.device)
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, D/2] for the step's positions: once per forward, shared by every layer."""
+    def lookup(self, positions: torch.Tensor) -> RopeInput:
+        """What every layer's rotation needs for the step's positions, computed once per forward: the
+        positions for the fused kernel, else cos and sin [T, 1, D/2] gathered for the torch ops."""
+        if self.cos_sin_cache.device.type == "cpu" and self.cos_sin_cache.dtype == torch.float32 \
+                and cpu_kernels.available():
+            return RopeInput(positions, None, None)
         cs = self.cos_sin_cache[positions].view(-1, 1, 2, self.half)
-        return cs[:, :, 0], cs[:, :, 1]
+        return RopeInput(positions, cs[:, :, 0], cs[:, :, 1])
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RopeInput) -> torch.Tensor:
         """Rotate x [T, heads, D]; q and k heads go through in one call (half the ops of rotating them
-        separately: this runs once per layer per step)."""
-        cos, sin = cos_sin
+        separately: this runs once per layer per step). The fused path rotates x in place."""
+        if rope.cos is None and x.dtype == torch.float32 and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]:
+            return cpu_kernels.rope_inplace(x, rope.positions, self.cos_sin_cache)
+        if rope.cos is None:
+            cs = self.cos_sin_cache[rope.positions].view(-1, 1, 2, self.half)
+            rope = RopeInput(rope.positions, cs[:, :, 0], cs[:, :, 1])
+        cos, sin = rope.cos, rope.sin
         xf = x.float()
         x1, x2 = xf[..., :self.half], xf[..., self.half:]
         out = torch.empty(x.shape, dtype=torch.float32, device=x.device)

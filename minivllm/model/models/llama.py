@@ -10,7 +10,7 @@ from torch import nn
 
 from minivllm.config import ModelConfig
 from minivllm.model.attention import Attention
-from minivllm.model.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
+from minivllm.model.layers import Linear, RMSNorm, RopeInput, RotaryEmbedding, SiluAndMul
 from minivllm.model.models.weights import WeightLoader
 
 
@@ -28,10 +28,10 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(mc.num_heads, mc.head_dim, mc.num_kv_heads, mc.head_dim**-0.5)
 
-    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: RopeInput, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        qk = self.rotary(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.attn.head_dim), cos_sin)
+        qk = self.rotary(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.attn.head_dim), rope)
         q, k = qk.view(t, -1).split([self.q_size, self.kv_size], dim=-1)
         return self.o_proj(self.attn(q, k, qkv[:, self.q_size + self.kv_size:]))
 
@@ -50,7 +50,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm residual block; returns the residual stream after the layer."""
+    """Pre-norm residual block in vLLM's form: takes and returns (output, residual), the hidden state
+    after the layer being their sum, so each norm adds its residual in the same fused pass."""
 
     def __init__(self, mc: ModelConfig, rotary: RotaryEmbedding, qkv_bias: bool) -> None:
         super().__init__()
@@ -61,9 +62,14 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(mc.hidden_size, eps)
         self.mlp = LlamaMLP(mc.hidden_size, cfg["intermediate_size"], cfg.get("mlp_bias", False))
 
-    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(cos_sin, self.input_layernorm(h))
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, rope: RopeInput, h: torch.Tensor, residual: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(rope, h), residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -85,10 +91,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat token ids [T] and positions [T] → final hidden states [T, hidden]."""
         h = self.embed_tokens(input_ids)
-        cos_sin = self.rotary.lookup(positions)
+        rope = self.rotary.lookup(positions)
+        residual = None
         for layer in self.layers:
-            h = layer(cos_sin, h)
-        return self.norm(h)
+            h, residual = layer(rope, h, residual)
+        return self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states of the sampled positions → float32 logits."""

@@ -1,0 +1,66 @@
+/*
+ * The small per-layer operations of a decoder step, each in one pass: at one token a step is ~30
+ * layers of a dozen tiny torch ops each (float casts, views, reductions), and their dispatch cost,
+ * not their arithmetic, is what a decode step spends besides reading the weights. float32 only.
+ *
+ *   add_rmsnorm   residual += x (when x is given); out = residual * rsqrt(mean(residual^2) + eps) * w
+ *   rope          neox-style rotary embedding in place on rows of heads (q and k heads alike)
+ *   silu_mul      out = silu(gate) * up for a fused [gate | up] row
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+
+/* Rows split over threads only when there are enough of them to pay for the fork. */
+#define PAR_ROWS 8
+
+void add_rmsnorm_f32(float *residual, const float *x, int64_t ldx, const float *w, float eps, float *out,
+                     int64_t M, int64_t H, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (M >= PAR_ROWS) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        float *r = residual + m * H;
+        if (x) {
+            const float *xr = x + m * ldx;
+#pragma omp simd
+            for (int64_t i = 0; i < H; i++) r[i] += xr[i];
+        }
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < H; i++) ss += r[i] * r[i];
+        float inv = 1.f / sqrtf(ss / (float)H + eps);
+        float *o = out + m * H;
+#pragma omp simd
+        for (int64_t i = 0; i < H; i++) o[i] = w[i] * (r[i] * inv);
+    }
+}
+
+/* x: M rows ldx floats apart, each holding nheads heads of D floats; cos_sin [*, D]: cos in the first
+ * half of a row, sin in the second; pos[m] selects the row. */
+void rope_f32(float *x, int64_t ldx, int64_t M, int nheads, int D, const int64_t *pos, const float *cos_sin,
+              int num_threads) {
+    int half = D / 2;
+#pragma omp parallel for num_threads(num_threads) if (M >= PAR_ROWS) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const float *c = cos_sin + pos[m] * D, *s = c + half;
+        for (int h = 0; h < nheads; h++) {
+            float *x1 = x + m * ldx + (int64_t)h * D, *x2 = x1 + half;
+#pragma omp simd
+            for (int i = 0; i < half; i++) {
+                float a = x1[i], b = x2[i];
+                x1[i] = a * c[i] - b * s[i];
+                x2[i] = b * c[i] + a * s[i];
+            }
+        }
+    }
+}
+
+/* gu: M rows ldg floats apart, [gate (I) | up (I)]; out [M, I] contiguous. */
+void silu_mul_f32(const float *gu, int64_t ldg, float *out, int64_t M, int64_t I, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (M >= PAR_ROWS) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const float *g = gu + m * ldg, *u = g + I;
+        float *o = out + m * I;
+#pragma omp simd
+        for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
+}
