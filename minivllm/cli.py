@@ -153,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
                          help="held-out perplexity by our engine vs HF transformers and a unigram baseline")
     add_perplexity_args(pp)
     pp.set_defaults(func=_bench("perplexity", "run_perplexity"))
+    from minivllm.bench.quantization import add_quantization_args
+
+    qb = bsub.add_parser("quantization", help="every weight format's speed (b=1, batches) and quality, with "
+                         "rooflines and HF transformers in the same run")
+    add_quantization_args(qb)
+    qb.set_defaults(func=_bench("quantization", "run_quantization"))
     from minivllm.bench.all import add_all_args
 
     al = bsub.add_parser("all", help="every bench in turn, then BENCHMARKS.md regenerated from their results")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from minivllm.cli import main
@@ -110,8 +111,31 @@ def test_bench_all_quick_regenerates_the_markdown(model_factory, tmp_path):
         assert heading in text, heading
     assert "**Machine**" in text and "peak GEMM" in text and "xychart-beta" in text
     assert "zero errors: **met**" in text and "p95 latency below the static-batching p50" in text
-    for name in ("seed", "throughput", "latency", "transports", "perplexity"):
+    for name in ("seed", "throughput", "latency", "transports", "perplexity", "quantization"):
         assert (results / f"{name}.json").is_file() and (results / f"{name}.png").stat().st_size > 0
     md.unlink()
     assert main(["bench", "all", "--render-only", "--out-dir", str(results), "--markdown", str(md)]) == 0
     assert md.read_text() == text  # the same, from the files alone
+
+
+def test_bench_quantization_smoke(model_factory, tmp_path):
+    """Every mode runs on one model, the figures are consistent with each other and the targets are judged."""
+    out = tmp_path / "q.json"
+    path = model_factory("tiny-llama")
+    rc = main(["bench", "quantization", "--model", path, "--quality-model", path, "--output-len", "4",
+               "--repeats", "1", "--batches", "2", "--batch-output-len", "2", "--perplexity-tokens", "600",
+               "--kl-tokens", "256", "--no-hf", "--out", str(out)])
+    assert rc == 0 and (tmp_path / "q.png").stat().st_size > 0
+    r = json.loads(out.read_text())
+    size = {row["mode"]: row["weight_bytes"] for row in r["speed"]}
+    assert size["int4"] < size["int8"] == size["w8a8"] < size["bf16"] < size["fp32"]
+    assert size["fp32"] == pytest.approx(2 * size["bf16"], rel=0.01)
+    bw = r["bandwidth"]
+    assert 0 < bw["min"] <= bw["median"] <= bw["max"]
+    for row in r["speed"]:
+        assert row["b1_tok_s"] > 0 and row["batches"]["2"]["tok_s"] > 0
+        assert row["b1_roofline_tok_s"] == pytest.approx(bw["median"] / row["weight_bytes"])
+    q = r["quality"]["rows"]
+    assert q["fp32"]["kl"] == 0 and q["fp32"]["top1"] == 1
+    assert 0 < q["int8"]["kl"] < q["int4"]["kl"] and q["int4"]["top1"] < 1
+    assert {t["target"].split()[0] for t in r["targets"]} == {"fp32", "int8", "int4", "w8a8"}

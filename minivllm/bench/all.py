@@ -49,6 +49,9 @@ def _argv(quick: bool, model: str | None) -> dict[str, list[str]]:
                            "--input-len-min", "8", "--input-len-max", "16", "--output-len", "3", "--rounds", "1",
                            "--kv-cache-memory", "64MiB", "--server-threads", "1", "--no-offline"],
             "perplexity": ["perplexity", *m, "--max-tokens", "1024"],
+            "quantization": ["quantization", *m, "--quality-model", model or "", "--output-len", "4", "--repeats", "1",
+                             "--batches", "2", "--batch-output-len", "2", "--perplexity-tokens", "600",
+                             "--kl-tokens", "256", "--no-hf"],
         }
     return {
         # The seed's workload: 50 clients, 500 requests, 30 new tokens, GPT-2 (124M) in float32, the seed's
@@ -62,10 +65,11 @@ def _argv(quick: bool, model: str | None) -> dict[str, list[str]]:
         "transports": ["serve", "--transport", "grpc,http,openai", "--concurrency", "32", "--num-requests", "64",
                        "--output-len", "128", "--rounds", "2"],
         "perplexity": ["perplexity"],
+        "quantization": ["quantization"],
     }
 
 
-BENCHES = ("seed", "throughput", "latency", "transports", "perplexity")
+BENCHES = ("seed", "throughput", "latency", "transports", "perplexity", "quantization")
 
 
 def machine_info() -> dict[str, Any]:
@@ -137,7 +141,7 @@ def _load(out_dir: str, name: str) -> dict[str, Any] | None:
 
 def render(out_dir: str, argv: dict[str, list[str]]) -> str:
     """BENCHMARKS.md from the JSON files in out_dir (a section per bench found)."""
-    from minivllm.bench import latency, perplexity, serve, throughput_report
+    from minivllm.bench import latency, perplexity, quantization_report, serve, throughput_report
 
     m = _load(out_dir, "machine") or {}
     lines = [
@@ -166,6 +170,14 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
                                   f"{r['seq_len']} scored tokens), by our engine's prompt_logprobs and by HF "
                                   "transformers on the same weights, with a unigram baseline on the same tokens.",
                                   "", perplexity.report(r)]),
+        ("quantization", lambda r: ["## Weight formats: fp32, bf16, int8, int4, W8A8 (`bench quantization`)", "",
+                                    "One run: batch-1 requests (a "
+                                    f"{r['prompt_len']}-token prompt, {r['output_len']} new tokens) and offline "
+                                    f"batches ({r['batch_output_len']} new tokens each) on "
+                                    f"`{os.path.basename(r['model'])}`, HF transformers fp32 beside them; each "
+                                    "mode's roofline is its weight bytes read once per step at the probe's median "
+                                    "bandwidth. int4 groups of "
+                                    f"{r['group_size']}.", "", quantization_report.report(r)]),
     ]
     for name, section in sections:
         r = _load(out_dir, name)
@@ -180,8 +192,10 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
 
 
 def _ceilings(c: dict[str, float]) -> str:
+    spread = (f" (probe spread {c['bandwidth_min'] / 1e9:.1f}-{c['bandwidth_max'] / 1e9:.1f})"
+              if c.get("bandwidth_max") else "")
     return (f"peak GEMM {c['peak_flops'] / 1e9:.0f} GFLOP/s (aten/MKL {c['mkl_gemm_flops'] / 1e9:.0f}), "
-            f"memory bandwidth {c['bandwidth'] / 1e9:.1f} GB/s")
+            f"memory bandwidth {c['bandwidth'] / 1e9:.1f} GB/s{spread}")
 
 
 def _seed(r: dict[str, Any], report: Callable[[dict[str, Any]], str]) -> list[str]:

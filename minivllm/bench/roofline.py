@@ -18,7 +18,9 @@ class MachineCeilings:
     peak_flops: float  # best large square GEMM: aten (MKL) or oneDNN prepacked, whichever is faster
     mkl_gemm_flops: float  # aten's large square GEMM (what `x @ w` gets)
     model_gemm_flops: float  # the model's own projection shape at M=64 tokens, oneDNN prepacked when available
-    bandwidth: float  # bytes/s: best of a streaming read and a copy (read + write counted)
+    bandwidth: float  # bytes/s: median of the streaming-read probe's passes (measure_bandwidth)
+    bandwidth_min: float = 0.0  # the probe's spread: slowest and fastest pass
+    bandwidth_max: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         """Plain dict for JSON."""
@@ -57,11 +59,33 @@ def measure_ceilings(hidden: int = 576, intermediate: int = 1536, dtype: torch.d
         linear = lambda x_, _w: small(x_)  # noqa: E731
     reps = 50
     model_gemm = 2 * 64 * hidden * intermediate * reps / _best_time(lambda: [linear(x, w) for _ in range(reps)], 5)
-    src = torch.empty(64 * 2**20, dtype=torch.float32).normal_()  # 256 MiB: far beyond any cache
-    dst = torch.empty_like(src)
-    copy_bw = 2 * src.numel() * 4 / _best_time(lambda: dst.copy_(src), 5)
-    read_bw = src.numel() * 4 / _best_time(lambda: src.sum(), 5)
-    return MachineCeilings(torch.get_num_threads(), peak, mkl, model_gemm, max(copy_bw, read_bw))
+    median, lo, hi = measure_bandwidth()
+    return MachineCeilings(torch.get_num_threads(), peak, mkl, model_gemm, median, lo, hi)
+
+
+def measure_bandwidth(mib: int = 1024, passes: int = 9, threads: int | None = None) -> tuple[float, float, float]:
+    """Memory read bandwidth (median, min, max over passes, bytes/s) with the engine's thread count.
+
+    The buffer (1 GiB) is far beyond the last-level cache and larger than the models it bounds, every
+    pass reads all of it, and the reader is the native kernel (csrc/membw.c: 8 independent vector
+    accumulators per thread, so enough loads are in flight; a single dependent chain, or one thread,
+    measures latency instead of bandwidth). Without a C compiler, torch's sum stands in."""
+    from minivllm.model import cpu_kernels
+
+    threads = threads or torch.get_num_threads()
+    buf = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    if cpu_kernels.available():
+        read = lambda: cpu_kernels.stream_read(buf, threads)  # noqa: E731
+    else:
+        read = buf.sum
+    read()
+    rates = []
+    for _ in range(passes):
+        t = time.perf_counter()
+        read()
+        rates.append(buf.numel() * 4 / (time.perf_counter() - t))
+    rates.sort()
+    return rates[len(rates) // 2], rates[0], rates[-1]
 
 
 def measure_ceilings_for(mc: ModelConfig, dtype: torch.dtype = torch.float32) -> MachineCeilings:
