@@ -75,20 +75,33 @@ class Attention(nn.Module):
         self.v_cache = torch.empty(0)
         self.backend: AttentionBackend = TorchPagedAttention()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, H*D], k/v [T, KVH*D] (views with any row stride) → [T, H*D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_written: bool = False) -> torch.Tensor:
+        """q [T, H*D], k/v [T, KVH*D] (views with any row stride) → [T, H*D]. kv_written: the caller already
+        stored k and v in their cache slots (rope_and_cache)."""
         t = q.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         md = get_metadata()
-        write_kv(self.k_cache, self.v_cache, k, v, md.slot_mapping)
+        if not kv_written:
+            write_kv(self.k_cache, self.v_cache, k, v, md.slot_mapping)
         out = torch.empty(t, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         if md.num_decodes:
             self.backend.decode(self, q[:md.num_decodes], md, out[:md.num_decodes])
         for p in md.prefills:
             out[p.start:p.end] = prefill_sdpa(self, q, k, v, p)
         return out.view(t, self.num_heads * self.head_dim)
+
+
+    def can_fuse_rope(self, qkv: torch.Tensor) -> bool:
+        """Whether rope_and_cache can take this fused qkv output (float32 on the CPU, native kernels)."""
+        return (qkv.dtype == torch.float32 and self.k_cache.dtype == torch.float32 and qkv.device.type == "cpu"
+                and qkv.stride(-1) == 1 and cpu_kernels.available())
+
+    def rope_and_cache(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
+        """Rotate the q and k heads of qkv in place and store k and v in their cache slots, in one pass."""
+        cpu_kernels.rope_kv_write(qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions, cos_sin_cache,
+                                  self.k_cache, self.v_cache, get_metadata().slot_mapping)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -88,7 +88,8 @@ def load_library() -> ctypes.CDLL | None:
     lib.add_rmsnorm_f32.argtypes = [p, p, i64, p, c_float, p, i64, i64, c_int]
     lib.rope_f32.argtypes = [p, i64, i64, c_int, c_int, p, p, c_int]
     lib.silu_mul_f32.argtypes = [p, i64, p, i64, i64, c_int]
-    for fn in (lib.add_rmsnorm_f32, lib.rope_f32, lib.silu_mul_f32):
+    lib.rope_kv_write_f32.argtypes = [p, i64, i64, c_int, c_int, c_int, p, p, p, p, p, c_int]
+    for fn in (lib.add_rmsnorm_f32, lib.rope_f32, lib.silu_mul_f32, lib.rope_kv_write_f32):
         fn.restype = None
     lib.stream_read_f32.argtypes = [p, i64, c_int]
     lib.stream_read_f32.restype = ctypes.c_double
@@ -214,6 +215,17 @@ def rope_inplace(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.
     lib.rope_f32(x.data_ptr(), x.stride(0), m, heads, d, positions.data_ptr(), cos_sin_cache.data_ptr(),
                  torch.get_num_threads())
     return x
+
+
+def rope_kv_write(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int, positions: torch.Tensor,
+                  cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """Rotary embedding in place on the q and k heads of a fused qkv [M, (H + 2 KVH) * D] (float32, unit
+    column stride), then k and v written to their cache slots: one pass instead of rope + two scatters."""
+    lib = load_library()
+    lib.rope_kv_write_f32(qkv.data_ptr(), qkv.stride(0), qkv.shape[0], num_q_heads, num_kv_heads, head_dim,
+                          positions.data_ptr(), cos_sin_cache.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                          slot_mapping.data_ptr(), torch.get_num_threads())
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@
  *
  *   add_rmsnorm   residual += x (when x is given); out = residual * rsqrt(mean(residual^2) + eps) * w
  *   rope          neox-style rotary embedding in place on rows of heads (q and k heads alike)
+ *   rope_kv_write the same on a fused qkv row, then its k and v heads copied into their KV-cache slot
  *   silu_mul      out = silu(gate) * up for a fused [gate | up] row
  */
 #include <math.h>
@@ -50,6 +51,36 @@ void rope_f32(float *x, int64_t ldx, int64_t M, int nheads, int D, const int64_t
                 x1[i] = a * c[i] - b * s[i];
                 x2[i] = b * c[i] + a * s[i];
             }
+        }
+    }
+}
+
+/* qkv: M rows ldx floats apart, [q (nq heads) | k (nkv heads) | v (nkv heads)] of D floats each. Rotates
+ * q and k in place, then writes k and v into slot slot_mapping[m] of the caches ([slots, nkv, D]). */
+void rope_kv_write_f32(float *qkv, int64_t ldx, int64_t M, int nq, int nkv, int D, const int64_t *pos,
+                       const float *cos_sin, float *k_cache, float *v_cache, const int64_t *slot_mapping,
+                       int num_threads) {
+    int half = D / 2;
+    int64_t kv = (int64_t)nkv * D;
+#pragma omp parallel for num_threads(num_threads) if (M >= PAR_ROWS) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const float *c = cos_sin + pos[m] * D, *s = c + half;
+        float *row = qkv + m * ldx;
+        for (int h = 0; h < nq + nkv; h++) {
+            float *x1 = row + (int64_t)h * D, *x2 = x1 + half;
+#pragma omp simd
+            for (int i = 0; i < half; i++) {
+                float a = x1[i], b = x2[i];
+                x1[i] = a * c[i] - b * s[i];
+                x2[i] = b * c[i] + a * s[i];
+            }
+        }
+        float *kd = k_cache + slot_mapping[m] * kv, *vd = v_cache + slot_mapping[m] * kv;
+        const float *ks = row + (int64_t)nq * D, *vs = ks + kv;
+#pragma omp simd
+        for (int64_t i = 0; i < kv; i++) {
+            kd[i] = ks[i];
+            vd[i] = vs[i];
         }
     }
 }

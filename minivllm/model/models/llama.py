@@ -31,6 +31,11 @@ class LlamaAttention(nn.Module):
     def forward(self, rope: RopeInput, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
+        if rope.cos is None and self.attn.can_fuse_rope(qkv):
+            # One pass: q and k rotated in place, k and v stored in the cache.
+            self.attn.rope_and_cache(qkv, rope.positions, self.rotary.cos_sin_cache)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            return self.o_proj(self.attn(q, k, v, kv_written=True))
         qk = self.rotary(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.attn.head_dim), rope)
         q, k = qk.view(t, -1).split([self.q_size, self.kv_size], dim=-1)
         return self.o_proj(self.attn(q, k, qkv[:, self.q_size + self.kv_size:]))
