@@ -139,3 +139,24 @@ def test_bench_quantization_smoke(model_factory, tmp_path):
     assert q["fp32"]["kl"] == 0 and q["fp32"]["top1"] == 1
     assert 0 < q["int8"]["kl"] < q["int4"]["kl"] and q["int4"]["top1"] < 1
     assert {t["target"].split()[0] for t in r["targets"]} == {"fp32", "int8", "int4", "w8a8"}
+
+
+def test_bandwidth_probe_streams_beyond_the_last_level_cache():
+    """The roofline's bandwidth: every float of a buffer far larger than the LLC is read (the native probe
+    returns their sum), passes report a spread around the median."""
+    import glob
+
+    from minivllm.bench.roofline import measure_bandwidth
+    from minivllm.model import cpu_kernels
+
+    llc = 0
+    for f in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        text = open(f).read().strip()
+        llc = max(llc, int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM" else int(text))
+    assert 1 << 30 > 8 * llc  # the default 1 GiB buffer dwarfs the cache
+    if cpu_kernels.available():
+        buf = torch.ones(3 * 2**20 + 77)
+        assert cpu_kernels.stream_read(buf, 2) == buf.numel()
+        assert cpu_kernels.stream_read(buf, 1) == buf.numel()
+    median, lo, hi = measure_bandwidth(mib=64, passes=3)
+    assert 0 < lo <= median <= hi

@@ -14,8 +14,10 @@ the embedded model and on the SmolLM2-shaped model (random weights: only KL and 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
+import tempfile
 import time
 from typing import Any
 
@@ -92,6 +94,35 @@ def speed_of(path: str, mode: str, ns: argparse.Namespace, prompt: list[int], ba
     return row
 
 
+def load_times(path: str, modes: list[str], group_size: int, tmp: str) -> dict[str, float]:
+    """Seconds to load the model: as float32, quantized at load, and from a checkpoint saved by `minivllm
+    quantize` (no quantization work: it should load as fast as float32), for each quantized mode."""
+    from minivllm.config import QuantConfig
+    from minivllm.model.loader import load_model
+    from minivllm.model.quantized_checkpoint import save_quantized
+
+    mc = ModelConfig.from_pretrained(path)
+    cpu = torch.device("cpu")
+
+    def timed(m: ModelConfig, quant: QuantConfig | None) -> float:
+        t = time.perf_counter()
+        load_model(m, torch.float32, cpu, 256, quant)
+        return time.perf_counter() - t
+
+    timed(mc, None)  # warm the page cache
+    out = {"fp32": timed(mc, None)}
+    for mode in modes:
+        if mode in ("fp32", "bf16"):
+            continue
+        cfg = QuantConfig(mode, group_size)
+        out[f"{mode} quantized at load"] = timed(mc, cfg)
+        saved = save_quantized(load_model(mc, torch.float32, cpu, 256, cfg), mc, cfg, os.path.join(tmp, mode))
+        smc = ModelConfig.from_pretrained(saved)
+        timed(smc, cfg)
+        out[f"{mode} saved checkpoint"] = timed(smc, cfg)
+    return out
+
+
 def run_quantization(ns: argparse.Namespace) -> int:
     """`minivllm bench quantization`."""
     from minivllm.bench.perplexity import evaluation_data, hf_model, hf_token_logprobs
@@ -149,6 +180,9 @@ def run_quantization(ns: argparse.Namespace) -> int:
     kl_wins = [[rng.randrange(16, vocab) for _ in range(257)] for _ in range(n_kl)]
     print(f"quality: {n_kl} windows on {path}", flush=True)
     result["quality_speed_model"] = {"model": path, **measure_quality(path, kl_wins, modes, ns.group_size, None)}
+    with tempfile.TemporaryDirectory() as tmp:
+        print("load times", flush=True)
+        result["load_s"] = load_times(path, modes, ns.group_size, tmp)
     result["targets"] = targets(result)
     print(report(result))
     save(result, ns.out, plot)

@@ -78,6 +78,13 @@ def report(result: dict[str, Any]) -> str:
         rel = f"{r['perplexity'] / ref - 1:+.2%}" if ref else "-"
         lines.append(f"| {mode} | {r['perplexity']:.3f} | {rel} | {r['kl']:.2e} | {r['top1']:.1%} | "
                      f"{s['kl']:.2e} | {s['top1']:.1%} |")
+    if "load_s" in result:
+        lines += ["", "Load time of the speed model (float32 activations, one process): "
+                  + ", ".join(f"{k} {v:.2f} s" for k, v in result["load_s"].items()) + "."]
+    beaten = [r["mode"] for r in result["speed"] if r["b1_roofline_frac"] > 1]
+    if beaten:  # a ceiling something runs above is a wrong ceiling: say so rather than report > 100%
+        lines += ["", f"**Warning**: {', '.join(beaten)} ran above its bandwidth roofline; the probe measured less "
+                  "than this machine can stream, so every roofline fraction above is too high."]
     lines += ["", "| target | this run | met |", "|---|---|---|"]
     for t in result["targets"]:
         met = {True: "yes", False: "**no**", None: "-"}[t["met"]]

@@ -25,17 +25,21 @@ FEW = SHAPE_CLASSES[1][0]
 
 
 class PlannedLinear(nn.Module):
-    """A projection with several kernels for its math; forward runs the one planned for the input's M."""
+    """A projection with several kernels for its math; forward runs the one planned for the input's M.
 
-    kernels: tuple[Kernel, Kernel, Kernel]
+    `kernels` holds the methods' plain functions, not bound methods: a bound method references its
+    module, and that cycle would keep every model (and the KV pool its layers view) alive until the
+    cyclic garbage collector happens to run."""
+
+    kernels: tuple[Callable[..., torch.Tensor], ...]
 
     def candidates(self) -> dict[str, Kernel]:
-        """Kernel name → callable, for every kernel that computes this layer's math here."""
+        """Kernel name → bound method, for every kernel that computes this layer's math here."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
-        return (self.kernels[0] if m <= 1 else self.kernels[1] if m <= FEW else self.kernels[2])(x)
+        return (self.kernels[0] if m <= 1 else self.kernels[1] if m <= FEW else self.kernels[2])(self, x)
 
 
 def _time(fn: Callable[[], object], reps: int = 3) -> float:
@@ -48,12 +52,17 @@ def _time(fn: Callable[[], object], reps: int = 3) -> float:
     return best
 
 
+# Timing covers the first layers up to this many weights (all of them for a small model): well past the
+# last-level cache, so the times are the streaming ones, without timing a 1B model three times over.
+TIMED_WEIGHTS = 64 * 2**20
+
+
 @torch.no_grad()
 def plan_kernels(layers: list[PlannedLinear], kernel: str = "auto", what: str = "linear",
                  dtype: torch.dtype = torch.float32) -> dict[str, str]:
-    """Time every candidate over all `layers` (so the time covers the real weight bytes) for each shape
-    class, on activations of `dtype`, and bind the fastest, or force one by name. Returns shape class →
-    kernel name."""
+    """Time every candidate over the model's own layers (the first TIMED_WEIGHTS weights of them) for each
+    shape class, on activations of `dtype`, and bind the fastest to all `layers`, or force one by name.
+    Returns shape class → kernel name."""
     if not layers:
         return {}
     names = list(layers[0].candidates())
@@ -61,6 +70,14 @@ def plan_kernels(layers: list[PlannedLinear], kernel: str = "auto", what: str = 
         if kernel not in names:
             raise ValueError(f"{what}: {kernel!r} has no kernel here; choose auto or one of {', '.join(names)}")
         names = [kernel]
+    elif "onednn" in names and "torch" in names:
+        names.remove("torch")  # aten's path ran 2.1-2.5x slower than oneDNN at every M measured; never timed
+    timed, total = [], 0
+    for q in layers:
+        timed.append(q)
+        total += q.in_features * q.out_features
+        if total >= TIMED_WEIGHTS:
+            break
     device = next(iter(layers[0].buffers()), next(iter(layers[0].parameters()), None))
     device = device.device if device is not None else torch.device("cpu")
     chosen: list[str] = []
@@ -68,8 +85,8 @@ def plan_kernels(layers: list[PlannedLinear], kernel: str = "auto", what: str = 
     for largest, m in SHAPE_CLASSES:
         best = names[0]
         if len(names) > 1:
-            xs = {k: torch.randn(m, k, device=device, dtype=dtype) for k in {q.in_features for q in layers}}
-            timings = {n: _time(lambda n=n, xs=xs: [q.candidates()[n](xs[q.in_features]) for q in layers])
+            xs = {k: torch.randn(m, k, device=device, dtype=dtype) for k in {q.in_features for q in timed}}
+            timings = {n: _time(lambda n=n, xs=xs: [q.candidates()[n](xs[q.in_features]) for q in timed])
                        for n in names}
             best = min(timings, key=timings.__getitem__)
             logger.info("%s, %d tokens: %s", what, m, ", ".join(f"{n} {t * 1e3:.1f} ms" for n, t in timings.items()))
@@ -77,5 +94,5 @@ def plan_kernels(layers: list[PlannedLinear], kernel: str = "auto", what: str = 
         plan[f"m<={largest}" if largest < 1 << 62 else f"m>{FEW}"] = best
     for q in layers:
         candidates = q.candidates()
-        q.kernels = tuple(candidates[n] for n in chosen)  # type: ignore[assignment]
+        q.kernels = tuple(candidates[n].__func__ for n in chosen)  # type: ignore[attr-defined]
     return plan

@@ -37,7 +37,7 @@ class Linear(PlannedLinear):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None
         self._gemv: cpu_kernels.GemvWeights | None = None
-        self.kernels = (self.forward_default,) * 3
+        self.kernels = (Linear.forward_default,) * 3
 
     def pack(self, keep_weight: bool = False) -> None:
         """Add the prepacked oneDNN weight; the dense copy is released unless kept for other kernels."""

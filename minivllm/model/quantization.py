@@ -83,7 +83,7 @@ class QuantizedLinear(PlannedLinear):
             self.register_buffer("scales", torch.empty(out_features, dtype=torch.float32))
         self.register_buffer("bias", torch.empty(out_features) if bias else None)
         self._gemv: cpu_kernels.GemvWeights | None = None  # bound on first native call (buffers final by then)
-        self.kernels = (self.forward_reference,) * 3  # the portable path until plan_kernels
+        self.kernels = (QuantizedLinear.forward_reference,) * 3  # the portable path until plan_kernels
 
     @torch.no_grad()
     def quantize_from(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:

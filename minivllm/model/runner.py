@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import psutil
 import torch
 
 from minivllm.config import ModelConfig, QuantConfig
@@ -24,6 +25,14 @@ def _use_onednn(name: str, device: torch.device, dtype: torch.dtype) -> bool:
     if name == "onednn" and not available:
         raise ValueError(f"linear_backend: onednn needs a CPU with oneDNN and fp32/bf16 weights ({device}, {dtype})")
     return available and name in ("auto", "onednn")
+
+
+def _second_layout_affordable(linears: list[Linear]) -> bool:
+    """Whether the plain weights may stay next to oneDNN's packed ones (so the native kernel can take the
+    one-token steps): only while that second copy costs at most a tenth of the machine's memory. Past
+    that (a 1B model in float32 on this 24 GiB machine), the packed layout alone serves every shape."""
+    extra = sum(m.weight.numel() * m.weight.element_size() for m in linears if m.weight is not None)
+    return extra <= psutil.virtual_memory().total // 10
 
 
 @dataclass(slots=True)
@@ -52,8 +61,9 @@ class ModelRunner:
         # Shape class → kernel of the full-precision and of the quantized projections, timed on this machine.
         linears = [m for m in self.model.modules() if isinstance(m, Linear)]
         if _use_onednn(linear_backend, device, dtype):
+            keep = linear_backend == "auto" and _second_layout_affordable(linears)
             for m in linears:
-                m.pack(keep_weight=linear_backend == "auto")
+                m.pack(keep_weight=keep)
         self.linear_kernels = plan_kernels(linears, linear_backend, "linear_backend", dtype)
         for m in linears:
             m.release_unused()
