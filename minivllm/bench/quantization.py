@@ -44,7 +44,8 @@ def add_quantization_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-size", type=int, default=32, help="int4 group size")
     p.add_argument("--prompt-len", type=int, default=80)
     p.add_argument("--output-len", type=int, default=128, help="new tokens of the batch-1 request")
-    p.add_argument("--repeats", type=int, default=2, help="batch-1 requests per mode (the median is reported)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="rounds: each mode's batch-1 request and batches, modes taking turns (medians reported)")
     p.add_argument("--batches", default="16,64", help="offline throughput at these numbers of sequences")
     p.add_argument("--batch-output-len", type=int, default=64, help="new tokens per sequence in the batches")
     p.add_argument("--perplexity-tokens", type=int, default=16384, help="held-out tokens scored per mode")
@@ -70,28 +71,39 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def speed_of(path: str, mode: str, ns: argparse.Namespace, prompt: list[int], batch_prompts: dict[int, list[list[int]]]
-             ) -> dict[str, Any]:
-    """One mode's batch-1 request and offline batches, on one engine."""
-    kw = mode_engine_kwargs(mode, ns.group_size)
-    engine = LLMEngine(EngineArgs(model=path, kv_cache_memory="1GiB", num_threads=ns.threads, **kw))
-    runner = engine.runner
-    one_request(engine, prompt[:8], 4)  # warm-up
-    runs = []
-    for _ in range(ns.repeats):
-        ttft, steps = one_request(engine, prompt, ns.output_len)
-        runs.append({"tok_s": ns.output_len / (ttft + sum(steps)), "step_s": statistics.median(steps)})
-    row: dict[str, Any] = {
-        "mode": mode, "weight_bytes": decode_weight_bytes(runner.model),
-        "b1_tok_s": statistics.median(r["tok_s"] for r in runs),
-        "b1_decode_step_s": statistics.median(r["step_s"] for r in runs),
-        "kernels": {"linear": runner.linear_kernels, "quantized": runner.quant_kernels},
-        "batches": {},
-    }
-    for b, prompts in batch_prompts.items():
-        res = run_engine(engine, prompts, greedy(ns.batch_output_len))
-        row["batches"][str(b)] = {"tok_s": b * ns.batch_output_len / res["elapsed"], "elapsed": res["elapsed"]}
-    return row
+def measure_speed(path: str, modes: list[str], ns: argparse.Namespace, prompt: list[int],
+                  batch_prompts: dict[int, list[list[int]]]) -> list[dict[str, Any]]:
+    """Every mode's batch-1 requests and offline batches. All engines are built first and the modes take
+    turns round by round (this machine's speed drifts by tens of percent over minutes: a mode measured
+    alone, minutes after another, would carry the drift into the ratio); medians over the rounds."""
+    engines = {}
+    for mode in modes:
+        kw = mode_engine_kwargs(mode, ns.group_size)
+        engines[mode] = LLMEngine(EngineArgs(model=path, kv_cache_memory="512MiB", num_threads=ns.threads, **kw))
+        one_request(engines[mode], prompt[:8], 4)  # warm-up
+    b1: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
+    batch: dict[str, dict[int, list[float]]] = {m: {b: [] for b in batch_prompts} for m in modes}
+    for rnd in range(ns.repeats):
+        print(f"speed: round {rnd + 1} of {ns.repeats}", flush=True)
+        for mode in modes:
+            ttft, steps = one_request(engines[mode], prompt, ns.output_len)
+            b1[mode].append((ns.output_len / (ttft + sum(steps)), statistics.median(steps)))
+        for b, prompts in batch_prompts.items():
+            for mode in modes:
+                res = run_engine(engines[mode], prompts, greedy(ns.batch_output_len))
+                batch[mode][b].append(b * ns.batch_output_len / res["elapsed"])
+    rows = []
+    for mode in modes:
+        runner = engines[mode].runner
+        rows.append({
+            "mode": mode, "weight_bytes": decode_weight_bytes(runner.model),
+            "b1_tok_s": statistics.median(t for t, _ in b1[mode]),
+            "b1_decode_step_s": statistics.median(s for _, s in b1[mode]),
+            "b1_rounds": [t for t, _ in b1[mode]],
+            "kernels": {"linear": runner.linear_kernels, "quantized": runner.quant_kernels},
+            "batches": {str(b): {"tok_s": statistics.median(v), "rounds": v} for b, v in batch[mode].items()},
+        })
+    return rows
 
 
 def load_times(path: str, modes: list[str], group_size: int, tmp: str) -> dict[str, float]:
@@ -142,10 +154,7 @@ def run_quantization(ns: argparse.Namespace) -> int:
     batch_prompts = {b: [[rng.randrange(16, vocab) for _ in range(ns.prompt_len)] for _ in range(b)] for b in batches}
 
     bw_median, bw_min, bw_max = measure_bandwidth(threads=threads)
-    rows = []
-    for mode in modes:
-        print(f"speed: {mode}", flush=True)
-        rows.append(speed_of(path, mode, ns, prompt, batch_prompts))
+    rows = measure_speed(path, modes, ns, prompt, batch_prompts)
     for r in rows:
         r["b1_roofline_tok_s"] = bw_median / r["weight_bytes"]
         r["b1_roofline_frac"] = (1 / r["b1_decode_step_s"]) / r["b1_roofline_tok_s"]
