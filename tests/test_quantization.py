@@ -226,3 +226,19 @@ def test_bad_quantization_settings_name_the_problem_and_the_choices(model_factor
     with pytest.raises(ValueError, match="quantization int4: no kernel for device 'meta'; supported: cpu, cuda"):
         check_device(QuantConfig("int4"), torch.device("meta"))
     assert cli_main(["generate", "--quantization", "int5", "--prompt", "x"]) == 2
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_quantized_layers_under_a_bfloat16_model(model_factory, tmp_path, method):
+    """bf16 activations go through the same float32 kernels; qkv biases stay float32, also when a saved
+    checkpoint is loaded into a bf16 model (its layers are built under the bf16 default dtype)."""
+    path = model_factory("tiny-qwen2")
+    out = str(tmp_path / "q")
+    assert cli_main(["quantize", path, "--quantization", method, "--out", out]) == 0
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for model in (path, out):
+        llm = LLM(model, dtype="bfloat16", quantization=None if model == out else method, num_kv_blocks=64)
+        quantized, _ = _quantized_layers(llm)
+        assert all(q.bias is None or q.bias.dtype == torch.float32 for q in quantized)
+        assert any(q.bias is not None for q in quantized)
+        assert all(len(o.outputs[0].token_ids) == 8 for o in llm.generate(PROMPTS[:2], sp, use_tqdm=False))

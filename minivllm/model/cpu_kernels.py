@@ -85,6 +85,9 @@ def load_library() -> ctypes.CDLL | None:
     lib.sample_rows_f32.restype = None
     lib.linear_gemv.argtypes = [p, i64, p, i64, c_int, i64, i64, c_int, p, p, p, i64, p, p, c_int]
     lib.linear_gemv.restype = None
+    lib.quantize_rows_s8.argtypes = [p, i64, i64, i64, p, p, c_int]
+    lib.rescale_i32.argtypes = [p, i64, i64, p, p, p, p, c_int]
+    lib.quantize_rows_s8.restype = lib.rescale_i32.restype = None
     lib.add_rmsnorm_f32.argtypes = [p, p, i64, p, c_float, p, i64, i64, c_int]
     lib.rope_f32.argtypes = [p, i64, i64, c_int, c_int, p, p, c_int]
     lib.silu_mul_f32.argtypes = [p, i64, p, i64, i64, c_int]
@@ -186,6 +189,26 @@ class GemvWeights:
         lib.linear_gemv(out.data_ptr(), self.n, x.data_ptr(), x.stride(0), m, self.k, self.n, self.fmt, w, scale, mins,
                         self.group, bias, _scratch_for(self.scratch_numel).data_ptr(), torch.get_num_threads())
         return out
+
+
+def quantize_rows_s8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W8A8's activation quantization in one pass: (int8 [M, K], float32 scales [M]), as
+    quantization.quantize_rows_int8 computes it. x float32 [M, K], unit column stride."""
+    m, k = x.shape
+    xq = torch.empty(m, k, dtype=torch.int8)
+    xs = torch.empty(m, dtype=torch.float32)
+    load_library().quantize_rows_s8(x.data_ptr(), x.stride(0), m, k, xq.data_ptr(), xs.data_ptr(),
+                                    torch.get_num_threads())
+    return xq, xs
+
+
+def rescale_i32(acc: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """acc [M, N] int32 (contiguous) * xs[m] * ws[n] + bias[n], as float32, in one pass."""
+    m, n = acc.shape
+    out = torch.empty(m, n, dtype=torch.float32)
+    load_library().rescale_i32(acc.data_ptr(), m, n, xs.data_ptr(), ws.data_ptr(), _ptr(bias), out.data_ptr(),
+                               torch.get_num_threads())
+    return out
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

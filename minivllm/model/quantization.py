@@ -81,7 +81,8 @@ class QuantizedLinear(PlannedLinear):
         else:
             self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
             self.register_buffer("scales", torch.empty(out_features, dtype=torch.float32))
-        self.register_buffer("bias", torch.empty(out_features) if bias else None)
+        # float32 whatever the model dtype: the kernels add it to float32 accumulators.
+        self.register_buffer("bias", torch.empty(out_features, dtype=torch.float32) if bias else None)
         self._gemv: cpu_kernels.GemvWeights | None = None  # bound on first native call (buffers final by then)
         self.kernels = (QuantizedLinear.forward_reference,) * 3  # the portable path until plan_kernels
 
@@ -129,7 +130,12 @@ class QuantizedLinear(PlannedLinear):
         return self._gemv(xf if xf.stride(-1) == 1 else xf.contiguous())
 
     def forward_int_mm(self, x: torch.Tensor) -> torch.Tensor:
-        """W8A8 through torch's integer GEMM (`torch._int_mm`, oneDNN's VNNI path on CPU)."""
+        """W8A8 through torch's integer GEMM (`torch._int_mm`, oneDNN's VNNI path on CPU); on the CPU the
+        activation quantization and the rescale around it are one native pass each (eleven torch ops)."""
+        if x.device.type == "cpu" and x.dtype == torch.float32 and cpu_kernels.available():
+            xq, xs = cpu_kernels.quantize_rows_s8(x if x.stride(-1) == 1 else x.contiguous())
+            acc = torch._int_mm(xq, self.qweight.t())
+            return cpu_kernels.rescale_i32(acc, xs, self.scales, self.bias)
         xq, xs = quantize_rows_int8(x)
         y = torch._int_mm(xq, self.qweight.t()).float() * (xs[:, None] * self.scales[None, :])
         return y if self.bias is None else y + self.bias

@@ -22,6 +22,7 @@
  * AVX-512 where the CPU has it, narrower registers elsewhere; only the byte-widening loads use
  * intrinsics (GCC 12 scalarises __builtin_convertvector from 8-bit lanes).
  */
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
@@ -303,5 +304,31 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
 #pragma omp parallel num_threads(num_threads)
             FOR_ROWS(N, mm, RF);
         }
+    }
+}
+
+/* W8A8 at many tokens, around torch's integer GEMM: each row of x quantized in one pass (as above:
+ * absmax / 127, round half to even) ... */
+void quantize_rows_s8(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *xq, float *xs, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (M >= 8) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * ldx;
+        float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+        for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(xr[k]));
+        float s = amax > 0.f ? amax / 127.f : 1.f;
+        xs[m] = s;
+        for (int64_t k = 0; k < K; k++) xq[m * K + k] = (int8_t)__builtin_lrintf(xr[k] / s);
+    }
+}
+
+/* ... and the int32 products scaled back in one pass: out = acc * xs[m] * ws[n] (+ bias[n]). */
+void rescale_i32(const int32_t *acc, int64_t M, int64_t N, const float *xs, const float *ws, const float *bias,
+                 float *out, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (M >= 8) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        float s = xs[m];
+#pragma omp simd
+        for (int64_t n = 0; n < N; n++) out[m * N + n] = (float)acc[m * N + n] * s * ws[n] + (bias ? bias[n] : 0.f);
     }
 }
