@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from minivllm.config import ModelConfig
+from minivllm.model.kernel_plan import best_time
 
 
 @dataclass
@@ -27,22 +28,12 @@ class MachineCeilings:
         return asdict(self)
 
 
-def _best_time(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def measure_ceilings(hidden: int = 576, intermediate: int = 1536, dtype: torch.dtype = torch.float32
                      ) -> MachineCeilings:
     """Best-of-N matmul throughput and memory bandwidth on this machine, with the current thread count."""
     n = 2048
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    mkl = 2 * n**3 / _best_time(lambda: a @ b, 5)
+    mkl = 2 * n**3 / best_time(lambda: a @ b, 5)
     peak = mkl
     x, w = torch.randn(64, hidden, dtype=dtype), torch.randn(intermediate, hidden, dtype=dtype)
     linear = torch.nn.functional.linear
@@ -55,10 +46,10 @@ def measure_ceilings(hidden: int = 576, intermediate: int = 1536, dtype: torch.d
             small.weight.copy_(w)
         big.pack()
         small.pack()
-        peak = max(peak, 2 * n**3 / _best_time(lambda: big(a), 5))
+        peak = max(peak, 2 * n**3 / best_time(lambda: big(a), 5))
         linear = lambda x_, _w: small(x_)  # noqa: E731
     reps = 50
-    model_gemm = 2 * 64 * hidden * intermediate * reps / _best_time(lambda: [linear(x, w) for _ in range(reps)], 5)
+    model_gemm = 2 * 64 * hidden * intermediate * reps / best_time(lambda: [linear(x, w) for _ in range(reps)], 5)
     median, lo, hi = measure_bandwidth()
     return MachineCeilings(torch.get_num_threads(), peak, mkl, model_gemm, median, lo, hi)
 

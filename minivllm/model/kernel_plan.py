@@ -42,7 +42,8 @@ class PlannedLinear(nn.Module):
         return (self.kernels[0] if m <= 1 else self.kernels[1] if m <= FEW else self.kernels[2])(self, x)
 
 
-def _time(fn: Callable[[], object], reps: int = 3) -> float:
+def best_time(fn: Callable[[], object], reps: int = 3) -> float:
+    """Fastest of `reps` timed calls after one warm-up call (seconds)."""
     fn()
     best = float("inf")
     for _ in range(reps):
@@ -86,7 +87,7 @@ def plan_kernels(layers: list[PlannedLinear], kernel: str = "auto", what: str = 
         best = names[0]
         if len(names) > 1:
             xs = {k: torch.randn(m, k, device=device, dtype=dtype) for k in {q.in_features for q in timed}}
-            timings = {n: _time(lambda n=n, xs=xs: [q.candidates()[n](xs[q.in_features]) for q in timed])
+            timings = {n: best_time(lambda n=n, xs=xs: [q.candidates()[n](xs[q.in_features]) for q in timed])
                        for n in names}
             best = min(timings, key=timings.__getitem__)
             logger.info("%s, %d tokens: %s", what, m, ", ".join(f"{n} {t * 1e3:.1f} ms" for n, t in timings.items()))
