@@ -30,12 +30,14 @@ def _dense_reference(q, k_ctx, v_ctx, pos, window):
     (10, 2, 32, 0),  # G = 5, D = 32 (generic vector body)
     (6, 3, 24, 7),  # head dim not a multiple of 16 (scalar body), sliding window
 ])
-def test_native_matches_dense(heads, kv_heads, head_dim, window):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_native_matches_dense(heads, kv_heads, head_dim, window, cache_dtype):
     gen = torch.Generator().manual_seed(heads * 100 + head_dim)
     bs, num_blocks = 16, 64
     lens = [1, 7, 16, 17, 50, 130]
-    k_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=gen)
-    v_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=gen)
+    # A bf16 pool is read as the float32 values of its bf16 numbers: the reference uses the same numbers.
+    k_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=gen).to(cache_dtype)
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables = torch.zeros(len(lens), 16, dtype=torch.int64)
     for i, n in enumerate(lens):
@@ -48,6 +50,6 @@ def test_native_matches_dense(heads, kv_heads, head_dim, window):
     cpu_kernels.paged_attention(out, q, k_cache, v_cache, tables, pos, 1 / math.sqrt(head_dim), window, max(lens))
     for i, n in enumerate(lens):
         slots = torch.stack([tables[i, p // bs] * bs + p % bs for p in range(n)])
-        k_ctx = k_cache.view(-1, kv_heads, head_dim)[slots]
-        v_ctx = v_cache.view(-1, kv_heads, head_dim)[slots]
+        k_ctx = k_cache.view(-1, kv_heads, head_dim)[slots].float()
+        v_ctx = v_cache.view(-1, kv_heads, head_dim)[slots].float()
         torch.testing.assert_close(out[i], _dense_reference(q[i], k_ctx, v_ctx, n - 1, window), atol=1e-5, rtol=0)

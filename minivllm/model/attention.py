@@ -158,12 +158,17 @@ class TorchPagedAttention(AttentionBackend):
 
 
 class CpuNativePagedAttention(AttentionBackend):
-    """CPU backend: a compiled kernel reads K/V straight from the pool (no gather copy)."""
+    """CPU backend: a compiled kernel reads K/V straight from the pool (no gather copy), float32 or
+    bfloat16 (widened as read; q and the output go through float32)."""
 
     def decode(self, layer: Attention, q: torch.Tensor, md: AttentionMetadata, out: torch.Tensor) -> None:
         assert md.decode_block_tables is not None and md.decode_positions is not None
-        cpu_kernels.paged_attention(out, q, layer.k_cache, layer.v_cache, md.decode_block_tables,
-                                    md.decode_positions, layer.scale, md.sliding_window or 0, md.max_decode_seq_len)
+        out32 = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32)
+        cpu_kernels.paged_attention(out32, q if q.dtype == torch.float32 else q.float(), layer.k_cache, layer.v_cache,
+                                    md.decode_block_tables, md.decode_positions, layer.scale, md.sliding_window or 0,
+                                    md.max_decode_seq_len)
+        if out32 is not out:
+            out.copy_(out32)
 
 
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
@@ -173,13 +178,13 @@ ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
 
 
 def get_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """Resolve a backend name. 'auto' takes cpu_native for fp32 on CPU when it compiles (17.9x the torch
-    backend at 64 sequences, benchmarks/micro_attention.py), else torch."""
-    native_ok = device.type == "cpu" and dtype == torch.float32
+    """Resolve a backend name. 'auto' takes cpu_native for fp32 or bf16 on CPU when it compiles (17.9x the
+    torch backend at 64 sequences in fp32, benchmarks/micro_attention.py), else torch."""
+    native_ok = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
     if name == "auto":
         name = "cpu_native" if native_ok and cpu_kernels.available() else "torch"
     if name == "cpu_native" and not (native_ok and cpu_kernels.available()):
-        raise ValueError(f"attention_backend: cpu_native needs float32 on a CPU with a C compiler "
+        raise ValueError(f"attention_backend: cpu_native needs float32 or bfloat16 on a CPU with a C compiler "
                          f"(got {dtype} on {device})")
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend: unknown {name!r}; available: auto, {', '.join(ATTENTION_BACKENDS)}")

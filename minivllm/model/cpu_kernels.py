@@ -78,8 +78,8 @@ def load_library() -> ctypes.CDLL | None:
             os.replace(tmp_lib, lib_path)  # atomic: concurrent builders never see a partial file
     lib = ctypes.CDLL(lib_path)
     i64, p, c_int, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    lib.paged_attention_f32.argtypes = [p, p, i64, p, p, p, i64, p, i64, c_int, c_int, c_int, c_int, c_float, i64,
-                                        i64, p, c_int]
+    lib.paged_attention_f32.argtypes = [p, p, i64, p, p, c_int, p, i64, p, i64, c_int, c_int, c_int, c_int, c_float,
+                                        i64, i64, p, c_int]
     lib.paged_attention_f32.restype = None
     lib.sample_rows_f32.argtypes = [p, i64, i64, p, p, p, p, p, p, p, c_int]
     lib.sample_rows_f32.restype = None
@@ -119,17 +119,20 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v
                     block_tables: torch.Tensor, positions: torch.Tensor, scale: float, window: int,
                     max_ctx: int) -> None:
     """Decode attention: out[t] = softmax(q[t] K^T * scale) V over the context of token t (row t of
-    block_tables), read in place from the block pool. q [T, H, D] may have any row stride."""
+    block_tables), read in place from the block pool (float32 or bfloat16). q [T, H, D] and out are
+    float32; q may have any row stride."""
     lib = load_library()
     assert lib is not None
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == head_dim and out.is_contiguous()
+    assert out.dtype == torch.float32 and k_cache.dtype == v_cache.dtype in (torch.float32, torch.bfloat16)
     assert block_tables.dtype == torch.int64 and block_tables.stride(1) == 1 and positions.dtype == torch.int64
     threads = torch.get_num_threads()
     scratch = _scratch_for(threads * (num_heads // num_kv_heads) * ((max_ctx + 15) // 16 * 16))
     lib.paged_attention_f32(
-        out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        int(k_cache.dtype == torch.bfloat16), block_tables.data_ptr(),
         block_tables.stride(0), positions.data_ptr(), num_tokens, num_heads, num_kv_heads, head_dim, block_size,
         scale, window, max_ctx, scratch.data_ptr(), threads)
 
