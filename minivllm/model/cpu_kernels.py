@@ -89,10 +89,9 @@ def load_library() -> ctypes.CDLL | None:
     lib.rescale_i32.argtypes = [p, i64, i64, p, p, p, p, c_int]
     lib.quantize_rows_s8.restype = lib.rescale_i32.restype = None
     lib.add_rmsnorm_f32.argtypes = [p, p, i64, p, c_float, p, i64, i64, c_int]
-    lib.rope_f32.argtypes = [p, i64, i64, c_int, c_int, p, p, c_int]
     lib.silu_mul_f32.argtypes = [p, i64, p, i64, i64, c_int]
     lib.rope_kv_write_f32.argtypes = [p, i64, i64, c_int, c_int, c_int, p, p, p, p, p, c_int]
-    for fn in (lib.add_rmsnorm_f32, lib.rope_f32, lib.silu_mul_f32, lib.rope_kv_write_f32):
+    for fn in (lib.add_rmsnorm_f32, lib.silu_mul_f32, lib.rope_kv_write_f32):
         fn.restype = None
     lib.stream_read_f32.argtypes = [p, i64, c_int]
     lib.stream_read_f32.restype = ctypes.c_double
@@ -232,15 +231,6 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     lib.add_rmsnorm_f32(residual.data_ptr(), x_ptr, ldx, weight.data_ptr(), eps, out.data_ptr(), m, h,
                         torch.get_num_threads())
     return out, residual
-
-
-def rope_inplace(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
-    """Neox rotary embedding in place on x [M, heads, D] (float32, rows any stride, heads contiguous)."""
-    lib = load_library()
-    m, heads, d = x.shape
-    lib.rope_f32(x.data_ptr(), x.stride(0), m, heads, d, positions.data_ptr(), cos_sin_cache.data_ptr(),
-                 torch.get_num_threads())
-    return x
 
 
 def rope_kv_write(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int, positions: torch.Tensor,

@@ -239,9 +239,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: RopeInput) -> torch.Tensor:
         """Rotate x [T, heads, D]; q and k heads go through in one call (half the ops of rotating them
-        separately: this runs once per layer per step). The fused path rotates x in place."""
-        if rope.cos is None and x.dtype == torch.float32 and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]:
-            return cpu_kernels.rope_inplace(x, rope.positions, self.cos_sin_cache)
+        separately: this runs once per layer per step). Float32 Llama layers on the CPU rotate inside
+        Attention.rope_and_cache instead; a step whose lookup left cos/sin to the kernel gathers them here."""
         if rope.cos is None:
             cs = self.cos_sin_cache[rope.positions].view(-1, 1, 2, self.half)
             rope = RopeInput(rope.positions, cs[:, :, 0], cs[:, :, 1])

@@ -4,8 +4,8 @@
  * not their arithmetic, is what a decode step spends besides reading the weights. float32 only.
  *
  *   add_rmsnorm   residual += x (when x is given); out = residual * rsqrt(mean(residual^2) + eps) * w
- *   rope          neox-style rotary embedding in place on rows of heads (q and k heads alike)
- *   rope_kv_write the same on a fused qkv row, then its k and v heads copied into their KV-cache slot
+ *   rope_kv_write neox-style rotary embedding in place on the q and k heads of a fused qkv row, then its
+ *                 k and v heads copied into their KV-cache slot
  *   silu_mul      out = silu(gate) * up for a fused [gate | up] row
  */
 #include <math.h>
@@ -32,26 +32,6 @@ void add_rmsnorm_f32(float *residual, const float *x, int64_t ldx, const float *
         float *o = out + m * H;
 #pragma omp simd
         for (int64_t i = 0; i < H; i++) o[i] = w[i] * (r[i] * inv);
-    }
-}
-
-/* x: M rows ldx floats apart, each holding nheads heads of D floats; cos_sin [*, D]: cos in the first
- * half of a row, sin in the second; pos[m] selects the row. */
-void rope_f32(float *x, int64_t ldx, int64_t M, int nheads, int D, const int64_t *pos, const float *cos_sin,
-              int num_threads) {
-    int half = D / 2;
-#pragma omp parallel for num_threads(num_threads) if (M >= PAR_ROWS) schedule(static)
-    for (int64_t m = 0; m < M; m++) {
-        const float *c = cos_sin + pos[m] * D, *s = c + half;
-        for (int h = 0; h < nheads; h++) {
-            float *x1 = x + m * ldx + (int64_t)h * D, *x2 = x1 + half;
-#pragma omp simd
-            for (int i = 0; i < half; i++) {
-                float a = x1[i], b = x2[i];
-                x1[i] = a * c[i] - b * s[i];
-                x2[i] = b * c[i] + a * s[i];
-            }
-        }
     }
 }
 
