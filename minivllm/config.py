@@ -141,6 +141,9 @@ class EngineArgs:
     quantize_lm_head: bool = _arg(True, "quantize the LM head too (the largest matrix of a small model)")
     quantization_kernel: str = _arg(
         "auto", "quantized matmul kernel: auto (timed per shape class at start-up) | native | reference | int_mm")
+    enforce_eager: bool = _arg(
+        False, "run every step module by module (vLLM's name): the one-call native decoder stack that all-decode "
+        "steps take on CPU float32 activations is off (debugging, A/B)")
     seed: int = _arg(0, "seed of the engine's random generator")
     device: str | None = _arg(None, "cpu | cuda (default: cuda when present)")
     check_invariants: bool = _arg(False, "check block-manager invariants after every step (tests, debugging)")

@@ -106,7 +106,7 @@ class LLMEngine:
                                                 args.quantize_lm_head, mc)
         self.runner = ModelRunner(mc, self.dtype, self.device, cc.num_blocks, cc.block_size, self.max_model_len,
                                   args.attention_backend, args.linear_backend, self.quant_config,
-                                  args.quantization_kernel)
+                                  args.quantization_kernel, args.enforce_eager)
         self.block_manager = BlockManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.sampler = Sampler(self.device, args.seed)

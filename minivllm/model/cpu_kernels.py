@@ -45,7 +45,7 @@ def _cpu_signature() -> str:
     return platform.machine() + flags
 
 
-_SOURCES = ("paged_attention.c", "sampling.c", "gemv.c", "fused_ops.c", "membw.c")
+_SOURCES = ("paged_attention.c", "sampling.c", "gemv.c", "fused_ops.c", "membw.c", "decode_stack.c")
 
 
 @functools.cache
@@ -93,6 +93,8 @@ def load_library() -> ctypes.CDLL | None:
     lib.rope_kv_write_f32.argtypes = [p, i64, i64, c_int, c_int, c_int, p, p, p, p, p, c_int]
     for fn in (lib.add_rmsnorm_f32, lib.silu_mul_f32, lib.rope_kv_write_f32):
         fn.restype = None
+    lib.decode_stack_f32.argtypes = [p, i64, p, p, p, p]
+    lib.decode_stack_f32.restype = None
     lib.stream_read_f32.argtypes = [p, i64, c_int]
     lib.stream_read_f32.restype = ctypes.c_double
     return lib

@@ -56,14 +56,18 @@ class Linear(PlannedLinear):
     def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
-    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+    def gemv_weights(self) -> cpu_kernels.GemvWeights:
+        """The plain weight bound for csrc/gemv.c (built on first use, once the weights are final)."""
         if self._gemv is None:
             assert self.weight is not None
             bias = None if self.bias is None else self.bias.detach().float().contiguous()
             fmt = "f32" if self.weight.dtype == torch.float32 else "bf16"
             self._gemv = cpu_kernels.GemvWeights(fmt, self.weight.detach(), self.in_features, bias=bias)
+        return self._gemv
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         xf = x if x.dtype == torch.float32 else x.float()
-        out = self._gemv(xf if xf.stride(-1) == 1 else xf.contiguous())
+        out = self.gemv_weights()(xf if xf.stride(-1) == 1 else xf.contiguous())
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def candidates(self) -> dict[str, Kernel]:

@@ -119,15 +119,19 @@ class QuantizedLinear(PlannedLinear):
             return y if bias is None else y + bias
         return F.linear(x.float(), self.dequantize(), bias)
 
-    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
-        """The C kernels of csrc/gemv.c (CPU, float32 activations): weights read once for all M rows."""
+    def gemv_weights(self) -> cpu_kernels.GemvWeights:
+        """The packed weight bound for csrc/gemv.c (built on first use, once the buffers are final)."""
         if self._gemv is None:
             bias = None if self.bias is None else self.bias.float().contiguous()
             self._gemv = cpu_kernels.GemvWeights(self.method, self.qweight, self.in_features, self.scales,
                                                  self.mins if self.method == "int4" else None,
                                                  self.group_size if self.method == "int4" else 0, bias)
+        return self._gemv
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        """The C kernels of csrc/gemv.c (CPU, float32 activations): weights read once for all M rows."""
         xf = x if x.dtype == torch.float32 else x.float()
-        return self._gemv(xf if xf.stride(-1) == 1 else xf.contiguous())
+        return self.gemv_weights()(xf if xf.stride(-1) == 1 else xf.contiguous())
 
     def forward_int_mm(self, x: torch.Tensor) -> torch.Tensor:
         """W8A8 through torch's integer GEMM (`torch._int_mm`, oneDNN's VNNI path on CPU); on the CPU the

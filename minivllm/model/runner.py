@@ -12,6 +12,7 @@ import torch
 
 from minivllm.config import ModelConfig, QuantConfig
 from minivllm.model.attention import Attention, AttentionMetadata, PrefillSpan, forward_context, get_backend
+from minivllm.model.decode_stack import DecodeStack
 from minivllm.model.kernel_plan import plan_kernels
 from minivllm.model.layers import Linear, onednn_linear_available
 from minivllm.model.loader import load_model
@@ -52,7 +53,7 @@ class ModelRunner:
     def __init__(self, mc: ModelConfig, dtype: torch.dtype, device: torch.device, num_blocks: int,
                  block_size: int, max_model_len: int, attention_backend: str = "auto",
                  linear_backend: str = "auto", quant: QuantConfig | None = None,
-                 quantization_kernel: str = "auto") -> None:
+                 quantization_kernel: str = "auto", enforce_eager: bool = False) -> None:
         self.mc, self.dtype, self.device = mc, dtype, device
         self.block_size = block_size
         if quant is not None:
@@ -80,6 +81,10 @@ class ModelRunner:
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
             layer.backend = backend
+        # All-decode steps in one native call where the stack runs the kernels planned above.
+        self.decode_stack = None if enforce_eager else DecodeStack.build(self.model)
+        if self.decode_stack is not None:
+            self.model.decode_stack = self.decode_stack
         self.last_forward_time = 0.0  # seconds in the model (forward + logits) during the last execute
 
     @torch.inference_mode()

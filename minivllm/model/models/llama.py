@@ -10,6 +10,7 @@ from torch import nn
 
 from minivllm.config import ModelConfig
 from minivllm.model.attention import Attention
+from minivllm.model.decode_stack import DecodeStack
 from minivllm.model.layers import Linear, RMSNorm, RopeInput, RotaryEmbedding, SiluAndMul
 from minivllm.model.models.weights import WeightLoader
 
@@ -92,10 +93,13 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(mc.hidden_size, cfg.get("rms_norm_eps", 1e-6))
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
         self.lm_head = Linear(mc.hidden_size, mc.vocab_size, bias=False)
+        self.decode_stack: DecodeStack | None = None  # bound by the runner once kernels and KV pool are set
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat token ids [T] and positions [T] → final hidden states [T, hidden]."""
         h = self.embed_tokens(input_ids)
+        if self.decode_stack is not None and self.decode_stack.accepts(h.shape[0]):
+            return self.decode_stack(h, positions)
         rope = self.rotary.lookup(positions)
         residual = None
         for layer in self.layers:

@@ -1,0 +1,88 @@
+/*
+ * A Llama-family decoder stack for a step whose every token is a decode, in one call.
+ *
+ * Each layer's work at one token is nine small kernels (norm, qkv, rope + KV write, attention, o_proj,
+ * norm, gate_up, SwiGLU, down) that already run natively; called one by one from Python, their
+ * dispatch (module calls, views, ctypes marshalling: ~90 us a layer) was a tenth to a third of a
+ * batch-1 step. Here the same kernels run back to back from C, with every activation in one buffer
+ * the caller owns, so a step costs one foreign call however many layers the model has.
+ * float32 activations and KV cache; weights in any format of csrc/gemv.c.
+ */
+#include <stdint.h>
+#include <string.h>
+
+void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, int fmt,
+                 const void *w, const void *scale, const void *mins, int64_t G, const float *bias, float *scratch,
+                 int num_threads);
+void add_rmsnorm_f32(float *residual, const float *x, int64_t ldx, const float *w, float eps, float *out,
+                     int64_t M, int64_t H, int num_threads);
+void rope_kv_write_f32(float *qkv, int64_t ldx, int64_t M, int nq, int nkv, int D, const int64_t *pos,
+                       const float *cos_sin, float *k_cache, float *v_cache, const int64_t *slot_mapping,
+                       int num_threads);
+void silu_mul_f32(const float *gu, int64_t ldg, float *out, int64_t M, int64_t I, int num_threads);
+void paged_attention_f32(float *out, const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                         int kv_bf16, const int64_t *block_tables, int64_t bt_stride, const int64_t *positions,
+                         int64_t num_tokens, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                         float scale, int64_t window, int64_t max_ctx, float *scratch, int num_threads);
+
+/* One projection as csrc/gemv.c takes it (the fields of cpu_kernels.GemvWeights). */
+typedef struct {
+    const void *w, *scale, *mins;
+    const float *bias;
+    int64_t K, N, G;
+    int64_t fmt;
+} proj_t;
+
+typedef struct {
+    const float *input_norm, *post_norm;
+    proj_t qkv, o, gate_up, down;
+    float *k_cache, *v_cache;
+} layer_t;
+
+/* The model's shape and the step's inputs (attention metadata of an all-decode step). */
+typedef struct {
+    int64_t M, H, I;
+    int64_t nq, nkv, D, block_size;
+    float eps, scale;
+    const int64_t *positions, *slot_mapping, *block_tables;
+    int64_t bt_stride, window, max_ctx;
+    const float *cos_sin;
+    float *gemv_scratch, *attn_scratch, *work;
+    int64_t num_threads;
+} step_t;
+
+static void project(float *out, const float *x, const proj_t *p, const step_t *s) {
+    linear_gemv(out, p->N, x, p->K, (int)s->M, p->K, p->N, (int)p->fmt, p->w, p->scale, p->mins, p->G, p->bias,
+                s->gemv_scratch, (int)s->num_threads);
+}
+
+/*
+ * h [M, H]: the token embeddings in, the final-normed hidden states out. residual [M, H] is work space.
+ * s->work holds the activations: M * (H + QKV + nq*D + H + 2I + I) floats.
+ */
+void decode_stack_f32(const layer_t *layers, int64_t n_layers, const float *final_norm, const step_t *s, float *h,
+                      float *residual) {
+    const int64_t M = s->M, H = s->H, I = s->I, qd = s->nq * s->D, qkv_n = qd + 2 * s->nkv * s->D;
+    const int nt = (int)s->num_threads;
+    float *normed = s->work, *qkv = normed + M * H, *attn = qkv + M * qkv_n, *proj = attn + M * qd;
+    float *gu = proj + M * H, *act = gu + M * 2 * I;
+
+    memcpy(residual, h, (size_t)(M * H) * sizeof(float));
+    for (int64_t l = 0; l < n_layers; l++) {
+        const layer_t *L = layers + l;
+        /* The first layer norms the embeddings; later ones first add the previous MLP's output. */
+        add_rmsnorm_f32(residual, l ? proj : NULL, H, L->input_norm, s->eps, normed, M, H, nt);
+        project(qkv, normed, &L->qkv, s);
+        rope_kv_write_f32(qkv, qkv_n, M, (int)s->nq, (int)s->nkv, (int)s->D, s->positions, s->cos_sin, L->k_cache,
+                          L->v_cache, s->slot_mapping, nt);
+        paged_attention_f32(attn, qkv, qkv_n, L->k_cache, L->v_cache, 0, s->block_tables, s->bt_stride, s->positions,
+                            M, (int)s->nq, (int)s->nkv, (int)s->D, (int)s->block_size, s->scale, s->window,
+                            s->max_ctx, s->attn_scratch, nt);
+        project(proj, attn, &L->o, s);
+        add_rmsnorm_f32(residual, proj, H, L->post_norm, s->eps, normed, M, H, nt);
+        project(gu, normed, &L->gate_up, s);
+        silu_mul_f32(gu, 2 * I, act, M, I, nt);
+        project(proj, act, &L->down, s);
+    }
+    add_rmsnorm_f32(residual, n_layers ? proj : NULL, H, final_norm, s->eps, h, M, H, nt);
+}

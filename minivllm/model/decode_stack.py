@@ -1,0 +1,139 @@
+"""DecodeStack: a Llama-family model's decoder layers run by one native call for all-decode steps.
+
+A batch-1 decode step is ~30 layers of nine small native kernels; dispatching them one by one from
+Python (module calls, views, ctypes marshalling) cost ~90 us a layer, a tenth of an fp32 step and a
+quarter to a third of a quantized one. csrc/decode_stack.c runs the same kernels back to back, so the
+Python path below is the reference it must equal (tests/test_decode_stack.py), and the stack is only
+taken where that path would have run the very same kernels: every projection planned `native` for the
+step's shape class, float32 activations and KV pool, the compiled paged attention, no prefill tokens.
+`enforce_eager` (vLLM's switch for its captured CUDA graphs) turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from minivllm.model import cpu_kernels
+from minivllm.model.attention import CpuNativePagedAttention, get_metadata
+from minivllm.model.kernel_plan import FEW, SHAPE_CLASSES
+
+_p, _i64, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class _Proj(ctypes.Structure):
+    _fields_ = [("w", _p), ("scale", _p), ("mins", _p), ("bias", _p), ("K", _i64), ("N", _i64), ("G", _i64),
+                ("fmt", _i64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _p), ("post_norm", _p), ("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj),
+                ("down", _Proj), ("k_cache", _p), ("v_cache", _p)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("M", _i64), ("H", _i64), ("I", _i64), ("nq", _i64), ("nkv", _i64), ("D", _i64),
+                ("block_size", _i64), ("eps", _f), ("scale", _f), ("positions", _p), ("slot_mapping", _p),
+                ("block_tables", _p), ("bt_stride", _i64), ("window", _i64), ("max_ctx", _i64), ("cos_sin", _p),
+                ("gemv_scratch", _p), ("attn_scratch", _p), ("work", _p), ("num_threads", _i64)]
+
+
+def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
+def _native_classes(model: nn.Module) -> tuple[bool, ...]:
+    """Per shape class: whether every projection of every layer runs the native kernel there."""
+    projs = [p for layer in model.layers for p in _projections(layer)]
+    return tuple(all(getattr(p, "kernels", (None,) * 3)[c].__name__ == "forward_native" for p in projs)
+                 for c in range(len(SHAPE_CLASSES)))
+
+
+class DecodeStack:
+    """The bound layer table of one model: pointers resolved once, so a step fills only its own inputs."""
+
+    def __init__(self, model: nn.Module, native_classes: tuple[bool, ...]) -> None:
+        lib = cpu_kernels.load_library()
+        assert lib is not None
+        self._fn = lib.decode_stack_f32
+        self.native_classes = native_classes
+        first = model.layers[0]
+        attn = first.self_attn.attn
+        self.hidden = model.norm.weight.shape[0]
+        self.inter = first.mlp.down_proj.in_features
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.layers = (_Layer * len(model.layers))()
+        keep: list[object] = []  # every tensor a pointer above refers to stays alive with the stack
+        for layer, row in zip(model.layers, self.layers):
+            row.input_norm = layer.input_layernorm.weight.data_ptr()
+            row.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            for name, proj in zip(("qkv", "o", "gate_up", "down"), _projections(layer)):
+                g = proj.gemv_weights()
+                keep.append(g)
+                w, scale, mins, bias = g.ptrs
+                setattr(row, name, _Proj(w, scale, mins, bias, g.k, g.n, g.group, g.fmt))
+            a = layer.self_attn.attn
+            row.k_cache, row.v_cache = a.k_cache.data_ptr(), a.v_cache.data_ptr()
+            keep += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, a.k_cache, a.v_cache]
+        self.final_norm = model.norm.weight
+        self.cos_sin = model.rotary.cos_sin_cache
+        self._keep = keep
+        self.gemv_scratch = torch.empty(max(g.scratch_numel for g in keep if isinstance(g, cpu_kernels.GemvWeights)))
+        self.block_size = first.self_attn.attn.k_cache.shape[1]
+        self.step = _Step(H=self.hidden, I=self.inter, nq=self.num_heads, nkv=self.num_kv_heads, D=self.head_dim,
+                          block_size=self.block_size, eps=model.norm.eps, scale=attn.scale,
+                          cos_sin=self.cos_sin.data_ptr(), gemv_scratch=self.gemv_scratch.data_ptr())
+        self.n_layers = len(model.layers)
+        self._layers_ptr, self._step_ptr = ctypes.addressof(self.layers), ctypes.addressof(self.step)
+        self.residual = torch.empty(0)
+        self.work = torch.empty(0)
+        self.attn_scratch = torch.empty(0)
+
+    @staticmethod
+    def build(model: nn.Module) -> DecodeStack | None:
+        """The stack for this model, or None where it would not run the same kernels as the module path."""
+        if not cpu_kernels.available() or not hasattr(model, "layers") or not hasattr(model, "rotary"):
+            return None
+        first = model.layers[0]
+        if not all(hasattr(first, n) for n in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")):
+            return None
+        attn = first.self_attn.attn
+        if (not isinstance(attn.backend, CpuNativePagedAttention) or attn.k_cache.dtype != torch.float32
+                or model.norm.weight.dtype != torch.float32 or model.rotary.cos_sin_cache.dtype != torch.float32):
+            return None
+        classes = _native_classes(model)
+        return DecodeStack(model, classes) if any(classes) else None
+
+    def accepts(self, num_tokens: int) -> bool:
+        """Whether this step is all decodes and its shape class runs native kernels throughout."""
+        md = get_metadata()
+        if md.num_decodes != num_tokens or md.prefills:
+            return False
+        c = 0 if num_tokens <= 1 else 1 if num_tokens <= FEW else 2
+        return self.native_classes[c]
+
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Embeddings h [M, H] float32 (written in place) → final-normed hidden states [M, H]."""
+        md = get_metadata()
+        m = h.shape[0]
+        assert h.dtype == torch.float32 and h.is_contiguous() and md.decode_block_tables is not None
+        if self.residual.shape[0] < m:
+            self.residual = torch.empty(m, self.hidden)
+            qkv = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+            self.work = torch.empty(m * (2 * self.hidden + qkv + self.num_heads * self.head_dim + 3 * self.inter))
+        threads = torch.get_num_threads()
+        need = threads * (self.num_heads // self.num_kv_heads) * ((md.max_decode_seq_len + 15) // 16 * 16)
+        if self.attn_scratch.numel() < need:
+            self.attn_scratch = torch.empty(int(need * 1.25) + 256)
+        bt = md.decode_block_tables
+        s = self.step
+        s.M, s.positions, s.slot_mapping = m, positions.data_ptr(), md.slot_mapping.data_ptr()
+        s.block_tables, s.bt_stride, s.window = bt.data_ptr(), bt.stride(0), md.sliding_window or 0
+        s.max_ctx, s.attn_scratch, s.work = md.max_decode_seq_len, self.attn_scratch.data_ptr(), self.work.data_ptr()
+        s.num_threads = threads
+        self._fn(self._layers_ptr, self.n_layers, self.final_norm.data_ptr(), self._step_ptr, h.data_ptr(),
+                 self.residual.data_ptr())
+        return h

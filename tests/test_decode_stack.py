@@ -1,0 +1,100 @@
+"""The one-call native decoder stack (model/decode_stack.py, csrc/decode_stack.c) against the module-by-module
+path it replaces: same logits on every Llama-family architecture and weight format, at one and at several
+decode tokens, and taken only where it runs the same kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import PROMPTS
+
+from minivllm import LLM, SamplingParams
+from minivllm.config import ModelConfig, QuantConfig
+from minivllm.engine.tokenizer import get_tokenizer
+from minivllm.model import cpu_kernels
+from minivllm.model.decode_stack import DecodeStack
+from minivllm.model.runner import ModelRunner, SequenceInput
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="native CPU kernels did not build here")
+
+
+@pytest.fixture
+def stack_calls(monkeypatch):
+    """Counts the steps the stack ran, so a test fails if the stack was silently not taken."""
+    calls = []
+    original = DecodeStack.__call__
+
+    def spy(self, h, positions):
+        calls.append(h.shape[0])
+        return original(self, h, positions)
+
+    monkeypatch.setattr(DecodeStack, "__call__", spy)
+    return calls
+
+
+def _runner(path: str, method: str | None) -> ModelRunner:
+    mc = ModelConfig.from_pretrained(path)
+    quant = QuantConfig(method, 32) if method else None
+    # Native kernels for every shape class, so the stack takes 1 and 3 decode tokens alike.
+    return ModelRunner(mc, torch.float32, torch.device("cpu"), num_blocks=32, block_size=16, max_model_len=256,
+                       linear_backend="native", quant=quant, quantization_kernel="native")
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-llama3"])
+@pytest.mark.parametrize("method", [None, "int8", "int4", "w8a8"])
+def test_stack_equals_module_path(model_factory, stack_calls, preset, method):
+    path = model_factory(preset)
+    runner = _runner(path, method)
+    stack = runner.decode_stack
+    assert stack is not None and stack.native_classes == (True, True, True)
+    tok = get_tokenizer(path)
+    prompts = [tok.encode(p)[:n] for p, n in zip(PROMPTS[1:4], (37, 9, 20))]  # past tiny-mistral's window of 8
+    tables = [list(range(0, 4)), list(range(4, 8)), list(range(8, 12))]
+    runner.execute([SequenceInput(p, 0, t, True) for p, t in zip(prompts, tables)])
+    lens = [len(p) for p in prompts]
+    for step, batch in enumerate(([0, 1, 2], [1], [2, 0])):
+        seqs = [SequenceInput([5 + step + i], lens[i], tables[i], True) for i in batch]
+        with_stack = runner.execute(seqs)
+        runner.model.decode_stack = None
+        modules = runner.execute(seqs)  # rewrites the same K/V into the same slots
+        runner.model.decode_stack = stack
+        torch.testing.assert_close(with_stack, modules, atol=1e-5, rtol=0)
+        for i in batch:
+            lens[i] += 1
+    assert stack_calls == [3, 1, 2]
+
+
+def test_stack_not_taken_for_prefill_or_mixed_steps(model_factory, stack_calls):
+    runner = _runner(model_factory("tiny-llama"), None)
+    runner.execute([SequenceInput([1, 2, 3], 0, [0], True)])
+    runner.execute([SequenceInput([4], 3, [0], True), SequenceInput([1, 2], 0, [1], True)])
+    assert stack_calls == []
+    runner.execute([SequenceInput([4], 3, [0], True)])
+    assert stack_calls == [1]
+
+
+@pytest.mark.parametrize("method", [None, "int4"])
+def test_engine_greedy_output_same_with_enforce_eager(model_factory, stack_calls, method):
+    path = model_factory("tiny-qwen2")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = []
+    for eager in (False, True):
+        llm = LLM(path, quantization=method, num_kv_blocks=64, enforce_eager=eager)
+        assert (llm.llm_engine.runner.decode_stack is None) == eager
+        outs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)])
+    assert outs[0] == outs[1]
+    assert stack_calls, "the stack never ran"
+
+
+def test_stack_only_where_it_runs_the_same_kernels(model_factory):
+    path = model_factory("tiny-llama")
+    mc = ModelConfig.from_pretrained(path)
+    cpu = torch.device("cpu")
+    # bf16 activations and KV pool, the torch attention backend, GPT-2 and forced non-native kernels: no stack.
+    assert ModelRunner(mc, torch.bfloat16, cpu, 8, 16, 256).decode_stack is None
+    assert ModelRunner(mc, torch.float32, cpu, 8, 16, 256, attention_backend="torch").decode_stack is None
+    assert ModelRunner(mc, torch.float32, cpu, 8, 16, 256, linear_backend="torch").decode_stack is None
+    gpt2 = ModelConfig.from_pretrained(model_factory("tiny-gpt2"))
+    assert ModelRunner(gpt2, torch.float32, cpu, 8, 16, 256).decode_stack is None
+    w8a8 = ModelRunner(mc, torch.float32, cpu, 8, 16, 256, quant=QuantConfig("w8a8", 32), quantization_kernel="int_mm")
+    assert w8a8.decode_stack is None
