@@ -48,9 +48,10 @@ def test_stack_equals_module_path(model_factory, stack_calls, preset, method):
     stack = runner.decode_stack
     assert stack is not None and stack.native_classes == (True, True, True)
     tok = get_tokenizer(path)
-    prompts = [tok.encode(p)[:n] for p, n in zip(PROMPTS[1:4], (37, 9, 20))]  # past tiny-mistral's window of 8
+    # Contexts past tiny-mistral's window of 8.
+    prompts = [tok.encode(p)[:n] for p, n in zip(PROMPTS[1:4], (37, 9, 20), strict=True)]
     tables = [list(range(0, 4)), list(range(4, 8)), list(range(8, 12))]
-    runner.execute([SequenceInput(p, 0, t, True) for p, t in zip(prompts, tables)])
+    runner.execute([SequenceInput(p, 0, t, True) for p, t in zip(prompts, tables, strict=True)])
     lens = [len(p) for p in prompts]
     for step, batch in enumerate(([0, 1, 2], [1], [2, 0])):
         seqs = [SequenceInput([5 + step + i], lens[i], tables[i], True) for i in batch]

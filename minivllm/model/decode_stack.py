@@ -67,10 +67,10 @@ class DecodeStack:
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.layers = (_Layer * len(model.layers))()
         keep: list[object] = []  # every tensor a pointer above refers to stays alive with the stack
-        for layer, row in zip(model.layers, self.layers):
+        for layer, row in zip(model.layers, self.layers, strict=True):
             row.input_norm = layer.input_layernorm.weight.data_ptr()
             row.post_norm = layer.post_attention_layernorm.weight.data_ptr()
-            for name, proj in zip(("qkv", "o", "gate_up", "down"), _projections(layer)):
+            for name, proj in zip(("qkv", "o", "gate_up", "down"), _projections(layer), strict=True):
                 g = proj.gemv_weights()
                 keep.append(g)
                 w, scale, mins, bias = g.ptrs
