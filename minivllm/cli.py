@@ -9,7 +9,7 @@ import logging
 import sys
 from collections.abc import Callable
 
-from minivllm.config import EngineArgs
+from minivllm.config import QUANTIZATION_METHODS, EngineArgs
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
@@ -122,8 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     qz = sub.add_parser("quantize", help="save a quantized copy of a model that loads without re-quantizing")
     qz.add_argument("model", help="Hugging Face-format model directory")
-    qz.add_argument("--quantization", required=True, choices=["int8", "int4", "w8a8"])
-    qz.add_argument("--quantization-group-size", type=int, default=32, help="int4: weights per scale/min group")
+    qz.add_argument("--quantization", required=True, choices=QUANTIZATION_METHODS)
+    qz.add_argument("--quantization-group-size", type=int, default=32, help="int4, w4a8: weights per scale/min group")
     qz.add_argument("--quantize-lm-head", action=argparse.BooleanOptionalAction, default=True,
                     help="quantize the LM head too")
     qz.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],

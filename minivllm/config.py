@@ -61,7 +61,8 @@ BATCHING_MODES = ("continuous", "static")
 KV_CACHE_MODES = ("paged", "contiguous", "none")
 
 
-QUANTIZATION_METHODS = ("int8", "int4", "w8a8")
+QUANTIZATION_METHODS = ("int8", "int4", "w8a8", "w4a8")
+GROUPED_METHODS = ("int4", "w4a8")  # int4 weights, group-wise scale and min
 GROUP_SIZES = (32, 64, 128, 256)
 QUANTIZATION_KERNELS = ("auto", "native", "reference", "int_mm")
 
@@ -71,7 +72,7 @@ class QuantConfig:
     """How a model's weights are quantized; recorded in a saved checkpoint's config.json."""
 
     method: str
-    group_size: int = 32  # int4 only
+    group_size: int = 32  # int4 and w4a8 only
     quantize_lm_head: bool = True
 
     def __post_init__(self) -> None:
@@ -136,8 +137,9 @@ class EngineArgs:
         "native streaming kernel and torch) | onednn | native | torch")
     quantization: str | None = _arg(
         None, "quantize weights at load: int8 (per-channel, weight-only) | int4 (group-wise, weight-only) | w8a8 "
-        "(int8 weights and per-token int8 activations); a checkpoint saved by `minivllm quantize` loads as saved")
-    quantization_group_size: int = _arg(32, "int4: weights per scale/min group (32, 64, 128 or 256)")
+        "(int8 weights and per-token int8 activations) | w4a8 (int4 weights as int4, per-token int8 activations: "
+        "llama.cpp Q4_0's kind of decode); a checkpoint saved by `minivllm quantize` loads as saved")
+    quantization_group_size: int = _arg(32, "int4, w4a8: weights per scale/min group (32, 64, 128 or 256)")
     quantize_lm_head: bool = _arg(True, "quantize the LM head too (the largest matrix of a small model)")
     quantization_kernel: str = _arg(
         "auto", "quantized matmul kernel: auto (timed per shape class at start-up) | native | reference | int_mm")

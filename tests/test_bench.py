@@ -128,7 +128,7 @@ def test_bench_quantization_smoke(model_factory, tmp_path):
     assert rc == 0 and (tmp_path / "q.png").stat().st_size > 0
     r = json.loads(out.read_text())
     size = {row["mode"]: row["weight_bytes"] for row in r["speed"]}
-    assert size["int4"] < size["int8"] == size["w8a8"] < size["bf16"] < size["fp32"]
+    assert size["int4"] == size["w4a8"] < size["int8"] == size["w8a8"] < size["bf16"] < size["fp32"]
     assert size["fp32"] == pytest.approx(2 * size["bf16"], rel=0.01)
     bw = r["bandwidth"]
     assert 0 < bw["min"] <= bw["median"] <= bw["max"]
@@ -138,7 +138,7 @@ def test_bench_quantization_smoke(model_factory, tmp_path):
     q = r["quality"]["rows"]
     assert q["fp32"]["kl"] == 0 and q["fp32"]["top1"] == 1
     assert 0 < q["int8"]["kl"] < q["int4"]["kl"] and q["int4"]["top1"] < 1
-    assert {t["target"].split()[0] for t in r["targets"]} == {"fp32", "int8", "int4", "w8a8"}
+    assert {t["target"].split()[0] for t in r["targets"]} == {"fp32", "int8", "int4", "w8a8", "w4a8"}
 
 
 def test_bandwidth_probe_streams_beyond_the_last_level_cache():

@@ -41,7 +41,7 @@ def _runner(path: str, method: str | None) -> ModelRunner:
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-llama3"])
-@pytest.mark.parametrize("method", [None, "int8", "int4", "w8a8"])
+@pytest.mark.parametrize("method", [None, "int8", "int4", "w8a8", "w4a8"])
 def test_stack_equals_module_path(model_factory, stack_calls, preset, method):
     path = model_factory(preset)
     runner = _runner(path, method)

@@ -11,7 +11,7 @@ import torch
 from minivllm.config import ModelConfig, QuantConfig
 from minivllm.model.runner import ModelRunner, SequenceInput
 
-MODES = ("fp32", "bf16", "int8", "int4", "w8a8")
+MODES = ("fp32", "bf16", "int8", "int4", "w8a8", "w4a8")
 
 
 def mode_engine_kwargs(mode: str, group_size: int = 32) -> dict[str, Any]:

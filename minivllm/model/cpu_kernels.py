@@ -45,7 +45,8 @@ def _cpu_signature() -> str:
     return platform.machine() + flags
 
 
-_SOURCES = ("paged_attention.c", "sampling.c", "gemv.c", "fused_ops.c", "membw.c", "decode_stack.c")
+_SOURCES = ("paged_attention.c", "sampling.c", "gemv.c", "fused_ops.c", "membw.c", "decode_stack.c",
+            "gemv_w4a8.c")
 
 
 @functools.cache
@@ -165,7 +166,7 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
 
 
 _MAX_M = 16  # csrc/gemv.c's rows of x staged per pass
-GEMV_FORMATS = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3, "w8a8": 4}
+GEMV_FORMATS = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3, "w8a8": 4, "w4a8": 5}
 
 
 class GemvWeights:

@@ -1,4 +1,4 @@
-"""Weight quantization as a weight transform: int8 (per-channel), int4 (group-wise), W8A8.
+"""Weight quantization as a weight transform: int8 (per-channel), int4 (group-wise), W8A8, W4A8.
 
 After loading, every projection `Linear` of the model (and the LM head unless told otherwise) becomes a
 `QuantizedLinear` holding packed integer weights; the model code does not change. Layouts and the
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.config import QuantConfig
+from minivllm.config import GROUPED_METHODS, QuantConfig
 from minivllm.model import cpu_kernels
 from minivllm.model.kernel_plan import Kernel, PlannedLinear
 from minivllm.model.layers import Linear
@@ -73,7 +73,8 @@ class QuantizedLinear(PlannedLinear):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.method, self.group_size = cfg.method, cfg.group_size
-        if cfg.method == "int4":
+        self.grouped = cfg.method in GROUPED_METHODS  # int4 weights: packed nibbles, group scale and min
+        if self.grouped:
             kp = -(-in_features // cfg.group_size) * cfg.group_size
             self.register_buffer("qweight", torch.empty(out_features, kp // 2, dtype=torch.uint8))
             self.register_buffer("scales", torch.empty(out_features, kp // cfg.group_size, dtype=torch.bfloat16))
@@ -89,7 +90,7 @@ class QuantizedLinear(PlannedLinear):
     @torch.no_grad()
     def quantize_from(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         """Fill the packed buffers from a full-precision weight [N, K]."""
-        if self.method == "int4":
+        if self.grouped:
             q, s, m = quantize_int4(weight, self.group_size)
             self.qweight.copy_(q)
             self.scales.copy_(s)
@@ -103,7 +104,7 @@ class QuantizedLinear(PlannedLinear):
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] every kernel computes with."""
-        if self.method == "int4":
+        if self.grouped:
             n, g = self.out_features, self.scales.shape[1]
             q = unpack_int4(self.qweight).float().view(n, g, self.group_size)
             w = q * self.scales.float()[..., None] + self.mins.float()[..., None]
@@ -117,6 +118,10 @@ class QuantizedLinear(PlannedLinear):
             xq, xs = quantize_rows_int8(x)
             y = (xq.float() @ self.qweight.float().t()) * (xs[:, None] * self.scales[None, :])
             return y if bias is None else y + bias
+        if self.method == "w4a8":
+            xq, xs = quantize_rows_int8(x)
+            y = (xq.float() @ self.dequantize().t()) * xs[:, None]
+            return y if bias is None else y + bias
         return F.linear(x.float(), self.dequantize(), bias)
 
     def gemv_weights(self) -> cpu_kernels.GemvWeights:
@@ -124,8 +129,8 @@ class QuantizedLinear(PlannedLinear):
         if self._gemv is None:
             bias = None if self.bias is None else self.bias.float().contiguous()
             self._gemv = cpu_kernels.GemvWeights(self.method, self.qweight, self.in_features, self.scales,
-                                                 self.mins if self.method == "int4" else None,
-                                                 self.group_size if self.method == "int4" else 0, bias)
+                                                 self.mins if self.grouped else None,
+                                                 self.group_size if self.grouped else 0, bias)
         return self._gemv
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@
  *          nibble), so one 16-byte load widens to two 16-lane vectors without shuffles.
  *   w8a8   the int8 weights; x is quantized per row here (symmetric, absmax / 127, round half to
  *          even as torch.round): y[m, n] = xs[m] * s[n] * sum_k xq[m, k] w[n, k], exact in int32.
+ *   w4a8   the int4 weights against x quantized as for w8a8 (csrc/gemv_w4a8.c).
  *
  * Each thread walks its share of N one weight row at a time (one sequential stream per thread: that
  * measured 0.95 of the bandwidth probe, against 0.7 for blocks of 4 interleaved rows), with two
@@ -243,7 +244,11 @@ INLINE void w8a8_row(float *out, int64_t ldo, const int8_t *xq, const float *xs,
         }                                                                             \
     } while (0)
 
-enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_INT8 = 2, FMT_INT4 = 3, FMT_W8A8 = 4 };
+enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_INT8 = 2, FMT_INT4 = 3, FMT_W8A8 = 4, FMT_W4A8 = 5 };
+
+/* csrc/gemv_w4a8.c */
+void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, const void *w,
+               const void *scale, const void *mins, int64_t G, const float *bias, float *scratch, int num_threads);
 
 /*
  * y = x W^T + bias for one of the formats above.
@@ -259,7 +264,9 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
         int mm = M - m0 < MAX_M ? M - m0 : MAX_M;
         const float *xm = x + m0 * ldx;
         float *o = out + m0 * ldo;
-        if (fmt == FMT_INT4) {
+        if (fmt == FMT_W4A8) {
+            gemv_w4a8(o, ldo, xm, ldx, mm, K, N, w, scale, mins, G, bias, scratch, num_threads);
+        } else if (fmt == FMT_INT4) {
             /* Stage x zero-padded to Kp, and its per-group sums for the min term. */
             int64_t Kp = (K + G - 1) / G * G, ng = Kp / G;
             float *xp = scratch, *xg = scratch + (int64_t)MAX_M * Kp;
