@@ -91,7 +91,7 @@ def load_library() -> ctypes.CDLL | None:
     lib.quantize_rows_s8.restype = lib.rescale_i32.restype = None
     lib.add_rmsnorm_f32.argtypes = [p, p, i64, p, c_float, p, i64, i64, c_int]
     lib.silu_mul_f32.argtypes = [p, i64, p, i64, i64, c_int]
-    lib.rope_kv_write_f32.argtypes = [p, i64, i64, c_int, c_int, c_int, p, p, p, p, p, c_int]
+    lib.rope_kv_write_f32.argtypes = [p, i64, i64, c_int, c_int, c_int, p, p, p, p, c_int, p, c_int]
     for fn in (lib.add_rmsnorm_f32, lib.silu_mul_f32, lib.rope_kv_write_f32):
         fn.restype = None
     lib.decode_stack_f32.argtypes = [p, i64, p, p, p, p]
@@ -244,7 +244,7 @@ def rope_kv_write(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_d
     lib = load_library()
     lib.rope_kv_write_f32(qkv.data_ptr(), qkv.stride(0), qkv.shape[0], num_q_heads, num_kv_heads, head_dim,
                           positions.data_ptr(), cos_sin_cache.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                          slot_mapping.data_ptr(), torch.get_num_threads())
+                          int(k_cache.dtype == torch.bfloat16), slot_mapping.data_ptr(), torch.get_num_threads())
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:

@@ -2,11 +2,14 @@
 
 A batch-1 decode step is ~30 layers of nine small native kernels; dispatching them one by one from
 Python (module calls, views, ctypes marshalling) cost ~90 us a layer, a tenth of an fp32 step and a
-quarter to a third of a quantized one. csrc/decode_stack.c runs the same kernels back to back, so the
-Python path below is the reference it must equal (tests/test_decode_stack.py), and the stack is only
-taken where that path would have run the very same kernels: every projection planned `native` for the
-step's shape class, float32 activations and KV pool, the compiled paged attention, no prefill tokens.
-`enforce_eager` (vLLM's switch for its captured CUDA graphs) turns it off.
+quarter to a third of a quantized one. csrc/decode_stack.c runs the same kernels back to back, and the
+stack is only taken where the module path would have run them too: every projection planned `native`
+for the step's shape class, the compiled paged attention, no prefill tokens. With float32 activations
+it computes exactly what the modules do (tests/test_decode_stack.py). In a bfloat16 model (bf16
+weights and KV pool) it keeps the activations in float32 between the kernels, where the module path
+rounds them to bf16 after every op: the same weights and cache with a little more precision, within
+bf16 tolerance of the module path. `enforce_eager` (vLLM's switch for its captured CUDA graphs) turns
+it off.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ class _Step(ctypes.Structure):
     _fields_ = [("M", _i64), ("H", _i64), ("I", _i64), ("nq", _i64), ("nkv", _i64), ("D", _i64),
                 ("block_size", _i64), ("eps", _f), ("scale", _f), ("positions", _p), ("slot_mapping", _p),
                 ("block_tables", _p), ("bt_stride", _i64), ("window", _i64), ("max_ctx", _i64), ("cos_sin", _p),
-                ("gemv_scratch", _p), ("attn_scratch", _p), ("work", _p), ("num_threads", _i64)]
+                ("gemv_scratch", _p), ("attn_scratch", _p), ("work", _p), ("num_threads", _i64), ("kv_bf16", _i64)]
 
 
 def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:
@@ -65,11 +68,19 @@ class DecodeStack:
         self.hidden = model.norm.weight.shape[0]
         self.inter = first.mlp.down_proj.in_features
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.dtype = model.norm.weight.dtype
         self.layers = (_Layer * len(model.layers))()
-        keep: list[object] = []  # every tensor a pointer above refers to stays alive with the stack
+        keep: list[object] = []  # every tensor a pointer below refers to stays alive with the stack
+
+        def f32(t: torch.Tensor) -> torch.Tensor:
+            """The C side reads float32 norms and rope table (copies of a bf16 model's: a few hundred KB)."""
+            t = t.detach().float().contiguous()
+            keep.append(t)
+            return t
+
         for layer, row in zip(model.layers, self.layers, strict=True):
-            row.input_norm = layer.input_layernorm.weight.data_ptr()
-            row.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            row.input_norm = f32(layer.input_layernorm.weight).data_ptr()
+            row.post_norm = f32(layer.post_attention_layernorm.weight).data_ptr()
             for name, proj in zip(("qkv", "o", "gate_up", "down"), _projections(layer), strict=True):
                 g = proj.gemv_weights()
                 keep.append(g)
@@ -77,15 +88,16 @@ class DecodeStack:
                 setattr(row, name, _Proj(w, scale, mins, bias, g.k, g.n, g.group, g.fmt))
             a = layer.self_attn.attn
             row.k_cache, row.v_cache = a.k_cache.data_ptr(), a.v_cache.data_ptr()
-            keep += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, a.k_cache, a.v_cache]
-        self.final_norm = model.norm.weight
-        self.cos_sin = model.rotary.cos_sin_cache
+            keep += [a.k_cache, a.v_cache]
+        self.final_norm = f32(model.norm.weight)
+        self.cos_sin = f32(model.rotary.cos_sin_cache)
         self._keep = keep
         self.gemv_scratch = torch.empty(max(g.scratch_numel for g in keep if isinstance(g, cpu_kernels.GemvWeights)))
         self.block_size = first.self_attn.attn.k_cache.shape[1]
         self.step = _Step(H=self.hidden, I=self.inter, nq=self.num_heads, nkv=self.num_kv_heads, D=self.head_dim,
                           block_size=self.block_size, eps=model.norm.eps, scale=attn.scale,
-                          cos_sin=self.cos_sin.data_ptr(), gemv_scratch=self.gemv_scratch.data_ptr())
+                          cos_sin=self.cos_sin.data_ptr(), gemv_scratch=self.gemv_scratch.data_ptr(),
+                          kv_bf16=int(attn.k_cache.dtype == torch.bfloat16))
         self.n_layers = len(model.layers)
         self._layers_ptr, self._step_ptr = ctypes.addressof(self.layers), ctypes.addressof(self.step)
         self.residual = torch.empty(0)
@@ -101,8 +113,8 @@ class DecodeStack:
         if not all(hasattr(first, n) for n in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")):
             return None
         attn = first.self_attn.attn
-        if (not isinstance(attn.backend, CpuNativePagedAttention) or attn.k_cache.dtype != torch.float32
-                or model.norm.weight.dtype != torch.float32 or model.rotary.cos_sin_cache.dtype != torch.float32):
+        if not isinstance(attn.backend, CpuNativePagedAttention) or attn.k_cache.dtype not in (torch.float32,
+                                                                                              torch.bfloat16):
             return None
         classes = _native_classes(model)
         return DecodeStack(model, classes) if any(classes) else None
@@ -116,10 +128,12 @@ class DecodeStack:
         return self.native_classes[c]
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Embeddings h [M, H] float32 (written in place) → final-normed hidden states [M, H]."""
+        """Embeddings h [M, H] (float32 ones are written in place) → final-normed hidden states [M, H], in the
+        model's dtype."""
         md = get_metadata()
         m = h.shape[0]
-        assert h.dtype == torch.float32 and h.is_contiguous() and md.decode_block_tables is not None
+        h = h if h.dtype == torch.float32 else h.float()
+        assert h.is_contiguous() and md.decode_block_tables is not None
         if self.residual.shape[0] < m:
             self.residual = torch.empty(m, self.hidden)
             qkv = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
@@ -136,4 +150,4 @@ class DecodeStack:
         s.num_threads = threads
         self._fn(self._layers_ptr, self.n_layers, self.final_norm.data_ptr(), self._step_ptr, h.data_ptr(),
                  self.residual.data_ptr())
-        return h
+        return h if self.dtype == torch.float32 else h.to(self.dtype)

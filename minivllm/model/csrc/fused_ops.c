@@ -5,12 +5,14 @@
  *
  *   add_rmsnorm   residual += x (when x is given); out = residual * rsqrt(mean(residual^2) + eps) * w
  *   rope_kv_write neox-style rotary embedding in place on the q and k heads of a fused qkv row, then its
- *                 k and v heads copied into their KV-cache slot
+ *                 k and v heads copied into their KV-cache slot (float32, or bfloat16 rounded to nearest
+ *                 even as torch's conversion does)
  *   silu_mul      out = silu(gate) * up for a fused [gate | up] row
  */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <string.h>
 
 /* Rows split over threads only when there are enough of them to pay for the fork. */
 #define PAR_ROWS 8
@@ -35,10 +37,17 @@ void add_rmsnorm_f32(float *residual, const float *x, int64_t ldx, const float *
     }
 }
 
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 /* qkv: M rows ldx floats apart, [q (nq heads) | k (nkv heads) | v (nkv heads)] of D floats each. Rotates
- * q and k in place, then writes k and v into slot slot_mapping[m] of the caches ([slots, nkv, D]). */
+ * q and k in place, then writes k and v into slot slot_mapping[m] of the caches ([slots, nkv, D], float32
+ * or, with kv_bf16, bfloat16). */
 void rope_kv_write_f32(float *qkv, int64_t ldx, int64_t M, int nq, int nkv, int D, const int64_t *pos,
-                       const float *cos_sin, float *k_cache, float *v_cache, const int64_t *slot_mapping,
+                       const float *cos_sin, void *k_cache, void *v_cache, int kv_bf16, const int64_t *slot_mapping,
                        int num_threads) {
     int half = D / 2;
     int64_t kv = (int64_t)nkv * D;
@@ -55,12 +64,21 @@ void rope_kv_write_f32(float *qkv, int64_t ldx, int64_t M, int nq, int nkv, int 
                 x2[i] = b * c[i] + a * s[i];
             }
         }
-        float *kd = k_cache + slot_mapping[m] * kv, *vd = v_cache + slot_mapping[m] * kv;
         const float *ks = row + (int64_t)nq * D, *vs = ks + kv;
+        if (kv_bf16) {
+            uint16_t *kd = (uint16_t *)k_cache + slot_mapping[m] * kv, *vd = (uint16_t *)v_cache + slot_mapping[m] * kv;
 #pragma omp simd
-        for (int64_t i = 0; i < kv; i++) {
-            kd[i] = ks[i];
-            vd[i] = vs[i];
+            for (int64_t i = 0; i < kv; i++) {
+                kd[i] = to_bf16(ks[i]);
+                vd[i] = to_bf16(vs[i]);
+            }
+        } else {
+            float *kd = (float *)k_cache + slot_mapping[m] * kv, *vd = (float *)v_cache + slot_mapping[m] * kv;
+#pragma omp simd
+            for (int64_t i = 0; i < kv; i++) {
+                kd[i] = ks[i];
+                vd[i] = vs[i];
+            }
         }
     }
 }
