@@ -244,6 +244,23 @@ INLINE void w8a8_row(float *out, int64_t ldo, const int8_t *xq, const float *xs,
         }                                                                             \
     } while (0)
 
+/* One row of x as int8 codes, symmetric absmax / 127, round half to even; returns the scale. Division, not
+ * a reciprocal (-ffast-math would allow one): the codes must be torch.round(x / s)'s. */
+__attribute__((optimize("no-reciprocal-math"))) static float quantize_row_s8(const float *xr, int64_t K, int8_t *xq) {
+    float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+    for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(xr[k]));
+    const float s = amax > 0.f ? amax / 127.f : 1.f;
+    int64_t k = 0;
+#if defined(__AVX512F__)
+    const __m512 sv = _mm512_set1_ps(s);
+    for (; k + 16 <= K; k += 16)
+        _mm_storeu_si128((__m128i *)(xq + k), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(xr + k), sv))));
+#endif
+    for (; k < K; k++) xq[k] = (int8_t)__builtin_lrintf(xr[k] / s);
+    return s;
+}
+
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_INT8 = 2, FMT_INT4 = 3, FMT_W8A8 = 4, FMT_W4A8 = 5 };
 
 /* csrc/gemv_w4a8.c */
@@ -286,14 +303,7 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
         } else if (fmt == FMT_W8A8) {
             float *xs = scratch;
             int8_t *xq = (int8_t *)(scratch + MAX_M);
-            for (int m = 0; m < mm; m++) {
-                const float *xr = xm + m * ldx;
-                float amax = 0.f;
-                for (int64_t k = 0; k < K; k++) amax = xr[k] > amax ? xr[k] : (-xr[k] > amax ? -xr[k] : amax);
-                float s = amax > 0.f ? amax / 127.f : 1.f;
-                xs[m] = s;
-                for (int64_t k = 0; k < K; k++) xq[m * K + k] = (int8_t)__builtin_lrintf(xr[k] / s);
-            }
+            for (int m = 0; m < mm; m++) xs[m] = quantize_row_s8(xm + m * ldx, K, xq + m * K);
             L.Kv = K;
 #define RW(c) w8a8_row(o + j * ldo, ldo, xq + j * K, xs + j, c, &L, n)
 #pragma omp parallel num_threads(num_threads)
@@ -318,15 +328,7 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
  * absmax / 127, round half to even) ... */
 void quantize_rows_s8(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *xq, float *xs, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (M >= 8) schedule(static)
-    for (int64_t m = 0; m < M; m++) {
-        const float *xr = x + m * ldx;
-        float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-        for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(xr[k]));
-        float s = amax > 0.f ? amax / 127.f : 1.f;
-        xs[m] = s;
-        for (int64_t k = 0; k < K; k++) xq[m * K + k] = (int8_t)__builtin_lrintf(xr[k] / s);
-    }
+    for (int64_t m = 0; m < M; m++) xs[m] = quantize_row_s8(x + m * ldx, K, xq + m * K);
 }
 
 /* ... and the int32 products scaled back in one pass: out = acc * xs[m] * ws[n] (+ bias[n]). */

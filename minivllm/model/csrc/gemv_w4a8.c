@@ -125,6 +125,37 @@ static inline void row_portable(float *out, int64_t ldo, const int8_t *xq, const
     }
 }
 
+/* One row of x quantized and staged (layout above), its per-group sums of xq in xg; returns its scale.
+ * Division, not a reciprocal (-ffast-math would allow one): the codes must be torch.round(x / s)'s. Runs of
+ * 16 weights are contiguous in the staged layout, so they convert and narrow as one vector. */
+__attribute__((optimize("no-reciprocal-math"))) static float stage_row(const float *xr, int64_t K, int64_t G,
+                                                                       int8_t *dst, int64_t Kx, float *xg,
+                                                                       int64_t ngp) {
+    float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+    for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(xr[k]));
+    const float s = amax > 0.f ? amax / 127.f : 1.f;
+    memset(dst, 0, (size_t)Kx);
+    memset(xg, 0, (size_t)ngp * sizeof(float));
+    int64_t k = 0;
+#ifdef W4A8_VNNI
+    const __m512 sv = _mm512_set1_ps(s);
+    for (; k + 16 <= K; k += 16) {
+        __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(xr + k), sv)); /* round half to even */
+        _mm_storeu_si128((__m128i *)(dst + (k >> 7) * 128 + ((k >> 4) & 1) * 64 + ((k >> 5) & 3) * 16),
+                         _mm512_cvtsepi32_epi8(q));
+        xg[k / G] += (float)_mm512_reduce_add_epi32(q);
+    }
+#endif
+    for (; k < K; k++) {
+        const int8_t q = (int8_t)__builtin_lrintf(xr[k] / s);
+        const int64_t i = k & 31; /* position in its 32-weight block */
+        dst[(k >> 7) * 128 + (i >> 4) * 64 + ((k >> 5) & 3) * 16 + (i & 15)] = q;
+        xg[k / G] += (float)q;
+    }
+    return s;
+}
+
 /*
  * y = x W^T + bias for M rows of float32 x (rows ldx floats apart, K used, zero-padded to Kp).
  *   scratch: >= M * (1 + round_up(ng, 16)) floats followed by M * round_up(Kp, 128) bytes.
@@ -134,23 +165,7 @@ void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int6
     const int64_t Kp = (K + G - 1) / G * G, ng = Kp / G, ngp = (ng + 15) / 16 * 16, Kx = (Kp + 127) / 128 * 128;
     float *xs = scratch, *xg = scratch + M;
     int8_t *xq = (int8_t *)(xg + (int64_t)M * ngp);
-    for (int m = 0; m < M; m++) {
-        const float *xr = x + m * ldx;
-        float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-        for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(xr[k]));
-        const float s = amax > 0.f ? amax / 127.f : 1.f;
-        xs[m] = s;
-        int8_t *dst = xq + m * Kx;
-        memset(dst, 0, (size_t)Kx);
-        memset(xg + m * ngp, 0, (size_t)ngp * sizeof(float));
-        for (int64_t k = 0; k < K; k++) {
-            const int8_t q = (int8_t)__builtin_lrintf(xr[k] / s);
-            const int64_t i = k & 31; /* position in its 32-weight block */
-            dst[(k >> 7) * 128 + (i >> 4) * 64 + ((k >> 5) & 3) * 16 + (i & 15)] = q;
-            xg[m * ngp + k / G] += (float)q;
-        }
-    }
+    for (int m = 0; m < M; m++) xs[m] = stage_row(x + m * ldx, K, G, xq + m * Kx, Kx, xg + m * ngp, ngp);
     W4A8Layer L = {.w = (const uint8_t *)w, .scale = (const uint16_t *)scale, .mins = (const uint16_t *)mins,
                    .bias = bias, .Kp = Kp, .G = G, .ng = ng, .ngp = ngp, .Kx = Kx};
     /* Rows whose unmasked loads (up to 16 groups of scales or mins, whole 64-byte chunks) could pass the end. */
