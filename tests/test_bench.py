@@ -131,7 +131,7 @@ def test_bench_quantization_smoke(model_factory, tmp_path):
     assert size["int4"] == size["w4a8"] < size["int8"] == size["w8a8"] < size["bf16"] < size["fp32"]
     assert size["fp32"] == pytest.approx(2 * size["bf16"], rel=0.01)
     bw = r["bandwidth"]
-    assert 0 < bw["min"] <= bw["median"] <= bw["max"]
+    assert 0 < bw["min"] <= bw["median"] <= bw["max"] and bw["passes"] == 9 + 3  # before, and in the one round
     for row in r["speed"]:
         assert row["b1_tok_s"] > 0 and row["batches"]["2"]["tok_s"] > 0
         assert row["b1_roofline_tok_s"] == pytest.approx(bw["median"] / row["weight_bytes"])

@@ -170,7 +170,7 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
                                   f"{r['seq_len']} scored tokens), by our engine's prompt_logprobs and by HF "
                                   "transformers on the same weights, with a unigram baseline on the same tokens.",
                                   "", perplexity.report(r)]),
-        ("quantization", lambda r: ["## Weight formats: fp32, bf16, int8, int4, W8A8 (`bench quantization`)", "",
+        ("quantization", lambda r: ["## Weight formats: fp32, bf16, int8, int4, W8A8, W4A8 (`bench quantization`)", "",
                                     "One run: batch-1 requests (a "
                                     f"{r['prompt_len']}-token prompt, {r['output_len']} new tokens) and offline "
                                     f"batches ({r['batch_output_len']} new tokens each) on "

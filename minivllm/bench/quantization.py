@@ -4,7 +4,8 @@ Speed, on a SmolLM2-135M-shaped model (real config, random weights): one request
 80-token prompt, 128 new tokens: output tok/s including the prefill, and the median decode step),
 and offline throughput at 16 and 64 sequences, for fp32, bf16, int8, int4 and w8a8, with HF
 transformers fp32 at batch 1 in the same run. Each mode's weight bytes (what one decode step reads)
-and its bandwidth roofline at batch 1 (bytes / the probe's median bandwidth, measured in the run).
+and its bandwidth roofline at batch 1 (bytes / the probe's median bandwidth: 9 passes before the speed
+rounds and 3 at the start of each, so the probe samples the same drift as the modes).
 
 Quality: held-out perplexity of the embedded model in every mode (HF fp32 on the same windows as the
 reference), KL divergence of the next-token distributions against our fp32 and top-1 agreement, on
@@ -19,6 +20,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,7 +29,7 @@ from minivllm.bench.latency import one_request
 from minivllm.bench.quant_quality import MODES, measure_quality, mode_engine_kwargs
 from minivllm.bench.quantization_report import plot, report, targets
 from minivllm.bench.results import save
-from minivllm.bench.roofline import measure_bandwidth
+from minivllm.bench.roofline import bandwidth_passes, bandwidth_stats
 from minivllm.bench.throughput import greedy, hf_batch1, resolve_model, run_engine
 from minivllm.config import EngineArgs, ModelConfig, cpu_count
 from minivllm.engine.llm_engine import LLMEngine
@@ -72,10 +74,11 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
 
 
 def measure_speed(path: str, modes: list[str], ns: argparse.Namespace, prompt: list[int],
-                  batch_prompts: dict[int, list[list[int]]]) -> list[dict[str, Any]]:
+                  batch_prompts: dict[int, list[list[int]]], probe: Callable[[], None]) -> list[dict[str, Any]]:
     """Every mode's batch-1 requests and offline batches. All engines are built first and the modes take
     turns round by round (this machine's speed drifts by tens of percent over minutes: a mode measured
-    alone, minutes after another, would carry the drift into the ratio); medians over the rounds."""
+    alone, minutes after another, would carry the drift into the ratio); medians over the rounds.
+    `probe` runs before each round's batch-1 requests, so the bandwidth is sampled under the same drift."""
     engines = {}
     for mode in modes:
         kw = mode_engine_kwargs(mode, ns.group_size)
@@ -85,6 +88,7 @@ def measure_speed(path: str, modes: list[str], ns: argparse.Namespace, prompt: l
     batch: dict[str, dict[int, list[float]]] = {m: {b: [] for b in batch_prompts} for m in modes}
     for rnd in range(ns.repeats):
         print(f"speed: round {rnd + 1} of {ns.repeats}", flush=True)
+        probe()
         for mode in modes:
             ttft, steps = one_request(engines[mode], prompt, ns.output_len)
             b1[mode].append((ns.output_len / (ttft + sum(steps)), statistics.median(steps)))
@@ -153,15 +157,17 @@ def run_quantization(ns: argparse.Namespace) -> int:
     batches = [int(b) for b in ns.batches.split(",") if b]
     batch_prompts = {b: [[rng.randrange(16, vocab) for _ in range(ns.prompt_len)] for _ in range(b)] for b in batches}
 
-    bw_median, bw_min, bw_max = measure_bandwidth(threads=threads)
-    rows = measure_speed(path, modes, ns, prompt, batch_prompts)
+    rates = bandwidth_passes(threads=threads)
+    rows = measure_speed(path, modes, ns, prompt, batch_prompts,
+                         lambda: rates.extend(bandwidth_passes(passes=3, threads=threads)))
+    bw_median, bw_min, bw_max = bandwidth_stats(rates)
     for r in rows:
         r["b1_roofline_tok_s"] = bw_median / r["weight_bytes"]
         r["b1_roofline_frac"] = (1 / r["b1_decode_step_s"]) / r["b1_roofline_tok_s"]
     result: dict[str, Any] = {
         "model": path, "threads": threads, "prompt_len": ns.prompt_len, "output_len": ns.output_len,
         "batch_output_len": ns.batch_output_len, "group_size": ns.group_size,
-        "bandwidth": {"median": bw_median, "min": bw_min, "max": bw_max}, "speed": rows,
+        "bandwidth": {"median": bw_median, "min": bw_min, "max": bw_max, "passes": len(rates)}, "speed": rows,
     }
     if not ns.no_hf:
         from transformers import AutoModelForCausalLM

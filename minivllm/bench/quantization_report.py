@@ -43,7 +43,8 @@ def report(result: dict[str, Any]) -> str:
     bw = result["bandwidth"]
     batches = list(result["speed"][0]["batches"])
     lines = [
-        f"Memory bandwidth probe (1 GiB streamed read, {result['threads']} threads, 9 passes): median "
+        f"Memory bandwidth probe (1 GiB streamed read, {result['threads']} threads, {bw.get('passes', 9)} passes "
+        "spread over the speed rounds): median "
         f"**{bw['median'] / 1e9:.1f} GB/s** (spread {bw['min'] / 1e9:.1f}-{bw['max'] / 1e9:.1f}).", "",
         "| mode | weights read per step | b=1 tok/s (incl. prefill) | vs fp32 | b=1 decode step | b=1 roofline "
         "| of roofline | " + " | ".join(f"{b} seqs tok/s" for b in batches) + " | kernels (1 / few / many tokens) |",

@@ -55,7 +55,18 @@ def measure_ceilings(hidden: int = 576, intermediate: int = 1536, dtype: torch.d
 
 
 def measure_bandwidth(mib: int = 1024, passes: int = 9, threads: int | None = None) -> tuple[float, float, float]:
-    """Memory read bandwidth (median, min, max over passes, bytes/s) with the engine's thread count.
+    """Memory read bandwidth (median, min, max over passes, bytes/s) with the engine's thread count."""
+    return bandwidth_stats(bandwidth_passes(mib, passes, threads))
+
+
+def bandwidth_stats(rates: list[float]) -> tuple[float, float, float]:
+    """(median, min, max) of probe passes."""
+    rates = sorted(rates)
+    return rates[len(rates) // 2], rates[0], rates[-1]
+
+
+def bandwidth_passes(mib: int = 1024, passes: int = 9, threads: int | None = None) -> list[float]:
+    """Memory read bandwidth of each pass (bytes/s) with the engine's thread count.
 
     The buffer (1 GiB) is far beyond the last-level cache and larger than the models it bounds, every
     pass reads all of it, and the reader is the native kernel (csrc/membw.c: 8 independent vector
@@ -75,8 +86,7 @@ def measure_bandwidth(mib: int = 1024, passes: int = 9, threads: int | None = No
         t = time.perf_counter()
         read()
         rates.append(buf.numel() * 4 / (time.perf_counter() - t))
-    rates.sort()
-    return rates[len(rates) // 2], rates[0], rates[-1]
+    return rates
 
 
 def measure_ceilings_for(mc: ModelConfig, dtype: torch.dtype = torch.float32) -> MachineCeilings:
