@@ -21,7 +21,7 @@ from torch import nn
 
 from minivllm.model import cpu_kernels
 from minivllm.model.attention import CpuNativePagedAttention, get_metadata
-from minivllm.model.kernel_plan import FEW, SHAPE_CLASSES
+from minivllm.model.kernel_plan import SHAPE_CLASSES, shape_class
 
 _p, _i64, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -51,7 +51,7 @@ def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:
 def _native_classes(model: nn.Module) -> tuple[bool, ...]:
     """Per shape class: whether every projection of every layer runs the native kernel there."""
     projs = [p for layer in model.layers for p in _projections(layer)]
-    return tuple(all(getattr(p, "kernels", (None,) * 3)[c].__name__ == "forward_native" for p in projs)
+    return tuple(all(p.kernels[c].__name__ == "forward_native" for p in projs)
                  for c in range(len(SHAPE_CLASSES)))
 
 
@@ -124,8 +124,7 @@ class DecodeStack:
         md = get_metadata()
         if md.num_decodes != num_tokens or md.prefills:
             return False
-        c = 0 if num_tokens <= 1 else 1 if num_tokens <= FEW else 2
-        return self.native_classes[c]
+        return self.native_classes[shape_class(num_tokens)]
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Embeddings h [M, H] (float32 ones are written in place) → final-normed hidden states [M, H], in the

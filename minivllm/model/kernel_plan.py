@@ -24,6 +24,11 @@ SHAPE_CLASSES = ((1, 1), (16, 8), (1 << 62, 64))
 FEW = SHAPE_CLASSES[1][0]
 
 
+def shape_class(m: int) -> int:
+    """Index into SHAPE_CLASSES (and a layer's `kernels`) of a matmul over m tokens."""
+    return 0 if m <= 1 else 1 if m <= FEW else 2
+
+
 class PlannedLinear(nn.Module):
     """A projection with several kernels for its math; forward runs the one planned for the input's M.
 
@@ -38,8 +43,7 @@ class PlannedLinear(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        m = x.shape[0]
-        return (self.kernels[0] if m <= 1 else self.kernels[1] if m <= FEW else self.kernels[2])(self, x)
+        return self.kernels[shape_class(x.shape[0])](self, x)
 
 
 def best_time(fn: Callable[[], object], reps: int = 3) -> float:
