@@ -141,7 +141,7 @@ def _load(out_dir: str, name: str) -> dict[str, Any] | None:
 
 def render(out_dir: str, argv: dict[str, list[str]]) -> str:
     """BENCHMARKS.md from the JSON files in out_dir (a section per bench found)."""
-    from minivllm.bench import latency, perplexity, quantization_report, serve, throughput_report
+    from minivllm.bench import latency, perplexity, quantization_report, serve_report, throughput_report
 
     m = _load(out_dir, "machine") or {}
     lines = [
@@ -159,12 +159,12 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
                   f"{m['cores']} cores, {mem} RAM, {m['gpu'] or 'no GPU'}; torch {m['torch']}, Python {m['python']}, "
                   f"{m['os']}.", ""]
     sections: list[tuple[str, Callable[[dict[str, Any]], list[str]]]] = [
-        ("seed", lambda r: _seed(r, serve.report)),
+        ("seed", lambda r: _seed(r, serve_report.report)),
         ("throughput", lambda r: _throughput(r, throughput_report)),
         ("latency", lambda r: ["## Single-request latency (`bench latency`)", "", latency.report(r)]),
         ("transports", lambda r: ["## Transports: gRPC vs HTTP vs OpenAI (`bench serve`)", "",
                                   "One server, the same requests over each endpoint in ABBA order, prefix "
-                                  "caching off (each endpoint replays the same prompts).", "", serve.report(r)]),
+                                  "caching off (each endpoint replays the same prompts).", "", serve_report.report(r)]),
         ("perplexity", lambda r: ["## The embedded default model's quality (`bench perplexity`)", "",
                                   "Held-out perplexity (standard-library files the training never saw, windows of "
                                   f"{r['seq_len']} scored tokens), by our engine's prompt_logprobs and by HF "

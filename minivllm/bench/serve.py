@@ -26,6 +26,7 @@ import httpx
 
 from minivllm.bench.loadgen import ENDPOINT_NAMES, ENDPOINTS, RequestSpec, make_client, make_workload, run_load
 from minivllm.bench.results import save
+from minivllm.bench.serve_report import plot, report
 from minivllm.config import cpu_count
 
 
@@ -335,100 +336,3 @@ def _roofline(path: str, requests: list[RequestSpec], tokenizer: Any, ns: argpar
         batch = min(clients, _max_num_seqs([*ns.server_arg, *variants[v]], base))
         per_key[k] = cost.serving_roofline(prompt_lens, out_lens, batch, ceil)
     return {"ceilings": ceil.as_dict(), "prompt_tokens": sum(prompt_lens), "columns": per_key}
-
-
-def report(r: dict[str, Any]) -> str:
-    """A markdown summary: one column per endpoint (per variant and endpoint with --variant)."""
-    ts = r["endpoints"]
-    labels = r.get("labels") or {t: ENDPOINT_NAMES[t] for t in ts}
-    ss = [r["server"][t] for t in ts]
-    rounds = len(r["order"]) // len(ts)
-    out_len = r["output_len"]
-    lines = [
-        f"{r['mode']}, {r['num_requests']} requests of stdlib-source text, prompts {r['input_len'][0]}–"
-        f"{r['input_len'][1]} tokens, {out_len[0] if out_len[0] == out_len[1] else f'{out_len[0]}–{out_len[1]}'} "
-        f"tokens out{' (ignore_eos)' if r['ignore_eos'] else ''}, {'streamed' if r['stream'] else 'whole answers'}; "
-        + (f"server at {r['base_url']}; " if r["base_url"] else
-           f"engine threads: server {r['server_threads']}, offline {r['threads']}; ")
-        + f"{rounds} run(s) per column, order {' '.join(r['order'])}",
-        *(f"- variant `{v}`: `minivllm serve ... {flags}`" for v, flags in r.get("variants", {}).items()),
-        "",
-        "| | " + " | ".join(labels[t] for t in ts) + " |",
-        "|---|" + "---|" * len(ts),
-    ]
-
-    def row(name: str, cell: Any) -> None:
-        lines.append(f"| {name} | " + " | ".join(cell(t, s) for t, s in zip(ts, ss, strict=True)) + " |")
-
-    def dist(key: str, unit: str = "ms", fmt: str = ".1f") -> Any:
-        return lambda t, s: " / ".join(format(s[key][f"p{q}"], fmt) for q in (50, 95, 99)) + f" {unit}"
-
-    row("output throughput", lambda t, s: f"{s['output_tok_per_s']:.1f} tok/s ({s['req_per_s']:.2f} req/s)"
-        + (f"; runs {', '.join(f'{x:.1f}' for x in s['runs_tok_per_s'])}" if "runs_tok_per_s" in s else ""))
-    if len(ts) > 1:
-        base = ss[0]["output_tok_per_s"]
-        row(f"**throughput / {labels[ts[0]]}**", lambda t, s: f"**{s['output_tok_per_s'] / base:.2f}**")
-    if "roofline" in r:
-        rf = r["roofline"]["columns"]
-        row("roofline (at most B running)", lambda t, s: f"{rf[t]['output_tok_s']:.0f} tok/s (B={rf[t]['batch']}, "
-            f"{rf[t]['bound']}-bound)")
-        row("fraction of roofline", lambda t, s: f"{100 * s['output_tok_per_s'] / rf[t]['output_tok_s']:.0f}%")
-    if "server_vs_offline" in r:
-        off = r["offline_tok_per_s"]
-        row("offline engine, same requests", lambda t, s: f"{statistics.mean(off):.1f} tok/s "
-            f"(runs: {', '.join(f'{x:.1f}' for x in off)})")
-        row("**server / offline**", lambda t, s: f"**{r['server_vs_offline'][t]:.2f}**")
-    if r["stream"]:
-        row("TTFT p50 / p95 / p99", dist("ttft_ms", fmt=".0f"))
-        row("TPOT p50 / p95 / p99", dist("tpot_ms"))
-        row("ITL p50 / p95 / p99", dist("itl_ms"))
-    row("end-to-end p50 / p95 / p99", dist("e2e_ms", fmt=".0f"))
-    row("successes / failures", lambda t, s: f"{s['successes']} / {s['failures']}"
-        + (f" ({', '.join(f'{k}: {v}' for k, v in s['failure_causes'].items())})" if s["failures"] else ""))
-    if all(s.get("event_loop_lag") for s in ss):
-        def lag(t: str, s: dict[str, Any]) -> str:
-            x = s["event_loop_lag"]
-            return (f"mean {1000 * x['mean_s']:.2f} ms, p99 ≤ {1000 * x['p99_le_s']:.0f} ms, "
-                    f"max ≤ {1000 * x['max_le_s']:.0f} ms")
-
-        row("event-loop lag (10 ms timer probe)", lag)
-    return "\n".join(lines)
-
-
-def plot(r: dict[str, Any], path: str) -> None:
-    """Throughput and latency percentiles per endpoint, side by side."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ts = r["endpoints"]
-    labels = r.get("labels") or {t: ENDPOINT_NAMES[t] for t in ts}
-    names = [labels[t] for t in ts]
-    keys = [k for k in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "end-to-end")) if r["stream"]
-            or k[0] == "e2e_ms"]
-    fig, axes = plt.subplots(1, 1 + len(keys), figsize=(4 * (1 + len(keys)), 3.6))
-    tok = [r["server"][t]["output_tok_per_s"] for t in ts]
-    axes[0].bar(names, tok, color="tab:blue")
-    if "roofline" in r:
-        axes[0].scatter(names, [r["roofline"]["columns"][t]["output_tok_s"] for t in ts], color="k", marker="_",
-                        s=400, label="roofline")
-        axes[0].legend(fontsize=7)
-    if "offline_tok_per_s" in r:
-        axes[0].axhline(statistics.mean(r["offline_tok_per_s"]), color="k", ls="--", label="offline engine")
-        axes[0].legend(fontsize=7)
-    axes[0].set_title("output tok/s")
-    for ax, (key, title) in zip(axes[1:], keys, strict=True):
-        width = 0.8 / 3
-        for i, q in enumerate((50, 95, 99)):
-            ax.bar([j + (i - 1) * width for j in range(len(ts))], [r["server"][t][key][f"p{q}"] for t in ts],
-                   width, label=f"p{q}")
-        ax.set_xticks(range(len(ts)), names)
-        ax.set_title(f"{title} (ms)")
-        ax.legend(fontsize=7)
-    for ax in axes:
-        ax.tick_params(axis="x", labelsize=7, rotation=15)
-    fig.suptitle(f"minivllm bench serve: {r['mode']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
