@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import sys
-from collections.abc import Callable
 
 from minivllm.config import QUANTIZATION_METHODS, EngineArgs
 
@@ -72,14 +70,6 @@ def _cmd_quantize(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(module: str, entry: str) -> Callable[[argparse.Namespace], int]:
-    """A bench verb's handler, importing its module only when that verb runs."""
-    def run(ns: argparse.Namespace) -> int:
-        return getattr(importlib.import_module(f"minivllm.bench.{module}"), entry)(ns)
-
-    return run
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every verb."""
     from minivllm.modelgen.presets import PRESETS
@@ -133,37 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
-    from minivllm.bench.throughput import add_throughput_args
+    from minivllm.bench.verbs import add_bench_verbs
 
-    tp = bsub.add_parser("throughput", help="offline throughput vs HF transformers, roofline, step split")
-    add_throughput_args(tp)
-    tp.set_defaults(func=_bench("throughput", "run_throughput"))
-    from minivllm.bench.latency import add_latency_args
-    from minivllm.bench.serve import add_serve_args
-
-    lt = bsub.add_parser("latency", help="one request at a time: TTFT and per-token latency vs prompt length")
-    add_latency_args(lt)
-    lt.set_defaults(func=_bench("latency", "run_latency"))
-    sv = bsub.add_parser("serve", help="load generator against a server (HTTP, OpenAI or gRPC) vs the offline engine")
-    add_serve_args(sv)
-    sv.set_defaults(func=_bench("serve", "run_serve"))
-    from minivllm.bench.perplexity import add_perplexity_args
-
-    pp = bsub.add_parser("perplexity",
-                         help="held-out perplexity by our engine vs HF transformers and a unigram baseline")
-    add_perplexity_args(pp)
-    pp.set_defaults(func=_bench("perplexity", "run_perplexity"))
-    from minivllm.bench.quantization import add_quantization_args
-
-    qb = bsub.add_parser("quantization", help="every weight format's speed (b=1, batches) and quality, with "
-                         "rooflines and HF transformers in the same run")
-    add_quantization_args(qb)
-    qb.set_defaults(func=_bench("quantization", "run_quantization"))
-    from minivllm.bench.all import add_all_args
-
-    al = bsub.add_parser("all", help="every bench in turn, then BENCHMARKS.md regenerated from their results")
-    add_all_args(al)
-    al.set_defaults(func=_bench("all", "run_all"))
+    add_bench_verbs(bsub)
     return parser
 
 

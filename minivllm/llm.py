@@ -9,7 +9,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from minivllm.config import EngineArgs
-from minivllm.engine.llm_engine import LLMEngine, Prompt
+from minivllm.engine.input_processor import Prompt
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.tokenizer import chat_prompt
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams

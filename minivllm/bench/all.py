@@ -100,7 +100,7 @@ def machine_info() -> dict[str, Any]:
 
 def run_all(ns: argparse.Namespace) -> int:
     """Run the benches (unless --render-only), then write the markdown."""
-    from minivllm.cli import main
+    from minivllm.bench.verbs import run_bench
 
     if ns.quick and not ns.model:
         raise ValueError("--quick needs --model (a small model directory)")
@@ -116,7 +116,7 @@ def run_all(ns: argparse.Namespace) -> int:
         for b in only:
             print(f"=== minivllm bench {' '.join(argv[b])}", flush=True)
             out = os.path.join(ns.out_dir, f"{b}.json")
-            codes[b] = main(["bench", *argv[b], "--out", out])
+            codes[b] = run_bench([*argv[b], "--out", out])
             if os.path.isfile(out):  # what produced it and when, for the report
                 with open(out) as f:
                     r = json.load(f)

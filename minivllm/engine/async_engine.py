@@ -25,11 +25,13 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from minivllm.config import EngineArgs, cpu_count
-from minivllm.engine.llm_engine import EngineRequest, LLMEngine, Prompt
+from minivllm.engine.input_processor import EngineRequest, Prompt
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.stats import IterationStats, LoggingStatLogger, SchedulerSnapshot, StatLogger
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -149,6 +151,27 @@ class AsyncLLMEngine:
         """Whether the engine loop is alive and serving (what /health reports)."""
         return self._loop is not None and self._thread.is_alive() and self.dead_error is None
 
+    # What the front ends read of the engine (they never reach into it).
+    @property
+    def model_path(self) -> str:
+        """The model directory the engine loaded."""
+        return str(self.engine.args.model)
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt + output."""
+        return self.engine.max_model_len
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Most sequences running in one step."""
+        return self.engine.scheduler_config.max_num_seqs
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer."""
+        return self.engine.tokenizer
+
     @property
     def snapshot(self) -> SchedulerSnapshot:
         """Gauges as of the last step (waiting includes requests not yet handed to the engine)."""
@@ -156,11 +179,11 @@ class AsyncLLMEngine:
 
     # ---- requests (event-loop thread) -----------------------------------------------------------
     def process_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0,
-                        arrival_time: float | None = None) -> EngineRequest:
-        """Tokenize and validate (ValueError names the problem) without queueing."""
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        return self.engine.process_request(request_id, prompt, params, priority, arrival_time)
+                        arrival_time: float | None = None, fit_context: bool = False,
+                        default_max_tokens: int | None = None) -> EngineRequest:
+        """Tokenize and validate (ValueError names the problem) without queueing; see InputProcessor.process."""
+        return self.engine.process_request(request_id, prompt, params, priority, arrival_time, fit_context,
+                                           default_max_tokens)
 
     def add_requests(self, requests: Sequence[EngineRequest]) -> list[AsyncStream]:
         """Queue requests together (they reach the engine in the same step); one stream each."""

@@ -5,8 +5,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -24,10 +22,11 @@ from minivllm.config import (
 )
 from minivllm.engine.beam_search import beam_step
 from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.input_processor import EngineRequest, InputProcessor, Prompt
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import BeamState, Sequence, SequenceGroup, SequenceStatus
-from minivllm.engine.stats import FinishedRequestStats, IterationStats, SchedulerSnapshot
+from minivllm.engine.stats import IterationStats, SchedulerSnapshot, StatsRecorder, StepTimings
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.model.runner import ModelRunner, SequenceInput
 from minivllm.model.sampler import Sampler, SamplingMetadata
@@ -35,38 +34,6 @@ from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-Prompt = str | list[int] | dict[str, Any]
-
-
-@dataclass
-class EngineRequest:
-    """A tokenized, validated request, ready to be queued (built off the engine thread)."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
-    priority: int = 0
-
-
-@dataclass
-class StepTimings:
-    """Seconds per phase of the step, summed over steps (the step-time split)."""
-
-    steps: int = 0
-    schedule: float = 0.0
-    prepare: float = 0.0
-    forward: float = 0.0
-    sample: float = 0.0
-    update: float = 0.0
-
-    def as_dict(self) -> dict[str, float]:
-        """Phase → seconds."""
-        return {"schedule": self.schedule, "prepare": self.prepare, "forward": self.forward,
-                "sample": self.sample, "update": self.update}
-
 
 class LLMEngine:
     """The synchronous engine core: one `step()` = schedule, one forward, sample, update."""
@@ -113,14 +80,16 @@ class LLMEngine:
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self.input_processor = InputProcessor(
+            self.tokenizer, mc.vocab_size, self.max_model_len, args.kv_cache_mode == "paged", args.kv_cache_mode,
+            self.block_manager.blocks_needed, cc.num_blocks,
+            f"num_kv_blocks={args.num_kv_blocks}" if args.num_kv_blocks else f"kv_cache_memory={args.kv_cache_memory}")
         self.groups: dict[str, SequenceGroup] = {}
         self.timings = StepTimings()
         self._arrivals = itertools.count()
         self._sample_time = 0.0  # sampler seconds within the current step
         self.log_stats = log_stats  # gather IterationStats (the server's metrics); off for offline use
-        self.stats = IterationStats()  # since the last take_stats()
-        self._stats_base = (0, 0, 0)  # scheduler counters at the last take_stats()
-        self._produced: set[str] = set()  # request ids that got a new token in the current step
+        self.recorder = StatsRecorder(self.eos_token_ids)  # IterationStats since the last take_stats()
         self._in_flight: SchedulerOutput | None = None  # the step in progress (to name its requests on error)
         logger.info("engine: %s (%s, %s%s) on %s, KV pool %d blocks x %d tokens",
                     mc.architecture, args.model, self.dtype,
@@ -133,39 +102,18 @@ class LLMEngine:
         return cls(args, log_stats)
 
     # ---- requests ----------------------------------------------------------------------------
-    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """A prompt (text, token ids, or {"prompt_token_ids": [...]}) → (text, token ids)."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt: the prompt is empty")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, list):
-            return None, list(prompt)
-        raise ValueError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
-
     def add_request(self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> None:
         """Validate and queue a request; raise ValueError naming the problem if it can never run."""
-        if request_id in self.groups:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         self.add_engine_request(self.process_request(request_id, prompt, sampling_params, priority, arrival_time))
 
     def process_request(self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                        priority: int = 0, arrival_time: float | None = None) -> EngineRequest:
-        """Tokenize and validate without touching engine state (safe off the engine thread)."""
-        params = sampling_params or SamplingParams()
-        text, ids = self.tokenize(prompt)
-        self._validate(ids, params)
-        if params.max_tokens is None:
-            params = params.clone(max_tokens=max(1, self.max_model_len - len(ids)))
-        return EngineRequest(request_id, text, ids, params, arrival_time or time.time(), priority)
+                        priority: int = 0, arrival_time: float | None = None, fit_context: bool = False,
+                        default_max_tokens: int | None = None) -> EngineRequest:
+        """Tokenize and validate without touching engine state (safe off the engine thread); see
+        InputProcessor.process."""
+        return self.input_processor.process(request_id, prompt, sampling_params, priority, arrival_time,
+                                            fit_context, default_max_tokens)
 
     def add_engine_request(self, req: EngineRequest) -> None:
         """Queue a request that process_request() built."""
@@ -192,33 +140,6 @@ class LLMEngine:
         assert seq.group is not None
         self.output_processor.init_sequence(seq, seq.group.prompt_token_ids)
 
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
-        if not ids:
-            raise ValueError("prompt: the prompt is empty (0 tokens)")
-        if self.args.kv_cache_mode != "paged" and (params.n > 1 or params.use_beam_search):
-            # Samples and beams share KV blocks copy-on-write, which only the paged cache does.
-            raise ValueError(f"n / use_beam_search: kv_cache_mode={self.args.kv_cache_mode} serves only n=1 requests "
-                             "without beam search; use kv_cache_mode=paged")
-        vocab = self.model_config.vocab_size
-        for i, t in enumerate(ids):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(f"prompt: token ids must be integers in [0, {vocab}); position {i} holds {t!r}")
-        if len(ids) > self.max_model_len:
-            raise ValueError(f"prompt: {len(ids)} tokens exceed max_model_len {self.max_model_len}; shorten the prompt")
-        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
-        if bad_stop:
-            raise ValueError(f"stop_token_ids: {bad_stop} are not below the vocabulary size {vocab}")
-        # Admission that never deadlocks: every sequence of a request must fit the whole pool alone at
-        # its longest (samples and beams can then always make progress one at a time).
-        longest = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
-        need = self.block_manager.blocks_needed(longest)
-        if need > self.block_manager.num_blocks:
-            pool = (f"num_kv_blocks={self.args.num_kv_blocks}" if self.args.num_kv_blocks
-                    else f"kv_cache_memory={self.args.kv_cache_memory}")
-            raise ValueError(
-                f"request needs {need} KV blocks for prompt + max_tokens ({longest} tokens) but the whole pool has "
-                f"{self.block_manager.num_blocks} ({pool}); lower max_tokens or give the KV cache more memory")
-
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output (None if unknown or done)."""
         group = self.groups.pop(request_id, None)
@@ -232,7 +153,7 @@ class LLMEngine:
         if group.beam is not None:
             group.beam.live = []
         if self.log_stats:
-            self._record_finished(group, time.time())
+            self.recorder.finished(group, time.time())
         return self.output_processor.make_output(group)
 
     abort = abort_request
@@ -251,7 +172,7 @@ class LLMEngine:
         t1 = time.perf_counter()
         self._in_flight = sched
         if self.log_stats:
-            self._step_stats_before(sched)
+            self.recorder.scheduled(sched.scheduled, sched.num_batched_tokens)
         if self.args.check_invariants:
             for seq, n in sched.scheduled:
                 self.block_manager.check_writable(seq, n)
@@ -266,15 +187,15 @@ class LLMEngine:
         outputs = []
         for group in touched:
             if self.log_stats:
-                self._record_token_times(group, now)
+                self.recorder.token_times(group, now)
             out = self.output_processor.make_output(group)
             if out is not None:
                 outputs.append(out)
             if group.finished:
                 self.groups.pop(group.request_id, None)
                 if self.log_stats:
-                    self._record_finished(group, now)
-        self._produced.clear()
+                    self.recorder.finished(group, now)
+        self.recorder.produced.clear()
         self._in_flight = None
         t4 = time.perf_counter()
         tm, forward = self.timings, self.runner.last_forward_time
@@ -357,9 +278,8 @@ class LLMEngine:
         # Usually every logits row is sampled once, in order: no [rows, vocab] copy then.
         out = self.sampler.sample(logits if idx == list(range(logits.shape[0])) else logits[idx], md)
         self._sample_time += time.perf_counter() - t0
-        self.stats.num_generation_tokens += len(targets)
         for (seq, _), tok, lp in zip(targets, out.token_ids, out.logprobs, strict=True):
-            self._produced.add(seq.request_id)
+            self.recorder.generated(seq.request_id, 1)
             status = self.output_processor.append_token(seq, tok, lp)
             if status is not None:
                 self.scheduler.finish(seq, status)
@@ -427,8 +347,7 @@ class LLMEngine:
         if len(group.prompt_token_ids) + state.num_generated + 1 >= self.max_model_len:
             state.max_tokens = min(state.max_tokens, state.num_generated + 1)  # the context is full
         nxt = beam_step(state, lp, eos)
-        self.stats.num_generation_tokens += len(nxt)
-        self._produced.add(group.request_id)
+        self.recorder.generated(group.request_id, len(nxt))
         uses: dict[int, int] = {}
         new_live, scores = [], []
         for parent_idx, token, score in nxt:
@@ -453,42 +372,6 @@ class LLMEngine:
         state.scores = scores
 
     # ---- stats ---------------------------------------------------------------------------------
-    def _step_stats_before(self, sched: SchedulerOutput) -> None:
-        st, now = self.stats, time.time()
-        st.num_steps += 1
-        st.num_iteration_tokens.append(sched.num_batched_tokens)
-        for seq, n in sched.scheduled:
-            st.num_prefill_tokens += min(n, max(0, seq.num_prompt_tokens - seq.num_computed_tokens))
-            group = seq.group
-            if group is not None and group.first_scheduled_time is None:
-                group.first_scheduled_time = now
-
-    def _record_token_times(self, group: SequenceGroup, now: float) -> None:
-        if group.request_id not in self._produced:
-            return
-        if group.first_token_time is None:
-            group.first_token_time = now
-            self.stats.time_to_first_tokens.append(now - group.arrival_time)
-            self.stats.num_prompt_tokens += len(group.prompt_token_ids)
-        else:
-            assert group.last_token_time is not None
-            self.stats.inter_token_latencies.append(now - group.last_token_time)
-        group.last_token_time = now
-
-    def _record_finished(self, group: SequenceGroup, now: float) -> None:
-        if group.aborted:
-            reason = "abort"
-        elif group.beam is not None:
-            ids = group.beam.finished[0][1] if group.beam.finished else []
-            reason = "stop" if ids and ids[-1] in self.eos_token_ids else "length"
-        else:
-            reason = group.seqs[0].status.value
-        generated = (sum(len(ids) for _, ids, _ in group.beam.finished) if group.beam is not None
-                     else sum(s.num_output_tokens for s in group.seqs))
-        queued = group.first_scheduled_time - group.arrival_time if group.first_scheduled_time is not None else None
-        self.stats.finished.append(FinishedRequestStats(reason, now - group.arrival_time, queued,
-                                                        len(group.prompt_token_ids), generated))
-
     def take_failed_step(self) -> list[str]:
         """The request ids of a step that raised (empty if none was in progress); clears it."""
         sched, self._in_flight = self._in_flight, None
@@ -496,14 +379,7 @@ class LLMEngine:
 
     def take_stats(self) -> IterationStats:
         """The stats gathered since the previous call (scheduler counters as deltas)."""
-        st, self.stats = self.stats, IterationStats()
-        s = self.scheduler.stats
-        p0, q0, h0 = self._stats_base
-        st.num_preemptions = s.num_preemptions - p0
-        st.prefix_cache_queries = s.prefix_cache_queries - q0
-        st.prefix_cache_hits = s.prefix_cache_hits - h0
-        self._stats_base = (s.num_preemptions, s.prefix_cache_queries, s.prefix_cache_hits)
-        return st
+        return self.recorder.take(self.scheduler.stats)
 
     def snapshot(self, extra_waiting: int = 0) -> SchedulerSnapshot:
         """Requests running and waiting, and KV usage, now."""

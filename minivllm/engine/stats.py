@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from minivllm.engine.scheduler import SchedulerStats
+    from minivllm.engine.sequence import Sequence, SequenceGroup
 
 logger = logging.getLogger("minivllm.stats")
 
@@ -46,6 +51,88 @@ class SchedulerSnapshot:
     num_running: int  # requests with a sequence running
     num_waiting: int  # requests queued (including those not yet handed to the engine)
     kv_cache_usage: float  # fraction of KV blocks referenced by live sequences (cached-evictable count as free)
+
+
+@dataclass
+class StepTimings:
+    """Seconds per phase of the step, summed over steps (the step-time split)."""
+
+    steps: int = 0
+    schedule: float = 0.0
+    prepare: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+    update: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        """Phase → seconds."""
+        return {"schedule": self.schedule, "prepare": self.prepare, "forward": self.forward,
+                "sample": self.sample, "update": self.update}
+
+
+class StatsRecorder:
+    """The engine's events (a step scheduled, tokens produced, a request finished) as IterationStats, with
+    timestamps taken in the engine; `take()` hands them over and starts afresh."""
+
+    def __init__(self, eos_token_ids: frozenset[int]) -> None:
+        self.eos_token_ids = eos_token_ids
+        self.stats = IterationStats()
+        self.produced: set[str] = set()  # request ids that got a new token in the current step
+        self._base = (0, 0, 0)  # scheduler counters at the last take()
+
+    def scheduled(self, scheduled: Iterable[tuple[Sequence, int]], num_batched_tokens: int) -> None:
+        """A step was scheduled: its tokens, the prompt share of them, first-scheduled times."""
+        st, now = self.stats, time.time()
+        st.num_steps += 1
+        st.num_iteration_tokens.append(num_batched_tokens)
+        for seq, n in scheduled:
+            st.num_prefill_tokens += min(n, max(0, seq.num_prompt_tokens - seq.num_computed_tokens))
+            group = seq.group
+            if group is not None and group.first_scheduled_time is None:
+                group.first_scheduled_time = now
+
+    def generated(self, request_id: str, num_tokens: int) -> None:
+        """A request got num_tokens new tokens in this step."""
+        self.stats.num_generation_tokens += num_tokens
+        self.produced.add(request_id)
+
+    def token_times(self, group: SequenceGroup, now: float) -> None:
+        """TTFT or inter-token latency of a request that produced a token in this step."""
+        if group.request_id not in self.produced:
+            return
+        if group.first_token_time is None:
+            group.first_token_time = now
+            self.stats.time_to_first_tokens.append(now - group.arrival_time)
+            self.stats.num_prompt_tokens += len(group.prompt_token_ids)
+        else:
+            assert group.last_token_time is not None
+            self.stats.inter_token_latencies.append(now - group.last_token_time)
+        group.last_token_time = now
+
+    def finished(self, group: SequenceGroup, now: float) -> None:
+        """A request finished or was aborted."""
+        if group.aborted:
+            reason = "abort"
+        elif group.beam is not None:
+            ids = group.beam.finished[0][1] if group.beam.finished else []
+            reason = "stop" if ids and ids[-1] in self.eos_token_ids else "length"
+        else:
+            reason = group.seqs[0].status.value
+        generated = (sum(len(ids) for _, ids, _ in group.beam.finished) if group.beam is not None
+                     else sum(s.num_output_tokens for s in group.seqs))
+        queued = group.first_scheduled_time - group.arrival_time if group.first_scheduled_time is not None else None
+        self.stats.finished.append(FinishedRequestStats(reason, now - group.arrival_time, queued,
+                                                        len(group.prompt_token_ids), generated))
+
+    def take(self, s: SchedulerStats) -> IterationStats:
+        """The stats gathered since the previous call, the scheduler's counters as deltas."""
+        st, self.stats = self.stats, IterationStats()
+        p0, q0, h0 = self._base
+        st.num_preemptions = s.num_preemptions - p0
+        st.prefix_cache_queries = s.prefix_cache_queries - q0
+        st.prefix_cache_hits = s.prefix_cache_hits - h0
+        self._base = (s.num_preemptions, s.prefix_cache_queries, s.prefix_cache_hits)
+        return st
 
 
 class StatLogger(Protocol):

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
 from minivllm.engine.async_engine import AsyncStream
-from minivllm.engine.llm_engine import Prompt
+from minivllm.engine.input_processor import Prompt
 from minivllm.engine.tokenizer import chat_prompt
 from minivllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from minivllm.entrypoints.serving import (

@@ -24,7 +24,7 @@ from minivllm.engine.async_engine import (
     QueueFullError,
     RequestFailedError,
 )
-from minivllm.engine.llm_engine import EngineRequest, Prompt
+from minivllm.engine.input_processor import EngineRequest, Prompt
 from minivllm.entrypoints.metrics import ServerMetrics
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -135,11 +135,11 @@ class ServerState:
         self.engine = engine
         self.metrics = metrics
         self.args = args
-        self.model_path = engine.engine.args.model
+        self.model_path = engine.model_path
         self.model_name = served_model_name(self.model_path, args)
-        self.max_model_len = engine.engine.max_model_len
-        self.max_num_seqs = engine.engine.scheduler_config.max_num_seqs
-        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.max_num_seqs = engine.max_num_seqs
+        self.tokenizer = engine.tokenizer
         self.created = int(time.time())
 
     def check_model(self, model: str | None) -> None:
@@ -163,8 +163,8 @@ class ServerState:
         arrival = time.time()
 
         def build() -> list[EngineRequest]:
-            return [self._prepare_one(f"{request_id}-{i}", p, params, priority, arrival, default_max_tokens)
-                    for i, p in enumerate(prompts)]
+            return [self.engine.process_request(f"{request_id}-{i}", p, params, priority, arrival, fit_context=True,
+                                                default_max_tokens=default_max_tokens) for i, p in enumerate(prompts)]
 
         size = sum(len(p) if isinstance(p, str) else 64 for p in prompts)
         try:
@@ -172,23 +172,6 @@ class ServerState:
         except ValueError as e:
             raise bad_request(e) from None
 
-    def _prepare_one(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int,
-                     arrival: float, default_max_tokens: int | None) -> EngineRequest:
-        text, ids = self.engine.engine.tokenize(prompt)
-        room = self.max_model_len - len(ids)
-        if room < 0:
-            raise ValueError(f"prompt: {len(ids)} tokens exceed max_model_len {self.max_model_len}; "
-                             "shorten the prompt")
-        if room == 0:
-            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_model_len "
-                             f"{self.max_model_len}; shorten the prompt")
-        if params.max_tokens is None and default_max_tokens is not None:
-            params = params.clone(max_tokens=min(default_max_tokens, room))
-        elif params.max_tokens is not None and params.max_tokens > room:
-            raise ValueError(f"max_tokens: the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}, "
-                             f"together over max_model_len {self.max_model_len}; lower max_tokens")
-        return self.engine.process_request(request_id, {"prompt": text, "prompt_token_ids": ids}, params,
-                                           priority, arrival)
 
     def submit(self, requests: list[EngineRequest]) -> list[AsyncStream]:
         """Queue requests together; 429 when the waiting queue is full, 503 when the engine is dead."""

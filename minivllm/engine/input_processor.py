@@ -1,0 +1,108 @@
+"""InputProcessor: the one place a request is tokenized, validated and given its defaults.
+
+`LLM`, the HTTP routes and gRPC all build their `EngineRequest`s here (through `LLMEngine` /
+`AsyncLLMEngine.process_request`), so a rule such as "the prompt must fit max_model_len" has one
+implementation and one error message. It reads no engine state that changes step to step, so it
+is safe to call off the engine thread (the servers tokenize large prompts on a worker thread).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from minivllm.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+@dataclass
+class EngineRequest:
+    """A tokenized, validated request, ready to be queued (built off the engine thread)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+
+
+class InputProcessor:
+    """Prompt → token ids, the request's limits checked against the model and the KV pool."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, paged: bool, kv_cache_mode: str,
+                 blocks_needed: Callable[[int], int], num_blocks: int, pool: str) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size, self.max_model_len = vocab_size, max_model_len
+        self.paged, self.kv_cache_mode = paged, kv_cache_mode
+        self.blocks_needed, self.num_blocks, self.pool = blocks_needed, num_blocks, pool
+
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """A prompt (text, token ids, or {"prompt_token_ids": [...]}) → (text, token ids)."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: the prompt is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list):
+            return None, list(prompt)
+        raise ValueError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
+
+    def process(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0,
+                arrival_time: float | None = None, fit_context: bool = False,
+                default_max_tokens: int | None = None) -> EngineRequest:
+        """Tokenize, validate and fill in max_tokens; ValueError naming the problem if the request can never run.
+
+        A missing max_tokens is `default_max_tokens` clipped to the room the prompt leaves, or without one
+        runs to the end of the context. With `fit_context` (the servers, vLLM's rule) the prompt must leave
+        room to generate and an explicit max_tokens must fit the context with the prompt."""
+        params = params or SamplingParams()
+        text, ids = self.tokenize(prompt)
+        room = self.max_model_len - len(ids)
+        if fit_context:
+            if room == 0:
+                raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_model_len "
+                                 f"{self.max_model_len}; shorten the prompt")
+            if params.max_tokens is not None and params.max_tokens > room >= 0:
+                raise ValueError(f"max_tokens: the prompt has {len(ids)} tokens and max_tokens is "
+                                 f"{params.max_tokens}, together over max_model_len {self.max_model_len}; lower "
+                                 "max_tokens")
+        self._validate(ids, params)
+        if params.max_tokens is None:
+            fill = max(1, room) if default_max_tokens is None else min(default_max_tokens, room)
+            params = params.clone(max_tokens=fill)
+        return EngineRequest(request_id, text, ids, params, arrival_time or time.time(), priority)
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("prompt: the prompt is empty (0 tokens)")
+        if not self.paged and (params.n > 1 or params.use_beam_search):
+            # Samples and beams share KV blocks copy-on-write, which only the paged cache does.
+            raise ValueError(f"n / use_beam_search: kv_cache_mode={self.kv_cache_mode} serves only n=1 requests "
+                             "without beam search; use kv_cache_mode=paged")
+        vocab = self.vocab_size
+        for i, t in enumerate(ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"prompt: token ids must be integers in [0, {vocab}); position {i} holds {t!r}")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens exceed max_model_len {self.max_model_len}; shorten the prompt")
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids: {bad_stop} are not below the vocabulary size {vocab}")
+        # Admission that never deadlocks: every sequence of a request must fit the whole pool alone at
+        # its longest (samples and beams can then always make progress one at a time).
+        longest = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
+        need = self.blocks_needed(longest)
+        if need > self.num_blocks:
+            raise ValueError(
+                f"request needs {need} KV blocks for prompt + max_tokens ({longest} tokens) but the whole pool has "
+                f"{self.num_blocks} ({self.pool}); lower max_tokens or give the KV cache more memory")
