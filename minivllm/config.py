@@ -27,14 +27,15 @@ _DTYPES = {
 }
 
 
-def parse_size(value: str | int) -> int:
-    """Parse a memory size such as 2GiB, 512MiB, 1.5GB or a plain byte count."""
+def parse_size(value: str | int, what: str) -> int:
+    """Parse a memory size such as 2GiB, 512MiB, 1.5GB or a plain byte count; `what` names the setting in
+    the error."""
     if isinstance(value, int):
         return value
     m = _SIZE_RE.match(str(value))
     unit = (m.group(2) or "").lower() if m else None
     if m is None or unit not in _SIZE_UNITS:
-        raise ValueError(f"kv_cache_memory: cannot parse size {value!r}; use e.g. '2GiB', '512MiB' or bytes")
+        raise ValueError(f"{what}: cannot parse size {value!r}; use e.g. '2GiB', '512MiB' or bytes")
     return int(float(m.group(1)) * _SIZE_UNITS[unit])
 
 
@@ -187,7 +188,7 @@ class EngineArgs:
         if self.quantization_kernel not in QUANTIZATION_KERNELS:
             raise ValueError(f"quantization_kernel must be one of {', '.join(QUANTIZATION_KERNELS)}, "
                              f"got {self.quantization_kernel!r}")
-        if parse_size(self.kv_cache_memory) <= 0:
+        if parse_size(self.kv_cache_memory, "kv_cache_memory") <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
 
     @classmethod

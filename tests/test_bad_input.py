@@ -154,3 +154,12 @@ def test_stop_token_id_beyond_vocab_is_rejected_and_nothing_breaks(llm):
 def test_sampling_params_reject_with_the_field_named(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_size_settings_name_themselves_in_errors():
+    from minivllm.entrypoints.serving import ServerArgs
+
+    with pytest.raises(ValueError, match="kv_cache_memory: cannot parse size 'lots'"):
+        EngineArgs(kv_cache_memory="lots")
+    with pytest.raises(ValueError, match="max_body_size: cannot parse size '4 parsecs'"):
+        ServerArgs(max_body_size="4 parsecs")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -24,10 +25,16 @@ def test_bench_throughput_smoke(model_factory, tmp_path):
     assert r["output_tokens"] == 4 * 6
     # Same greedy tokens as HF and as the portable paths: the comparison is apples to apples.
     assert r["hf"]["identical_outputs"] == 4 and r["portable"]["identical_outputs"] == 4
-    assert 0 < r["ours"]["roofline_fraction"] and r["speedup_vs_hf"] > 0
+    ours, hf = r["ours"], r["hf"]
+    # The reported figures are the raw ones' ratios, and nothing beats the CPU roofline.
+    assert ours["roofline_fraction"] == pytest.approx(ours["roofline_s"] / ours["elapsed_s"])
+    assert ON_CUDA or 0 < ours["roofline_fraction"] <= 1
+    assert r["speedup_vs_hf"] == pytest.approx(hf["elapsed_s"] / ours["elapsed_s"])
+    assert ours["output_tok_s"] == pytest.approx(r["output_tokens"] / ours["elapsed_s"])
     assert set(r["step_split"]) == {"schedule", "prepare", "forward", "sample", "update"}
     assert r["decode_profile"]["batch"] == 4
-    assert r["sampled"]["output_tok_s"] > 0 and r["sampled"]["ratio_to_greedy"] > 0
+    sampled = r["sampled"]
+    assert sampled["ratio_to_greedy"] == pytest.approx(sampled["output_tok_s"] / ours["output_tok_s"])
     p = r["decode_profile"]
     assert 0 < p["non_model_share"] < 1 and p["phases_ms"]["forward"] > 0
     assert [x["concurrency"] for x in r["concurrency_sweep"]] == [1, 4]
@@ -40,8 +47,10 @@ def test_bench_throughput_smoke(model_factory, tmp_path):
         if not name.startswith("full"):
             # Every mode computes the same greedy tokens as the full engine, only at another cost.
             assert x["identical_outputs"] == 6
-            assert x["ratio_to_full"] > 0
-    assert ab["static-batching"]["ratio_to_control"] > 0
+            full = ab[f"full engine ({x['workload']})"]
+            assert x["ratio_to_full"] == pytest.approx(x["output_tok_s"] / full["output_tok_s"])
+    assert ab["static-batching"]["ratio_to_control"] == pytest.approx(
+        ab["static-batching"]["output_tok_s"] / ab["continuous-8"]["output_tok_s"])
     # A contiguous cache reserves max_model_len per sequence: far more of its memory holds nothing.
     assert ab["contiguous-cache"]["kv_waste"] > ab["full engine (mixed)"]["kv_waste"] + 0.1
     assert 0 <= ab["full engine (shared-prefix)"]["kv_waste"] < ab["no-prefix-caching"]["kv_waste"] + 0.05
@@ -56,7 +65,8 @@ def test_bench_latency_smoke(model_factory, tmp_path):
     r = json.loads(out.read_text())
     assert [x["prompt_len"] for x in r["rows"]] == [16, 64]
     for x in r["rows"]:
-        assert x["ttft_ms"] > 0 and x["tpot_ms"] > 0 and x["ttft_floor_ms"] > 0 and x["tpot_floor_ms"] > 0
+        # Measured above its floors (the floors are ceilings' consequences: nothing beats them on the CPU).
+        assert ON_CUDA or (x["ttft_ms"] >= x["ttft_floor_ms"] > 0 and x["tpot_ms"] >= x["tpot_floor_ms"] > 0)
     assert (tmp_path / "latency.png").stat().st_size > 0
 
 
@@ -74,7 +84,8 @@ def test_bench_serve_smoke_over_grpc_and_http(model_factory, tmp_path):
         s = r["server"][t]
         assert s["successes"] == 12 and s["failures"] == 0  # 6 requests x 2 rounds
         assert 4 * 12 <= s["output_tokens"] <= 6 * 12 and s["ttft_ms"]["p50"] > 0
-        assert r["server_vs_offline"][t] > 0
+        offline = statistics.mean(r["offline_tok_per_s"])
+        assert r["server_vs_offline"][t] == pytest.approx(s["output_tok_per_s"] / offline)
     assert r["server"]["grpc"]["output_tokens"] == r["server"]["http"]["output_tokens"]  # the same requests
     assert (tmp_path / "serve.png").stat().st_size > 0
 

@@ -29,10 +29,11 @@ def test_every_spec_name_present(url):
     names = {k.split("{")[0] for k in metrics(url)}
     missing = [n for n in SPEC_NAMES if n not in names]
     assert not missing, missing
+    assert httpx.post(url + "/generate", json={"prompt": "hello", "max_new_tokens": 2}, timeout=60).status_code == 200
     text = httpx.get(url + "/metrics").text
-    assert 'inference_request_latency_seconds_bucket{endpoint="/generate",le="50.0"}' in text or \
-        "inference_request_latency_seconds" in text
-    assert 'le="0.1"' in text and 'le="50.0"' in text  # the seed's 0.1…50 s buckets
+    # The seed's request-latency histogram, per endpoint, with its 0.1…50 s buckets.
+    for le in ("0.1", "50.0"):
+        assert f'inference_request_latency_seconds_bucket{{endpoint="/generate",le="{le}"}}' in text, le
 
 
 def test_counters_move_by_the_right_amounts(url):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from collections.abc import Callable
@@ -16,5 +17,8 @@ def save(result: dict[str, Any], out: str | None, plot: Callable[[dict[str, Any]
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
     png = os.path.splitext(out)[0] + ".png"
+    if importlib.util.find_spec("matplotlib") is None:
+        print(f"wrote {out}; no PNG: matplotlib is not installed (pip install -e \".[bench]\")")
+        return
     plot(result, png)
     print(f"wrote {out} and {png}")

@@ -56,7 +56,7 @@ class LLMEngine:
         self.tokenizer = get_tokenizer(args.model)
         per_token = mc.kv_bytes_per_token(self.dtype)
         kv_bytes = (args.num_kv_blocks * args.block_size * per_token if args.num_kv_blocks
-                    else parse_size(args.kv_cache_memory))
+                    else parse_size(args.kv_cache_memory, "kv_cache_memory"))
         # Ablation modes: neither a per-request contiguous cache nor a recomputed one can share prefix blocks.
         self.recompute_kv = args.kv_cache_mode == "none"
         prefix_caching = args.enable_prefix_caching and args.kv_cache_mode == "paged"

@@ -177,7 +177,8 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs) -> FastAPI:
 
     app.include_router(seed_routes.router)
     app.include_router(openai_routes.router)
-    app.add_middleware(GuardMiddleware, api_key=args.api_key, max_body_bytes=parse_size(args.max_body_size))
+    app.add_middleware(GuardMiddleware, api_key=args.api_key,
+                       max_body_bytes=parse_size(args.max_body_size, "max_body_size"))
     return app
 
 

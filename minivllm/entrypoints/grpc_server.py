@@ -321,7 +321,7 @@ async def start_grpc_server(state: ServerState) -> GrpcServer:
     args = state.args
     assert args.grpc_port is not None
     options = [("grpc.so_reuseport", 0),  # gRPC's default on Linux would let a second server share the port
-               ("grpc.max_receive_message_length", parse_size(args.max_body_size))]
+               ("grpc.max_receive_message_length", parse_size(args.max_body_size, "max_body_size"))]
     interceptors = [ApiKeyInterceptor(args.api_key)] if args.api_key else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
     pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(state), server)

@@ -57,7 +57,7 @@ class ServerArgs:
             raise ValueError(f"grpc_port must be in [0, 65535], got {self.grpc_port}")
         if self.grpc_port is not None and self.grpc_port == self.port != 0:
             raise ValueError(f"grpc_port and port are both {self.port}; give gRPC a port of its own")
-        if parse_size(self.max_body_size) <= 0:
+        if parse_size(self.max_body_size, "max_body_size") <= 0:
             raise ValueError(f"max_body_size must be positive, got {self.max_body_size!r}")
 
 

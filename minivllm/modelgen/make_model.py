@@ -155,7 +155,7 @@ def _write_weights(out: str, tensors: dict[str, torch.Tensor], max_shard_size: s
     if max_shard_size is None:
         save_file(tensors, os.path.join(out, "model.safetensors"), metadata=meta)
         return
-    limit = parse_size(max_shard_size)
+    limit = parse_size(max_shard_size, "max_shard_size")
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in tensors.items():
