@@ -48,13 +48,20 @@ def _check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
         raise APIError(400, "logit_bias is not supported by this server", "logit_bias")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
+    if req.use_beam_search and req.stream:
+        # Beams are reordered and pruned until the end: there is nothing final to stream before it.
+        raise APIError(400, "use_beam_search is not supported with stream=true", "use_beam_search")
 
 
-def _params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
-            ) -> SamplingParams:
+def _params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None,
+            prompt_logprobs: int | None = None) -> SamplingParams:
     kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
     try:
-        return req.sampling_params(max_tokens, kind, n=req.n, logprobs=logprobs)
+        if req.use_beam_search:  # vLLM's meaning: n beams, all returned, best first
+            return req.sampling_params(max_tokens, kind, use_beam_search=True, beam_width=req.n,
+                                       length_penalty=req.length_penalty, early_stopping=req.early_stopping,
+                                       temperature=0.0, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        return req.sampling_params(max_tokens, kind, n=req.n, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     except ValueError as e:
         raise bad_request(e) from None
 
@@ -108,10 +115,13 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         raise APIError(400, "suffix is not supported by this server", "suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(400, f"best_of ({body.best_of}) must equal n ({body.n}) on this server", "best_of")
-    if body.echo and body.logprobs is not None:
-        raise APIError(400, "echo together with logprobs is not supported", "echo")
+    echo_logprobs = body.echo and body.logprobs is not None
+    if echo_logprobs and body.stream:
+        raise APIError(400, "echo together with logprobs is not supported with stream=true", "echo")
     prompts = _completion_prompts(body.prompt)
-    params = _params(body, body.max_tokens, body.logprobs)
+    # echo with logprobs scores the prompt too (OpenAI's legacy behaviour): through prompt_logprobs.
+    prompt_lp = max(body.prompt_logprobs or 0, body.logprobs or 0) if echo_logprobs else body.prompt_logprobs
+    params = _params(body, body.max_tokens, body.logprobs, prompt_lp)
     rid, streams = await _submit(st, prompts, params, body.priority, "cmpl")
     created = int(time.time())
     if body.stream:
@@ -122,12 +132,23 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     choices, completion_tokens = [], 0
     for i, out in enumerate(outs):
         echo = _prompt_text(st, out) if body.echo else ""
+        echoed = _echo_logprobs(st, out, body.logprobs) if echo_logprobs and body.logprobs is not None else None
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
-            choices.append({"index": i * body.n + c.index, "text": echo + c.text, "finish_reason": c.finish_reason,
-                            "stop_reason": c.stop_reason,
-                            "logprobs": (_completion_logprobs(c, body.logprobs, 0) if body.logprobs is not None
-                                         else None)})
+            lps = None
+            if body.logprobs is not None:
+                # Offsets run on from the echoed tokens' own texts, so they stay in step with `tokens`.
+                start = sum(len(t) for t in echoed["tokens"]) if echoed is not None else 0
+                lps = _completion_logprobs(c, body.logprobs, start)
+                if echoed is not None:
+                    lps = {k: echoed[k] + lps[k] for k in lps}
+            choice = {"index": i * body.n + c.index, "text": echo + c.text, "finish_reason": c.finish_reason,
+                      "stop_reason": c.stop_reason, "logprobs": lps}
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = _prompt_logprobs_json(out, body.prompt_logprobs)
+            if body.use_beam_search:  # the beam's score (vLLM's cumulative_logprob), best first
+                choice["cumulative_logprob"] = c.cumulative_logprob
+            choices.append(choice)
     st.count("/v1/completions", "success", t0)
     return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
                          "choices": choices,
@@ -148,6 +169,32 @@ def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -
 
 def _prompt_text(st: ServerState, out: RequestOutput) -> str:
     return out.prompt if out.prompt is not None else st.tokenizer.decode(out.prompt_token_ids)
+
+
+def _prompt_logprobs_json(out: RequestOutput, k: int) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs` of a choice: per prompt position (the first None), the prompt's token and
+    the top k, token id → {logprob, rank, decoded_token}."""
+    def position(tid: int, pos: PositionLogprobs | None) -> dict[str, dict[str, Any]] | None:
+        if pos is None:
+            return None
+        keep = {tid: pos[tid], **{t: lp for t, lp in pos.items() if lp.rank <= k}}
+        return {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                for t, lp in keep.items()}
+
+    return [position(tid, pos) for tid, pos in zip(out.prompt_token_ids, out.prompt_logprobs or [], strict=True)]
+
+
+def _echo_logprobs(st: ServerState, out: RequestOutput, k: int) -> dict[str, Any]:
+    """The prompt's part of legacy completions logprobs under echo (its first token has no logprob)."""
+    tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
+    for tid, pos in zip(out.prompt_token_ids, out.prompt_logprobs or [], strict=True):
+        text = pos[tid].decoded_token if pos is not None else st.tokenizer.decode([tid])
+        tokens.append(text)
+        token_lps.append(pos[tid].logprob if pos is not None else None)
+        tops.append({lp.decoded_token: lp.logprob for lp in _top(pos, k)} if pos is not None else None)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
 @dataclass
@@ -203,7 +250,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = _params(body, max_tokens, logprobs)
+    params = _params(body, max_tokens, logprobs, body.prompt_logprobs)
     if body.chat_template is not None:  # untrusted Jinja from a client: refused, as vLLM does by default
         raise APIError(400, "chat_template: a request may not carry its own chat template", "chat_template")
     messages = [m.as_template_dict() for m in body.messages]
@@ -224,9 +271,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                 "logprobs": _chat_logprobs(c, k) if body.logprobs else None,
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
     st.count("/v1/chat/completions", "success", t0)
-    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": st.model_name,
-                         "choices": choices,
-                         "usage": _usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))})
+    response = {"id": rid, "object": "chat.completion", "created": created, "model": st.model_name,
+                "choices": choices,
+                "usage": _usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))}
+    if body.prompt_logprobs is not None:  # vLLM puts the chat's prompt logprobs beside the choices
+        response["prompt_logprobs"] = _prompt_logprobs_json(out, body.prompt_logprobs)
+    return JSONResponse(response)
 
 
 async def _chat_events(body: ChatCompletionRequest, chunk: _Chunker, stream: AsyncStream, k: int

@@ -78,6 +78,12 @@ class _OpenAIRequest(SamplingFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
+    # vLLM's extra parameters (the openai client sends them in extra_body): beam search with n beams
+    # (HF's algorithm, deterministic), and the prompt's own logprobs (completions only).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
+    prompt_logprobs: int | None = None
 
 
 class CompletionRequest(_OpenAIRequest):
