@@ -65,13 +65,14 @@ def test_sampling_fields_mirror_sampling_params():
     single = {f.name: (f.number, f.type, f.has_presence) for f in pb.GenerateRequest.DESCRIPTOR.fields}
     batch = {f.name: (f.number, f.type, f.has_presence) for f in pb.BatchGenerateRequest.DESCRIPTOR.fields}
     own = {"prompt", "prompt_token_ids", "request_id", "prompts", "priority", "max_new_tokens"}
+    # Generate alone takes beam search (its answer carries the beams) and the prompt's logprobs.
+    single_only = {"beam_width", "length_penalty", "early_stopping", "prompt_logprobs"}
     sampling = set(single) - own
-    assert sampling == set(batch) - own
-    for name in sampling | {"max_new_tokens", "priority"}:
+    assert sampling - single_only == set(batch) - own
+    for name in sampling - single_only | {"max_new_tokens", "priority"}:
         assert single[name] == batch[name], name  # same number and type in both messages
     params = {f.name for f in dataclasses.fields(SamplingParams)}
     assert sampling <= params, sampling - params
-    # What a single-sequence request can set: everything but n/beam search and prompt logprobs.
+    # What a single-sequence request can set: everything but n (beam_width turns beam search on).
     left_out = params - sampling - {"max_tokens"}
-    assert left_out <= {"n", "use_beam_search", "beam_width", "length_penalty", "prompt_logprobs", "output_kind",
-                        "early_stopping"}, left_out
+    assert left_out <= {"n", "use_beam_search", "output_kind"}, left_out

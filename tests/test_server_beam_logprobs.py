@@ -88,3 +88,41 @@ def test_beam_search_bad_combinations_are_clear_errors(client):
         client.completions.create(model=model, prompt="x", max_tokens=2, logprobs=1, echo=True, stream=True)
     # The server goes on serving.
     assert client.completions.create(model=model, prompt="x", max_tokens=2).choices[0].finish_reason
+
+
+@pytest.fixture(scope="module")
+def grpc_target(path):
+    from server_utils import ServerProcess, free_port
+
+    port = free_port()
+    proc = ServerProcess(path, "--num-threads", "1", "--grpc-port", str(port))
+    yield f"127.0.0.1:{port}"
+    proc.stop()
+
+
+def test_grpc_beam_search_and_prompt_logprobs_equal_offline(grpc_target, offline):
+    import grpc
+
+    from minivllm.entrypoints.proto import inference_pb2 as pb
+    from minivllm.entrypoints.proto import inference_pb2_grpc as pb_grpc
+
+    prompt = PROMPTS[0]
+    (ref,) = offline.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))
+    (lp_ref,) = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
+                                 use_tqdm=False)
+    with grpc.insecure_channel(grpc_target) as channel:
+        stub = pb_grpc.InferenceServiceStub(channel)
+        got = stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=6, ignore_eos=True, beam_width=3),
+                            timeout=120)
+        lp = stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=1, temperature=0, prompt_logprobs=1),
+                           timeout=120)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.GenerateStream(pb.GenerateRequest(prompt=prompt, max_new_tokens=2, beam_width=2), timeout=60))
+    assert [b.text for b in got.beams] == [b.text for b in ref.outputs] and got.generated_text == ref.outputs[0].text
+    assert [b.cumulative_logprob for b in got.beams] == pytest.approx([b.cumulative_logprob for b in ref.outputs],
+                                                                      abs=1e-4)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "GenerateStream" in err.value.details()
+    want = [pos[t] for t, pos in zip(lp_ref.prompt_token_ids[1:], lp_ref.prompt_logprobs[1:], strict=True)]
+    assert [p.token_id for p in lp.prompt_logprobs] == lp_ref.prompt_token_ids[1:]
+    assert [p.logprob for p in lp.prompt_logprobs] == pytest.approx([w.logprob for w in want], abs=1e-4)
+    assert [p.rank for p in lp.prompt_logprobs] == [w.rank for w in want]

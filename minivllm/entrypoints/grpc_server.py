@@ -64,10 +64,18 @@ def sampling_params(msg: pb.GenerateRequest | pb.BatchGenerateRequest, kind: Req
     400 naming the field). An unset optional field keeps SamplingParams' default."""
     fields = {fd.name: v if isinstance(v, int | float | str) else list(v)
               for fd, v in msg.ListFields() if fd.name in _SAMPLING_FIELDS}
+    extra: dict[str, Any] = {"logprobs": _opt(msg, "logprobs")}
+    if isinstance(msg, pb.GenerateRequest):
+        extra["prompt_logprobs"] = _opt(msg, "prompt_logprobs")
+        if msg.HasField("beam_width"):
+            if kind == RequestOutputKind.DELTA:
+                raise APIError(400, "beam_width: beam search is not supported with GenerateStream", "beam_width")
+            extra.update(use_beam_search=True, beam_width=msg.beam_width, temperature=0.0,
+                         length_penalty=_opt(msg, "length_penalty"), early_stopping=_opt(msg, "early_stopping"))
     try:
         sampling = SamplingFields.model_validate(fields)
         return sampling.sampling_params(msg.max_new_tokens if msg.HasField("max_new_tokens") else None, kind,
-                                        logprobs=msg.logprobs if msg.HasField("logprobs") else None)
+                                        **extra)
     except ValidationError as e:
         raise APIError(400, *validation_message(e)) from None
     except ValueError as e:
@@ -94,13 +102,19 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> pb.Usage:
                     total_tokens=prompt_tokens + completion_tokens)
 
 
-def _response(out: RequestOutput, t0: float, logprobs: int | None) -> pb.GenerateResponse:
+def _response(out: RequestOutput, t0: float, logprobs: int | None, beam_search: bool = False) -> pb.GenerateResponse:
     c = out.outputs[0]
+    beams = [pb.Beam(text=b.text, token_ids=b.token_ids, cumulative_logprob=b.cumulative_logprob or 0.0,
+                     finish_reason=b.finish_reason or "") for b in out.outputs] if beam_search else []
+    prompt_lps = [pb.TokenLogprob(token_id=tid, token=pos[tid].decoded_token, logprob=pos[tid].logprob,
+                                  rank=pos[tid].rank, top_logprobs=_top(pos, len(pos)))
+                  for tid, pos in zip(out.prompt_token_ids[1:], (out.prompt_logprobs or [None])[1:], strict=False)
+                  if pos is not None]
     return pb.GenerateResponse(
         generated_text=c.text, tokens_generated=len(c.token_ids), latency_ms=1000.0 * (time.monotonic() - t0),
         finish_reason=c.finish_reason or "", usage=_usage(len(out.prompt_token_ids), len(c.token_ids)),
         token_ids=c.token_ids, logprobs=_logprobs(c, logprobs) if logprobs is not None else (),
-        request_id=out.request_id)
+        request_id=out.request_id, beams=beams, prompt_logprobs=prompt_lps)
 
 
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
@@ -141,7 +155,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         async def work(t0: float) -> pb.GenerateResponse:
             reqs = await self._prepare(request, RequestOutputKind.FINAL_ONLY, [_prompt(request)], request.request_id)
             (out,) = await self.state.wait_finals(None, self.state.submit(reqs))
-            return _response(out, t0, _opt(request, "logprobs"))
+            return _response(out, t0, _opt(request, "logprobs"), request.HasField("beam_width"))
 
         return await self._call("Generate", context, work)
 
