@@ -126,3 +126,27 @@ def test_grpc_beam_search_and_prompt_logprobs_equal_offline(grpc_target, offline
     assert [p.token_id for p in lp.prompt_logprobs] == lp_ref.prompt_token_ids[1:]
     assert [p.logprob for p in lp.prompt_logprobs] == pytest.approx([w.logprob for w in want], abs=1e-4)
     assert [p.rank for p in lp.prompt_logprobs] == [w.rank for w in want]
+
+
+def test_seed_generate_beams_and_prompt_logprobs(path, serve, offline):
+    import httpx
+
+    url = serve(path)
+    prompt = PROMPTS[3]
+    (ref,) = offline.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True))
+    r = httpx.post(url + "/generate", json={"prompt": prompt, "max_new_tokens": 5, "ignore_eos": True,
+                                            "beam_width": 2, "prompt_logprobs": 0}, timeout=120)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert [b["text"] for b in got["beams"]] == [b.text for b in ref.outputs] == [got["generated_text"],
+                                                                                   ref.outputs[1].text]
+    assert [b["cumulative_logprob"] for b in got["beams"]] == pytest.approx(
+        [b.cumulative_logprob for b in ref.outputs], abs=1e-4)
+    (lp_ref,) = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
+                                 use_tqdm=False)
+    served = got["prompt_logprobs"]
+    assert served[0] is None and len(served) == len(lp_ref.prompt_token_ids)
+    for tid, pos, want in zip(lp_ref.prompt_token_ids[1:], served[1:], lp_ref.prompt_logprobs[1:], strict=True):
+        assert pos[str(tid)]["logprob"] == pytest.approx(want[tid].logprob, abs=1e-4)
+    bad = httpx.post(url + "/generate", json={"prompt": prompt, "beam_width": 2, "stream": True}, timeout=60)
+    assert bad.status_code == 400 and "beam search is not supported with stream=true" in bad.text

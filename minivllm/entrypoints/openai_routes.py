@@ -22,6 +22,7 @@ from minivllm.entrypoints.serving import (
     bad_request,
     merge,
     new_request_id,
+    prompt_logprobs_json,
     sse,
 )
 from minivllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
@@ -145,7 +146,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             choice = {"index": i * body.n + c.index, "text": echo + c.text, "finish_reason": c.finish_reason,
                       "stop_reason": c.stop_reason, "logprobs": lps}
             if body.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = _prompt_logprobs_json(out, body.prompt_logprobs)
+                choice["prompt_logprobs"] = prompt_logprobs_json(out, body.prompt_logprobs)
             if body.use_beam_search:  # the beam's score (vLLM's cumulative_logprob), best first
                 choice["cumulative_logprob"] = c.cumulative_logprob
             choices.append(choice)
@@ -169,19 +170,6 @@ def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -
 
 def _prompt_text(st: ServerState, out: RequestOutput) -> str:
     return out.prompt if out.prompt is not None else st.tokenizer.decode(out.prompt_token_ids)
-
-
-def _prompt_logprobs_json(out: RequestOutput, k: int) -> list[dict[str, dict[str, Any]] | None]:
-    """vLLM's `prompt_logprobs` of a choice: per prompt position (the first None), the prompt's token and
-    the top k, token id → {logprob, rank, decoded_token}."""
-    def position(tid: int, pos: PositionLogprobs | None) -> dict[str, dict[str, Any]] | None:
-        if pos is None:
-            return None
-        keep = {tid: pos[tid], **{t: lp for t, lp in pos.items() if lp.rank <= k}}
-        return {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
-                for t, lp in keep.items()}
-
-    return [position(tid, pos) for tid, pos in zip(out.prompt_token_ids, out.prompt_logprobs or [], strict=True)]
 
 
 def _echo_logprobs(st: ServerState, out: RequestOutput, k: int) -> dict[str, Any]:
@@ -275,7 +263,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                 "choices": choices,
                 "usage": _usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))}
     if body.prompt_logprobs is not None:  # vLLM puts the chat's prompt logprobs beside the choices
-        response["prompt_logprobs"] = _prompt_logprobs_json(out, body.prompt_logprobs)
+        response["prompt_logprobs"] = prompt_logprobs_json(out, body.prompt_logprobs)
     return JSONResponse(response)
 
 

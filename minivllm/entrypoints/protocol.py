@@ -54,6 +54,11 @@ class GenerateRequest(_SeedRequest):
 
     prompt: str
     stream: bool = False
+    # Beam search with this many beams (not streamed): the answer lists every beam, best first.
+    beam_width: int | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | Literal["never"] | None = None
+    prompt_logprobs: int | None = None
 
 
 class BatchGenerateRequest(_SeedRequest):

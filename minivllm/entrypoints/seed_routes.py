@@ -21,6 +21,7 @@ from minivllm.entrypoints.serving import (
     bad_request,
     engine_error,
     new_request_id,
+    prompt_logprobs_json,
     sse,
     validation_message,
 )
@@ -31,8 +32,16 @@ _DEFAULT_MAX_TOKENS = 128
 
 
 def _params(body: GenerateRequest | BatchGenerateRequest, kind: RequestOutputKind) -> SamplingParams:
+    extra = {}
+    if isinstance(body, GenerateRequest):
+        extra["prompt_logprobs"] = body.prompt_logprobs
+        if body.beam_width is not None:
+            if kind == RequestOutputKind.DELTA:
+                raise APIError(400, "beam_width: beam search is not supported with stream=true", "beam_width")
+            extra.update(use_beam_search=True, beam_width=body.beam_width, temperature=0.0,
+                         length_penalty=body.length_penalty, early_stopping=body.early_stopping)
     try:
-        return body.sampling_params(body.max_new_tokens, kind)
+        return body.sampling_params(body.max_new_tokens, kind, **extra)
     except ValueError as e:
         raise bad_request(e) from None
 
@@ -51,9 +60,15 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     (out,) = await state.wait_finals(request, streams)
     c = out.outputs[0]
     state.count("/generate", "success", t0)
-    return JSONResponse({"generated_text": c.text, "tokens_generated": len(c.token_ids),
-                         "latency_ms": 1000.0 * (time.monotonic() - t0), "finish_reason": c.finish_reason,
-                         "prompt_tokens": len(out.prompt_token_ids)})
+    answer = {"generated_text": c.text, "tokens_generated": len(c.token_ids),
+              "latency_ms": 1000.0 * (time.monotonic() - t0), "finish_reason": c.finish_reason,
+              "prompt_tokens": len(out.prompt_token_ids)}
+    if body.beam_width is not None:
+        answer["beams"] = [{"text": b.text, "token_ids": b.token_ids, "cumulative_logprob": b.cumulative_logprob,
+                            "finish_reason": b.finish_reason} for b in out.outputs]
+    if body.prompt_logprobs is not None:
+        answer["prompt_logprobs"] = prompt_logprobs_json(out, body.prompt_logprobs)
+    return JSONResponse(answer)
 
 
 async def _deltas(stream: AsyncStream) -> AsyncIterator[str]:

@@ -26,7 +26,7 @@ from minivllm.engine.async_engine import (
 )
 from minivllm.engine.input_processor import EngineRequest, Prompt
 from minivllm.entrypoints.metrics import ServerMetrics
-from minivllm.outputs import RequestOutput
+from minivllm.outputs import PositionLogprobs, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -344,3 +344,16 @@ class EngineStreamingResponse(StreamingResponse):
 def sse(data: str) -> str:
     """One Server-Sent Event."""
     return f"data: {data}\n\n"
+
+
+def prompt_logprobs_json(out: RequestOutput, k: int) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs` of a choice: per prompt position (the first None), the prompt's token and
+    the top k, token id → {logprob, rank, decoded_token}."""
+    def position(tid: int, pos: PositionLogprobs | None) -> dict[str, dict[str, Any]] | None:
+        if pos is None:
+            return None
+        keep = {tid: pos[tid], **{t: lp for t, lp in pos.items() if lp.rank <= k}}
+        return {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                for t, lp in keep.items()}
+
+    return [position(tid, pos) for tid, pos in zip(out.prompt_token_ids, out.prompt_logprobs or [], strict=True)]
