@@ -147,3 +147,34 @@ def test_periodic_log_line(caplog):
     (line,) = [r.getMessage() for r in caplog.records]
     assert "Running: 4 reqs, Waiting: 2 reqs" in line and "KV cache usage: 25.0%" in line
     assert "Prefix cache hit rate: 40.0%" in line
+
+
+def test_stats_are_recorded_on_the_event_loop_not_the_engine_thread(model):
+    """The engine thread hands stats objects over; the front end's loggers run on its own (event-loop) thread."""
+    import threading
+
+    threads, steps = set(), []
+
+    class Recorder:
+        def record(self, stats, snapshot):
+            threads.add(threading.current_thread().name)
+            if stats is not None:
+                steps.append(stats.num_steps)
+
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=model, num_threads=1, kv_cache_memory=KV),
+                                             stat_loggers=[Recorder()])
+
+    async def main():
+        engine.start()
+        try:
+            stream = await engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+            async for _ in stream:
+                pass
+            await asyncio.sleep(0.05)  # an idle tick or two may record too
+        finally:
+            engine.shutdown()
+        return threading.current_thread().name
+
+    loop_thread = asyncio.run(main())
+    assert threads == {loop_thread} and "minivllm-engine" not in threads
+    assert sum(steps) >= 4  # a prefill and three decodes at least

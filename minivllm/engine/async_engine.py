@@ -306,7 +306,17 @@ class AsyncLLMEngine:
             self._apply(more)
 
     def _record(self, stats: IterationStats | None) -> None:
+        """Hand the step's stats to the event loop, where the front end's loggers record them: the engine
+        thread produces stats objects and never calls into the server's metrics (vLLM v1's direction)."""
         self._snapshot = snap = self.engine.snapshot(self._inbox_adds)
+        if self.stat_loggers and self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._log_stats, stats, snap)
+            except RuntimeError:  # the event loop closed under us (server shutdown)
+                pass
+
+    def _log_stats(self, stats: IterationStats | None, snap: SchedulerSnapshot) -> None:
+        """On the event-loop thread: every stat logger records one step's stats (or an idle tick)."""
         for sl in self.stat_loggers:
             try:
                 sl.record(stats, snap)
