@@ -39,13 +39,19 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # of which served from cache
 
 
+def _reversed_order(seq: Sequence) -> tuple[int, int]:
+    priority, arrival = seq.sort_key
+    return -priority, -arrival
+
+
 class Scheduler:
     """Decides, each step, which sequences run and for how many tokens."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.bm = block_manager
-        self.waiting: list[Sequence] = []  # sorted by sort_key
+        # Sorted by sort_key, last first: the next to admit is at the end, so admission pops in O(1).
+        self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # sorted by sort_key: the preemption victim is the last
         self.stats = SchedulerStats()
         self._batch_forming = True  # static batching: the current batch still admits requests
@@ -53,7 +59,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence."""
         seq.status = SequenceStatus.WAITING
-        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+        bisect.insort_left(self.waiting, seq, key=_reversed_order)  # equal keys: first come, first served
 
     @property
     def num_unfinished(self) -> int:
@@ -125,7 +131,7 @@ class Scheduler:
         while self.waiting and len(self.running) < cfg.max_num_seqs:
             if budget == 0:
                 return budget, True
-            seq = self.waiting[0]
+            seq = self.waiting[-1]
             computed = [] if seq.skips_prefix_cache else self.bm.get_computed_blocks(seq)
             num_cached = len(computed) * self.bm.block_size
             n = seq.num_tokens - num_cached
@@ -136,7 +142,7 @@ class Scheduler:
             reserve = max(n, (cfg.reserve_tokens or 0) - num_cached)
             if not self.bm.allocate_slots(seq, reserve, computed):
                 return budget, False
-            self.waiting.pop(0)
+            self.waiting.pop()
             self.stats.prefix_cache_queries += seq.num_tokens
             self.stats.prefix_cache_hits += num_cached
             if seq.num_preemptions == 0 and seq.group is not None and seq.index == 0 and seq.num_output_tokens == 0:
