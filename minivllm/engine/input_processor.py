@@ -33,11 +33,11 @@ class EngineRequest:
 class InputProcessor:
     """Prompt → token ids, the request's limits checked against the model and the KV pool."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, paged: bool, kv_cache_mode: str,
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, kv_cache_mode: str,
                  blocks_needed: Callable[[int], int], num_blocks: int, pool: str) -> None:
         self.tokenizer = tokenizer
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
-        self.paged, self.kv_cache_mode = paged, kv_cache_mode
+        self.kv_cache_mode = kv_cache_mode
         self.blocks_needed, self.num_blocks, self.pool = blocks_needed, num_blocks, pool
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -85,7 +85,7 @@ class InputProcessor:
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
             raise ValueError("prompt: the prompt is empty (0 tokens)")
-        if not self.paged and (params.n > 1 or params.use_beam_search):
+        if self.kv_cache_mode != "paged" and (params.n > 1 or params.use_beam_search):
             # Samples and beams share KV blocks copy-on-write, which only the paged cache does.
             raise ValueError(f"n / use_beam_search: kv_cache_mode={self.kv_cache_mode} serves only n=1 requests "
                              "without beam search; use kv_cache_mode=paged")

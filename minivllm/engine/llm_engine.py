@@ -81,7 +81,7 @@ class LLMEngine:
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.input_processor = InputProcessor(
-            self.tokenizer, mc.vocab_size, self.max_model_len, args.kv_cache_mode == "paged", args.kv_cache_mode,
+            self.tokenizer, mc.vocab_size, self.max_model_len, args.kv_cache_mode,
             self.block_manager.blocks_needed, cc.num_blocks,
             f"num_kv_blocks={args.num_kv_blocks}" if args.num_kv_blocks else f"kv_cache_memory={args.kv_cache_memory}")
         self.groups: dict[str, SequenceGroup] = {}
