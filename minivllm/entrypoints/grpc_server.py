@@ -28,7 +28,7 @@ from minivllm.config import parse_size
 from minivllm.engine.async_engine import EngineDeadError, RequestFailedError
 from minivllm.entrypoints.proto import inference_pb2 as pb
 from minivllm.entrypoints.proto import inference_pb2_grpc as pb_grpc
-from minivllm.entrypoints.protocol import SamplingFields
+from minivllm.entrypoints.protocol import SamplingFields, beam_search_fields
 from minivllm.entrypoints.serving import (
     APIError,
     ServerState,
@@ -70,8 +70,7 @@ def sampling_params(msg: pb.GenerateRequest | pb.BatchGenerateRequest, kind: Req
         if msg.HasField("beam_width"):
             if kind == RequestOutputKind.DELTA:
                 raise APIError(400, "beam_width: beam search is not supported with GenerateStream", "beam_width")
-            extra.update(use_beam_search=True, beam_width=msg.beam_width, temperature=0.0,
-                         length_penalty=_opt(msg, "length_penalty"), early_stopping=_opt(msg, "early_stopping"))
+            extra.update(beam_search_fields(msg.beam_width, _opt(msg, "length_penalty"), _opt(msg, "early_stopping")))
     try:
         sampling = SamplingFields.model_validate(fields)
         return sampling.sampling_params(msg.max_new_tokens if msg.HasField("max_new_tokens") else None, kind,

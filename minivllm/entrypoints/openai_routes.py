@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from minivllm.engine.async_engine import AsyncStream
 from minivllm.engine.input_processor import Prompt
 from minivllm.engine.tokenizer import chat_prompt
-from minivllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from minivllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, beam_search_fields
 from minivllm.entrypoints.serving import (
     APIError,
     ServerState,
@@ -59,9 +59,8 @@ def _params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | No
     kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
     try:
         if req.use_beam_search:  # vLLM's meaning: n beams, all returned, best first
-            return req.sampling_params(max_tokens, kind, use_beam_search=True, beam_width=req.n,
-                                       length_penalty=req.length_penalty, early_stopping=req.early_stopping,
-                                       temperature=0.0, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            return req.sampling_params(max_tokens, kind, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                       **beam_search_fields(req.n, req.length_penalty, req.early_stopping))
         return req.sampling_params(max_tokens, kind, n=req.n, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     except ValueError as e:
         raise bad_request(e) from None

@@ -41,6 +41,14 @@ class SamplingFields(BaseModel):
         return SamplingParams(max_tokens=max_tokens, output_kind=kind, **fields)
 
 
+def beam_search_fields(width: int, length_penalty: float | None, early_stopping: bool | str | None
+                       ) -> dict[str, Any]:
+    """The SamplingParams fields of a beam search with `width` beams, as every route spells it (HF's
+    deterministic algorithm: temperature 0; None keeps SamplingParams' default)."""
+    return {"use_beam_search": True, "beam_width": width, "temperature": 0.0, "length_penalty": length_penalty,
+            "early_stopping": early_stopping}
+
+
 # ---- the seed's endpoints -----------------------------------------------------------------------------
 class _SeedRequest(SamplingFields):
     # A misspelt field would otherwise be silently ignored.

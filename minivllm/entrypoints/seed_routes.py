@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response
 
 from minivllm.engine.async_engine import AsyncStream
-from minivllm.entrypoints.protocol import BatchGenerateRequest, GenerateRequest
+from minivllm.entrypoints.protocol import BatchGenerateRequest, GenerateRequest, beam_search_fields
 from minivllm.entrypoints.serving import (
     APIError,
     ServerState,
@@ -38,8 +38,7 @@ def _params(body: GenerateRequest | BatchGenerateRequest, kind: RequestOutputKin
         if body.beam_width is not None:
             if kind == RequestOutputKind.DELTA:
                 raise APIError(400, "beam_width: beam search is not supported with stream=true", "beam_width")
-            extra.update(use_beam_search=True, beam_width=body.beam_width, temperature=0.0,
-                         length_penalty=body.length_penalty, early_stopping=body.early_stopping)
+            extra.update(beam_search_fields(body.beam_width, body.length_penalty, body.early_stopping))
     try:
         return body.sampling_params(body.max_new_tokens, kind, **extra)
     except ValueError as e:
