@@ -16,7 +16,8 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from minivllm.model import cpu_kernels
-from minivllm.model.sampler import Sampler, SamplingMetadata
+from minivllm.model.input_batch import InputBatch, SlotParams
+from minivllm.model.sampler import Sampler
 
 VOCAB, N = 24, 20_000
 BOUND = 0.5 * math.sqrt(VOCAB / N) + math.sqrt(math.log(1e6) / (2 * N))
@@ -46,18 +47,29 @@ def expected(logits: torch.Tensor, t: float, top_k: int, top_p: float, min_p: fl
     return q / q.sum()
 
 
-def _metadata(rows: int, t: float, top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0, **kw) -> SamplingMetadata:
-    base = dict(temperature=[t] * rows, top_k=[top_k] * rows, top_p=[top_p] * rows, min_p=[min_p] * rows,
-                generators=[None] * rows, banned=[[]] * rows, presence_penalty=[0.0] * rows,
-                frequency_penalty=[0.0] * rows, repetition_penalty=[1.0] * rows, prompt_ids=[[]] * rows,
-                output_ids=[[]] * rows, num_logprobs=[None] * rows)
-    base.update(kw)
-    return SamplingMetadata(**base)
+class Rows:
+    """A step of `rows` rows in a fresh input batch, every row with the same settings unless a per-row
+    list is given (prompt_ids / output_ids: per-row token lists for the penalties)."""
+
+    def __init__(self, rows: int, t: float, top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0,
+                 prompt_ids: list[list[int]] | None = None, output_ids: list[list[int]] | None = None, **kw) -> None:
+        self.batch = InputBatch()
+        slots = []
+        kw.update(temperature=t, top_k=top_k, top_p=top_p, min_p=min_p)
+        for j in range(rows):
+            params = SlotParams(**{k: (v[j] if isinstance(v, list) else v) for k, v in kw.items()})
+            slots.append(self.batch.add(params, (prompt_ids or [[]] * rows)[j], (output_ids or [[]] * rows)[j]))
+        self.rows = self.batch.rows(slots)
+
+    def sample(self, sampler: Sampler, logits: torch.Tensor):
+        out = sampler.sample(logits, self.batch, self.rows)
+        self.batch.append(self.rows, out.tokens)
+        return out
 
 
 def _empirical(native: bool, logits: torch.Tensor, **cfg) -> torch.Tensor:
     sampler = Sampler(torch.device("cpu"), seed=11, native=native)
-    tokens = sampler.sample(logits.repeat(N, 1), _metadata(N, **cfg)).token_ids
+    tokens = Rows(N, **cfg).sample(sampler, logits.repeat(N, 1)).token_ids
     return torch.bincount(torch.tensor(tokens), minlength=VOCAB).double() / N
 
 
@@ -112,9 +124,9 @@ def test_deliberately_wrong_sampler_fails_the_check(name):
 def test_native_and_torch_paths_draw_identically(native):
     torch.manual_seed(0)
     logits = torch.randn(64, 5000) * 2
-    md = _metadata(64, t=0.8, top_k=100, top_p=0.9, min_p=0.01)
-    a = Sampler(torch.device("cpu"), seed=5, native=True).sample(logits, md).token_ids
-    b = Sampler(torch.device("cpu"), seed=5, native=False).sample(logits, md).token_ids
+    cfg = dict(t=0.8, top_k=100, top_p=0.9, min_p=0.01)
+    a = Rows(64, **cfg).sample(Sampler(torch.device("cpu"), seed=5, native=True), logits.clone()).token_ids
+    b = Rows(64, **cfg).sample(Sampler(torch.device("cpu"), seed=5, native=False), logits.clone()).token_ids
     assert a == b
 
 
@@ -123,12 +135,13 @@ def test_repetition_penalty_equals_hf():
     logits = torch.randn(3, VOCAB) * 3
     prompt = [[1, 2, 3], [4, 4], [5]]
     output = [[3, 7, 7], [], [9, 10, 11]]
-    md = _metadata(3, t=1.0, repetition_penalty=[1.3, 1.7, 0.8], prompt_ids=prompt, output_ids=output)
+    rep = [1.3, 1.7, 0.8]
+    step = Rows(3, t=1.0, repetition_penalty=rep, prompt_ids=prompt, output_ids=output)
     ours = logits.clone()
-    Sampler._apply_penalties(ours, md)
+    step.batch.apply_penalties(ours, step.rows)
     for row in range(3):
         ids = torch.tensor([prompt[row] + output[row]])
-        ref = RepetitionPenaltyLogitsProcessor(md.repetition_penalty[row])(ids, logits[row:row + 1].clone())
+        ref = RepetitionPenaltyLogitsProcessor(rep[row])(ids, logits[row:row + 1].clone())
         torch.testing.assert_close(ours[row], ref[0])
 
 
@@ -136,14 +149,15 @@ def test_presence_and_frequency_follow_vllm_definitions():
     torch.manual_seed(2)
     logits = torch.randn(2, VOCAB)
     output = [[3, 3, 3, 8], [0]]
-    md = _metadata(2, t=1.0, presence_penalty=[0.5, -1.0], frequency_penalty=[0.25, 1.5],
-                   prompt_ids=[[3, 8, 9], [1]], output_ids=output)
+    presence, frequency = [0.5, -1.0], [0.25, 1.5]
+    step = Rows(2, t=1.0, presence_penalty=presence, frequency_penalty=frequency, prompt_ids=[[3, 8, 9], [1]],
+                output_ids=output)
     ours = logits.clone()
-    Sampler._apply_penalties(ours, md)
+    step.batch.apply_penalties(ours, step.rows)
     ref = logits.clone()
     for row in range(2):  # vLLM: logits -= frequency * count + presence * (count > 0), output tokens only
         counts = torch.bincount(torch.tensor(output[row]), minlength=VOCAB).float()
-        ref[row] -= md.frequency_penalty[row] * counts + md.presence_penalty[row] * (counts > 0).float()
+        ref[row] -= frequency[row] * counts + presence[row] * (counts > 0).float()
     torch.testing.assert_close(ours, ref)
     assert ours[0, 9] == logits[0, 9]  # a prompt-only token is untouched by presence/frequency
 
@@ -151,17 +165,16 @@ def test_presence_and_frequency_follow_vllm_definitions():
 def test_banned_tokens_never_sampled_and_greedy_skips_them():
     logits = torch.zeros(4, VOCAB)
     logits[:, 7] = 10.0
-    md = _metadata(4, t=1.0, banned=[[7], [7], [], [7, 8]])
-    md.temperature[1] = 0.0  # greedy row
-    out = Sampler(torch.device("cpu"), seed=0).sample(logits, md).token_ids
+    step = Rows(4, t=[1.0, 0.0, 1.0, 1.0], min_tokens=2, early_banned=[(7,), (7,), (), (7, 8)])  # row 1 greedy
+    out = step.sample(Sampler(torch.device("cpu"), seed=0), logits.clone()).token_ids
     assert out[0] != 7 and out[1] != 7 and out[2] == 7 and out[3] not in (7, 8)
 
 
-def test_logprobs_ranks_and_top_n():
+@pytest.mark.parametrize("native", PATHS)
+def test_logprobs_ranks_and_top_n(native):
     torch.manual_seed(4)
     logits = torch.randn(2, VOCAB)
-    md = _metadata(2, t=0.0, num_logprobs=[3, None])
-    out = Sampler(torch.device("cpu")).sample(logits, md)
+    out = Rows(2, t=0.0, num_logprobs=[3, None]).sample(Sampler(torch.device("cpu"), native=native), logits.clone())
     ref = torch.log_softmax(logits[0], -1)
     lp = out.logprobs[0]
     assert out.logprobs[1] is None
@@ -185,3 +198,97 @@ def test_loading_the_kernels_keeps_denormals():
     # -ffast-math at link time would add crtfastmath.o and flush denormals to zero process-wide.
     cpu_kernels.available()
     assert (torch.tensor(1e-39, dtype=torch.float32) * 1).item() > 0
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_logprobs_of_sampled_rows_match_log_softmax(native):
+    """Random rows, a large vocabulary, different N per row: chosen logprob, rank and top-N as log_softmax."""
+    torch.manual_seed(5)
+    logits = torch.randn(6, 5000) * 2
+    nums = [0, 1, 5, None, 20, 2]
+    out = Rows(6, t=0.9, top_k=[-1, 50, -1, -1, 7, -1], num_logprobs=nums).sample(
+        Sampler(torch.device("cpu"), seed=1, native=native), logits.clone())
+    ref = torch.log_softmax(logits, -1)
+    for j, n in enumerate(nums):
+        lp = out.logprobs[j]
+        if n is None:
+            assert lp is None
+            continue
+        tok = out.token_ids[j]
+        assert lp.token_ids[0] == tok and lp.ranks[0] == int((ref[j] >= ref[j, tok]).sum())
+        torch.testing.assert_close(torch.tensor(lp.logprobs[0]), ref[j, tok])
+        top = ref[j].topk(n) if n else None
+        assert lp.token_ids[1:] == (top.indices.tolist() if n else [])
+        if n:
+            torch.testing.assert_close(torch.tensor(lp.logprobs[1:]), top.values)
+
+
+def test_logprobs_report_the_raw_distribution_of_penalised_and_banned_rows():
+    torch.manual_seed(6)
+    logits = torch.randn(3, VOCAB) * 2
+    step = Rows(3, t=1.0, num_logprobs=2, repetition_penalty=[1.0, 2.0, 1.0], presence_penalty=[0.0, 1.0, 0.0],
+                min_tokens=[0, 0, 1], early_banned=[(), (), (int(logits[2].argmax()),)],
+                output_ids=[[], [int(logits[1].argmax())] * 3, []])
+    out = step.sample(Sampler(torch.device("cpu"), seed=2), logits.clone())
+    ref = torch.log_softmax(logits, -1)
+    for j in range(3):
+        assert out.logprobs[j].token_ids[1:] == ref[j].topk(2).indices.tolist()
+        torch.testing.assert_close(torch.tensor(out.logprobs[j].logprobs[0]), ref[j, out.token_ids[j]])
+
+
+def test_min_tokens_bans_lift_after_min_tokens_outputs():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 3] = 50.0  # EOS stand-in: greedy would always pick it
+    step = Rows(1, t=0.0, min_tokens=2, early_banned=[(3,)])
+    sampler = Sampler(torch.device("cpu"))
+    picks = []
+    for _ in range(3):
+        rows = step.batch.rows([0])
+        out = sampler.sample(logits.clone(), step.batch, rows)
+        step.batch.append(rows, out.tokens)
+        picks.append(out.token_ids[0])
+    assert picks[0] != 3 and picks[1] != 3 and picks[2] == 3
+
+
+def test_penalty_counts_follow_sampled_tokens_incrementally():
+    """Tokens sampled in earlier steps are penalised in later ones exactly as a recount from the full list."""
+    torch.manual_seed(7)
+    prompt = [[1, 2, 2], [5]]
+    step = Rows(2, t=0.0, repetition_penalty=[1.5, 1.0], frequency_penalty=[0.4, 2.0], presence_penalty=[0.1, 0.3],
+                prompt_ids=prompt)
+    sampler = Sampler(torch.device("cpu"))
+    outputs: list[list[int]] = [[], []]
+    base = torch.randn(2, VOCAB) * 0.5
+    for _ in range(12):
+        rows = step.batch.rows([0, 1])
+        out = sampler.sample(base.clone(), step.batch, rows)
+        step.batch.append(rows, out.tokens)
+        for j in range(2):
+            outputs[j].append(out.token_ids[j])
+    ours = base.clone()
+    step.batch.apply_penalties(ours, step.batch.rows([0, 1]))
+    ref = base.clone()
+    for j, (rep, freq, pres) in enumerate([(1.5, 0.4, 0.1), (1.0, 2.0, 0.3)]):
+        seen = torch.zeros(VOCAB, dtype=torch.bool)
+        seen[prompt[j] + outputs[j]] = True
+        ref[j] = torch.where(seen, torch.where(ref[j] > 0, ref[j] / rep, ref[j] * rep), ref[j])
+        counts = torch.bincount(torch.tensor(outputs[j]), minlength=VOCAB).float()
+        ref[j] -= freq * counts + pres * (counts > 0).float()
+    torch.testing.assert_close(ours, ref)
+    assert len(set(outputs[1])) > 3  # the penalties really steered the greedy picks away from repeats
+
+
+def test_slots_are_reused_and_views_follow_membership():
+    batch = InputBatch(initial_slots=2)
+    a = batch.add(SlotParams(0.5), [], [])
+    b = batch.add(SlotParams(0.0, presence_penalty=1.0), [4], [])
+    c = batch.add(SlotParams(0.7, num_logprobs=1), [], [])  # grows past the initial two
+    assert len({a, b, c}) == 3 and batch.num_active == 3
+    rows = batch.rows([a, b, c])
+    assert rows.random_rows == [0, 2] and rows.logprob_rows == [2] and rows.penalty_rows.tolist() == [1]
+    assert batch.rows([a, b, c]) is rows  # unchanged membership: the cached view
+    batch.remove(b)
+    d = batch.add(SlotParams(0.0), [], [])
+    assert d == b and batch.num_active == 3
+    rows = batch.rows([a, d, c])
+    assert rows.penalty_rows.numel() == 0 and rows.temperature.tolist() == pytest.approx([0.5, 0.0, 0.7])

@@ -34,6 +34,11 @@ def add_bench_verbs(bsub: argparse._SubParsersAction) -> None:
     sv = bsub.add_parser("serve", help="load generator against a server (HTTP, OpenAI or gRPC) vs the offline engine")
     add_serve_args(sv)
     sv.set_defaults(func=_bench("serve", "run_serve"))
+    from minivllm.bench.step_overhead import add_step_args
+
+    st = bsub.add_parser("step", help="non-model share of a decode step with mixed sampling (64, 256 sequences)")
+    add_step_args(st)
+    st.set_defaults(func=_bench("step_overhead", "run_step"))
     from minivllm.bench.perplexity import add_perplexity_args
 
     pp = bsub.add_parser("perplexity",

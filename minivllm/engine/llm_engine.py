@@ -28,8 +28,9 @@ from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import BeamState, Sequence, SequenceGroup, SequenceStatus
 from minivllm.engine.stats import IterationStats, SchedulerSnapshot, StatsRecorder, StepTimings
 from minivllm.engine.tokenizer import get_tokenizer
+from minivllm.model.input_batch import InputBatch, SlotParams
 from minivllm.model.runner import ModelRunner, SequenceInput
-from minivllm.model.sampler import Sampler, SamplingMetadata
+from minivllm.model.sampler import Sampler
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -77,6 +78,7 @@ class LLMEngine:
         self.block_manager = BlockManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.sampler = Sampler(self.device, args.seed)
+        self.input_batch = InputBatch()  # the sampled sequences' settings and penalty stores, by slot
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
@@ -149,7 +151,7 @@ class LLMEngine:
         live = group.beam.live if group.beam is not None else group.seqs
         for seq in live:
             if not seq.status.finished:
-                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                self._finish(seq, SequenceStatus.FINISHED_ABORTED)
         if group.beam is not None:
             group.beam.live = []
         if self.log_stats:
@@ -157,6 +159,13 @@ class LLMEngine:
         return self.output_processor.make_output(group)
 
     abort = abort_request
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Retire a sequence: its blocks go back to the pool, its sampling slot to the input batch."""
+        self.scheduler.finish(seq, status)
+        if seq.slot >= 0:
+            self.input_batch.remove(seq.slot)
+            seq.slot = -1
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting or running."""
@@ -272,40 +281,32 @@ class LLMEngine:
                     self._init_sequence(child)
                     group.seqs.append(child)
                     targets.append((child, r))
-        md = self._sampling_metadata([s for s, _ in targets])
+        batch = self.input_batch
+        for seq, _ in targets:
+            if seq.slot < 0:  # first sample (or first since a fork): the settings are written once
+                seq.slot = batch.add(self._slot_params(seq), seq.token_ids[:seq.num_prompt_tokens],
+                                     seq.output_token_ids)
+        step_rows = batch.rows([s.slot for s, _ in targets])
         idx = [r for _, r in targets]
         t0 = time.perf_counter()
-        # Usually every logits row is sampled once, in order: no [rows, vocab] copy then.
-        out = self.sampler.sample(logits if idx == list(range(logits.shape[0])) else logits[idx], md)
+        # Usually every logits row is sampled once, in order: the sampler then works on the logits in place.
+        out = self.sampler.sample(logits if idx == list(range(logits.shape[0])) else logits[idx], batch, step_rows)
+        batch.append(step_rows, out.tokens)
         self._sample_time += time.perf_counter() - t0
         for (seq, _), tok, lp in zip(targets, out.token_ids, out.logprobs, strict=True):
             self.recorder.generated(seq.request_id, 1)
             status = self.output_processor.append_token(seq, tok, lp)
             if status is not None:
-                self.scheduler.finish(seq, status)
+                self._finish(seq, status)
             assert seq.group is not None
             touched.setdefault(seq.group.request_id, seq.group)
 
-    def _sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
-        md = SamplingMetadata([], [], [], [], [], [], [], [], [], [], [], [])
-        for seq in seqs:
-            p = seq.sampling_params
-            md.temperature.append(0.0 if p.greedy else p.temperature)
-            md.top_k.append(p.top_k)
-            md.top_p.append(p.top_p)
-            md.min_p.append(p.min_p)
-            md.generators.append(seq.generator)
-            # Before min_tokens, EOS and stop tokens are masked rather than sampled then ignored.
-            early = seq.num_output_tokens < p.min_tokens
-            md.banned.append([*(self.eos_token_ids if not p.ignore_eos else ()), *p.stop_token_ids] if early else [])
-            md.presence_penalty.append(p.presence_penalty)
-            md.frequency_penalty.append(p.frequency_penalty)
-            md.repetition_penalty.append(p.repetition_penalty)
-            penalised = p.has_penalties
-            md.prompt_ids.append(seq.token_ids[:seq.num_prompt_tokens] if penalised else [])
-            md.output_ids.append(seq.output_token_ids if penalised else [])
-            md.num_logprobs.append(p.logprobs)
-        return md
+    def _slot_params(self, seq: Sequence) -> SlotParams:
+        p = seq.sampling_params
+        # Before min_tokens, EOS and stop tokens are masked rather than sampled then ignored.
+        banned = (*(self.eos_token_ids if not p.ignore_eos else ()), *p.stop_token_ids)
+        return SlotParams(0.0 if p.greedy else p.temperature, p.top_k, p.top_p, p.min_p, p.presence_penalty,
+                          p.frequency_penalty, p.repetition_penalty, p.logprobs, p.min_tokens, banned, seq.generator)
 
     def _prompt_logprobs(self, logits: torch.Tensor, jobs: list[tuple[Sequence, int, int, int]]) -> None:
         """Logprob of each prompt token given its prefix (logits at position j score token j + 1)."""
@@ -367,7 +368,7 @@ class LLMEngine:
             beam.token_ids.append(token)
         for i, parent in enumerate(state.live):
             if i not in uses:
-                self.scheduler.finish(parent, SequenceStatus.FINISHED_ABORTED)
+                self._finish(parent, SequenceStatus.FINISHED_ABORTED)
         state.live = [b for b, _ in new_live]
         state.scores = scores
 
@@ -389,5 +390,8 @@ class LLMEngine:
 
     # ---- introspection -------------------------------------------------------------------------
     def check_invariants(self) -> None:
-        """Block accounting agrees with the live sequences."""
-        self.block_manager.check_invariants(self.scheduler.running + self.scheduler.waiting)
+        """Block accounting agrees with the live sequences, and every sampling slot belongs to one."""
+        live = self.scheduler.running + self.scheduler.waiting
+        self.block_manager.check_invariants(live)
+        slots = [s.slot for s in live if s.slot >= 0]
+        assert len(set(slots)) == len(slots) == self.input_batch.num_active, (slots, self.input_batch.num_active)

@@ -84,6 +84,8 @@ def load_library() -> ctypes.CDLL | None:
     lib.paged_attention_f32.restype = None
     lib.sample_rows_f32.argtypes = [p, i64, i64, p, p, p, p, p, p, p, c_int]
     lib.sample_rows_f32.restype = None
+    lib.logprobs_rows_f32.argtypes = [p, i64, p, i64, i64, p, p, i64, p, p, p, p, c_int]
+    lib.logprobs_rows_f32.restype = None
     lib.linear_gemv.argtypes = [p, i64, p, i64, c_int, i64, i64, c_int, p, p, p, i64, p, p, c_int]
     lib.linear_gemv.restype = None
     lib.quantize_rows_s8.argtypes = [p, i64, i64, i64, p, p, c_int]
@@ -163,6 +165,26 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     lib.sample_rows_f32(logits.data_ptr(), rows, vocab, *(a.data_ptr() for a in args), out.data_ptr(),
                         scratch.data_ptr(), threads)
     return out
+
+
+def logprobs_rows(logits: torch.Tensor, rows: torch.Tensor, chosen: torch.Tensor, num_top: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For rows `rows` of float32 logits [R, V]: the logprob and rank of token chosen[j], and the top
+    num_top[j] (ids, logprobs; padded to the largest num_top). See csrc/logprobs.c."""
+    lib = load_library()
+    assert lib is not None
+    assert logits.dtype == torch.float32 and logits.stride(1) == 1
+    n, vocab = rows.numel(), logits.shape[1]
+    rows, chosen, num_top = rows.long().contiguous(), chosen.long().contiguous(), num_top.long().contiguous()
+    max_top = max(int(num_top.max()), 1) if n else 1
+    out_chosen = torch.empty(n, dtype=torch.float32)
+    out_rank = torch.empty(n, dtype=torch.int64)
+    top_ids = torch.zeros(n, max_top, dtype=torch.int64)
+    top_lp = torch.zeros(n, max_top, dtype=torch.float32)
+    lib.logprobs_rows_f32(logits.data_ptr(), logits.stride(0), rows.data_ptr(), n, vocab, chosen.data_ptr(),
+                          num_top.data_ptr(), max_top, out_chosen.data_ptr(), out_rank.data_ptr(),
+                          top_ids.data_ptr(), top_lp.data_ptr(), torch.get_num_threads())
+    return out_chosen, out_rank, top_ids, top_lp
 
 
 _MAX_M = 16  # csrc/gemv.c's rows of x staged per pass

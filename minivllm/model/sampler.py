@@ -1,4 +1,5 @@
-"""Vectorized sampling over the whole batch of logits rows, with penalties and logprobs.
+"""Vectorized sampling over the whole batch of logits rows, with penalties and logprobs; each row's
+settings come from the persistent input batch (model/input_batch.py).
 
 Order of one step (vLLM v1's): EOS/stop ids banned before min_tokens → repetition penalty (prompt and
 output tokens, HF's rule) → frequency and presence penalties (output tokens, OpenAI's rule) → greedy
@@ -13,24 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.model import cpu_kernels
-
-
-@dataclass
-class SamplingMetadata:
-    """Per-row settings of one step (plain lists built by the engine; one entry per logits row)."""
-
-    temperature: list[float]  # 0 → greedy
-    top_k: list[int]  # -1 → off
-    top_p: list[float]
-    min_p: list[float]
-    generators: list[torch.Generator | None]  # a request's own seeded generator, else None
-    banned: list[list[int]]  # ids a row may not produce this step (EOS / stop ids before min_tokens)
-    presence_penalty: list[float]
-    frequency_penalty: list[float]
-    repetition_penalty: list[float]
-    prompt_ids: list[list[int]]  # read only for rows with a repetition penalty
-    output_ids: list[list[int]]  # read only for rows with any penalty
-    num_logprobs: list[int | None]  # top-N to report, None → no logprobs for that row
+from minivllm.model.input_batch import InputBatch, StepRows
 
 
 @dataclass
@@ -48,118 +32,102 @@ class SamplerOutput:
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    tokens: torch.Tensor  # the same ids, [R] int64 on the CPU (for the input batch's stores)
 
 
 class Sampler:
-    """Turns one step's logits [S, vocab] into one token id per row."""
+    """Turns one step's logits [R, vocab] into one token id per row, reading the rows' settings from the
+    persistent input batch."""
 
     def __init__(self, device: torch.device, seed: int = 0, native: bool | None = None) -> None:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        # The compiled CPU kernel draws in a few linear passes; the torch path sorts (what CUDA runs).
+        # The compiled CPU kernels draw (and score logprobs) in a few linear passes per row, on the rows in
+        # place; the torch path sorts (what CUDA runs).
         self.native = (device.type == "cpu" and cpu_kernels.available()) if native is None else native
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        """Sample one token per row of float32 logits."""
-        raw = logits
-        x = logits
-        if any(md.banned) or any(_has_penalty(md, i) for i in range(len(md.temperature))):
-            x = logits.clone()
-            self._ban(x, md.banned)
-            self._apply_penalties(x, md)
-        temps = md.temperature
-        tokens = x.argmax(dim=-1) if not all(temps) else torch.empty(len(temps), dtype=torch.long, device=x.device)
-        rows = [i for i, t in enumerate(temps) if t]
-        if len(rows) == len(temps):
-            tokens = self._sample_random(x, md, rows).to(x.device)  # all rows random: no row copy
-        elif rows:
-            tokens[rows] = self._sample_random(x[rows], md, rows).to(tokens.device)
+    def sample(self, logits: torch.Tensor, batch: InputBatch, rows: StepRows) -> SamplerOutput:
+        """Sample one token per row of float32 logits [R, V]. The logits are processed in place (bans and
+        penalties): the caller hands them over."""
+        x = logits if logits.dtype == torch.float32 and logits.is_contiguous() else logits.float().contiguous()
+        banned = batch.banned(rows)
+        lp_rows = rows.logprob_rows
+        # Logprobs report the raw distribution: keep a copy of the few logprob rows about to be changed.
+        raw: torch.Tensor | None = None
+        raw_rows: list[int] = []
+        if lp_rows and (banned or len(rows.penalty_rows)):
+            touched = set(rows.penalty_rows.tolist()) | {j for j, _ in banned}
+            raw_rows = [j for j in lp_rows if j in touched]
+            if raw_rows:
+                raw = x[raw_rows].clone()
+        if banned:
+            x[[j for j, ids in banned for _ in ids], [t for _, ids in banned for t in ids]] = float("-inf")
+        batch.apply_penalties(x, rows)
+        tokens = self._draw(x, rows).cpu()
         token_ids = tokens.tolist()
-        rows_lp = [i for i, n in enumerate(md.num_logprobs) if n is not None]
         logprobs: list[TokenLogprobs | None] = [None] * len(token_ids)
-        if rows_lp:
-            found = self.logprobs_of(raw[rows_lp], [token_ids[i] for i in rows_lp],
-                                     [md.num_logprobs[i] or 0 for i in rows_lp])
-            for i, lp in zip(rows_lp, found, strict=True):
-                logprobs[i] = lp
-        return SamplerOutput(token_ids, logprobs)
-
-    # ---- logits processing ---------------------------------------------------------------------
-    @staticmethod
-    def _ban(x: torch.Tensor, banned: list[list[int]]) -> None:
-        rows = [i for i, ids in enumerate(banned) for _ in ids]
-        if rows:
-            x[rows, [t for ids in banned for t in ids]] = float("-inf")
-
-    @staticmethod
-    def _apply_penalties(x: torch.Tensor, md: SamplingMetadata) -> None:
-        rows = [i for i in range(x.shape[0]) if _has_penalty(md, i)]
-        if not rows:
-            return
-        vocab, dev = x.shape[1], x.device
-        xs = x[rows]
-        out_counts = _token_counts([md.output_ids[i] for i in rows], vocab, dev)
-        rep = torch.tensor([md.repetition_penalty[i] for i in rows], device=dev)[:, None]
-        if (rep != 1).any():
-            seen = (out_counts > 0) | (_token_counts([md.prompt_ids[i] for i in rows], vocab, dev) > 0)
-            xs = torch.where(seen, torch.where(xs > 0, xs / rep, xs * rep), xs)
-        freq = torch.tensor([md.frequency_penalty[i] for i in rows], device=dev)[:, None]
-        pres = torch.tensor([md.presence_penalty[i] for i in rows], device=dev)[:, None]
-        xs = xs - freq * out_counts - pres * (out_counts > 0).float()
-        x[rows] = xs
+        if lp_rows:
+            nums = dict(zip(lp_rows, rows.logprob_nums, strict=True))
+            plain = [j for j in lp_rows if j not in raw_rows]
+            for src, js, at in ((x, plain, plain), (raw, raw_rows, range(len(raw_rows)))):
+                if js:
+                    assert src is not None
+                    found = self._logprobs_at(src, list(at), [token_ids[j] for j in js], [nums[j] for j in js])
+                    for j, lp in zip(js, found, strict=True):
+                        logprobs[j] = lp
+        return SamplerOutput(token_ids, logprobs, tokens)
 
     # ---- drawing -------------------------------------------------------------------------------
-    def _uniforms(self, md: SamplingMetadata, rows: list[int]) -> torch.Tensor:
-        """One U[0, 1) per row; a seeded request draws from its own generator, so its tokens do not
-        depend on what else is in the batch."""
-        u = torch.rand(len(rows), generator=self.generator, device=self.device, dtype=torch.float64)
-        for j, i in enumerate(rows):
-            g = md.generators[i]
-            if g is not None:
-                u[j] = torch.rand(1, generator=g, device=self.device, dtype=torch.float64)[0]
-        return u
-
-    def _sample_random(self, x: torch.Tensor, md: SamplingMetadata, rows: list[int]) -> torch.Tensor:
+    def _draw(self, x: torch.Tensor, rows: StepRows) -> torch.Tensor:
+        """One token per row: argmax for greedy rows, a draw for the rest. A seeded request draws from its
+        own generator, so its tokens do not depend on what else is in the batch."""
+        n, rand = x.shape[0], rows.random_rows
+        if not rand:
+            return x.argmax(dim=-1) if not (self.native and x.device.type == "cpu") else cpu_kernels.sample_rows(
+                x, rows.temperature, rows.top_k, rows.top_p, rows.min_p, torch.zeros(n, dtype=torch.float64))
+        u_rand = torch.rand(len(rand), generator=self.generator, device=self.device, dtype=torch.float64).cpu()
+        u = u_rand if len(rand) == n else torch.zeros(n, dtype=torch.float64).index_put_(
+            (torch.tensor(rand),), u_rand)
+        for j, g in rows.seeded:
+            u[j] = torch.rand(1, generator=g, device=self.device, dtype=torch.float64)[0]
+        if self.native and x.device.type == "cpu":
+            # Greedy rows (temperature 0) are argmax inside the same call: no row is gathered or copied.
+            return cpu_kernels.sample_rows(x, rows.temperature, rows.top_k, rows.top_p, rows.min_p, u)
         dev = x.device
-        temp = torch.tensor([md.temperature[i] for i in rows], device=dev)
-        top_k = torch.tensor([md.top_k[i] for i in rows], device=dev)
-        top_p = torch.tensor([md.top_p[i] for i in rows], device=dev)
-        min_p = torch.tensor([md.min_p[i] for i in rows], device=dev)
-        u = self._uniforms(md, rows)
-        if self.native and dev.type == "cpu":
-            return cpu_kernels.sample_rows(x.float().contiguous(), temp, top_k, top_p, min_p, u)
-        return sample_torch(x, temp, top_k, top_p, min_p, u)
+        if len(rand) == n:
+            return sample_torch(x, rows.temperature.to(dev), rows.top_k.to(dev), rows.top_p.to(dev),
+                                rows.min_p.to(dev), u)
+        tokens = x.argmax(dim=-1)
+        r = torch.tensor(rand, device=dev)
+        tokens[r] = sample_torch(x[r], rows.temperature.to(dev)[r], rows.top_k.to(dev)[r], rows.top_p.to(dev)[r],
+                                 rows.min_p.to(dev)[r], u[rand])
+        return tokens
 
     # ---- logprobs ------------------------------------------------------------------------------
-    @staticmethod
     @torch.inference_mode()
-    def logprobs_of(logits: torch.Tensor, token_ids: list[int], num: list[int]) -> list[TokenLogprobs]:
+    def logprobs_of(self, logits: torch.Tensor, token_ids: list[int], num: list[int]) -> list[TokenLogprobs]:
         """Per row: logprob and rank of token_ids[row] under log_softmax(logits[row]), plus the top num[row]."""
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        chosen = torch.tensor(token_ids, device=lp.device)
-        chosen_lp = lp.gather(1, chosen[:, None])
-        ranks = (lp >= chosen_lp).sum(-1).tolist()  # ties take the worse rank, as vLLM counts
-        k = max(num)
-        top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], chosen[:, None][:, :0])
-        chosen_vals, top_lp, top_ids = chosen_lp[:, 0].tolist(), top_lp.tolist(), top_ids.tolist()
-        return [TokenLogprobs([token_ids[j], *top_ids[j][:n]], [chosen_vals[j], *top_lp[j][:n]],
-                              [ranks[j], *range(1, n + 1)]) for j, n in enumerate(num)]
+        return self._logprobs_at(logits, list(range(logits.shape[0])), token_ids, num)
 
-
-def _has_penalty(md: SamplingMetadata, i: int) -> bool:
-    return bool(md.presence_penalty[i] or md.frequency_penalty[i] or md.repetition_penalty[i] != 1.0)
-
-
-def _token_counts(ids: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[rows, vocab] float counts of each token id in each row's list (one scatter, padding to a spare column)."""
-    width = max((len(r) for r in ids), default=0)
-    padded = torch.full((len(ids), width), vocab, dtype=torch.long)
-    for j, r in enumerate(ids):
-        padded[j, :len(r)] = torch.tensor(r, dtype=torch.long)
-    counts = torch.zeros(len(ids), vocab + 1, device=device)
-    counts.scatter_add_(1, padded.to(device), torch.ones(padded.shape, device=device))
-    return counts[:, :vocab]
+    def _logprobs_at(self, x: torch.Tensor, at: list[int], token_ids: list[int], num: list[int]
+                     ) -> list[TokenLogprobs]:
+        """logprobs_of for rows `at` of x, read in place."""
+        if self.native and x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(1) == 1:
+            chosen, ranks, top_ids, top_lp = cpu_kernels.logprobs_rows(x, torch.tensor(at), torch.tensor(token_ids),
+                                                                       torch.tensor(num))
+            chosen_vals, ranks_l = chosen.tolist(), ranks.tolist()
+            top_ids_l, top_lp_l = top_ids.tolist(), top_lp.tolist()
+        else:
+            lp = torch.log_softmax(x[at].float(), dim=-1)
+            ids = torch.tensor(token_ids, device=lp.device)
+            chosen_lp = lp.gather(1, ids[:, None])
+            ranks_l = (lp >= chosen_lp).sum(-1).tolist()  # ties take the worse rank, as vLLM counts
+            k = max(num)
+            top_lp, top_idx = lp.topk(k, dim=-1) if k else (lp[:, :0], ids[:, None][:, :0])
+            chosen_vals, top_lp_l, top_ids_l = chosen_lp[:, 0].tolist(), top_lp.tolist(), top_idx.tolist()
+        return [TokenLogprobs([token_ids[j], *top_ids_l[j][:n]], [chosen_vals[j], *top_lp_l[j][:n]],
+                              [ranks_l[j], *range(1, n + 1)]) for j, n in enumerate(num)]
 
 
 def sample_torch(x: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

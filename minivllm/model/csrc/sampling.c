@@ -22,6 +22,8 @@
 #include <string.h>
 
 #define NBUCKETS 16384 /* top 16 bits of a float in (0, 1]: 1.0f is 0x3F80'0000 */
+#define TOPK_INSERT_MAX 256
+#define TOPP_DIRECT_MAX 4096 /* top_p over at most this many kept tokens selects on them directly */ /* top_k up to this uses the insertion pass, larger k the histogram */
 
 static inline uint32_t bucket(float f) {
     uint32_t u;
@@ -142,13 +144,84 @@ static double kept_mass(const float *p, int64_t vocab, float thr, int64_t *count
     return mass;
 }
 
-/* logits [rows, vocab] (read only); scratch: num_threads * (2 * vocab + 2 * NBUCKETS) floats. */
+/* The k largest entries of x (k >= 1), largest first, lower id first among equals, into vals / ids.
+ * Blocks of 128 whose maximum cannot enter the list are skipped with one vectorised max (a horizontal
+ * reduction per block, so blocks are long): after the first few blocks almost every block is skipped. */
+static void topk_insert(const float *x, int64_t vocab, int64_t k, float *vals, int64_t *ids) {
+    int64_t filled = 0;
+    for (int64_t b = 0; b < vocab; b += 128) {
+        const int64_t e = b + 128 < vocab ? b + 128 : vocab;
+        if (filled == k) {
+            float bm = x[b];
+#pragma omp simd reduction(max : bm)
+            for (int64_t i = b + 1; i < e; i++) bm = x[i] > bm ? x[i] : bm;
+            if (!(bm > vals[k - 1])) continue;
+        }
+        for (int64_t i = b; i < e; i++) {
+            const float v = x[i];
+            if (filled == k && !(v > vals[k - 1])) continue;
+            int64_t j = filled < k ? filled++ : k - 1;
+            while (j > 0 && vals[j - 1] < v) {
+                vals[j] = vals[j - 1];
+                ids[j] = ids[j - 1];
+                j--;
+            }
+            vals[j] = v;
+            ids[j] = i;
+        }
+    }
+}
+
+/* The first kept token (p >= thr, in id order) whose running mass exceeds target; the last kept token
+ * if rounding leaves the target unreached. Blocks of 256 are summed vectorised and skipped whole until
+ * the one that crosses the target, which is scanned entry by entry. */
+static int64_t draw(const float *p, int64_t vocab, float thr, double target) {
+    double acc = 0.0;
+    for (int64_t b = 0; b < vocab; b += 256) {
+        const int64_t e = b + 256 < vocab ? b + 256 : vocab;
+        double bs = 0.0;
+#pragma omp simd reduction(+ : bs)
+        for (int64_t i = b; i < e; i++) bs += p[i] >= thr ? (double)p[i] : 0.0;
+        if (acc + bs <= target) {
+            acc += bs;
+            continue;
+        }
+        for (int64_t i = b; i < e; i++) {
+            if (p[i] >= thr) {
+                acc += p[i];
+                if (acc > target) return i;
+            }
+        }
+    }
+    int64_t i = vocab - 1;
+    while (i > 0 && !(p[i] >= thr)) i--;
+    return i;
+}
+
+/* The first index of the largest entry (torch.argmax's choice among ties): a vectorised max, then a
+ * scan that stops at it. */
+static int64_t argmax_first(const float *x, int64_t vocab) {
+    float m = x[0];
+#pragma omp simd reduction(max : m)
+    for (int64_t i = 1; i < vocab; i++) m = x[i] > m ? x[i] : m;
+    int64_t i = 0;
+    while (i < vocab - 1 && x[i] != m) i++;
+    return i;
+}
+
+/* logits [rows, vocab] (read only); a row with temperature <= 0 is greedy (argmax, u unused), so one call
+ * serves a whole mixed batch without gathering rows. scratch: num_threads * (2 * vocab + 2 * NBUCKETS)
+ * floats. */
 void sample_rows_f32(const float *logits, int64_t rows, int64_t vocab, const float *temperature, const int64_t *top_k,
                      const float *top_p, const float *min_p, const double *u, int64_t *out, float *scratch,
                      int num_threads) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t r = 0; r < rows; r++) {
         const float *x = logits + r * vocab;
+        if (temperature[r] <= 0.f) {
+            out[r] = argmax_first(x, vocab);
+            continue;
+        }
         float *p = scratch + (size_t)omp_get_thread_num() * (2 * vocab + 2 * NBUCKETS);
         float *work = p + vocab;
         double *hist = (double *)(work + vocab);
@@ -158,35 +231,88 @@ void sample_rows_f32(const float *logits, int64_t rows, int64_t vocab, const flo
         const float inv_t = 1.0f / temperature[r];
         /* Banned tokens arrive as -inf; the library is built with -ffast-math, so keep infinities out of
          * expf and clamp far-below-max logits to exactly 0. */
-#pragma omp simd
+        double all_mass = 0.0;
+        int64_t all_n = 0;
+#pragma omp simd reduction(+ : all_mass, all_n)
         for (int64_t i = 0; i < vocab; i++) {
             const float d = (x[i] - m) * inv_t;
             const float e = expf(d > -87.f ? d : -87.f);
             p[i] = d > -87.f ? e : 0.f;
+            all_mass += d > -87.f ? (double)e : 0.0;
+            all_n += d > -87.f;
         }
 
-        /* Banned tokens have p == 0 exactly: the smallest positive float keeps them out of every set. */
+        /* Banned tokens have p == 0 exactly: the smallest positive float keeps them out of every set
+         * (every other p is at least exp(-87), a normal float, so the exp pass's sums are the kept set's). */
         float thr = min_p[r] > FLT_MIN ? min_p[r] : FLT_MIN; /* max p is exactly 1 */
-        int64_t n;
-        double kept = kept_mass(p, vocab, thr, &n);
+        int64_t n = all_n;
+        double kept = thr > FLT_MIN ? kept_mass(p, vocab, thr, &n) : all_mass;
         if (top_k[r] > 0 && top_k[r] < n) {
-            thr = kth_largest_hist(p, vocab, thr, top_k[r], work, hist);
+            if (top_k[r] <= TOPK_INSERT_MAX) {
+                /* Small k: the k-th largest logit by a mostly-skipping insertion pass over x; p is monotone
+                 * in x, so its p is the k-th largest p (and with more than k kept, it is a kept one). */
+                int64_t *ids = (int64_t *)hist;
+                topk_insert(x, vocab, top_k[r], work, ids);
+                thr = p[ids[top_k[r] - 1]];
+            } else {
+                thr = kth_largest_hist(p, vocab, thr, top_k[r], work, hist);
+            }
             kept = kept_mass(p, vocab, thr, &n);
         }
         if (top_p[r] < 1.f && n > 1) {
-            thr = mass_threshold_hist(p, vocab, thr, (1.0 - (double)top_p[r]) * kept, work, hist);
+            const double excess = (1.0 - (double)top_p[r]) * kept;
+            if (n <= TOPP_DIRECT_MAX) {
+                /* A small kept set (after top_k or min_p): select on it directly, no histogram. */
+                int64_t c = 0;
+                for (int64_t i = 0; i < vocab; i++)
+                    if (p[i] >= thr) work[c++] = p[i];
+                thr = mass_threshold(work, c, excess);
+            } else {
+                thr = mass_threshold_hist(p, vocab, thr, excess, work, hist);
+            }
             kept = kept_mass(p, vocab, thr, &n);
         }
-        const double target = u[r] * kept;
-        double acc = 0.0;
-        int64_t pick = -1;
+        out[r] = draw(p, vocab, thr, u[r] * kept);
+    }
+}
+
+/*
+ * Logprobs of sampled positions in a few vectorised passes per row, instead of materialising
+ * log_softmax over the vocabulary (64 rows x 49k entries cost ~12 ms through torch: log_softmax, a
+ * comparison tensor for the rank, topk). Per requested row r (rows[r] of logits):
+ *   lse        = log sum_i exp(x_i)                    (max-shifted)
+ *   chosen     = x[chosen[r]] - lse
+ *   rank       = #{i : x_i >= x[chosen[r]]}             (ties take the worse rank, as vLLM counts)
+ *   top n[r]   = the n largest x_i - lse, largest first; among equal values the lower id first
+ * Callers pass the raw model distribution (no infinities expected); far-below-max entries are clamped
+ * out of expf as above.
+ */
+void logprobs_rows_f32(const float *logits, int64_t row_stride, const int64_t *rows, int64_t n, int64_t vocab,
+                       const int64_t *chosen, const int64_t *num_top, int64_t max_top, float *out_chosen,
+                       int64_t *out_rank, int64_t *out_top_ids, float *out_top_lp, int num_threads) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t r = 0; r < n; r++) {
+        const float *x = logits + rows[r] * row_stride;
+        float m = x[0];
+#pragma omp simd reduction(max : m)
+        for (int64_t i = 1; i < vocab; i++) m = x[i] > m ? x[i] : m;
+        double s = 0.0;
+#pragma omp simd reduction(+ : s)
         for (int64_t i = 0; i < vocab; i++) {
-            if (p[i] >= thr) {
-                acc += p[i];
-                pick = i;
-                if (acc > target) break;
-            }
+            const float d = x[i] - m;
+            s += d > -87.f ? (double)expf(d) : 0.0;
         }
-        out[r] = pick;
+        const float lse = m + (float)log(s);
+        const float c = x[chosen[r]];
+        int64_t rank = 0;
+#pragma omp simd reduction(+ : rank)
+        for (int64_t i = 0; i < vocab; i++) rank += x[i] >= c;
+        out_chosen[r] = c - lse;
+        out_rank[r] = rank;
+        const int64_t k = num_top[r] < vocab ? num_top[r] : vocab;
+        int64_t *ids = out_top_ids + r * max_top;
+        float *vals = out_top_lp + r * max_top;
+        if (k > 0) topk_insert(x, vocab, k, vals, ids);
+        for (int64_t j = 0; j < k; j++) vals[j] -= lse;
     }
 }
