@@ -247,8 +247,16 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
+    # Benchmark-only ablation modes (engine/ablation_scheduler.py runs them; the default scheduler has no
+    # branch for them):
     static_batching: bool = False  # admit a new batch only when the running one has finished
     reserve_tokens: int | None = None  # contiguous cache: slots each sequence reserves at admission
+    recompute_kv: bool = False  # no KV reuse: every step recomputes each sampled sequence from its start
+
+    @property
+    def is_ablation(self) -> bool:
+        """Whether any ablation mode is on."""
+        return self.static_batching or self.reserve_tokens is not None or self.recompute_kv
 
 
 def default_batched_tokens(device: torch.device, max_model_len: int, chunked_prefill: bool) -> int:

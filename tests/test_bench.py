@@ -57,6 +57,24 @@ def test_bench_throughput_smoke(model_factory, tmp_path):
     assert ab["contiguous-cache"]["peak_kv_slots"] <= ab["full engine (mixed)"]["pool_slots"]
 
 
+def test_bench_step_smoke(model_factory, tmp_path):
+    """`bench step`: mixed-sampling decode steps; the shares are the raw figures' ratios, every phase and
+    every output-side part was really timed."""
+    out = tmp_path / "step.json"
+    rc = main(["bench", "step", "--model", model_factory("tiny-llama"), "--batches", "8,16", "--steps", "3",
+               "--input-len-min", "4", "--input-len-max", "12", "--kv-cache-memory", "8MiB", "--out", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert [m["batch"] for m in r["batches"]] == [8, 16]
+    for m in r["batches"]:
+        assert m["non_model_share"] == pytest.approx(m["non_model_ms"] / m["step_ms"])
+        assert m["non_model_ms"] == pytest.approx(m["step_ms"] - m["forward_ms"])
+        assert all(v > 0 for v in m["phases_ms"].values()), m["phases_ms"]
+        # Rows 5 and 6 of each eight ask for logprobs, every row is detokenized and streamed.
+        assert all(v > 0 for v in m["output_side_ms"].values()), m["output_side_ms"]
+        assert sum(m["output_side_ms"].values()) <= m["phases_ms"]["update"] * 1.05
+
+
 def test_bench_latency_smoke(model_factory, tmp_path):
     out = tmp_path / "latency.json"
     rc = main(["bench", "latency", "--model", model_factory("tiny-llama"), "--prompt-lens", "64,16",
@@ -118,8 +136,12 @@ def test_bench_all_quick_regenerates_the_markdown(model_factory, tmp_path):
     text = md.read_text()
     for heading in ("The seed's serving workload", "Offline throughput", "Step-time split at", "Throughput vs "
                     "concurrency", "Ablations", "Single-request latency", "Transports",
-                    "default model's quality"):
+                    "default model's quality", "Engine overhead: a decode step with mixed sampling",
+                    "Beam search: inside the step vs as a driver"):
         assert heading in text, heading
+    beam = json.loads((results / "beam.json").read_text())
+    assert beam["same_beams"] == 2  # the driver and the engine's own beam search agree
+    assert beam["driver_over_in_engine"] == pytest.approx(beam["mean_s"]["driver"] / beam["mean_s"]["in-engine"])
     assert "**Machine**" in text and "peak GEMM" in text and "xychart-beta" in text
     assert "zero errors: **met**" in text and "p95 latency below the static-batching p50" in text
     for name in ("seed", "throughput", "latency", "transports", "perplexity", "quantization"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from minivllm.config import SchedulerConfig
+from minivllm.engine.ablation_scheduler import AblationScheduler
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.sequence import Sequence, SequenceStatus
@@ -120,7 +121,7 @@ def test_budget_never_exceeded(budget):
 
 
 def test_static_batching_admits_a_new_batch_only_when_the_last_has_finished():
-    s = Scheduler(SchedulerConfig(2, 64, True, static_batching=True), BlockManager(64, 4))
+    s = AblationScheduler(SchedulerConfig(2, 64, True, static_batching=True), BlockManager(64, 4))
     seqs = [_seq(c, 6) for c in "abcd"]
     for q in seqs:
         s.add(q)
@@ -137,7 +138,7 @@ def test_static_batching_admits_a_new_batch_only_when_the_last_has_finished():
 
 
 def test_static_batch_keeps_forming_while_its_prompts_exceed_the_budget():
-    s = Scheduler(SchedulerConfig(3, 8, True, static_batching=True), BlockManager(64, 4))
+    s = AblationScheduler(SchedulerConfig(3, 8, True, static_batching=True), BlockManager(64, 4))
     a, b, c, d = (_seq(x, 6) for x in "abcd")
     for q in (a, b, c, d):
         s.add(q)
@@ -153,7 +154,7 @@ def test_static_batch_keeps_forming_while_its_prompts_exceed_the_budget():
 
 def test_contiguous_reservation_limits_admission_by_max_len():
     # 64 blocks of 4 slots, 40 slots (10 blocks) reserved per sequence: 6 sequences fit, not 10.
-    s = Scheduler(SchedulerConfig(16, 256, True, reserve_tokens=40), BlockManager(64, 4, False))
+    s = AblationScheduler(SchedulerConfig(16, 256, True, reserve_tokens=40), BlockManager(64, 4, False))
     seqs = [_seq(str(i), 6) for i in range(10)]
     for q in seqs:
         s.add(q)
@@ -167,7 +168,7 @@ def test_contiguous_reservation_limits_admission_by_max_len():
 
 def test_static_batch_without_chunking_keeps_forming_until_its_prompts_are_in():
     # Budget 16 fits two whole 6-token prompts per step: the batch of four forms over two steps.
-    s = Scheduler(SchedulerConfig(4, 16, False, static_batching=True), BlockManager(64, 4))
+    s = AblationScheduler(SchedulerConfig(4, 16, False, static_batching=True), BlockManager(64, 4))
     seqs = [_seq(c, 6) for c in "abcde"]
     for q in seqs:
         s.add(q)
@@ -182,7 +183,7 @@ def test_static_batch_without_chunking_keeps_forming_until_its_prompts_are_in():
 
 def test_static_batch_closes_once_it_decodes_even_if_steps_stay_full():
     # A step budget that decodes keep full must not let new requests into a running batch.
-    s = Scheduler(SchedulerConfig(4, 2, True, static_batching=True), BlockManager(64, 4))
+    s = AblationScheduler(SchedulerConfig(4, 2, True, static_batching=True), BlockManager(64, 4))
     a, b, c = _seq("a", 2), _seq("b", 2), _seq("c", 2)
     for q in (a, b):
         s.add(q)
@@ -192,3 +193,11 @@ def test_static_batch_closes_once_it_decodes_even_if_steps_stay_full():
         out = s.schedule()
         assert "c" not in [q.request_id for q, _ in out.scheduled]
         _advance(s, out)
+
+
+def test_default_scheduler_refuses_ablation_modes():
+    """The production scheduler has no branch for the benchmark-only modes, so it must not accept them."""
+    for cfg in (SchedulerConfig(2, 64, True, static_batching=True), SchedulerConfig(2, 64, True, reserve_tokens=8),
+                SchedulerConfig(2, 64, True, recompute_kv=True)):
+        with pytest.raises(ValueError, match="AblationScheduler"):
+            Scheduler(cfg, BlockManager(64, 4))

@@ -49,6 +49,9 @@ def _argv(quick: bool, model: str | None) -> dict[str, list[str]]:
                            "--input-len-min", "8", "--input-len-max", "16", "--output-len", "3", "--rounds", "1",
                            "--kv-cache-memory", "64MiB", "--server-threads", "1", "--no-offline"],
             "perplexity": ["perplexity", *m, "--max-tokens", "1024"],
+            "step": ["step", *m, "--batches", "4,8", "--steps", "2", "--kv-cache-memory", "8MiB"],
+            "beam": ["beam", *m, "--num-prompts", "2", "--prompt-len", "8", "--beam-width", "2", "--max-tokens", "3",
+                     "--rounds", "1", "--kv-cache-memory", "8MiB"],
             "quantization": ["quantization", *m, "--quality-model", model or "", "--output-len", "4", "--repeats", "1",
                              "--batches", "2", "--batch-output-len", "2", "--perplexity-tokens", "600",
                              "--kl-tokens", "256", "--no-hf"],
@@ -66,10 +69,12 @@ def _argv(quick: bool, model: str | None) -> dict[str, list[str]]:
                        "--output-len", "128", "--rounds", "2"],
         "perplexity": ["perplexity"],
         "quantization": ["quantization"],
+        "step": ["step"],
+        "beam": ["beam"],
     }
 
 
-BENCHES = ("seed", "throughput", "latency", "transports", "perplexity", "quantization")
+BENCHES = ("seed", "throughput", "latency", "transports", "perplexity", "quantization", "step", "beam")
 
 
 def machine_info() -> dict[str, Any]:
@@ -141,7 +146,7 @@ def _load(out_dir: str, name: str) -> dict[str, Any] | None:
 
 def render(out_dir: str, argv: dict[str, list[str]]) -> str:
     """BENCHMARKS.md from the JSON files in out_dir (a section per bench found)."""
-    from minivllm.bench import latency, perplexity, quantization_report, serve_report, throughput_report
+    from minivllm.bench import latency, perplexity, quantization_report, serve_report, step_overhead, throughput_report
 
     m = _load(out_dir, "machine") or {}
     lines = [
@@ -178,6 +183,10 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
                                     "mode's roofline is its weight bytes read once per step at the probe's median "
                                     "bandwidth. int4 groups of "
                                     f"{r['group_size']}.", "", quantization_report.report(r)]),
+        ("step", lambda r: ["## Engine overhead: a decode step with mixed sampling (`bench step`)", "",
+                            step_overhead.report(r), "", step_overhead.verdict(r)]),
+        ("beam", lambda r: ["## Beam search: inside the step vs as a driver over requests (`bench beam`)", "",
+                            _beam(r)]),
     ]
     for name, section in sections:
         r = _load(out_dir, name)
@@ -189,6 +198,19 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
                   ""]
     return "\n".join(lines).rstrip() + "\n"
 
+
+
+def _beam(r: dict[str, Any]) -> str:
+    runs = lambda k: ", ".join(f"{t:.2f}" for t in r["times_s"][k])  # noqa: E731
+    return (f"{r['num_prompts']} prompts of {r['prompt_len']} tokens, beam width {r['beam_width']}, "
+            f"{r['max_tokens']} new tokens, `{os.path.basename(r['model'].rstrip('/'))}`, ABBA order. In the engine's "
+            f"step (beams fork sequences that share KV blocks copy-on-write): **{r['mean_s']['in-engine']:.2f} s** "
+            f"(runs {runs('in-engine')}). As a driver over the engine's requests, vLLM v1's way (per step one "
+            f"single-token request per live beam with its top {2 * r['beam_width']} logprobs, prefix caching "
+            f"finding the shared KV): **{r['mean_s']['driver']:.2f} s** (runs {runs('driver')}), "
+            f"**x{r['driver_over_in_engine']:.2f}** the time. Same beams for {r['same_beams']} of {r['num_prompts']} "
+            "prompts (both run HF's beam_step; the driver sees each beam's top logprobs only, which holds every "
+            "candidate the step keeps).")
 
 
 def _ceilings(c: dict[str, float]) -> str:

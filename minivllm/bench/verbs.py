@@ -39,6 +39,11 @@ def add_bench_verbs(bsub: argparse._SubParsersAction) -> None:
     st = bsub.add_parser("step", help="non-model share of a decode step with mixed sampling (64, 256 sequences)")
     add_step_args(st)
     st.set_defaults(func=_bench("step_overhead", "run_step"))
+    from minivllm.bench.beam_driver import add_beam_args
+
+    bm = bsub.add_parser("beam", help="beam search in the engine's step vs as a driver over single-token requests")
+    add_beam_args(bm)
+    bm.set_defaults(func=_bench("beam_driver", "run_beam"))
     from minivllm.bench.perplexity import add_perplexity_args
 
     pp = bsub.add_parser("perplexity",

@@ -20,7 +20,7 @@ from minivllm.config import (
     parse_size,
     resolve_dtype,
 )
-from minivllm.engine.beam_search import beam_step
+from minivllm.engine.beam_search import BeamSearcher
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.input_processor import EngineRequest, InputProcessor, Prompt
 from minivllm.engine.output_processor import OutputProcessor
@@ -35,6 +35,15 @@ from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+def _scheduler_class(config: SchedulerConfig) -> type[Scheduler]:
+    """The default scheduler, or the benchmark-only ablation one (imported only when asked for)."""
+    if not config.is_ablation:
+        return Scheduler
+    from minivllm.engine.ablation_scheduler import AblationScheduler
+
+    return AblationScheduler
+
 
 class LLMEngine:
     """The synchronous engine core: one `step()` = schedule, one forward, sample, update."""
@@ -59,7 +68,6 @@ class LLMEngine:
         kv_bytes = (args.num_kv_blocks * args.block_size * per_token if args.num_kv_blocks
                     else parse_size(args.kv_cache_memory, "kv_cache_memory"))
         # Ablation modes: neither a per-request contiguous cache nor a recomputed one can share prefix blocks.
-        self.recompute_kv = args.kv_cache_mode == "none"
         prefix_caching = args.enable_prefix_caching and args.kv_cache_mode == "paged"
         self.cache_config = CacheConfig.from_budget(kv_bytes, args.block_size, per_token, prefix_caching)
         cc = self.cache_config
@@ -69,14 +77,15 @@ class LLMEngine:
                              f"pool holds {cc.num_blocks * cc.block_size}; give the KV cache more memory or lower "
                              "max_model_len")
         self.scheduler_config = SchedulerConfig(args.max_num_seqs, token_budget, args.enable_chunked_prefill,
-                                                static_batching=args.batching == "static", reserve_tokens=reserve)
+                                                static_batching=args.batching == "static", reserve_tokens=reserve,
+                                                recompute_kv=args.kv_cache_mode == "none")
         self.quant_config = QuantConfig.resolve(args.quantization, args.quantization_group_size,
                                                 args.quantize_lm_head, mc)
         self.runner = ModelRunner(mc, self.dtype, self.device, cc.num_blocks, cc.block_size, self.max_model_len,
                                   args.attention_backend, args.linear_backend, self.quant_config,
                                   args.quantization_kernel, args.enforce_eager)
         self.block_manager = BlockManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching)
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+        self.scheduler = _scheduler_class(self.scheduler_config)(self.scheduler_config, self.block_manager)
         self.sampler = Sampler(self.device, args.seed)
         self.input_batch = InputBatch()  # the sampled sequences' settings and penalty stores, by slot
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
@@ -92,6 +101,7 @@ class LLMEngine:
         self._sample_time = 0.0  # sampler seconds within the current step
         self.log_stats = log_stats  # gather IterationStats (the server's metrics); off for offline use
         self.recorder = StatsRecorder(self.eos_token_ids)  # IterationStats since the last take_stats()
+        self.beams = BeamSearcher(self.scheduler, self.recorder, self.eos_token_ids, self.max_model_len)
         self._in_flight: SchedulerOutput | None = None  # the step in progress (to name its requests on error)
         logger.info("engine: %s (%s, %s%s) on %s, KV pool %d blocks x %d tokens",
                     mc.architecture, args.model, self.dtype,
@@ -249,19 +259,14 @@ class LLMEngine:
         touched: dict[str, SequenceGroup] = {}
         beam_rows = [(s, r) for s, r in sample_rows if s.group is not None and s.group.beam is not None]
         if beam_rows:
-            self._beam_rows(logits, beam_rows, touched)
+            self.beams.step(logits, beam_rows, touched)
         plain = [(s, r) for s, r in sample_rows if s.group is not None and s.group.beam is None]
         if plain:
             self._sample(logits, plain, touched)
         for seq, _, _, _ in prompt_jobs:
             assert seq.group is not None
             touched.setdefault(seq.group.request_id, seq.group)
-        if self.recompute_kv:
-            # No KV reuse: the next token is computed from the whole sequence again (its blocks stay
-            # allocated only as the forward's scratch space).
-            for seq, _ in sample_rows:
-                if not seq.status.finished:
-                    seq.num_computed_tokens = 0
+        self.scheduler.update_from_output([s for s, _ in sample_rows])
         return list(touched.values())
 
     def _sample(self, logits: torch.Tensor, rows: list[tuple[Sequence, int]], touched: dict[str, SequenceGroup]
@@ -326,51 +331,6 @@ class LLMEngine:
         for seq, tlp in zip(owners, tlps, strict=True):
             assert seq.group is not None and seq.group.prompt_logprobs is not None
             seq.group.prompt_logprobs.append(self.output_processor.position_logprobs(tlp))
-
-    # ---- beam search -----------------------------------------------------------------------------
-    def _beam_rows(self, logits: torch.Tensor, rows: list[tuple[Sequence, int]],
-                   touched: dict[str, SequenceGroup]) -> None:
-        logprobs = torch.log_softmax(logits[[r for _, r in rows]].float(), dim=-1).cpu()
-        for (seq, _), lp in zip(rows, logprobs, strict=True):
-            group = seq.group
-            assert group is not None and group.beam is not None
-            group.beam.pending[seq.seq_id] = lp
-            if all(b.seq_id in group.beam.pending for b in group.beam.live):
-                self._advance_beams(group)
-                touched.setdefault(group.request_id, group)
-
-    def _advance_beams(self, group: SequenceGroup) -> None:
-        """Run one beam step for group: fork selected parents, free pruned beams at once."""
-        state = group.beam
-        assert state is not None
-        eos = self.eos_token_ids if not group.params.ignore_eos else frozenset()
-        lp = torch.stack([state.pending.pop(b.seq_id) for b in state.live])
-        if len(group.prompt_token_ids) + state.num_generated + 1 >= self.max_model_len:
-            state.max_tokens = min(state.max_tokens, state.num_generated + 1)  # the context is full
-        nxt = beam_step(state, lp, eos)
-        self.recorder.generated(group.request_id, len(nxt))
-        uses: dict[int, int] = {}
-        new_live, scores = [], []
-        for parent_idx, token, score in nxt:
-            parent = state.live[parent_idx]
-            if parent_idx not in uses:
-                uses[parent_idx] = 0
-                beam = parent
-            else:
-                beam = Sequence(group.request_id, group.prompt_token_ids, group.params, parent.arrival_index,
-                                parent.priority, group, 0)
-                self.scheduler.fork(parent, beam)
-            uses[parent_idx] += 1
-            new_live.append((beam, token))
-            scores.append(score)
-        # Forks copied the parents' tokens above; now every beam gets its own new token.
-        for beam, token in new_live:
-            beam.token_ids.append(token)
-        for i, parent in enumerate(state.live):
-            if i not in uses:
-                self._finish(parent, SequenceStatus.FINISHED_ABORTED)
-        state.live = [b for b, _ in new_live]
-        state.scores = scores
 
     # ---- stats ---------------------------------------------------------------------------------
     def take_failed_step(self) -> list[str]:

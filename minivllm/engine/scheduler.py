@@ -8,6 +8,7 @@ out, the lowest-priority (then newest) running sequence is preempted by recomput
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from minivllm.config import SchedulerConfig
@@ -39,22 +40,37 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # of which served from cache
 
 
+def _order(seq: Sequence) -> tuple[int, int]:
+    return seq.sort_key
+
+
 def _reversed_order(seq: Sequence) -> tuple[int, int]:
     priority, arrival = seq.sort_key
     return -priority, -arrival
+
+
+def _remove_sorted(queue: list[Sequence], seq: Sequence, key: Callable[[Sequence], tuple[int, int]]) -> None:
+    """Remove seq from a queue sorted by key: a bisection to its key, then a short scan among equal keys
+    (a request's samples and beams share one), instead of list.remove's scan of the whole queue."""
+    i = bisect.bisect_left(queue, key(seq), key=key)
+    while queue[i] is not seq:
+        i += 1
+    del queue[i]
 
 
 class Scheduler:
     """Decides, each step, which sequences run and for how many tokens."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        if config.is_ablation and type(self) is Scheduler:
+            raise ValueError("ablation modes (static batching, contiguous or no KV cache) run on "
+                             "engine.ablation_scheduler.AblationScheduler")
         self.config = config
         self.bm = block_manager
         # Sorted by sort_key, last first: the next to admit is at the end, so admission pops in O(1).
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # sorted by sort_key: the preemption victim is the last
         self.stats = SchedulerStats()
-        self._batch_forming = True  # static batching: the current batch still admits requests
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence."""
@@ -88,22 +104,14 @@ class Scheduler:
                 budget -= n
                 i += 1
         # vLLM v1's rule: no admissions in a step that had to preempt (the pool is under pressure).
-        if not out.preempted and self._may_admit():
-            scheduled = len(out.scheduled)
-            budget, budget_bound = self._admit(out, budget)
-            if self.config.static_batching:
-                # A static batch keeps forming only while the step budget (not the batch size or the pool)
-                # stopped it, i.e. its prompts did not fit one step, and not once it decodes without
-                # admitting (decodes alone can fill a step, e.g. when every step recomputes everything).
-                admitted = len(out.scheduled) > scheduled
-                started = any(s.num_output_tokens for s in self.running)
-                self._batch_forming = budget_bound and (admitted or not started)
+        if not out.preempted:
+            budget = self._admit_waiting(out, budget)
         # Beams waiting for their siblings hold blocks but compute nothing, so they are never preempted
         # above. If they starve a waiting sibling (nothing at all could run), they make room: their
         # next-token log-probs are kept by their beam group, only their KV is recomputed later.
         while not out.scheduled and self.waiting and any(self._idle(s) for s in self.running):
             victim = next(s for s in reversed(self.running) if self._idle(s))
-            self.running.remove(victim)
+            _remove_sorted(self.running, victim, _order)
             self._preempt(victim)
             out.preempted.append(victim)
             budget, _ = self._admit(out, budget)
@@ -111,14 +119,16 @@ class Scheduler:
         out.block_copies = self.bm.take_copies()
         return out
 
-    def _may_admit(self) -> bool:
-        """Continuous batching admits every step; static batching only while a batch forms, and a new
-        batch starts once the previous one has finished."""
-        if not self.config.static_batching:
-            return True
-        if not self.running:
-            self._batch_forming = True
-        return self._batch_forming
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        """Continuous batching: admit waiting sequences every step. Returns the budget left."""
+        return self._admit(out, budget)[0]
+
+    def _reserve(self, n: int, num_cached: int) -> int:
+        """Slots to allocate for a sequence admitted to compute n tokens after num_cached cached ones."""
+        return n
+
+    def update_from_output(self, sampled: list[Sequence]) -> None:
+        """After a step: the sequences that sampled a token (nothing to do for the paged KV cache)."""
 
     @staticmethod
     def _idle(seq: Sequence) -> bool:
@@ -138,9 +148,7 @@ class Scheduler:
             if n > budget and not cfg.enable_chunked_prefill:
                 return budget, True
             n = min(n, budget)
-            # A contiguous cache holds a sequence's whole reservation from admission on.
-            reserve = max(n, (cfg.reserve_tokens or 0) - num_cached)
-            if not self.bm.allocate_slots(seq, reserve, computed):
+            if not self.bm.allocate_slots(seq, self._reserve(n, num_cached), computed):
                 return budget, False
             self.waiting.pop()
             self.stats.prefix_cache_queries += seq.num_tokens
@@ -149,7 +157,7 @@ class Scheduler:
                 seq.group.num_cached_tokens = num_cached
             seq.num_computed_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=lambda s: s.sort_key)
+            bisect.insort(self.running, seq, key=_order)
             out.scheduled.append((seq, n))
             budget -= n
         return budget, False
@@ -173,15 +181,15 @@ class Scheduler:
             self.bm.fork(parent, child)
             child.num_computed_tokens = parent.num_computed_tokens
             child.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, child, key=lambda s: s.sort_key)
+            bisect.insort(self.running, child, key=_order)
         else:  # parent was preempted: the child recomputes from scratch too
             self.add(child)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Retire a sequence (finished or aborted) and free its blocks."""
         if seq.status == SequenceStatus.RUNNING:
-            self.running.remove(seq)
+            _remove_sorted(self.running, seq, _order)
         elif seq.status == SequenceStatus.WAITING:
-            self.waiting.remove(seq)
+            _remove_sorted(self.waiting, seq, _reversed_order)
         seq.status = status
         self.bm.free(seq)

@@ -123,10 +123,12 @@ class ModelRunner:
         first = cu - q_lens
         input_ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs_o), np.int64, total)
         positions = np.arange(total) - np.repeat(first - starts, q_lens)
-        max_blocks = max(len(s.block_table) for s in seqs_o)
+        # Block tables packed with one flat read and one masked write (no per-row numpy calls).
+        n_blocks = np.fromiter((len(s.block_table) for s in seqs_o), np.int64, n)
+        max_blocks = int(n_blocks.max())
         tables = np.zeros((n, max_blocks), np.int64)
-        for i, s in enumerate(seqs_o):
-            tables[i, :len(s.block_table)] = s.block_table
+        tables[np.arange(max_blocks)[None, :] < n_blocks[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(s.block_table for s in seqs_o), np.int64, int(n_blocks.sum()))
         rows = np.repeat(np.arange(n), q_lens)
         bs = self.block_size
         slot_mapping = tables[rows, positions // bs] * bs + positions % bs
@@ -139,7 +141,7 @@ class ModelRunner:
             decode_positions=None, decode_mask=None, max_decode_seq_len=0, sliding_window=self.sliding_window,
             prefills=[])
         if nd:
-            dec_blocks = int(max(len(s.block_table) for s in seqs_o[:nd]))
+            dec_blocks = int(n_blocks[:nd].max())
             md.decode_block_tables = torch.from_numpy(tables[:nd, :dec_blocks]).to(dev)
             md.decode_positions = torch.from_numpy(positions[:nd]).to(dev)
             md.max_decode_seq_len = int(seq_lens[:nd].max())
