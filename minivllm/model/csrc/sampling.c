@@ -293,20 +293,23 @@ void logprobs_rows_f32(const float *logits, int64_t row_stride, const int64_t *r
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t r = 0; r < n; r++) {
         const float *x = logits + rows[r] * row_stride;
+        const float c = x[chosen[r]];
         float m = x[0];
-#pragma omp simd reduction(max : m)
-        for (int64_t i = 1; i < vocab; i++) m = x[i] > m ? x[i] : m;
-        double s = 0.0;
+        int64_t rank = 0;
+#pragma omp simd reduction(max : m) reduction(+ : rank)
+        for (int64_t i = 0; i < vocab; i++) {
+            m = x[i] > m ? x[i] : m;
+            rank += x[i] >= c;
+        }
+        /* float partial sums (one per SIMD lane, as torch's log_softmax accumulates): the exp pass is
+         * the row's only transcendental work, and a double accumulator halves its vector width. */
+        float s = 0.f;
 #pragma omp simd reduction(+ : s)
         for (int64_t i = 0; i < vocab; i++) {
             const float d = x[i] - m;
-            s += d > -87.f ? (double)expf(d) : 0.0;
+            s += d > -87.f ? expf(d) : 0.f;
         }
-        const float lse = m + (float)log(s);
-        const float c = x[chosen[r]];
-        int64_t rank = 0;
-#pragma omp simd reduction(+ : rank)
-        for (int64_t i = 0; i < vocab; i++) rank += x[i] >= c;
+        const float lse = m + logf(s);
         out_chosen[r] = c - lse;
         out_rank[r] = rank;
         const int64_t k = num_top[r] < vocab ? num_top[r] : vocab;
