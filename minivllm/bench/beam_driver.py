@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from minivllm.bench.results import save
-from minivllm.bench.throughput import random_prompts, resolve_model
+from minivllm.bench.throughput import add_model_args, random_prompts, resolve_model
 from minivllm.config import EngineArgs, ModelConfig, cpu_count
 from minivllm.engine.beam_search import beam_step
 from minivllm.engine.llm_engine import LLMEngine
@@ -26,8 +26,7 @@ from minivllm.sampling_params import BeamSearchParams, RequestOutputKind, Sampli
 
 def add_beam_args(p: argparse.ArgumentParser) -> None:
     """Flags of `minivllm bench beam`."""
-    p.add_argument("--model", default=None, help="model directory (default: make --preset in a cache dir)")
-    p.add_argument("--preset", default="smollm2-135m", help="preset to make when --model is not given")
+    add_model_args(p)
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--beam-width", type=int, default=4)

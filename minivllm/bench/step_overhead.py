@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from minivllm.bench.results import save
-from minivllm.bench.throughput import random_prompts, resolve_model
+from minivllm.bench.throughput import add_model_args, random_prompts, resolve_model
 from minivllm.config import EngineArgs, ModelConfig, cpu_count
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
@@ -26,8 +26,7 @@ from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 def add_step_args(p: argparse.ArgumentParser) -> None:
     """Flags of `minivllm bench step`."""
-    p.add_argument("--model", default=None, help="model directory (default: make --preset in a cache dir)")
-    p.add_argument("--preset", default="smollm2-135m", help="preset to make when --model is not given")
+    add_model_args(p)
     p.add_argument("--batches", default="64,256", help="concurrent sequences to measure, comma-separated")
     p.add_argument("--input-len-min", type=int, default=16)
     p.add_argument("--input-len-max", type=int, default=64)

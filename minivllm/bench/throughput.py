@@ -28,8 +28,7 @@ from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
     """Flags of `minivllm bench throughput`."""
-    p.add_argument("--model", default=None, help="model directory (default: make --preset in a cache dir)")
-    p.add_argument("--preset", default="smollm2-135m", help="preset to make when --model is not given")
+    add_model_args(p)
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--input-len-min", type=int, default=32)
     p.add_argument("--input-len-max", type=int, default=256)
@@ -51,6 +50,12 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", "--output-json", dest="out", default=None,
                    help="write all figures to this JSON file (and a PNG plot next to it)")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--model / --preset, as every offline bench takes them (see resolve_model)."""
+    p.add_argument("--model", default=None, help="model directory (default: make --preset in a cache dir)")
+    p.add_argument("--preset", default="smollm2-135m", help="preset to make when --model is not given")
 
 
 def greedy(max_tokens: int, **kw: Any) -> SamplingParams:

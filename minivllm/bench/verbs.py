@@ -18,49 +18,33 @@ def _bench(module: str, entry: str) -> Callable[[argparse.Namespace], int]:
     return run
 
 
+# verb → (module, its flags' function, its entry point, help)
+VERBS: dict[str, tuple[str, str, str, str]] = {
+    "throughput": ("throughput", "add_throughput_args", "run_throughput",
+                   "offline throughput vs HF transformers, roofline, step split"),
+    "latency": ("latency", "add_latency_args", "run_latency",
+                "one request at a time: TTFT and per-token latency vs prompt length"),
+    "serve": ("serve", "add_serve_args", "run_serve",
+              "load generator against a server (HTTP, OpenAI or gRPC) vs the offline engine"),
+    "step": ("step_overhead", "add_step_args", "run_step",
+             "non-model share of a decode step with mixed sampling (64, 256 sequences)"),
+    "beam": ("beam_driver", "add_beam_args", "run_beam",
+             "beam search in the engine's step vs as a driver over single-token requests"),
+    "perplexity": ("perplexity", "add_perplexity_args", "run_perplexity",
+                   "held-out perplexity by our engine vs HF transformers and a unigram baseline"),
+    "quantization": ("quantization", "add_quantization_args", "run_quantization",
+                     "every weight format's speed (b=1, batches) and quality, with rooflines and HF transformers "
+                     "in the same run"),
+    "all": ("all", "add_all_args", "run_all", "every bench in turn, then BENCHMARKS.md regenerated from their results"),
+}
+
+
 def add_bench_verbs(bsub: argparse._SubParsersAction) -> None:
-    """One sub-parser per bench verb."""
-    from minivllm.bench.throughput import add_throughput_args
-
-    tp = bsub.add_parser("throughput", help="offline throughput vs HF transformers, roofline, step split")
-    add_throughput_args(tp)
-    tp.set_defaults(func=_bench("throughput", "run_throughput"))
-    from minivllm.bench.latency import add_latency_args
-    from minivllm.bench.serve import add_serve_args
-
-    lt = bsub.add_parser("latency", help="one request at a time: TTFT and per-token latency vs prompt length")
-    add_latency_args(lt)
-    lt.set_defaults(func=_bench("latency", "run_latency"))
-    sv = bsub.add_parser("serve", help="load generator against a server (HTTP, OpenAI or gRPC) vs the offline engine")
-    add_serve_args(sv)
-    sv.set_defaults(func=_bench("serve", "run_serve"))
-    from minivllm.bench.step_overhead import add_step_args
-
-    st = bsub.add_parser("step", help="non-model share of a decode step with mixed sampling (64, 256 sequences)")
-    add_step_args(st)
-    st.set_defaults(func=_bench("step_overhead", "run_step"))
-    from minivllm.bench.beam_driver import add_beam_args
-
-    bm = bsub.add_parser("beam", help="beam search in the engine's step vs as a driver over single-token requests")
-    add_beam_args(bm)
-    bm.set_defaults(func=_bench("beam_driver", "run_beam"))
-    from minivllm.bench.perplexity import add_perplexity_args
-
-    pp = bsub.add_parser("perplexity",
-                         help="held-out perplexity by our engine vs HF transformers and a unigram baseline")
-    add_perplexity_args(pp)
-    pp.set_defaults(func=_bench("perplexity", "run_perplexity"))
-    from minivllm.bench.quantization import add_quantization_args
-
-    qb = bsub.add_parser("quantization", help="every weight format's speed (b=1, batches) and quality, with "
-                         "rooflines and HF transformers in the same run")
-    add_quantization_args(qb)
-    qb.set_defaults(func=_bench("quantization", "run_quantization"))
-    from minivllm.bench.all import add_all_args
-
-    al = bsub.add_parser("all", help="every bench in turn, then BENCHMARKS.md regenerated from their results")
-    add_all_args(al)
-    al.set_defaults(func=_bench("all", "run_all"))
+    """One sub-parser per bench verb (each module's flags are declared by the module itself)."""
+    for verb, (module, add_args, entry, help_text) in VERBS.items():
+        p = bsub.add_parser(verb, help=help_text)
+        getattr(importlib.import_module(f"minivllm.bench.{module}"), add_args)(p)
+        p.set_defaults(func=_bench(module, entry))
 
 
 def run_bench(argv: list[str]) -> int:
