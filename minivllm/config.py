@@ -163,6 +163,14 @@ class EngineArgs:
         "slots at admission, as a per-request contiguous cache must; none: no KV reuse, the whole sequence is "
         "recomputed every step. Both serve only n=1 requests without beam search")
 
+    speculative_model: str | None = _arg(
+        None, "speculative decoding proposer: ngram (prompt lookup: propose the tokens that followed the latest "
+        "earlier occurrence of the sequence's last n tokens). Greedy requests without penalties or logprobs "
+        "speculate; the others decode as usual")
+    num_speculative_tokens: int = _arg(0, "tokens proposed per step for each speculating sequence")
+    prompt_lookup_max: int = _arg(4, "ngram proposer: the longest suffix matched")
+    prompt_lookup_min: int = _arg(1, "ngram proposer: the shortest suffix matched")
+
     def __post_init__(self) -> None:
         if self.model is None:
             from minivllm.default_model import default_model_path
@@ -188,8 +196,26 @@ class EngineArgs:
         if self.quantization_kernel not in QUANTIZATION_KERNELS:
             raise ValueError(f"quantization_kernel must be one of {', '.join(QUANTIZATION_KERNELS)}, "
                              f"got {self.quantization_kernel!r}")
+        self._check_speculative()
         if parse_size(self.kv_cache_memory, "kv_cache_memory") <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
+
+    def _check_speculative(self) -> None:
+        if self.speculative_model is None:
+            if self.num_speculative_tokens:
+                raise ValueError("num_speculative_tokens needs speculative_model (ngram)")
+            return
+        if self.speculative_model != "ngram":
+            raise ValueError(f"speculative_model: only 'ngram' (prompt lookup) is available, got "
+                             f"{self.speculative_model!r}; a draft model directory is not supported yet")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1 with speculative_model, got "
+                             f"{self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min / prompt_lookup_max must satisfy 1 <= min <= max, got "
+                             f"{self.prompt_lookup_min} / {self.prompt_lookup_max}")
+        if self.kv_cache_mode != "paged":
+            raise ValueError(f"speculative decoding needs kv_cache_mode=paged, got {self.kv_cache_mode!r}")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, positional_model: bool = False) -> None:

@@ -26,6 +26,7 @@ from minivllm.engine.input_processor import EngineRequest, InputProcessor, Promp
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import BeamState, Sequence, SequenceGroup, SequenceStatus
+from minivllm.engine.spec_decode import NgramSpeculator
 from minivllm.engine.stats import IterationStats, SchedulerSnapshot, StatsRecorder, StepTimings
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.model.input_batch import InputBatch, SlotParams
@@ -95,6 +96,9 @@ class LLMEngine:
             self.tokenizer, mc.vocab_size, self.max_model_len, args.kv_cache_mode,
             self.block_manager.blocks_needed, cc.num_blocks,
             f"num_kv_blocks={args.num_kv_blocks}" if args.num_kv_blocks else f"kv_cache_memory={args.kv_cache_memory}")
+        self.speculator = (NgramSpeculator(args.num_speculative_tokens, args.prompt_lookup_min,
+                                           args.prompt_lookup_max, self.max_model_len)
+                           if args.speculative_model else None)
         self.groups: dict[str, SequenceGroup] = {}
         self.timings = StepTimings()
         self._arrivals = itertools.count()
@@ -185,6 +189,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; return the outputs it produced (per each request's output kind)."""
         t0 = time.perf_counter()
+        speculating = self.speculator.propose(self.scheduler.running) if self.speculator else []
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -201,6 +206,8 @@ class LLMEngine:
         t2 = time.perf_counter()
         self._sample_time = 0.0
         touched = self._process(sched, inputs, logits)
+        for seq in speculating:
+            seq.spec_token_ids = []
         t3 = time.perf_counter()
         now = time.time()
         outputs = []
@@ -230,6 +237,8 @@ class LLMEngine:
 
     def _runner_input(self, seq: Sequence, n: int) -> SequenceInput:
         start = seq.num_computed_tokens
+        if seq.spec_token_ids:  # the last token and the proposals: logits at every position, for verification
+            return SequenceInput((seq.token_ids[start:] + seq.spec_token_ids)[:n], start, seq.block_table, True, True)
         group = seq.group
         assert group is not None
         wants_prompt_lp = (group.prompt_logprobs is not None and seq.index == 0
@@ -243,7 +252,12 @@ class LLMEngine:
         row = 0
         sample_rows: list[tuple[Sequence, int]] = []
         prompt_jobs: list[tuple[Sequence, int, int, int]] = []
+        spec_jobs: list[tuple[Sequence, int, int]] = []
         for (seq, n), inp in zip(sched.scheduled, inputs, strict=True):
+            if seq.spec_token_ids:
+                spec_jobs.append((seq, n, row))
+                row += n
+                continue  # computed tokens and cached blocks follow verification
             if inp.all_logits:
                 prompt_jobs.append((seq, inp.start_pos, n, row))
                 row += n
@@ -266,6 +280,8 @@ class LLMEngine:
         for seq, _, _, _ in prompt_jobs:
             assert seq.group is not None
             touched.setdefault(seq.group.request_id, seq.group)
+        if spec_jobs:
+            self._verify(logits, spec_jobs, touched)
         self.scheduler.update_from_output([s for s, _ in sample_rows])
         return list(touched.values())
 
@@ -303,6 +319,28 @@ class LLMEngine:
             status = self.output_processor.append_token(seq, tok, lp)
             if status is not None:
                 self._finish(seq, status)
+            assert seq.group is not None
+            touched.setdefault(seq.group.request_id, seq.group)
+
+    def _verify(self, logits: torch.Tensor, jobs: list[tuple[Sequence, int, int]],
+                touched: dict[str, SequenceGroup]) -> None:
+        """Speculating sequences: keep the accepted proposals and the target's next token (each through
+        the same stop checks as a sampled one); their KV counts only up to what was kept."""
+        assert self.speculator is not None
+        for seq, n, row in jobs:
+            t0 = time.perf_counter()
+            tokens = self.speculator.verify(seq, logits[row:row + n], n)
+            self._sample_time += time.perf_counter() - t0
+            for tok in tokens:
+                self.recorder.generated(seq.request_id, 1)
+                status = self.output_processor.append_token(seq, tok, None)
+                if status is not None:
+                    self._finish(seq, status)
+                    break
+            if not seq.status.finished:
+                # KV holds the last token and the accepted proposals; the new last token is computed next step.
+                seq.num_computed_tokens = seq.num_tokens - 1
+                self.block_manager.cache_blocks(seq)
             assert seq.group is not None
             touched.setdefault(seq.group.request_id, seq.group)
 

@@ -89,11 +89,16 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            # Speculative proposals are scheduled after the sequence's last token, in the same chunk.
+            n = min(seq.num_tokens + len(seq.spec_token_ids) - seq.num_computed_tokens, budget)
             if n == 0:  # a beam whose next-token log-probs wait for the rest of its beam group
                 i += 1
                 continue
             while not self.bm.allocate_slots(seq, n):
+                if seq.spec_token_ids:  # proposals never cost another sequence its place: drop them first
+                    seq.spec_token_ids = []
+                    n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                    continue
                 victim = self.running.pop()  # lowest priority, newest: running is kept sorted
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -166,6 +171,7 @@ class Scheduler:
         """Preempt by recompute (seq already off the running list): drop its KV blocks and requeue it;
         it resumes from its tokens so far."""
         self.bm.free(seq)
+        seq.spec_token_ids = []
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.stats.num_preemptions += 1

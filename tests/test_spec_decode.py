@@ -1,0 +1,107 @@
+"""Speculative decoding with the n-gram proposer: lossless for greedy requests inside a busy mixed batch
+(chunked prefill, prefix caching and preemption all happening), block accounting intact, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from minivllm.config import EngineArgs
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.spec_decode import ngram_propose
+from minivllm.sampling_params import SamplingParams
+from tests.conftest import corpus_token_ids
+
+
+def test_ngram_proposes_what_followed_the_latest_match():
+    toks = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 1, 2, 3]
+    assert ngram_propose(toks, 2, 1, 3) == [7, 8]  # latest earlier "1 2 3" is followed by 7 8
+    assert ngram_propose(toks, 5, 1, 3) == [7, 8, 1, 2, 3]
+    assert ngram_propose([5, 6, 7], 3, 1, 2) == []  # nothing repeats
+    assert ngram_propose([4, 1, 4], 3, 1, 2) == [1, 4]  # falls back to n = 1
+    assert ngram_propose([4, 1, 4], 3, 2, 2) == []  # ... unless n_min forbids it
+    assert ngram_propose([3], 2, 1, 4) == []
+
+
+def _params(i: int) -> SamplingParams:
+    """Greedy (speculating) requests of several lengths, some with stop strings; every fourth is sampled
+    with a seed (never speculates, must not be disturbed), one in seven greedy with a penalty (neither)."""
+    if i % 4 == 3:
+        return SamplingParams(temperature=0.8, seed=i, max_tokens=10 + i % 7)
+    if i % 7 == 5:
+        return SamplingParams(temperature=0.0, max_tokens=14, repetition_penalty=1.2)
+    return SamplingParams(temperature=0.0, max_tokens=8 + 3 * (i % 9), stop=["\n\n"] if i % 3 == 0 else None)
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, tuple[list[int], str, str | None]]:
+    """Two requests arrive per step; returns each request's tokens, text and finish reason."""
+    done, step, added = {}, 0, 0
+    while added < len(prompts) or engine.has_unfinished_requests():
+        for _ in range(2):
+            if added < len(prompts):
+                engine.add_request(str(added), {"prompt_token_ids": prompts[added]}, _params(added))
+                added += 1
+        for out in engine.step():
+            if out.finished:
+                c = out.outputs[0]
+                done[out.request_id] = (c.token_ids, c.text, c.finish_reason)
+        step += 1
+        assert step < 5000
+    return done
+
+
+def test_greedy_outputs_identical_with_and_without_ngram_speculation(model_factory):
+    path = model_factory("tiny-llama")
+    base = LLMEngine(EngineArgs(model=path, num_kv_blocks=512, check_invariants=True))
+    text = corpus_token_ids(base.tokenizer, 600)
+    # 32 prompts: code text with repeats inside (so proposals get accepted) and shared prefixes (prefix hits).
+    prompts = [text[:40] + text[5 * i: 5 * i + 8 + 3 * (i % 11)] + text[:20] for i in range(32)]
+    want = _run(base, prompts)
+    # Small step budget (chunked prefill), prefix caching on, a pool small enough to preempt.
+    engine = LLMEngine(EngineArgs(model=path, num_kv_blocks=48, block_size=4, max_num_batched_tokens=24,
+                                  check_invariants=True, speculative_model="ngram", num_speculative_tokens=3))
+    got = _run(engine, prompts)
+    assert got == want
+    st = engine.speculator.stats
+    assert st.num_accepted_tokens > 0 and 0 < st.num_drafts <= st.num_draft_tokens
+    assert engine.scheduler.stats.num_preemptions > 0 and engine.scheduler.stats.prefix_cache_hits > 0
+    assert engine.block_manager.num_used == 0 and engine.input_batch.num_active == 0
+    engine.check_invariants()
+    # Fewer steps for the same tokens is the point: accepted proposals are tokens no step had to produce.
+    assert sum(st.accepted_per_position) == st.num_accepted_tokens
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    (dict(speculative_model="ngram", num_speculative_tokens=0), "num_speculative_tokens must be >= 1"),
+    (dict(num_speculative_tokens=3), "needs speculative_model"),
+    (dict(speculative_model="/no/such/draft", num_speculative_tokens=2), "only 'ngram'"),
+    (dict(speculative_model="ngram", num_speculative_tokens=2, prompt_lookup_min=3, prompt_lookup_max=2),
+     "1 <= min <= max"),
+    (dict(speculative_model="ngram", num_speculative_tokens=2, kv_cache_mode="none"), "kv_cache_mode=paged"),
+])
+def test_bad_speculative_settings_are_clear_errors(model_factory, kw, match):
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(model=model_factory("tiny-llama"), **kw)
+
+
+def test_served_with_ngram_speculation_gives_the_greedy_text(model_factory, serve):
+    """`minivllm serve --speculative-model ngram`: the OpenAI route returns what the engine without
+    speculation computes, streamed deltas included."""
+    import json
+    import os
+
+    import httpx
+
+    from minivllm import LLM
+
+    path = model_factory("tiny-llama")
+    url = serve(path, "--speculative-model", "ngram", "--num-speculative-tokens", "3")
+    prompt = "import os\nimport sys\nimport os\nimport"
+    want = LLM(path, num_kv_blocks=64).generate([prompt], SamplingParams(temperature=0.0, max_tokens=24),
+                                                  use_tqdm=False)[0].outputs[0].text
+    body = {"model": os.path.basename(path), "prompt": prompt, "max_tokens": 24, "temperature": 0.0}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+        chunks = [line[6:] for line in s.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+    assert "".join(json.loads(c)["choices"][0]["text"] for c in chunks if json.loads(c)["choices"]) == want
