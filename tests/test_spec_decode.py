@@ -96,12 +96,26 @@ def test_served_with_ngram_speculation_gives_the_greedy_text(model_factory, serv
     path = model_factory("tiny-llama")
     url = serve(path, "--speculative-model", "ngram", "--num-speculative-tokens", "3")
     prompt = "import os\nimport sys\nimport os\nimport"
-    want = LLM(path, num_kv_blocks=64).generate([prompt], SamplingParams(temperature=0.0, max_tokens=24),
+    want = LLM(path, num_kv_blocks=64).generate([prompt], SamplingParams(temperature=0.0, max_tokens=64),
                                                   use_tqdm=False)[0].outputs[0].text
-    body = {"model": os.path.basename(path), "prompt": prompt, "max_tokens": 24, "temperature": 0.0}
+    body = {"model": os.path.basename(path), "prompt": prompt, "max_tokens": 64, "temperature": 0.0}
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == want
     with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as s:
         chunks = [line[6:] for line in s.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
     assert "".join(json.loads(c)["choices"][0]["text"] for c in chunks if json.loads(c)["choices"]) == want
+    # vLLM's spec_decode counters, fed from the engine's stats (this model falls into loops within 64
+    # tokens, where the proposals get accepted).
+    metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    values = {}
+    for line in metrics.splitlines():
+        if line.startswith("minivllm:spec_decode_") and "_total" in line:
+            name, value = line.rsplit(" ", 1)
+            key = name.split("{")[0] + ("" if "position" not in name else name[name.index("position"):])
+            values[key] = float(value)
+    drafted = values["minivllm:spec_decode_num_draft_tokens_total"]
+    accepted = values["minivllm:spec_decode_num_accepted_tokens_total"]
+    assert 0 < accepted <= drafted and values["minivllm:spec_decode_num_drafts_total"] > 0
+    per_pos = [v for k, v in values.items() if "position" in k]
+    assert len(per_pos) == 3 and sum(per_pos) == accepted

@@ -163,6 +163,12 @@ class AsyncLLMEngine:
         return self.engine.max_model_len
 
     @property
+    def num_speculative_tokens(self) -> int:
+        """Tokens proposed per speculating sequence and step (0: speculative decoding off)."""
+        spec = self.engine.speculator
+        return spec.k if spec is not None else 0
+
+    @property
     def max_num_seqs(self) -> int:
         """Most sequences running in one step."""
         return self.engine.scheduler_config.max_num_seqs

@@ -378,7 +378,7 @@ class LLMEngine:
 
     def take_stats(self) -> IterationStats:
         """The stats gathered since the previous call (scheduler counters as deltas)."""
-        return self.recorder.take(self.scheduler.stats)
+        return self.recorder.take(self.scheduler.stats, self.speculator.stats if self.speculator else None)
 
     def snapshot(self, extra_waiting: int = 0) -> SchedulerSnapshot:
         """Requests running and waiting, and KV usage, now."""

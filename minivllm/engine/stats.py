@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from minivllm.engine.scheduler import SchedulerStats
     from minivllm.engine.sequence import Sequence, SequenceGroup
+    from minivllm.engine.spec_decode import SpecDecodeStats
 
 logger = logging.getLogger("minivllm.stats")
 
@@ -42,6 +43,12 @@ class IterationStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # Speculative decoding (zero when it is off): drafts verified, tokens proposed, tokens accepted, and
+    # per proposal position how many drafts had it accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True, frozen=True)
@@ -79,6 +86,7 @@ class StatsRecorder:
         self.stats = IterationStats()
         self.produced: set[str] = set()  # request ids that got a new token in the current step
         self._base = (0, 0, 0)  # scheduler counters at the last take()
+        self._spec_base: tuple[int, int, int, list[int]] | None = None  # speculation's, likewise
 
     def scheduled(self, scheduled: Iterable[tuple[Sequence, int]], num_batched_tokens: int) -> None:
         """A step was scheduled: its tokens, the prompt share of them, first-scheduled times."""
@@ -124,14 +132,22 @@ class StatsRecorder:
         self.stats.finished.append(FinishedRequestStats(reason, now - group.arrival_time, queued,
                                                         len(group.prompt_token_ids), generated))
 
-    def take(self, s: SchedulerStats) -> IterationStats:
-        """The stats gathered since the previous call, the scheduler's counters as deltas."""
+    def take(self, s: SchedulerStats, spec: SpecDecodeStats | None = None) -> IterationStats:
+        """The stats gathered since the previous call, the scheduler's (and speculation's) counters as deltas."""
         st, self.stats = self.stats, IterationStats()
         p0, q0, h0 = self._base
         st.num_preemptions = s.num_preemptions - p0
         st.prefix_cache_queries = s.prefix_cache_queries - q0
         st.prefix_cache_hits = s.prefix_cache_hits - h0
         self._base = (s.num_preemptions, s.prefix_cache_queries, s.prefix_cache_hits)
+        if spec is not None:
+            d0, t0, a0, pos0 = self._spec_base or (0, 0, 0, [0] * len(spec.accepted_per_position))
+            st.spec_num_drafts = spec.num_drafts - d0
+            st.spec_num_draft_tokens = spec.num_draft_tokens - t0
+            st.spec_num_accepted_tokens = spec.num_accepted_tokens - a0
+            st.spec_accepted_per_position = [a - b for a, b in zip(spec.accepted_per_position, pos0, strict=True)]
+            self._spec_base = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                               list(spec.accepted_per_position))
         return st
 
 
@@ -151,6 +167,7 @@ class LoggingStatLogger:
         self._last = time.monotonic()
         self._prompt = self._gen = 0
         self._queries = self._hits = 0
+        self._drafted = self._accepted = 0
 
     def record(self, stats: IterationStats | None, snapshot: SchedulerSnapshot) -> None:
         """Accumulate; log once per interval while there is (or just was) work."""
@@ -159,6 +176,8 @@ class LoggingStatLogger:
             self._gen += stats.num_generation_tokens
             self._queries += stats.prefix_cache_queries
             self._hits += stats.prefix_cache_hits
+            self._drafted += stats.spec_num_draft_tokens
+            self._accepted += stats.spec_num_accepted_tokens
         now = time.monotonic()
         elapsed = now - self._last
         if elapsed < self.interval_s:
@@ -170,5 +189,8 @@ class LoggingStatLogger:
                         "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
                         self._prompt / elapsed, self._gen / elapsed, snapshot.num_running,
                         snapshot.num_waiting, 100.0 * snapshot.kv_cache_usage, hit_rate)
+            if self._drafted:
+                logger.info("Speculative decoding: %d of %d proposed tokens accepted (%.1f%%)", self._accepted,
+                            self._drafted, 100.0 * self._accepted / self._drafted)
         self._last = now
-        self._prompt = self._gen = self._queries = self._hits = 0
+        self._prompt = self._gen = self._queries = self._hits = self._drafted = self._accepted = 0

@@ -139,7 +139,7 @@ async def _lag_probe(metrics: ServerMetrics) -> None:
 
 def build_app(engine: AsyncLLMEngine, args: ServerArgs) -> FastAPI:
     """The FastAPI app around a (not yet started) AsyncLLMEngine; its metrics join the engine's loggers."""
-    metrics = ServerMetrics(served_model_name(engine.model_path, args))
+    metrics = ServerMetrics(served_model_name(engine.model_path, args), engine.num_speculative_tokens)
     engine.stat_loggers.insert(0, metrics)
 
     @contextlib.asynccontextmanager

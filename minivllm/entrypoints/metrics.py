@@ -27,7 +27,7 @@ OUTCOMES = ("success", "client_error", "server_error", "aborted")
 class ServerMetrics:
     """Every metric of one server, plus the StatLogger that feeds the engine's ones."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, num_speculative_tokens: int = 0) -> None:
         self.registry = r = CollectorRegistry()
         labels = {"model_name": model_name}
         names = list(labels)
@@ -71,6 +71,18 @@ class ServerMetrics:
                                   buckets=_LAG_BUCKETS, registry=r)
         self.loop_lag_max = Gauge("minivllm:event_loop_lag_max_seconds", "Largest event-loop lag seen",
                                   registry=r)
+        # Speculative decoding's counters (vLLM's names), only on a server that speculates.
+        self.spec = None
+        if num_speculative_tokens:
+            self.spec = (counter("minivllm:spec_decode_num_drafts", "Sequences verified with proposals, per step"),
+                         counter("minivllm:spec_decode_num_draft_tokens", "Proposed tokens verified"),
+                         counter("minivllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted"),
+                         counter("minivllm:spec_decode_num_accepted_tokens_per_pos",
+                                 "Accepted proposals by position in the draft (0 = first)", ("position",)))
+            for c in self.spec[:3]:
+                c.labels(**labels)
+            for i in range(num_speculative_tokens):
+                self.spec[3].labels(**labels, position=str(i))
         self._lbl = labels
         self._lag_max = 0.0
         # Every series exists from the start (value 0), so dashboards and rate() work before any request.
@@ -110,6 +122,13 @@ class ServerMetrics:
             ttft.observe(t)
         for t in stats.inter_token_latencies:
             itl.observe(t)
+        if self.spec is not None:
+            drafts, draft_tokens, accepted, per_pos = self.spec
+            drafts.labels(**lbl).inc(stats.spec_num_drafts)
+            draft_tokens.labels(**lbl).inc(stats.spec_num_draft_tokens)
+            accepted.labels(**lbl).inc(stats.spec_num_accepted_tokens)
+            for i, n in enumerate(stats.spec_accepted_per_position):
+                per_pos.labels(**lbl, position=str(i)).inc(n)
         for f in stats.finished:
             self.request_success.labels(**lbl, finished_reason=f.finish_reason).inc()
             self.e2e.labels(**lbl).observe(f.e2e_latency)
