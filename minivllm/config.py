@@ -168,6 +168,10 @@ class EngineArgs:
         "earlier occurrence of the sequence's last n tokens). Greedy requests without penalties or logprobs "
         "speculate; the others decode as usual")
     num_speculative_tokens: int = _arg(0, "tokens proposed per step for each speculating sequence")
+    speculative_adaptive: bool = _arg(
+        False, "propose only where a linear model of the measured step cost says it pays (per step and per "
+        "request). Off by default: on CPU the one-token decode step runs a native path much cheaper than any "
+        "multi-token step, which the linear model misjudges at small batches")
     prompt_lookup_max: int = _arg(4, "ngram proposer: the longest suffix matched")
     prompt_lookup_min: int = _arg(1, "ngram proposer: the shortest suffix matched")
 

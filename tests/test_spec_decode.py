@@ -7,7 +7,8 @@ import pytest
 
 from minivllm.config import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.engine.spec_decode import ngram_propose
+from minivllm.engine.sequence import Sequence
+from minivllm.engine.spec_decode import NgramSpeculator, StepCostModel, ngram_propose
 from minivllm.sampling_params import SamplingParams
 from tests.conftest import corpus_token_ids
 
@@ -119,3 +120,41 @@ def test_served_with_ngram_speculation_gives_the_greedy_text(model_factory, serv
     assert 0 < accepted <= drafted and values["minivllm:spec_decode_num_drafts_total"] > 0
     per_pos = [v for k, v in values.items() if "position" in k]
     assert len(per_pos) == 3 and sum(per_pos) == accepted
+
+
+def test_step_cost_model_recovers_the_fixed_and_per_token_cost():
+    cost = StepCostModel()
+    assert cost.fit() is None
+    for tokens in [1, 4, 9, 16, 33, 64, 2, 7, 12, 40]:
+        cost.observe(tokens, 0.010 + 0.0002 * tokens)
+    a, b = cost.fit()
+    assert a == pytest.approx(0.010) and b == pytest.approx(0.0002)
+
+
+def test_adaptive_speculation_pays_at_batch_one_not_in_a_large_batch_nor_for_a_failing_request():
+    spec = NgramSpeculator(k=3, n_min=1, n_max=3, max_model_len=1024, adaptive=True)
+    seq = Sequence("r", [1, 2, 3], SamplingParams(temperature=0.0), 0)
+    assert spec.pays(seq, 3, num_seqs=256, num_tokens=256)  # no measurements yet: explore
+    for tokens in [1, 2, 4, 8, 16, 32, 64, 128]:
+        spec.cost.observe(tokens, 0.010 + 0.0001 * tokens)  # weights 10 ms a step, 0.1 ms per token
+    assert spec.pays(seq, 3, num_seqs=1, num_tokens=1)
+    assert not spec.pays(seq, 3, num_seqs=256, num_tokens=256)
+    assert spec.pays(seq, 3, num_seqs=16, num_tokens=16)
+    seq.spec_drafts, seq.spec_accepted = 20, 0  # its proposals never held
+    assert not spec.pays(seq, 3, num_seqs=16, num_tokens=16)
+    good = Sequence("g", [1, 2, 3], SamplingParams(temperature=0.0), 0)
+    good.spec_drafts, good.spec_accepted = 20, 54
+    assert spec.pays(good, 3, num_seqs=64, num_tokens=64)
+
+
+def test_adaptive_speculation_stays_lossless_in_the_engine(model_factory):
+    """With the cost model deciding per step and request, greedy outputs are still exactly the target's."""
+    path = model_factory("tiny-llama")
+    base = LLMEngine(EngineArgs(model=path, num_kv_blocks=512))
+    text = corpus_token_ids(base.tokenizer, 300)
+    prompts = [text[:30] + text[7 * i: 7 * i + 10] + text[:15] for i in range(12)]
+    want = _run(base, prompts)
+    engine = LLMEngine(EngineArgs(model=path, num_kv_blocks=512, check_invariants=True, speculative_model="ngram",
+                                  num_speculative_tokens=3, speculative_adaptive=True))
+    assert _run(engine, prompts) == want
+    assert engine.speculator.cost.fit() is not None  # it measured steps and decided from them

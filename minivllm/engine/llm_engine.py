@@ -97,7 +97,7 @@ class LLMEngine:
             self.block_manager.blocks_needed, cc.num_blocks,
             f"num_kv_blocks={args.num_kv_blocks}" if args.num_kv_blocks else f"kv_cache_memory={args.kv_cache_memory}")
         self.speculator = (NgramSpeculator(args.num_speculative_tokens, args.prompt_lookup_min,
-                                           args.prompt_lookup_max, self.max_model_len)
+                                           args.prompt_lookup_max, self.max_model_len, args.speculative_adaptive)
                            if args.speculative_model else None)
         self.groups: dict[str, SequenceGroup] = {}
         self.timings = StepTimings()
@@ -203,6 +203,8 @@ class LLMEngine:
         self.runner.copy_blocks(sched.block_copies)
         inputs = [self._runner_input(seq, n) for seq, n in sched.scheduled]
         logits = self.runner.execute(inputs)
+        if self.speculator is not None:
+            self.speculator.cost.observe(sched.num_batched_tokens, self.runner.last_forward_time)
         t2 = time.perf_counter()
         self._sample_time = 0.0
         touched = self._process(sched, inputs, logits)
