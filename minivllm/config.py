@@ -169,9 +169,8 @@ class EngineArgs:
         "speculate; the others decode as usual")
     num_speculative_tokens: int = _arg(0, "tokens proposed per step for each speculating sequence")
     speculative_adaptive: bool = _arg(
-        False, "propose only where a linear model of the measured step cost says it pays (per step and per "
-        "request). Off by default: on CPU the one-token decode step runs a native path much cheaper than any "
-        "multi-token step, which the linear model misjudges at small batches")
+        True, "propose only where the measured step costs say the step then yields tokens faster (per step and "
+        "per request); off: every eligible sequence proposes every step")
     prompt_lookup_max: int = _arg(4, "ngram proposer: the longest suffix matched")
     prompt_lookup_min: int = _arg(1, "ngram proposer: the shortest suffix matched")
 

@@ -59,7 +59,8 @@ def test_greedy_outputs_identical_with_and_without_ngram_speculation(model_facto
     want = _run(base, prompts)
     # Small step budget (chunked prefill), prefix caching on, a pool small enough to preempt.
     engine = LLMEngine(EngineArgs(model=path, num_kv_blocks=48, block_size=4, max_num_batched_tokens=24,
-                                  check_invariants=True, speculative_model="ngram", num_speculative_tokens=3))
+                                  check_invariants=True, speculative_model="ngram", num_speculative_tokens=3,
+                                  speculative_adaptive=False))  # verify on every step that can propose
     got = _run(engine, prompts)
     assert got == want
     st = engine.speculator.stats
@@ -95,7 +96,7 @@ def test_served_with_ngram_speculation_gives_the_greedy_text(model_factory, serv
     from minivllm import LLM
 
     path = model_factory("tiny-llama")
-    url = serve(path, "--speculative-model", "ngram", "--num-speculative-tokens", "3")
+    url = serve(path, "--speculative-model", "ngram", "--num-speculative-tokens", "3", "--no-speculative-adaptive")
     prompt = "import os\nimport sys\nimport os\nimport"
     want = LLM(path, num_kv_blocks=64).generate([prompt], SamplingParams(temperature=0.0, max_tokens=64),
                                                   use_tqdm=False)[0].outputs[0].text
@@ -129,22 +130,43 @@ def test_step_cost_model_recovers_the_fixed_and_per_token_cost():
         cost.observe(tokens, 0.010 + 0.0002 * tokens)
     a, b = cost.fit()
     assert a == pytest.approx(0.010) and b == pytest.approx(0.0002)
+    same = StepCostModel()
+    for _ in range(8):
+        same.observe(1, 0.003)
+    assert same.fit() == pytest.approx((0.003, 0.0))  # one size of step: its cost at that size
+
+
+def _speculator(decode_ms: float, step_ms: float, per_token_ms: float) -> NgramSpeculator:
+    """A speculator whose measurements say: a one-token decode step of n sequences costs decode_ms + 0.05 n,
+    any other step step_ms + per_token_ms per token."""
+    spec = NgramSpeculator(k=3, n_min=1, n_max=3, max_model_len=1024, adaptive=True)
+    for n in [1, 2, 4, 8, 16, 32, 64, 128]:
+        spec.observe([1] * n, (decode_ms + 0.05 * n) / 1e3)
+        spec.observe([1] * n + [4], (step_ms + per_token_ms * (n + 4)) / 1e3)
+    return spec
+
+
+def _seq(drafts: int = 0, accepted: int = 0) -> Sequence:
+    seq = Sequence("r", [1, 2, 3], SamplingParams(temperature=0.0), 0)
+    seq.spec_drafts, seq.spec_accepted = drafts, accepted
+    return seq
 
 
 def test_adaptive_speculation_pays_at_batch_one_not_in_a_large_batch_nor_for_a_failing_request():
-    spec = NgramSpeculator(k=3, n_min=1, n_max=3, max_model_len=1024, adaptive=True)
-    seq = Sequence("r", [1, 2, 3], SamplingParams(temperature=0.0), 0)
-    assert spec.pays(seq, 3, num_seqs=256, num_tokens=256)  # no measurements yet: explore
-    for tokens in [1, 2, 4, 8, 16, 32, 64, 128]:
-        spec.cost.observe(tokens, 0.010 + 0.0001 * tokens)  # weights 10 ms a step, 0.1 ms per token
-    assert spec.pays(seq, 3, num_seqs=1, num_tokens=1)
-    assert not spec.pays(seq, 3, num_seqs=256, num_tokens=256)
-    assert spec.pays(seq, 3, num_seqs=16, num_tokens=16)
-    seq.spec_drafts, seq.spec_accepted = 20, 0  # its proposals never held
-    assert not spec.pays(seq, 3, num_seqs=16, num_tokens=16)
-    good = Sequence("g", [1, 2, 3], SamplingParams(temperature=0.0), 0)
-    good.spec_drafts, good.spec_accepted = 20, 54
-    assert spec.pays(good, 3, num_seqs=64, num_tokens=64)
+    cold = NgramSpeculator(k=3, n_min=1, n_max=3, max_model_len=1024, adaptive=True)
+    assert len(cold.worth([(_seq(), [5, 6, 7])], 1, 1, True)) == 1  # nothing measured yet: try it
+    spec = _speculator(decode_ms=3.0, step_ms=6.0, per_token_ms=0.1)
+    one = [(_seq(), [5, 6, 7])]
+    assert spec.worth(one, 1, 1, True) == one  # batch 1: 1 token in 3 ms vs ~2.5 tokens in 6.4 ms
+    many = [(_seq(), [5, 6, 7]) for _ in range(128)]
+    assert spec.worth(many, 128, 128, True) == []  # 128 tokens in 9.4 ms vs ~320 in 57 ms
+    assert spec.worth([(_seq(20, 0), [5, 6, 7])], 1, 1, True) == []  # its proposals never held
+    good = [(_seq(20, 57), [5, 6, 7])]
+    assert spec.worth(good, 1, 1, True) == good
+    # A step that runs multi-token work anyway: a proposal costs only its tokens' FLOPs.
+    assert spec.worth(one, 16, 80, False) == one
+    slow_path = _speculator(decode_ms=3.0, step_ms=12.0, per_token_ms=0.1)
+    assert slow_path.worth([(_seq(), [5])], 1, 1, True) == []  # 1 token in 3 ms beats ~1.5 in 12 ms
 
 
 def test_adaptive_speculation_stays_lossless_in_the_engine(model_factory):

@@ -53,8 +53,8 @@ class SpecDecodeStats:
 
 
 class StepCostModel:
-    """The forward's measured cost as a + b * tokens, least squares over the recent steps: a is what a
-    step costs whatever it holds (reading the weights), b what each more token adds (its FLOPs)."""
+    """The forward's measured cost as a + b * tokens, least squares over recent steps of one kind: a is
+    what a step costs whatever it holds (reading the weights), b what each more token adds (its FLOPs)."""
 
     def __init__(self, window: int = 128) -> None:
         self.samples: deque[tuple[int, float]] = deque(maxlen=window)
@@ -69,8 +69,8 @@ class StepCostModel:
             return None
         x = np.array([t for t, _ in self.samples], dtype=np.float64)
         y = np.array([s for _, s in self.samples], dtype=np.float64)
-        if x.max() - x.min() < 2:
-            return None
+        if x.max() - x.min() < 2:  # steps of one size (a batch-1 decode): its cost, at that size
+            return float(y.mean()), 0.0
         b = float(np.cov(x, y, bias=True)[0, 1] / x.var())
         b = max(b, 0.0)
         return max(float(y.mean() - b * x.mean()), 0.0), b
@@ -79,21 +79,30 @@ class StepCostModel:
 class NgramSpeculator:
     """Proposes for the running sequences before a step, verifies their chunks after it.
 
-    Adaptive: a sequence's proposals go into the step only when they are expected to save more time than
-    they add, by the measured step cost: E accepted tokens would otherwise take E more steps' worth of
-    its share of the step, (a + b * tokens) / sequences each, while verifying k proposals adds b * k now.
-    E comes from the sequence's own acceptance once it has a history (so a request whose proposals keep
-    failing stops proposing), else from all drafts so far. At batch 1 the step is mostly a (the weights
-    are read once however many tokens ride along) and speculation pays; in a large batch a is shared by
-    many sequences and b * k dominates, and speculation switches itself off."""
+    Adaptive (--speculative-adaptive): proposals go into a step only when the measured step costs say the
+    step then yields tokens faster. Two cost models, because a step of one-token decodes runs its own
+    (native, much cheaper) path on CPU: `decode_cost` over such steps, `cost` over every other step.
+    When the step would otherwise be a pure decode, the proposals (best expected yield first) are added
+    while (n + expected accepted) / cost(n + proposed tokens) beats n / decode_cost(n): at batch 1 the
+    weights dominate both and speculation pays, in a large batch the extra tokens' FLOPs do not. When the
+    step has other multi-token work anyway, a proposal is kept if its expected tokens are worth more of
+    the step than the b * k it adds. Expected accepted tokens come from the sequence's own history once
+    it has one (a request whose proposals keep failing stops proposing), else from all drafts so far.
+    Before a model has data, the step that would measure it is taken."""
 
     def __init__(self, k: int, n_min: int, n_max: int, max_model_len: int, adaptive: bool = True) -> None:
         self.k, self.n_min, self.n_max = k, n_min, n_max
         self.adaptive = adaptive
         self.max_model_len = max_model_len
         self.stats = SpecDecodeStats(accepted_per_position=[0] * k)
-        self.cost = StepCostModel()
+        self.cost = StepCostModel()  # steps with any multi-token work (prefill chunks, proposals)
+        self.decode_cost = StepCostModel()  # steps of one-token decodes only
         self.num_skipped = 0  # proposals withheld because they were not expected to pay
+
+    def observe(self, token_counts: list[int], seconds: float) -> None:
+        """One step's forward time, by kind (token_counts: each scheduled sequence's tokens)."""
+        model = self.decode_cost if all(n == 1 for n in token_counts) else self.cost
+        model.observe(sum(token_counts), seconds)
 
     def expected_accepted(self, seq: Sequence, k: int) -> float:
         """Expected accepted tokens of a k-token proposal for seq (Laplace-smoothed rates)."""
@@ -102,15 +111,48 @@ class NgramSpeculator:
         st = self.stats
         return sum((st.accepted_per_position[i] + 1) / (st.num_drafts + 2) for i in range(k))
 
-    def pays(self, seq: Sequence, k: int, num_seqs: int, num_tokens: int) -> bool:
-        """Whether k proposals for seq are expected to save time in a step of num_seqs sequences and
-        num_tokens tokens (always, until the cost model has seen enough steps)."""
-        fit = self.cost.fit()
-        if fit is None:
+    def _may_pay(self, num_seqs: int, num_tokens: int, pure_decode: bool) -> bool:
+        """Whether k-token proposals at the batch's usual acceptance could pay for one sequence or for all
+        of them (the yield per second is monotone in how many speculate, so the ends decide); a cheap
+        check before any lookup."""
+        multi = self.cost.fit()
+        if multi is None:
             return True
-        a, b = fit
-        per_token = (a + b * num_tokens) / max(num_seqs, 1)
-        return self.expected_accepted(seq, k) * per_token > b * k
+        a, b = multi
+        st, k = self.stats, self.k
+        e = sum((st.accepted_per_position[i] + 1) / (st.num_drafts + 2) for i in range(k))
+        if not pure_decode:
+            return e * (a + b * num_tokens) / max(num_seqs, 1) > b * k
+        plain = self.decode_cost.fit()
+        if plain is None:
+            return False
+        rate = num_seqs / max(plain[0] + plain[1] * num_seqs, 1e-9)
+        return any((num_seqs + m * e) / max(a + b * (num_tokens + m * k), 1e-9) > rate for m in (1, num_seqs))
+
+    def worth(self, candidates: list[tuple[Sequence, list[int]]], num_seqs: int, num_tokens: int,
+              pure_decode: bool) -> list[tuple[Sequence, list[int]]]:
+        """The candidates (sequence, proposal) worth verifying in a step of num_seqs sequences and
+        num_tokens tokens without them (pure_decode: every one of those a one-token decode)."""
+        multi = self.cost.fit()
+        if multi is None:
+            return candidates  # measure multi-token steps first
+        a, b = multi
+        gains = [(self.expected_accepted(seq, len(spec)), seq, spec) for seq, spec in candidates]
+        if not pure_decode:
+            per_token = (a + b * num_tokens) / max(num_seqs, 1)
+            return [(seq, spec) for e, seq, spec in gains if e * per_token > b * len(spec)]
+        plain = self.decode_cost.fit()
+        if plain is None:
+            return []  # measure the plain decode step first
+        best_rate, best_len = num_seqs / max(plain[0] + plain[1] * num_seqs, 1e-9), 0
+        gains.sort(key=lambda g: g[0] / len(g[2]), reverse=True)
+        gained = extra = 0.0
+        for i, (e, _, spec) in enumerate(gains):
+            gained, extra = gained + e, extra + len(spec)
+            rate = (num_seqs + gained) / max(a + b * (num_tokens + extra), 1e-9)
+            if rate > best_rate:
+                best_rate, best_len = rate, i + 1
+        return [(seq, spec) for _, seq, spec in gains[:best_len]]
 
     @staticmethod
     def eligible(seq: Sequence) -> bool:
@@ -123,11 +165,13 @@ class NgramSpeculator:
                 and seq.num_computed_tokens == seq.num_tokens - 1)
 
     def propose(self, running: list[Sequence]) -> list[Sequence]:
-        """Set spec_token_ids of every eligible running sequence (never past max_tokens or the context);
-        returns those that got proposals (the engine clears them after the step)."""
-        proposed = []
-        # The step as it would be without proposals: every running sequence computes what it lacks.
-        num_tokens = sum(s.num_tokens - s.num_computed_tokens for s in running)
+        """Set spec_token_ids of the eligible running sequences whose proposals are worth it (never past
+        max_tokens or the context); returns those (the engine clears them after the step)."""
+        lacking = [s.num_tokens - s.num_computed_tokens for s in running]
+        pure_decode = all(n <= 1 for n in lacking)
+        if self.adaptive and not self._may_pay(len(running), sum(lacking), pure_decode):
+            return []  # not even typical proposals for everyone would pay: skip the lookups too
+        candidates = []
         for seq in running:
             if not self.eligible(seq):
                 continue
@@ -136,16 +180,16 @@ class NgramSpeculator:
             if p.max_tokens is not None:
                 room = min(room, p.max_tokens - seq.num_output_tokens - 1)  # the target adds one token anyway
             k = min(self.k, room)
-            if k <= 0:
-                continue
-            spec = ngram_propose(seq.token_ids, k, self.n_min, self.n_max)
-            if spec and self.adaptive and not self.pays(seq, len(spec), len(running), num_tokens):
-                self.num_skipped += 1
-                continue
+            if k > 0 and (spec := ngram_propose(seq.token_ids, k, self.n_min, self.n_max)):
+                candidates.append((seq, spec))
+        if self.adaptive and candidates:
+            # The step as it would be without proposals: every running sequence computes what it lacks.
+            kept = self.worth(candidates, len(running), sum(lacking), pure_decode)
+            self.num_skipped += len(candidates) - len(kept)
+            candidates = kept
+        for seq, spec in candidates:
             seq.spec_token_ids = spec
-            if spec:
-                proposed.append(seq)
-        return proposed
+        return [seq for seq, _ in candidates]
 
     def verify(self, seq: Sequence, logits: torch.Tensor, num_scheduled: int) -> list[int]:
         """The tokens seq gains this step: logits [num_scheduled, V] are the target's at its last token and
