@@ -167,6 +167,9 @@ class NgramSpeculator:
     def propose(self, running: list[Sequence]) -> list[Sequence]:
         """Set spec_token_ids of the eligible running sequences whose proposals are worth it (never past
         max_tokens or the context); returns those (the engine clears them after the step)."""
+        for seq in running:
+            if seq.spec_token_ids:  # left by a step that raised before the engine cleared them
+                seq.spec_token_ids = []
         lacking = [s.num_tokens - s.num_computed_tokens for s in running]
         pure_decode = all(n <= 1 for n in lacking)
         if self.adaptive and not self._may_pay(len(running), sum(lacking), pure_decode):
