@@ -137,7 +137,7 @@ def test_bench_all_quick_regenerates_the_markdown(model_factory, tmp_path):
     for heading in ("The seed's serving workload", "Offline throughput", "Step-time split at", "Throughput vs "
                     "concurrency", "Ablations", "Single-request latency", "Transports",
                     "default model's quality", "Engine overhead: a decode step with mixed sampling",
-                    "Beam search: inside the step vs as a driver"):
+                    "Beam search: inside the step vs as a driver", "Speculative decoding (`bench speculative`)"):
         assert heading in text, heading
     beam = json.loads((results / "beam.json").read_text())
     assert beam["same_beams"] == 2  # the driver and the engine's own beam search agree

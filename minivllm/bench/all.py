@@ -49,6 +49,8 @@ def _argv(quick: bool, model: str | None) -> dict[str, list[str]]:
                            "--input-len-min", "8", "--input-len-max", "16", "--output-len", "3", "--rounds", "1",
                            "--kv-cache-memory", "64MiB", "--server-threads", "1", "--no-offline"],
             "perplexity": ["perplexity", *m, "--max-tokens", "1024"],
+            "speculative": ["speculative", *m, "--ks", "2", "--streams", "1,2", "--output-len", "8",
+                            "--prompt-len", "16", "--large-batch", "4", "--rounds", "1"],
             "step": ["step", *m, "--batches", "4,8", "--steps", "2", "--kv-cache-memory", "8MiB"],
             "beam": ["beam", *m, "--num-prompts", "2", "--prompt-len", "8", "--beam-width", "2", "--max-tokens", "3",
                      "--rounds", "1", "--kv-cache-memory", "8MiB"],
@@ -71,10 +73,12 @@ def _argv(quick: bool, model: str | None) -> dict[str, list[str]]:
         "quantization": ["quantization"],
         "step": ["step"],
         "beam": ["beam"],
+        "speculative": ["speculative"],
     }
 
 
-BENCHES = ("seed", "throughput", "latency", "transports", "perplexity", "quantization", "step", "beam")
+BENCHES = ("seed", "throughput", "latency", "transports", "perplexity", "quantization", "step", "beam",
+           "speculative")
 
 
 def machine_info() -> dict[str, Any]:
@@ -146,7 +150,15 @@ def _load(out_dir: str, name: str) -> dict[str, Any] | None:
 
 def render(out_dir: str, argv: dict[str, list[str]]) -> str:
     """BENCHMARKS.md from the JSON files in out_dir (a section per bench found)."""
-    from minivllm.bench import latency, perplexity, quantization_report, serve_report, step_overhead, throughput_report
+    from minivllm.bench import (
+        latency,
+        perplexity,
+        quantization_report,
+        serve_report,
+        speculative,
+        step_overhead,
+        throughput_report,
+    )
 
     m = _load(out_dir, "machine") or {}
     lines = [
@@ -187,6 +199,13 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
                             step_overhead.report(r), "", step_overhead.verdict(r)]),
         ("beam", lambda r: ["## Beam search: inside the step vs as a driver over requests (`bench beam`)", "",
                             _beam(r)]),
+        ("speculative", lambda r: ["## Speculative decoding (`bench speculative`)", "",
+                                   f"Greedy decoding of `{os.path.basename(r['model'].rstrip('/'))}`, "
+                                   f"{r['output_len']} new tokens per request, output tok/s (ratio to no "
+                                   "speculation in the same run); n-gram (prompt lookup) proposer with adaptive "
+                                   "speculation (the default); code = held-out standard-library code, repetitive "
+                                   "= a code excerpt then \"the same code again\". The draft-model proposer is not "
+                                   "built yet.", "", speculative.report(r)]),
     ]
     for name, section in sections:
         r = _load(out_dir, name)

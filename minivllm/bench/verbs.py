@@ -30,6 +30,8 @@ VERBS: dict[str, tuple[str, str, str, str]] = {
              "non-model share of a decode step with mixed sampling (64, 256 sequences)"),
     "beam": ("beam_driver", "add_beam_args", "run_beam",
              "beam search in the engine's step vs as a driver over single-token requests"),
+    "speculative": ("speculative", "add_speculative_args", "run_speculative",
+                    "decode tok/s with and without n-gram speculation (k swept), acceptance per position"),
     "perplexity": ("perplexity", "add_perplexity_args", "run_perplexity",
                    "held-out perplexity by our engine vs HF transformers and a unigram baseline"),
     "quantization": ("quantization", "add_quantization_args", "run_quantization",
