@@ -205,7 +205,7 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
                                    "speculation in the same run); n-gram (prompt lookup) proposer with adaptive "
                                    "speculation (the default); code = held-out standard-library code, repetitive "
                                    "= a code excerpt then \"the same code again\". The draft-model proposer is not "
-                                   "built yet.", "", speculative.report(r)]),
+                                   "built yet.", "", speculative.report(r), "", speculative.verdict(r)]),
     ]
     for name, section in sections:
         r = _load(out_dir, name)
