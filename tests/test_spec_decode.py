@@ -140,9 +140,14 @@ def _speculator(decode_ms: float, step_ms: float, per_token_ms: float) -> NgramS
     """A speculator whose measurements say: a one-token decode step of n sequences costs decode_ms + 0.05 n,
     any other step step_ms + per_token_ms per token."""
     spec = NgramSpeculator(k=3, n_min=1, n_max=3, max_model_len=1024, adaptive=True)
+    verifying = Sequence("v", [1, 2, 3], SamplingParams(temperature=0.0), 0)
+    verifying.spec_token_ids = [4, 5, 6]
+    prefilling = Sequence("p", list(range(40)), SamplingParams(temperature=0.0), 0)
     for n in [1, 2, 4, 8, 16, 32, 64, 128]:
-        spec.observe([1] * n, (decode_ms + 0.05 * n) / 1e3)
-        spec.observe([1] * n + [4], (step_ms + per_token_ms * (n + 4)) / 1e3)
+        plain = [(_seq(), 1)] * n
+        spec.observe(plain, (decode_ms + 0.05 * n) / 1e3)
+        spec.observe(plain + [(verifying, 4)], (step_ms + per_token_ms * (n + 4)) / 1e3)
+        spec.observe(plain + [(prefilling, 40)], 1.0)  # a prefill step: fits neither model
     return spec
 
 

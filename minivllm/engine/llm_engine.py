@@ -204,7 +204,7 @@ class LLMEngine:
         inputs = [self._runner_input(seq, n) for seq, n in sched.scheduled]
         logits = self.runner.execute(inputs)
         if self.speculator is not None:
-            self.speculator.observe([n for _, n in sched.scheduled], self.runner.last_forward_time)
+            self.speculator.observe(sched.scheduled, self.runner.last_forward_time)
         t2 = time.perf_counter()
         self._sample_time = 0.0
         touched = self._process(sched, inputs, logits)

@@ -81,7 +81,8 @@ class NgramSpeculator:
 
     Adaptive (--speculative-adaptive): proposals go into a step only when the measured step costs say the
     step then yields tokens faster. Two cost models, because a step of one-token decodes runs its own
-    (native, much cheaper) path on CPU: `decode_cost` over such steps, `cost` over every other step.
+    (native, much cheaper) path on CPU: `decode_cost` over such steps, `cost` over decode steps that
+    verify proposals (prefill steps fit neither).
     When the step would otherwise be a pure decode, the proposals (best expected yield first) are added
     while (n + expected accepted) / cost(n + proposed tokens) beats n / decode_cost(n): at batch 1 the
     weights dominate both and speculation pays, in a large batch the extra tokens' FLOPs do not. When the
@@ -95,14 +96,18 @@ class NgramSpeculator:
         self.adaptive = adaptive
         self.max_model_len = max_model_len
         self.stats = SpecDecodeStats(accepted_per_position=[0] * k)
-        self.cost = StepCostModel()  # steps with any multi-token work (prefill chunks, proposals)
+        self.cost = StepCostModel()  # decode steps that verify proposals
         self.decode_cost = StepCostModel()  # steps of one-token decodes only
         self.num_skipped = 0  # proposals withheld because they were not expected to pay
 
-    def observe(self, token_counts: list[int], seconds: float) -> None:
-        """One step's forward time, by kind (token_counts: each scheduled sequence's tokens)."""
-        model = self.decode_cost if all(n == 1 for n in token_counts) else self.cost
-        model.observe(sum(token_counts), seconds)
+    def observe(self, scheduled: list[tuple[Sequence, int]], seconds: float) -> None:
+        """One step's forward time, by kind: one-token decodes only, or decodes with verification chunks.
+        Steps with prefill chunks are left out: their cost (long chunks' attention) is another shape."""
+        tokens = sum(n for _, n in scheduled)
+        if tokens == len(scheduled):
+            self.decode_cost.observe(tokens, seconds)
+        elif all(n == 1 or seq.spec_token_ids for seq, n in scheduled):
+            self.cost.observe(tokens, seconds)
 
     def expected_accepted(self, seq: Sequence, k: int) -> float:
         """Expected accepted tokens of a k-token proposal for seq (Laplace-smoothed rates)."""
