@@ -113,6 +113,10 @@ class NgramSpeculator:
         """Expected accepted tokens of a k-token proposal for seq (Laplace-smoothed rates)."""
         if seq.spec_drafts >= 4:
             return k * (seq.spec_accepted + 1) / (seq.spec_drafts * self.k + 2)
+        return self._batch_expected(k)
+
+    def _batch_expected(self, k: int) -> float:
+        """Expected accepted tokens of a k-token proposal at the acceptance of all drafts so far."""
         st = self.stats
         return sum((st.accepted_per_position[i] + 1) / (st.num_drafts + 2) for i in range(k))
 
@@ -124,8 +128,8 @@ class NgramSpeculator:
         if multi is None:
             return True
         a, b = multi
-        st, k = self.stats, self.k
-        e = sum((st.accepted_per_position[i] + 1) / (st.num_drafts + 2) for i in range(k))
+        k = self.k
+        e = self._batch_expected(k)
         if not pure_decode:
             return e * (a + b * num_tokens) / max(num_seqs, 1) > b * k
         plain = self.decode_cost.fit()
