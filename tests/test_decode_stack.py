@@ -68,7 +68,7 @@ def _decode_steps(runner: ModelRunner, path: str) -> list[tuple[torch.Tensor, to
 def test_stack_equals_module_path(model_factory, stack_calls, preset, method):
     path = model_factory(preset)
     runner = _runner(path, method)
-    assert runner.decode_stack is not None and runner.decode_stack.native_classes == (True, True, True)
+    assert runner.decode_stack is not None and runner.decode_stack.native_classes == (True, True, True, True)
     for with_stack, modules in _decode_steps(runner, path):
         torch.testing.assert_close(with_stack, modules, atol=1e-5, rtol=0)
     assert stack_calls == [3, 1, 2]

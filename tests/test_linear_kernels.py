@@ -48,7 +48,7 @@ def test_plan_binds_kernels_and_releases_the_unused_copy():
     for lin in lins:
         lin.pack(keep_weight=True)
     plan = plan_kernels(lins, "native")
-    assert plan == {"m<=1": "native", "m<=16": "native", "m>16": "native"}
+    assert plan == {"m<=1": "native", "m<=6": "native", "m<=16": "native", "m>16": "native"}
     for lin in lins:
         lin.release_unused()
         assert lin.weight is not None and lin.packed is None

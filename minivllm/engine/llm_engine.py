@@ -26,7 +26,7 @@ from minivllm.engine.input_processor import EngineRequest, InputProcessor, Promp
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import BeamState, Sequence, SequenceGroup, SequenceStatus
-from minivllm.engine.spec_decode import NgramSpeculator
+from minivllm.engine.spec_decode import NgramSpeculator, verify_rows
 from minivllm.engine.stats import IterationStats, SchedulerSnapshot, StatsRecorder, StepTimings
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.model.input_batch import InputBatch, SlotParams
@@ -201,7 +201,7 @@ class LLMEngine:
             for seq, n in sched.scheduled:
                 self.block_manager.check_writable(seq, n)
         self.runner.copy_blocks(sched.block_copies)
-        inputs = [self._runner_input(seq, n) for seq, n in sched.scheduled]
+        inputs = self._runner_inputs(sched.scheduled)
         logits = self.runner.execute(inputs)
         if self.speculator is not None:
             self.speculator.observe(sched.scheduled, self.runner.last_forward_time)
@@ -237,16 +237,22 @@ class LLMEngine:
             self.check_invariants()
         return outputs
 
-    def _runner_input(self, seq: Sequence, n: int) -> SequenceInput:
-        start = seq.num_computed_tokens
-        if seq.spec_token_ids:  # the last token and the proposals: logits at every position, for verification
-            return SequenceInput((seq.token_ids[start:] + seq.spec_token_ids)[:n], start, seq.block_table, True, True)
-        group = seq.group
-        assert group is not None
-        wants_prompt_lp = (group.prompt_logprobs is not None and seq.index == 0
-                           and len(group.prompt_logprobs) < seq.num_prompt_tokens and start < seq.num_prompt_tokens - 1)
-        return SequenceInput(seq.token_ids[start:start + n], start, seq.block_table, start + n == seq.num_tokens,
-                             wants_prompt_lp)
+    def _runner_inputs(self, scheduled: list[tuple[Sequence, int]]) -> list[SequenceInput]:
+        """One input per scheduled sequence; a speculating one gives one per token (see spec_decode)."""
+        inputs = []
+        for seq, n in scheduled:
+            start = seq.num_computed_tokens
+            if seq.spec_token_ids:
+                inputs += verify_rows(seq, n)
+                continue
+            group = seq.group
+            assert group is not None
+            lps = group.prompt_logprobs
+            wants_prompt_lp = (lps is not None and seq.index == 0 and len(lps) < seq.num_prompt_tokens
+                               and start < seq.num_prompt_tokens - 1)
+            inputs.append(SequenceInput(seq.token_ids[start:start + n], start, seq.block_table,
+                                        start + n == seq.num_tokens, wants_prompt_lp))
+        return inputs
 
     def _process(self, sched: SchedulerOutput, inputs: list[SequenceInput], logits: torch.Tensor
                  ) -> list[SequenceGroup]:
@@ -255,11 +261,15 @@ class LLMEngine:
         sample_rows: list[tuple[Sequence, int]] = []
         prompt_jobs: list[tuple[Sequence, int, int, int]] = []
         spec_jobs: list[tuple[Sequence, int, int]] = []
-        for (seq, n), inp in zip(sched.scheduled, inputs, strict=True):
+        i = 0
+        for seq, n in sched.scheduled:
+            inp = inputs[i]
             if seq.spec_token_ids:
                 spec_jobs.append((seq, n, row))
                 row += n
+                i += n
                 continue  # computed tokens and cached blocks follow verification
+            i += 1
             if inp.all_logits:
                 prompt_jobs.append((seq, inp.start_pos, n, row))
                 row += n

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from minivllm.engine.sequence import Sequence
+from minivllm.model.runner import SequenceInput
 
 
 def ngram_propose(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -40,6 +41,17 @@ def ngram_propose(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[
             start = int(hits[-1]) + n
             return token_ids[start:start + k]
     return []
+
+
+def verify_rows(seq: Sequence, n: int) -> list[SequenceInput]:
+    """The runner inputs of a speculating sequence's n scheduled tokens (its last token, then proposals):
+    one single-token row each, at consecutive positions over the same block table. A step's rows write
+    their K/V before any row attends, and each attends up to its own position, so this is the chunk's
+    causal attention, and a verification step stays an all-decode step (on CPU, the native decode stack
+    rather than the module path that multi-token chunks take)."""
+    start = seq.num_computed_tokens
+    toks = (seq.token_ids[start:] + seq.spec_token_ids)[:n]
+    return [SequenceInput([t], start + i, seq.block_table, True) for i, t in enumerate(toks)]
 
 
 @dataclass

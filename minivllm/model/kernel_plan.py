@@ -18,15 +18,17 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
-# Shape classes by tokens in the matmul: one decode; a few (small batches, speculative checks); many
-# (batches, prefill). (largest M of the class, M timed for it).
-SHAPE_CLASSES = ((1, 1), (16, 8), (1 << 62, 64))
-FEW = SHAPE_CLASSES[1][0]
+# Shape classes by tokens in the matmul: one decode; a handful (a batch-1 speculative verification of
+# k + 1 rows, tiny batches), where a streamed weight still wins clearly (on an EPYC: native 4.3 ms vs
+# oneDNN 5.4 ms for 5 rows of the embedded model, a tie at 8); a few (small batches); many (batches,
+# prefill). (largest M of the class, M timed for it).
+SHAPE_CLASSES = ((1, 1), (6, 4), (16, 10), (1 << 62, 64))
+FEW = SHAPE_CLASSES[2][0]
 
 
 def shape_class(m: int) -> int:
     """Index into SHAPE_CLASSES (and a layer's `kernels`) of a matmul over m tokens."""
-    return 0 if m <= 1 else 1 if m <= FEW else 2
+    return 0 if m <= 1 else 1 if m <= 6 else 2 if m <= FEW else 3
 
 
 class PlannedLinear(nn.Module):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.model import cpu_kernels
-from minivllm.model.kernel_plan import Kernel, PlannedLinear
+from minivllm.model.kernel_plan import SHAPE_CLASSES, Kernel, PlannedLinear
 
 
 def onednn_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -37,7 +37,7 @@ class Linear(PlannedLinear):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None
         self._gemv: cpu_kernels.GemvWeights | None = None
-        self.kernels = (Linear.forward_default,) * 3
+        self.kernels = (Linear.forward_default,) * len(SHAPE_CLASSES)
 
     def pack(self, keep_weight: bool = False) -> None:
         """Add the prepacked oneDNN weight; the dense copy is released unless kept for other kernels."""

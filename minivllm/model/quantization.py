@@ -18,7 +18,7 @@ from torch import nn
 
 from minivllm.config import GROUPED_METHODS, QuantConfig
 from minivllm.model import cpu_kernels
-from minivllm.model.kernel_plan import Kernel, PlannedLinear
+from minivllm.model.kernel_plan import SHAPE_CLASSES, Kernel, PlannedLinear
 from minivllm.model.layers import Linear
 
 
@@ -85,7 +85,7 @@ class QuantizedLinear(PlannedLinear):
         # float32 whatever the model dtype: the kernels add it to float32 accumulators.
         self.register_buffer("bias", torch.empty(out_features, dtype=torch.float32) if bias else None)
         self._gemv: cpu_kernels.GemvWeights | None = None  # bound on first native call (buffers final by then)
-        self.kernels = (QuantizedLinear.forward_reference,) * 3  # the portable path until plan_kernels
+        self.kernels = (QuantizedLinear.forward_reference,) * len(SHAPE_CLASSES)  # the portable path until plan_kernels
 
     @torch.no_grad()
     def quantize_from(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
