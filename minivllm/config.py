@@ -164,9 +164,9 @@ class EngineArgs:
         "recomputed every step. Both serve only n=1 requests without beam search")
 
     speculative_model: str | None = _arg(
-        None, "speculative decoding proposer: ngram (prompt lookup: propose the tokens that followed the latest "
-        "earlier occurrence of the sequence's last n tokens). Greedy requests without penalties or logprobs "
-        "speculate; the others decode as usual")
+        None, "speculative decoding proposer: ngram (prompt lookup: the tokens that followed the latest earlier "
+        "occurrence of the sequence's last n tokens), a draft model directory (same tokenizer as the model), or "
+        "default-draft (the embedded model's). Requests without penalties, logprobs or beams speculate")
     num_speculative_tokens: int = _arg(0, "tokens proposed per step for each speculating sequence")
     speculative_adaptive: bool = _arg(
         True, "propose only where the measured step costs say the step then yields tokens faster (per step and "
@@ -206,11 +206,12 @@ class EngineArgs:
     def _check_speculative(self) -> None:
         if self.speculative_model is None:
             if self.num_speculative_tokens:
-                raise ValueError("num_speculative_tokens needs speculative_model (ngram)")
+                raise ValueError("num_speculative_tokens needs speculative_model (ngram or a draft model)")
             return
-        if self.speculative_model != "ngram":
-            raise ValueError(f"speculative_model: only 'ngram' (prompt lookup) is available, got "
-                             f"{self.speculative_model!r}; a draft model directory is not supported yet")
+        if self.speculative_model == "default-draft":  # the embedded model's trained draft
+            from minivllm.default_model import default_draft_model_path
+
+            self.speculative_model = default_draft_model_path()
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1 with speculative_model, got "
                              f"{self.num_speculative_tokens}")

@@ -26,7 +26,8 @@ from minivllm.engine.input_processor import EngineRequest, InputProcessor, Promp
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import BeamState, Sequence, SequenceGroup, SequenceStatus
-from minivllm.engine.spec_decode import NgramSpeculator, verify_rows
+from minivllm.engine.spec_decode import verify_rows
+from minivllm.engine.spec_factory import build_speculator
 from minivllm.engine.stats import IterationStats, SchedulerSnapshot, StatsRecorder, StepTimings
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.model.input_batch import InputBatch, SlotParams
@@ -96,9 +97,7 @@ class LLMEngine:
             self.tokenizer, mc.vocab_size, self.max_model_len, args.kv_cache_mode,
             self.block_manager.blocks_needed, cc.num_blocks,
             f"num_kv_blocks={args.num_kv_blocks}" if args.num_kv_blocks else f"kv_cache_memory={args.kv_cache_memory}")
-        self.speculator = (NgramSpeculator(args.num_speculative_tokens, args.prompt_lookup_min,
-                                           args.prompt_lookup_max, self.max_model_len, args.speculative_adaptive)
-                           if args.speculative_model else None)
+        self.speculator = build_speculator(args, self) if args.speculative_model else None
         self.groups: dict[str, SequenceGroup] = {}
         self.timings = StepTimings()
         self._arrivals = itertools.count()
@@ -177,6 +176,8 @@ class LLMEngine:
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Retire a sequence: its blocks go back to the pool, its sampling slot to the input batch."""
         self.scheduler.finish(seq, status)
+        if self.speculator is not None:
+            self.speculator.release(seq)
         if seq.slot >= 0:
             self.input_batch.remove(seq.slot)
             seq.slot = -1
@@ -189,8 +190,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; return the outputs it produced (per each request's output kind)."""
         t0 = time.perf_counter()
-        speculating = self.speculator.propose(self.scheduler.running) if self.speculator else []
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
+        if self.speculator is not None:
+            for seq in sched.preempted:  # its draft K/V goes too: recomputed with it
+                self.speculator.release(seq)
         if sched.is_empty:
             return []
         t1 = time.perf_counter()
@@ -208,8 +213,8 @@ class LLMEngine:
         t2 = time.perf_counter()
         self._sample_time = 0.0
         touched = self._process(sched, inputs, logits)
-        for seq in speculating:
-            seq.spec_token_ids = []
+        if self.speculator is not None:
+            self.speculator.end_step()
         t3 = time.perf_counter()
         now = time.time()
         outputs = []
@@ -281,7 +286,7 @@ class LLMEngine:
             seq.num_computed_tokens += n
             self.block_manager.cache_blocks(seq)
         if prompt_jobs:
-            self._prompt_logprobs(logits, prompt_jobs)
+            self.output_processor.prompt_logprobs(self.sampler, logits, prompt_jobs)
         touched: dict[str, SequenceGroup] = {}
         beam_rows = [(s, r) for s, r in sample_rows if s.group is not None and s.group.beam is not None]
         if beam_rows:
@@ -363,25 +368,6 @@ class LLMEngine:
         return SlotParams(0.0 if p.greedy else p.temperature, p.top_k, p.top_p, p.min_p, p.presence_penalty,
                           p.frequency_penalty, p.repetition_penalty, p.logprobs, p.min_tokens, banned, seq.generator)
 
-    def _prompt_logprobs(self, logits: torch.Tensor, jobs: list[tuple[Sequence, int, int, int]]) -> None:
-        """Logprob of each prompt token given its prefix (logits at position j score token j + 1)."""
-        rows, targets, owners = [], [], []
-        for seq, start, n, row in jobs:
-            assert seq.group is not None and seq.group.prompt_logprobs is not None
-            end = min(start + n, seq.num_prompt_tokens - 1)
-            # After a preemption the prompt is recomputed from 0: positions already scored are skipped.
-            for j in range(max(start, len(seq.group.prompt_logprobs) - 1), end):
-                rows.append(row + j - start)
-                targets.append(seq.token_ids[j + 1])
-                owners.append(seq)
-        if not rows:
-            return
-        num = [s.sampling_params.prompt_logprobs for s in owners]
-        tlps = self.sampler.logprobs_of(logits[rows], targets, num)
-        for seq, tlp in zip(owners, tlps, strict=True):
-            assert seq.group is not None and seq.group.prompt_logprobs is not None
-            seq.group.prompt_logprobs.append(self.output_processor.position_logprobs(tlp))
-
     # ---- stats ---------------------------------------------------------------------------------
     def take_failed_step(self) -> list[str]:
         """The request ids of a step that raised (empty if none was in progress); clears it."""
@@ -403,5 +389,7 @@ class LLMEngine:
         """Block accounting agrees with the live sequences, and every sampling slot belongs to one."""
         live = self.scheduler.running + self.scheduler.waiting
         self.block_manager.check_invariants(live)
+        if self.speculator is not None:
+            self.speculator.proposer.check_invariants()
         slots = [s.slot for s in live if s.slot >= 0]
         assert len(set(slots)) == len(slots) == self.input_batch.num_active, (slots, self.input_batch.num_active)

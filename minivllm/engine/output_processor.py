@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from minivllm.engine.detokenizer import IncrementalDetokenizer
 from minivllm.engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from minivllm.model.sampler import TokenLogprobs
+from minivllm.model.sampler import Sampler, TokenLogprobs
 from minivllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from minivllm.sampling_params import RequestOutputKind
 
@@ -122,3 +124,22 @@ class OutputProcessor:
                                         "abort" if group.aborted else reason))
         return out
 
+    def prompt_logprobs(self, sampler: Sampler, logits: torch.Tensor, jobs: list[tuple[Sequence, int, int, int]]
+                        ) -> None:
+        """Logprob of each prompt token given its prefix (logits at position j score token j + 1)."""
+        rows, targets, owners = [], [], []
+        for seq, start, n, row in jobs:
+            assert seq.group is not None and seq.group.prompt_logprobs is not None
+            end = min(start + n, seq.num_prompt_tokens - 1)
+            # After a preemption the prompt is recomputed from 0: positions already scored are skipped.
+            for j in range(max(start, len(seq.group.prompt_logprobs) - 1), end):
+                rows.append(row + j - start)
+                targets.append(seq.token_ids[j + 1])
+                owners.append(seq)
+        if not rows:
+            return
+        num = [s.sampling_params.prompt_logprobs for s in owners]
+        tlps = sampler.logprobs_of(logits[rows], targets, num)
+        for seq, tlp in zip(owners, tlps, strict=True):
+            assert seq.group is not None and seq.group.prompt_logprobs is not None
+            seq.group.prompt_logprobs.append(self.position_logprobs(tlp))

@@ -130,9 +130,11 @@ class Sampler:
                               [ranks_l[j], *range(1, n + 1)]) for j, n in enumerate(num)]
 
 
-def sample_torch(x: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                 min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Portable draw (CPU or CUDA), same semantics as csrc/sampling.c; top-p sorts the row."""
+def processed_probs(x: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    min_p: torch.Tensor) -> torch.Tensor:
+    """The distribution a row is drawn from (rows of temperature > 0): softmax(x / temperature) with the
+    tokens min_p, top_k and top_p drop set to 0, not renormalized. Same semantics as csrc/sampling.c;
+    top-p sorts the row."""
     probs = torch.softmax(x.float() / temp[:, None], dim=-1)
     vocab = probs.shape[1]
     keep = torch.ones_like(probs, dtype=torch.bool)
@@ -149,6 +151,17 @@ def sample_torch(x: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top_p
         drop = cums <= (1 - top_p[:, None]) * cums[:, -1:]
         drop[:, -1] = False  # the most likely token always stays
         keep &= ~torch.zeros_like(drop).scatter(1, order, drop)
-    cdf = (probs * keep).double().cumsum(dim=-1)
+    return probs * keep
+
+
+def draw_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of unnormalized probabilities, by inverse CDF at uniforms u [R] (float64)."""
+    cdf = probs.double().cumsum(dim=-1)
     target = (u.to(cdf.device) * cdf[:, -1])[:, None]
-    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=vocab - 1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=probs.shape[1] - 1)
+
+
+def sample_torch(x: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Portable draw (CPU or CUDA), same semantics as csrc/sampling.c."""
+    return draw_from(processed_probs(x, temp, top_k, top_p, min_p), u)

@@ -1,0 +1,171 @@
+"""The draft-model proposer: a small model with the target's tokenizer, run inside the same engine on its
+own paged KV pool, proposes k tokens autoregressively for each speculating sequence.
+
+Each target sequence has a shadow Sequence on the draft's side: the same token list (shared, so it grows
+with the target's), its own block table, and `num_computed_tokens` counting only positions whose draft
+K/V belongs to the sequence's real tokens. Proposing catches the draft up on what it has not seen (the
+whole prompt the first time, from prefix-cache hits in the draft's own pool; usually the one or two tokens
+the last step added) in one batched forward whose last rows give the first proposals, then runs k - 1
+one-row-per-sequence forwards. After the target's step, the shadow keeps the proposals the target
+accepted (their K/V is right: same tokens, same positions) and forgets the rest, which later writes
+overwrite; full blocks of real tokens are registered for prefix caching, as the target's are. A target
+sequence that finishes, is aborted or is preempted gives its draft blocks back.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from minivllm.config import ModelConfig
+from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.sequence import Sequence
+from minivllm.engine.spec_cost import StepCostModel
+from minivllm.engine.tokenizer import get_tokenizer
+from minivllm.model.runner import ModelRunner, SequenceInput
+from minivllm.model.sampler import draw_from, processed_probs
+
+
+def load_draft_config(path: str, target: ModelConfig, target_tokenizer: object) -> ModelConfig:
+    """The draft's config, checked against the target: a model directory, the same vocabulary size and
+    the same tokenizer (proposals are token ids the target must read the same way)."""
+    try:
+        mc = ModelConfig.from_pretrained(path)
+    except (FileNotFoundError, ValueError) as e:
+        raise ValueError(f"speculative_model: {path!r} is not a usable draft model directory ({e})") from None
+    if mc.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative_model: the draft's vocabulary ({mc.vocab_size} tokens, {path}) differs from "
+                         f"the target's ({target.vocab_size}); a draft must share the target's tokenizer")
+    try:
+        tok = get_tokenizer(path)
+    except Exception as e:  # noqa: BLE001 - any failure to load means no usable tokenizer
+        raise ValueError(f"speculative_model: no tokenizer in {path!r} ({e})") from None
+    if tok.get_vocab() != target_tokenizer.get_vocab():  # type: ignore[attr-defined]
+        raise ValueError(f"speculative_model: the draft's tokenizer ({path}) differs from the target's (same size, "
+                         "different tokens); a draft must share the target's tokenizer")
+    return mc
+
+
+class DraftModelProposer:
+    """Owns the draft's runner and KV pool; proposes for a batch of sequences, rolls back after the step."""
+
+    cheap = False  # the adaptive rule decides who drafts before the draft runs
+
+    def __init__(self, mc: ModelConfig, runner: ModelRunner, block_manager: BlockManager,
+                 generator: torch.Generator) -> None:
+        self.mc, self.runner, self.block_manager = mc, runner, block_manager
+        self.max_len = mc.max_position_embeddings
+        self.generator = generator  # the engine's stream, for requests without a seed
+        self.shadows: dict[int, Sequence] = {}  # target seq_id → its draft-side sequence
+        self.pending: list[tuple[Sequence, Sequence, int, list[int]]] = []  # (target, shadow, T, proposals)
+        self.cost = StepCostModel()  # proposing seconds by sequences drafted
+
+    @classmethod
+    def build(cls, path: str, target: ModelConfig, target_tokenizer: object, dtype: torch.dtype,
+              device: torch.device, num_blocks: int, block_size: int, prefix_caching: bool, attention_backend: str,
+              linear_backend: str, enforce_eager: bool, generator: torch.Generator) -> DraftModelProposer:
+        """Check the draft against the target, load it, and give it a pool of num_blocks blocks."""
+        mc = load_draft_config(path, target, target_tokenizer)
+        runner = ModelRunner(mc, dtype, device, num_blocks, block_size, mc.max_position_embeddings,
+                             attention_backend, linear_backend, None, "auto", enforce_eager)
+        return cls(mc, runner, BlockManager(num_blocks, block_size, prefix_caching), generator)
+
+    def _shadow(self, seq: Sequence) -> Sequence:
+        sh = self.shadows.get(seq.seq_id)
+        if sh is None:
+            sh = Sequence(seq.request_id, [], seq.sampling_params, 0)
+            sh.token_ids, sh.num_prompt_tokens = seq.token_ids, seq.num_prompt_tokens  # shared: grows with seq
+            self.shadows[seq.seq_id] = sh
+        return sh
+
+    @torch.inference_mode()
+    def propose(self, batch: list[tuple[Sequence, int]]) -> list[tuple[Sequence, list[int], torch.Tensor | None]]:
+        """(sequence, k proposals, the distributions they were drawn from or None for greedy ones) for each
+        (sequence, k) whose draft blocks could be had."""
+        t0 = time.perf_counter()
+        bm, bs = self.block_manager, self.block_manager.block_size
+        rows: list[tuple[Sequence, Sequence, int, int]] = []  # (target, shadow, T, k)
+        inputs: list[SequenceInput] = []
+        for seq, k in batch:
+            total = seq.num_tokens
+            k = min(k, self.max_len - total + 1)
+            if k < 1:
+                continue
+            sh = self._shadow(seq)
+            hits = bm.get_computed_blocks(sh) if not sh.block_table else []
+            done = sh.num_computed_tokens + len(hits) * bs
+            if not bm.allocate_slots(sh, total + k - 1 - done, hits):
+                continue  # the draft pool is full: this sequence decodes without proposals this step
+            sh.num_computed_tokens = done
+            rows.append((seq, sh, total, k))
+            inputs.append(SequenceInput(seq.token_ids[done:total], done, sh.block_table, True))
+        if not rows:
+            return []
+        self.runner.copy_blocks(bm.take_copies())
+        proposals: list[list[int]] = [[] for _ in rows]
+        dists: list[list[torch.Tensor]] = [[] for _ in rows]
+        live = list(range(len(rows)))
+        for i in range(max(k for *_, k in rows)):
+            if i:
+                live = [r for r in live if rows[r][3] > i]
+                inputs = [SequenceInput([proposals[r][-1]], rows[r][2] + i - 1, rows[r][1].block_table, True)
+                          for r in live]
+            logits = self.runner.execute(inputs)
+            for r, tok, dist in zip(live, *self._draw(logits, [rows[r][0] for r in live]), strict=True):
+                proposals[r].append(tok)
+                if dist is not None:
+                    dists[r].append(dist)
+        out = []
+        for (seq, sh, total, _), spec, dist in zip(rows, proposals, dists, strict=True):
+            sh.num_computed_tokens = total  # the proposals' K/V counts once the target accepts them
+            bm.cache_blocks(sh)
+            self.pending.append((seq, sh, total, spec))
+            out.append((seq, spec, torch.stack(dist) if dist else None))
+        self.cost.observe(len(rows), time.perf_counter() - t0)
+        return out
+
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[torch.Tensor | None]]:
+        """One token per row: the argmax for greedy requests, else a draw from the draft's distribution
+        under the request's own temperature, top-k, top-p and min-p (kept for rejection sampling)."""
+        tokens = logits.argmax(dim=-1).tolist()
+        dists: list[torch.Tensor | None] = [None] * len(seqs)
+        for j, seq in enumerate(seqs):
+            p = seq.sampling_params
+            if p.greedy:
+                continue
+            q = processed_probs(logits[j:j + 1], torch.tensor([p.temperature]), torch.tensor([p.top_k]),
+                                torch.tensor([p.top_p]), torch.tensor([p.min_p]))
+            g = seq.generator or self.generator
+            u = torch.rand(1, generator=g, device=g.device, dtype=torch.float64)
+            tokens[j] = int(draw_from(q, u).item())
+            dists[j] = q[0]
+        return tokens, dists
+
+    def overhead(self, num_seqs: int) -> float:
+        """Seconds drafting for num_seqs sequences is expected to add to a step (measured)."""
+        fit = self.cost.fit()
+        return 0.0 if fit is None else fit[0] + fit[1] * num_seqs
+
+    def settle(self) -> None:
+        """After the target's step: each shadow keeps the K/V of the proposals the target accepted."""
+        for seq, sh, total, spec in self.pending:
+            if self.shadows.get(seq.seq_id) is not sh:
+                continue  # released meanwhile (finished, aborted or preempted)
+            kept = 0
+            tail = seq.token_ids[total:total + len(spec) - 1]  # only the first k - 1 proposals were computed
+            while kept < len(tail) and tail[kept] == spec[kept]:
+                kept += 1
+            sh.num_computed_tokens = total + kept
+            self.block_manager.cache_blocks(sh)
+        self.pending.clear()
+
+    def release(self, seq: Sequence) -> None:
+        """seq finished, was aborted or was preempted: its draft blocks go back to the draft's pool."""
+        sh = self.shadows.pop(seq.seq_id, None)
+        if sh is not None:
+            self.block_manager.free(sh)
+
+    def check_invariants(self) -> None:
+        """The draft pool's accounting agrees with the shadows' block tables."""
+        self.block_manager.check_invariants(self.shadows.values())

@@ -1,0 +1,58 @@
+"""The n-gram (prompt lookup) proposer: the tokens that followed the latest earlier occurrence of the
+sequence's last n tokens (n from prompt_lookup_max down to prompt_lookup_min). It costs no model: a few
+vectorized comparisons over the sequence's own tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from minivllm.engine.sequence import Sequence
+
+
+def ngram_propose(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the last n tokens of token_ids,
+    trying the longest n first; [] when no suffix of length n_min..n_max occurred before."""
+    length = len(token_ids)
+    if length < n_min + 1:
+        return []
+    arr = np.asarray(token_ids, dtype=np.int64)
+    for n in range(min(n_max, length - 1), n_min - 1, -1):
+        # Windows that start before the suffix itself and leave at least one token after them.
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:length - 1], n)
+        hits = np.flatnonzero((windows == arr[length - n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return token_ids[start:start + k]
+    return []
+
+
+class NgramProposer:
+    """Proposals looked up in the sequence itself: each is a given token (a point mass to rejection
+    sampling), whatever the request's sampling settings."""
+
+    cheap = True  # looked up before the adaptive rule decides, which then sees the real proposal lengths
+
+    def __init__(self, n_min: int, n_max: int) -> None:
+        self.n_min, self.n_max = n_min, n_max
+
+    def propose(self, batch: list[tuple[Sequence, int]]) -> list[tuple[Sequence, list[int], torch.Tensor | None]]:
+        """(sequence, up to k proposals, None) for each (sequence, k) whose suffix occurred before."""
+        out = []
+        for seq, k in batch:
+            if spec := ngram_propose(seq.token_ids, k, self.n_min, self.n_max):
+                out.append((seq, spec, None))
+        return out
+
+    def overhead(self, num_seqs: int) -> float:
+        """Seconds proposing for num_seqs sequences adds to a step (lookups: negligible)."""
+        return 0.0
+
+    def settle(self) -> None:
+        """After a step: nothing to roll back."""
+
+    def release(self, seq: Sequence) -> None:
+        """seq finished or was preempted: nothing held."""
+
+    def check_invariants(self) -> None:
+        """No pool of its own."""
