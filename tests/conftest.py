@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from minivllm.modelgen.make_model import make_model
 
@@ -134,3 +138,16 @@ def serve():
     yield start
     for s in servers.values():
         s.stop()
+
+
+def noisy_copy(path: str, out: str, noise: float, seed: int = 0) -> str:
+    """A draft for the model at path: the same tokenizer and shape, every weight perturbed by Gaussian noise
+    of std `noise` (so it agrees with the target often, not always)."""
+    shutil.copytree(path, out, dirs_exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    for name in os.listdir(out):
+        if name.endswith(".safetensors"):
+            tensors = load_file(os.path.join(out, name))
+            save_file({k: (v + noise * torch.randn(v.shape, generator=g)).to(v.dtype) if v.is_floating_point() else v
+                       for k, v in tensors.items()}, os.path.join(out, name), metadata={"format": "pt"})
+    return out

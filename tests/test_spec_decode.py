@@ -4,12 +4,8 @@ in both pools, clear errors. Sampled requests: tests/test_spec_sampling.py."""
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from minivllm.config import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine
@@ -18,20 +14,7 @@ from minivllm.engine.sequence import Sequence
 from minivllm.engine.spec_cost import StepCostModel
 from minivllm.engine.spec_decode import Speculator
 from minivllm.sampling_params import SamplingParams
-from tests.conftest import corpus_token_ids
-
-
-def noisy_copy(path: str, out: str, noise: float, seed: int = 0) -> str:
-    """A draft for the model at path: the same tokenizer and shape, every weight perturbed by Gaussian noise
-    of std `noise` (so it agrees with the target often, not always)."""
-    shutil.copytree(path, out, dirs_exist_ok=True)
-    g = torch.Generator().manual_seed(seed)
-    for name in os.listdir(out):
-        if name.endswith(".safetensors"):
-            tensors = load_file(os.path.join(out, name))
-            save_file({k: (v + noise * torch.randn(v.shape, generator=g)).to(v.dtype) if v.is_floating_point() else v
-                       for k, v in tensors.items()}, os.path.join(out, name), metadata={"format": "pt"})
-    return out
+from tests.conftest import corpus_token_ids, noisy_copy
 
 
 def test_ngram_proposes_what_followed_the_latest_match():

@@ -1,0 +1,151 @@
+"""Speculative decoding of sampled requests: rejection sampling keeps the target's distribution (an exact
+comparison with a derived bound), seeded requests replay; a draft that cannot serve is refused at start-up."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from collections import Counter
+
+import pytest
+import torch
+
+from minivllm.config import EngineArgs
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.model.sampler import processed_probs
+from minivllm.sampling_params import SamplingParams
+from tests.conftest import hf_model, noisy_copy
+
+TOP_K, TEMPERATURE, TOP_P = 3, 1.0, 0.95
+
+
+def _exact_joint(path: str, prompt: list[int], depth: int) -> dict[tuple[int, ...], float]:
+    """P(first `depth` tokens) of the target under the request's processing, by enumerating every prefix
+    (each position keeps at most TOP_K tokens)."""
+    model = hf_model(path)
+    dist = {(): 1.0}
+    for _ in range(depth):
+        nxt = {}
+        for prefix, mass in dist.items():
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + list(prefix)])).logits[0, -1:].float()
+            p = processed_probs(logits, torch.tensor([TEMPERATURE]), torch.tensor([TOP_K]), torch.tensor([TOP_P]),
+                                torch.tensor([0.0]))[0].double()
+            p /= p.sum()
+            for t in p.nonzero()[:, 0].tolist():
+                nxt[prefix + (t,)] = mass * float(p[t])
+        dist = nxt
+    return dist
+
+
+@pytest.mark.parametrize("proposer", ["draft", "ngram"])
+def test_rejection_sampling_keeps_the_target_distribution(model_factory, tmp_path, proposer):
+    """N requests sample 4 tokens each with k = 2 proposals (tokens 2 and 3 come out of verification, the
+    4th is the bonus or a plain step). The empirical joint of the first 3 tokens is compared with the exact
+    one in total variation. Bound: E[TV] <= 1/2 sum_i sqrt(p_i / N) <= 1/2 sqrt(K / N) over K outcomes
+    (Cauchy-Schwarz), and TV moves by at most 1/N per sample, so by McDiarmid TV exceeds that by t with
+    probability <= exp(-2 N t^2): t = sqrt(ln(1e4) / 2N) fails a correct sampler once in 10^4 runs. A
+    sampler that kept the draft's distribution, or skipped the residual, is off by several times that."""
+    path = model_factory("tiny-llama")
+    # A draft that overlaps the target's choices often but not always.
+    spec = "ngram" if proposer == "ngram" else noisy_copy(path, str(tmp_path / "draft"), 0.02)
+    engine = LLMEngine(EngineArgs(model=path, num_kv_blocks=1024, max_num_seqs=256, speculative_model=spec,
+                                  num_speculative_tokens=2, speculative_adaptive=False, seed=3))
+    ids = engine.tokenizer.encode("def parse(self, text):\n    return self.parse(text)\n", add_special_tokens=False)
+    # n-gram proposals need the sampled tokens to recur: the prompt ends in the target's own greedy text,
+    # which falls into a loop (what the likely tokens are followed by has been seen).
+    engine.add_request("greedy", {"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=48))
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+    prompt = ids + outs[0].outputs[0].token_ids
+    st = engine.speculator.stats
+    st.num_drafts = st.num_draft_tokens = st.num_accepted_tokens = 0
+    exact = _exact_joint(path, prompt, 3)
+    n = 6000
+    params = SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P, max_tokens=4, ignore_eos=True)
+    for i in range(n):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    counts: Counter[tuple[int, ...]] = Counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                counts[tuple(out.outputs[0].token_ids[:3])] += 1
+    assert sum(counts.values()) == n
+    st = engine.speculator.stats
+    # Both branches ran: accepted proposals and rejected ones (residual draws).
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens and st.num_drafts > n // 10
+    assert set(counts) <= set(exact)
+    tv = 0.5 * sum(abs(counts[o] / n - p) for o, p in exact.items())
+    bound = 0.5 * math.sqrt(len(exact) / n) + math.sqrt(math.log(1e4) / (2 * n))
+    assert tv < bound, (tv, bound, len(exact))
+
+
+@pytest.mark.parametrize("proposer", ["draft", "ngram"])
+def test_seeded_sampled_requests_replay_under_speculation(model_factory, proposer):
+    path = model_factory("tiny-llama")
+    spec = "ngram" if proposer == "ngram" else model_factory("tiny-llama", seed=1)
+
+    def run() -> list[list[int]]:
+        engine = LLMEngine(EngineArgs(model=path, num_kv_blocks=256, speculative_model=spec,
+                                      num_speculative_tokens=3, speculative_adaptive=False))
+        ids = engine.tokenizer.encode("import os\nimport sys\nimport os\n", add_special_tokens=False)
+        for i in range(6):
+            engine.add_request(str(i), {"prompt_token_ids": ids * 2},
+                               SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=24, ignore_eos=True))
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+        assert engine.speculator.stats.num_drafts > 0
+        return [done[str(i)] for i in range(6)]
+
+    first = run()
+    assert run() == first
+    assert len({tuple(t) for t in first}) == 6  # different seeds, different samples
+
+
+def _edited_copy(path: str, out: str, **config) -> str:
+    shutil.copytree(path, out)
+    with open(os.path.join(out, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(config)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return out
+
+
+def test_a_draft_that_cannot_serve_is_refused_at_start_up(model_factory, tmp_path):
+    path = model_factory("tiny-llama")
+
+    def start(draft: str) -> None:
+        LLMEngine(EngineArgs(model=path, num_kv_blocks=64, speculative_model=draft, num_speculative_tokens=2))
+
+    with pytest.raises(ValueError, match="not a usable draft model directory.*not a directory"):
+        start(str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="not a usable draft model directory.*no config.json"):
+        start(str(tmp_path / "empty"))
+    bigger = _edited_copy(model_factory("tiny-llama", seed=1), str(tmp_path / "bigger"), vocab_size=4096)
+    with pytest.raises(ValueError, match=r"draft's vocabulary \(4096 tokens.*differs from the target's"):
+        start(bigger)
+    # Same vocabulary size, another tokenizer (ChatML specials instead of Llama's).
+    with pytest.raises(ValueError, match="draft's tokenizer .* differs from the target's"):
+        start(model_factory("tiny-qwen2"))
+    with pytest.raises(ValueError, match="num_speculative_tokens must be >= 1"):
+        EngineArgs(model=path, speculative_model=path, num_speculative_tokens=0)
+
+
+def test_default_draft_is_the_embedded_pair():
+    args = EngineArgs(speculative_model="default-draft", num_speculative_tokens=3)
+    assert args.speculative_model.endswith("minivllm-py-1m-draft")
+    engine = LLMEngine(EngineArgs(speculative_model="default-draft", num_speculative_tokens=3, num_kv_blocks=64))
+    out = None
+    engine.add_request("a", "def main():\n", SamplingParams(temperature=0.0, max_tokens=32))
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o
+    assert out is not None and len(out.outputs[0].token_ids) == 32
+    assert engine.speculator.stats.num_accepted_tokens > 0
