@@ -21,10 +21,30 @@ def test_ngram_proposes_what_followed_the_latest_match():
     toks = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 1, 2, 3]
     assert ngram_propose(toks, 2, 1, 3) == [7, 8]  # latest earlier "1 2 3" is followed by 7 8
     assert ngram_propose(toks, 5, 1, 3) == [7, 8, 1, 2, 3]
+    assert ngram_propose(toks, 7, 1, 3) == [7, 8, 1, 2, 3, 7, 8]  # past the end: the same lag continues
+    assert ngram_propose([5, 1, 2, 1, 2], 5, 1, 2) == [1, 2, 1, 2, 1]  # a loop of period 2
     assert ngram_propose([5, 6, 7], 3, 1, 2) == []  # nothing repeats
-    assert ngram_propose([4, 1, 4], 3, 1, 2) == [1, 4]  # falls back to n = 1
+    assert ngram_propose([4, 1, 4], 3, 1, 2) == [1, 4, 1]  # falls back to n = 1
     assert ngram_propose([4, 1, 4], 3, 2, 2) == []  # ... unless n_min forbids it
     assert ngram_propose([3], 2, 1, 4) == []
+
+
+def test_draft_skips_a_sequence_the_last_step_left_untouched(model_factory, tmp_path):
+    """Proposals made, then a step that adds nothing to the sequence (here: none at all): the draft has seen
+    its last token and has no logits for it, so it proposes nothing this time, and decoding goes on."""
+    path = model_factory("tiny-llama")
+    engine = LLMEngine(EngineArgs(model=path, num_kv_blocks=64, check_invariants=True, num_speculative_tokens=3,
+                                  speculative_model=noisy_copy(path, str(tmp_path / "d"), 0.0),
+                                  speculative_adaptive=False))
+    engine.add_request("a", {"prompt_token_ids": [5, 6, 7, 8, 9]}, SamplingParams(temperature=0.0, max_tokens=12))
+    engine.step()
+    seq = engine.scheduler.running[0]
+    assert engine.speculator.propose([seq]) == [seq] and len(seq.spec_token_ids) == 3
+    assert engine.speculator.propose([seq]) == []  # the first proposals were never verified
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.speculator.stats.num_accepted_tokens > 0  # an exact copy as draft: accepted from then on
+    assert engine.speculator.proposer.block_manager.num_used == 0
 
 
 def _params(i: int) -> SamplingParams:

@@ -202,10 +202,11 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
         ("speculative", lambda r: ["## Speculative decoding (`bench speculative`)", "",
                                    f"Greedy decoding of `{os.path.basename(r['model'].rstrip('/'))}`, "
                                    f"{r['output_len']} new tokens per request, output tok/s (ratio to no "
-                                   "speculation in the same run); n-gram (prompt lookup) proposer with adaptive "
+                                   "speculation in the same run); n-gram (prompt lookup) and draft-model "
+                                   f"(`{os.path.basename(str(r.get('draft')).rstrip('/'))}`) proposers with adaptive "
                                    "speculation (the default); code = held-out standard-library code, repetitive "
-                                   "= a code excerpt then \"the same code again\". The draft-model proposer is not "
-                                   "built yet.", "", speculative.report(r), "", speculative.verdict(r)]),
+                                   "= a code excerpt then \"the same code again\".", "", speculative.report(r), "",
+                                   speculative.verdict(r)]),
     ]
     for name, section in sections:
         r = _load(out_dir, name)

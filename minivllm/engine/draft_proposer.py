@@ -95,6 +95,10 @@ class DraftModelProposer:
             sh = self._shadow(seq)
             hits = bm.get_computed_blocks(sh) if not sh.block_table else []
             done = sh.num_computed_tokens + len(hits) * bs
+            if done >= total:
+                # The draft has seen the last token already (the target's last step added nothing to this
+                # sequence: not scheduled, or the step raised), and its logits are gone: no proposal this time.
+                continue
             if not bm.allocate_slots(sh, total + k - 1 - done, hits):
                 continue  # the draft pool is full: this sequence decodes without proposals this step
             sh.num_computed_tokens = done

@@ -11,8 +11,9 @@ from minivllm.engine.sequence import Sequence
 
 
 def ngram_propose(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of the last n tokens of token_ids,
-    trying the longest n first; [] when no suffix of length n_min..n_max occurred before."""
+    """k tokens that followed the latest earlier occurrence of the last n tokens of token_ids (continued
+    periodically past the end), trying the longest n first; [] when no suffix of length n_min..n_max
+    occurred before."""
     length = len(token_ids)
     if length < n_min + 1:
         return []
@@ -22,8 +23,13 @@ def ngram_propose(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[
         windows = np.lib.stride_tricks.sliding_window_view(arr[:length - 1], n)
         hits = np.flatnonzero((windows == arr[length - n:]).all(axis=1))
         if hits.size:
+            # What followed the match, continued through the proposals themselves where it runs into the
+            # end: a loop of period p then proposes k tokens, not just p.
             start = int(hits[-1]) + n
-            return token_ids[start:start + k]
+            out = token_ids[start:start + k]
+            while len(out) < k:  # out holds all length - start tokens after the match: copy at that lag
+                out.append(out[len(out) - (length - start)])
+            return out
     return []
 
 
