@@ -50,7 +50,8 @@ def _argv(quick: bool, model: str | None) -> dict[str, list[str]]:
                            "--kv-cache-memory", "64MiB", "--server-threads", "1", "--no-offline"],
             "perplexity": ["perplexity", *m, "--max-tokens", "1024"],
             "speculative": ["speculative", *m, "--ks", "2", "--streams", "1,2", "--output-len", "8",
-                            "--prompt-len", "16", "--large-batch", "4", "--rounds", "1"],
+                            "--prompt-len", "16", "--large-batch", "4", "--rounds", "1",
+                            *(["--draft", model] if model else [])],  # the model as its own draft: same tokenizer
             "step": ["step", *m, "--batches", "4,8", "--steps", "2", "--kv-cache-memory", "8MiB"],
             "beam": ["beam", *m, "--num-prompts", "2", "--prompt-len", "8", "--beam-width", "2", "--max-tokens", "3",
                      "--rounds", "1", "--kv-cache-memory", "8MiB"],

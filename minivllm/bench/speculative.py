@@ -29,8 +29,8 @@ from minivllm.sampling_params import RequestOutputKind, SamplingParams
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
     """Flags of `minivllm bench speculative`."""
     p.add_argument("--model", default=None, help="target model (default: the embedded one)")
-    p.add_argument("--draft", default="default-draft", help="draft model directory (default: the embedded draft; "
-                   "'none' to skip the draft column)")
+    p.add_argument("--draft", default=None, help="draft model directory (default: the embedded draft with the "
+                   "embedded model, none with another model; 'none' skips the draft column)")
     p.add_argument("--ks", default="1,2,3,4,5,6", help="num_speculative_tokens values to sweep")
     p.add_argument("--streams", default="1,8", help="concurrent requests per measurement")
     p.add_argument("--output-len", type=int, default=128)
@@ -76,7 +76,8 @@ def run_speculative(ns: argparse.Namespace) -> int:
     streams = [int(s) for s in ns.streams.split(",") if s.strip()]
     held, _ = load_held_out(held_out_path())
     engines = {"off": LLMEngine(EngineArgs(model=model, enable_prefix_caching=False))}
-    proposers = {"ngram": "ngram"} | ({"draft": ns.draft} if ns.draft != "none" else {})
+    draft = ns.draft or ("default-draft" if ns.model is None else "none")
+    proposers = {"ngram": "ngram"} | ({"draft": draft} if draft != "none" else {})
     for name, spec in proposers.items():
         for k in ks:
             engines[f"{name} k={k}"] = LLMEngine(EngineArgs(model=model, enable_prefix_caching=False,
