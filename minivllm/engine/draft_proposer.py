@@ -110,12 +110,18 @@ class DraftModelProposer:
         proposals: list[list[int]] = [[] for _ in rows]
         dists: list[list[torch.Tensor]] = [[] for _ in rows]
         live = list(range(len(rows)))
+        logits = self.runner.execute(inputs)  # catch-up chunks; their last rows give the first proposals
+        tables = positions = None
         for i in range(max(k for *_, k in rows)):
             if i:
-                live = [r for r in live if rows[r][3] > i]
-                inputs = [SequenceInput([proposals[r][-1]], rows[r][2] + i - 1, rows[r][1].block_table, True)
-                          for r in live]
-            logits = self.runner.execute(inputs)
+                now = [r for r in live if rows[r][3] > i]
+                if tables is None or len(now) < len(live):  # the tables are packed once for the k - 1 forwards
+                    tables = self._tables([rows[r][1].block_table for r in now])
+                    positions = torch.tensor([rows[r][2] + i - 2 for r in now], device=tables.device)
+                live = now
+                positions = positions + 1
+                ids = torch.tensor([proposals[r][-1] for r in live], device=tables.device)
+                logits = self.runner.execute_decodes(ids, positions, tables)
             for r, tok, dist in zip(live, *self._draw(logits, [rows[r][0] for r in live]), strict=True):
                 proposals[r].append(tok)
                 if dist is not None:
@@ -128,6 +134,12 @@ class DraftModelProposer:
             out.append((seq, spec, torch.stack(dist) if dist else None))
         self.cost.observe(len(rows), time.perf_counter() - t0)
         return out
+
+    def _tables(self, block_tables: list[list[int]]) -> torch.Tensor:
+        """Block tables as one [M, B] int64 tensor on the draft's device (rows padded with block 0)."""
+        width = max(len(t) for t in block_tables)
+        return torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64,
+                            device=self.runner.device)
 
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[torch.Tensor | None]]:
         """One token per row: the argmax for greedy requests, else a draw from the draft's distribution

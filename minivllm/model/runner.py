@@ -141,6 +141,37 @@ class ModelRunner:
         self.last_forward_time = time.perf_counter() - t0
         return logits
 
+    def _decode_mask(self, positions: torch.Tensor, num_blocks: int) -> torch.Tensor | None:
+        """The torch backend's key mask of one-token queries at `positions` over num_blocks blocks."""
+        if not self.attention_backend.needs_decode_mask:
+            return None
+        lens = positions[:, None] + 1
+        key_pos = torch.arange(num_blocks * self.block_size, device=self.device)[None, :]
+        mask = key_pos < lens
+        if self.sliding_window is not None:
+            mask &= key_pos >= lens - self.sliding_window
+        return mask[:, None, None, :]
+
+    @torch.inference_mode()
+    def execute_decodes(self, token_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor
+                        ) -> torch.Tensor:
+        """A step of one-token decodes given as tensors, one row each: the token ids and positions [M], the
+        block tables [M, B] (int64, on the device); returns logits [M, V]. A draft model's proposal loop
+        builds its tables once for its k forwards, where `execute` would pack them again every time."""
+        bs = self.block_size
+        slots = block_tables.gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs
+        md = AttentionMetadata(slot_mapping=slots, num_decodes=token_ids.shape[0], decode_block_tables=block_tables,
+                               decode_positions=positions, decode_mask=self._decode_mask(positions,
+                                                                                         block_tables.shape[1]),
+                               max_decode_seq_len=int(positions.max()) + 1, sliding_window=self.sliding_window,
+                               prefills=[])
+        t0 = time.perf_counter()
+        with forward_context(md):
+            hidden = self.model(token_ids, positions)
+        logits = self.model.compute_logits(hidden)
+        self.last_forward_time = time.perf_counter() - t0
+        return logits
+
     def _prepare(self, seqs: list[SequenceInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
                                                               torch.Tensor]:
         """Pack every scheduled token flat (decodes first, then prefill chunks) and build the metadata."""
@@ -178,13 +209,7 @@ class ModelRunner:
             md.decode_block_tables = torch.from_numpy(tables[:nd, :dec_blocks]).to(dev)
             md.decode_positions = torch.from_numpy(positions[:nd]).to(dev)
             md.max_decode_seq_len = int(seq_lens[:nd].max())
-            if self.attention_backend.needs_decode_mask:
-                lens = md.decode_positions[:, None] + 1
-                key_pos = torch.arange(dec_blocks * bs, device=dev)[None, :]
-                mask = key_pos < lens
-                if self.sliding_window is not None:
-                    mask &= key_pos >= lens - self.sliding_window
-                md.decode_mask = mask[:, None, None, :]
+            md.decode_mask = self._decode_mask(md.decode_positions, dec_blocks)
         for i in range(nd, n):
             md.prefills.append(self._prefill_span(int(first[i]), int(cu[i]), int(starts[i]), seqs_o[i]))
 
