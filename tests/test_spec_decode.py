@@ -48,8 +48,9 @@ def test_draft_skips_a_sequence_the_last_step_left_untouched(model_factory, tmp_
 
 
 def _params(i: int) -> SamplingParams:
-    """Greedy (speculating) requests of several lengths, some with stop strings; every fourth is sampled
-    with a seed (never speculates, must not be disturbed), one in seven greedy with a penalty (neither)."""
+    """Greedy requests of several lengths, some with stop strings; every fourth is sampled with a seed
+    (rejection sampling), one in seven greedy with a repetition penalty (row i of a verification counts
+    the proposals before it as outputs)."""
     if i % 4 == 3:
         return SamplingParams(temperature=0.8, seed=i, max_tokens=10 + i % 7)
     if i % 7 == 5:

@@ -14,14 +14,18 @@ import torch
 
 from minivllm.config import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.model.sampler import processed_probs
+from minivllm.model.sampler import penalize_dense, processed_probs
 from minivllm.sampling_params import SamplingParams
 from tests.conftest import hf_model, noisy_copy
 
 TOP_K, TEMPERATURE, TOP_P = 3, 1.0, 0.95
 
 
-def _exact_joint(path: str, prompt: list[int], depth: int) -> dict[tuple[int, ...], float]:
+PENALTIES = dict(repetition_penalty=1.5, frequency_penalty=1.5, presence_penalty=1.0)
+
+
+def _exact_joint(path: str, prompt: list[int], depth: int, penalties: dict[str, float]
+                 ) -> dict[tuple[int, ...], float]:
     """P(first `depth` tokens) of the target under the request's processing, by enumerating every prefix
     (each position keeps at most TOP_K tokens)."""
     model = hf_model(path)
@@ -31,6 +35,13 @@ def _exact_joint(path: str, prompt: list[int], depth: int) -> dict[tuple[int, ..
         for prefix, mass in dist.items():
             with torch.no_grad():
                 logits = model(torch.tensor([prompt + list(prefix)])).logits[0, -1:].float()
+            if penalties:
+                vocab = logits.shape[1]
+                counts = torch.bincount(torch.tensor(prefix, dtype=torch.int64), minlength=vocab)[None].float()
+                seen = torch.zeros(vocab, dtype=torch.bool)
+                seen[torch.tensor(prompt)] = True
+                logits = penalize_dense(logits, counts, seen, penalties["repetition_penalty"],
+                                        penalties["frequency_penalty"], penalties["presence_penalty"])
             p = processed_probs(logits, torch.tensor([TEMPERATURE]), torch.tensor([TOP_K]), torch.tensor([TOP_P]),
                                 torch.tensor([0.0]))[0].double()
             p /= p.sum()
@@ -40,17 +51,18 @@ def _exact_joint(path: str, prompt: list[int], depth: int) -> dict[tuple[int, ..
     return dist
 
 
-@pytest.mark.parametrize("proposer", ["draft", "ngram"])
-def test_rejection_sampling_keeps_the_target_distribution(model_factory, tmp_path, proposer):
+@pytest.mark.parametrize(("proposer", "penalties"), [("draft", {}), ("ngram", {}), ("draft", PENALTIES)])
+def test_rejection_sampling_keeps_the_target_distribution(model_factory, tmp_path, proposer, penalties):
     """N requests sample 4 tokens each with k = 2 proposals (tokens 2 and 3 come out of verification, the
     4th is the bonus or a plain step). The empirical joint of the first 3 tokens is compared with the exact
     one in total variation. Bound: E[TV] <= 1/2 sum_i sqrt(p_i / N) <= 1/2 sqrt(K / N) over K outcomes
     (Cauchy-Schwarz), and TV moves by at most 1/N per sample, so by McDiarmid TV exceeds that by t with
     probability <= exp(-2 N t^2): t = sqrt(ln(1e4) / 2N) fails a correct sampler once in 10^4 runs. A
-    sampler that kept the draft's distribution, or skipped the residual, is off by several times that."""
+    sampler that kept the draft's distribution, or skipped the residual, is off by several times that.
+    With penalties, position i of a verification counts the proposals before it as outputs."""
     path = model_factory("tiny-llama")
     # A draft that overlaps the target's choices often but not always.
-    spec = "ngram" if proposer == "ngram" else noisy_copy(path, str(tmp_path / "draft"), 0.02)
+    spec = "ngram" if proposer == "ngram" else noisy_copy(path, str(tmp_path / "draft"), 0.005)
     engine = LLMEngine(EngineArgs(model=path, num_kv_blocks=1024, max_num_seqs=256, speculative_model=spec,
                                   num_speculative_tokens=2, speculative_adaptive=False, seed=3))
     ids = engine.tokenizer.encode("def parse(self, text):\n    return self.parse(text)\n", add_special_tokens=False)
@@ -62,9 +74,10 @@ def test_rejection_sampling_keeps_the_target_distribution(model_factory, tmp_pat
     prompt = ids + outs[0].outputs[0].token_ids
     st = engine.speculator.stats
     st.num_drafts = st.num_draft_tokens = st.num_accepted_tokens = 0
-    exact = _exact_joint(path, prompt, 3)
+    exact = _exact_joint(path, prompt, 3, penalties)
     n = 6000
-    params = SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P, max_tokens=4, ignore_eos=True)
+    params = SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P, max_tokens=4, ignore_eos=True,
+                            **penalties)
     for i in range(n):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
     counts: Counter[tuple[int, ...]] = Counter()
@@ -105,6 +118,48 @@ def test_seeded_sampled_requests_replay_under_speculation(model_factory, propose
     first = run()
     assert run() == first
     assert len({tuple(t) for t in first}) == 6  # different seeds, different samples
+
+
+def test_dense_penalties_equal_the_input_batch_ones():
+    """penalize_dense (verification rows) computes exactly what the input batch's sparse store applies."""
+    from minivllm.model.input_batch import InputBatch, SlotParams
+
+    g = torch.Generator().manual_seed(0)
+    vocab, prompt, output = 64, [3, 5, 5, 9], [5, 7, 7, 7, 11]
+    x = torch.randn(1, vocab, generator=g)
+    batch = InputBatch()
+    slot = batch.add(SlotParams(temperature=1.0, **PENALTIES), prompt, output)
+    want = x.clone()
+    batch.apply_penalties(want, batch.rows([slot]))
+    counts = torch.bincount(torch.tensor(output), minlength=vocab)[None].float()
+    seen = torch.zeros(vocab, dtype=torch.bool)
+    seen[torch.tensor(prompt)] = True
+    assert torch.equal(penalize_dense(x, counts, seen, *PENALTIES.values()), want)
+    batch.extend(slot, [13, 13])  # tokens accepted by verification count from then on
+    want2 = x.clone()
+    batch.apply_penalties(want2, batch.rows([slot]))
+    counts[0, 13] += 2
+    assert torch.equal(penalize_dense(x, counts, seen, *PENALTIES.values()), want2)
+
+
+def test_verification_rows_count_the_proposals_before_them_as_outputs():
+    """Row i of a verification is scored as sampling would score that position once proposals 0..i-1 are
+    outputs: the same penalties as the input batch applies to a sequence holding those tokens."""
+    from minivllm.engine.sequence import Sequence
+    from minivllm.engine.spec_decode import Speculator
+    from minivllm.model.input_batch import InputBatch, SlotParams
+
+    vocab, prompt, output, proposed = 64, [3, 5, 9], [5, 7, 7], [7, 21, 21]
+    seq = Sequence("r", prompt, SamplingParams(temperature=1.0, **PENALTIES), 0)
+    seq.token_ids += output
+    x = torch.randn(len(proposed) + 1, vocab, generator=torch.Generator().manual_seed(1))
+    got = Speculator._penalized(seq, x.clone(), proposed)
+    for i in range(len(proposed) + 1):
+        batch = InputBatch()
+        slot = batch.add(SlotParams(temperature=1.0, **PENALTIES), prompt, output + proposed[:i])
+        want = x[i:i + 1].clone()
+        batch.apply_penalties(want, batch.rows([slot]))
+        torch.testing.assert_close(got[i:i + 1], want, rtol=0, atol=1e-6)
 
 
 def _edited_copy(path: str, out: str, **config) -> str:

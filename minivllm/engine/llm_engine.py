@@ -355,6 +355,8 @@ class LLMEngine:
                     self._finish(seq, status)
                     break
             if not seq.status.finished:
+                if seq.slot >= 0:
+                    self.input_batch.extend(seq.slot, tokens)  # its penalty counts, if it has penalties
                 # KV holds the last token and the accepted proposals; the new last token is computed next step.
                 seq.num_computed_tokens = seq.num_tokens - 1
                 self.block_manager.cache_blocks(seq)

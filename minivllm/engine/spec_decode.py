@@ -7,11 +7,10 @@ runner computes them as single-token decode rows (verify_rows) and returns logit
 keeps, for a greedy request, the longest run of proposals equal to the target's argmax plus the target's
 own token after it (exactly the tokens it would produce without speculation); for a sampled request,
 rejection sampling (model/rejection_sampler.py) keeps a run distributed exactly as the target's own
-samples under its temperature, top-k, top-p and min-p. The K/V written for rejected proposals lies beyond
+samples under its penalties, temperature, top-k, top-p and min-p. The K/V written for rejected proposals lies beyond
 the sequence's computed tokens: never read, overwritten later, and never hashed for prefix caching.
 
-Eligible: requests without penalties, logprobs or pending min_tokens, and not beam search (those decode as
-usual: their per-token state is not kept per proposal position).
+Eligible: requests without logprobs or pending min_tokens, and not beam search (those decode as usual).
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from minivllm.engine.sequence import Sequence
 from minivllm.engine.spec_cost import StepCostModel
 from minivllm.model.rejection_sampler import rejection_sample
 from minivllm.model.runner import SequenceInput
-from minivllm.model.sampler import processed_probs
+from minivllm.model.sampler import penalize_dense, processed_probs
 
 
 def verify_rows(seq: Sequence, n: int) -> list[SequenceInput]:
@@ -166,10 +165,11 @@ class Speculator:
     @staticmethod
     def eligible(seq: Sequence) -> bool:
         """Whether seq's next tokens may be proposed: a decode whose tokens depend on nothing but the
-        target's distribution at each position (no penalties, logprobs, pending min_tokens or beams)."""
+        target's distribution at each position, penalties included (no logprobs, pending min_tokens or
+        beams)."""
         group = seq.group
         p = seq.sampling_params
-        return (group is not None and group.beam is None and not p.has_penalties and p.logprobs is None
+        return (group is not None and group.beam is None and p.logprobs is None
                 and seq.num_output_tokens >= p.min_tokens and seq.num_computed_tokens == seq.num_tokens - 1)
 
     def propose(self, running: list[Sequence]) -> list[Sequence]:
@@ -224,11 +224,30 @@ class Speculator:
         self.proposer.release(seq)
 
     # ---- verification ----------------------------------------------------------------------------
+    @staticmethod
+    def _penalized(seq: Sequence, logits: torch.Tensor, proposed: list[int]) -> torch.Tensor:
+        """The rows with the request's penalties as sampling would apply them at each position: row i counts
+        the first i proposals among the outputs (they precede that position if accepted)."""
+        n, vocab = logits.shape
+        counts = torch.zeros(n, vocab)
+        out = seq.output_token_ids
+        if out:
+            counts += torch.bincount(torch.tensor(out), minlength=vocab)[:vocab].float()
+        for i, tok in enumerate(proposed[:n - 1]):
+            counts[i + 1:, tok] += 1
+        prompt_seen = torch.zeros(vocab, dtype=torch.bool)
+        prompt_seen[torch.tensor(seq.token_ids[:seq.num_prompt_tokens])] = True
+        p = seq.sampling_params
+        return penalize_dense(logits, counts.to(logits.device), prompt_seen.to(logits.device),
+                              p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+
     def verify(self, seq: Sequence, logits: torch.Tensor, num_scheduled: int) -> list[int]:
         """The tokens seq gains this step: logits [num_scheduled, V] are the target's at its last token and
         at the proposals scheduled after it (the step budget may have cut some off)."""
         proposed = seq.spec_token_ids[:num_scheduled - 1]
         p = seq.sampling_params
+        if p.has_penalties:
+            logits = self._penalized(seq, logits.float(), proposed)
         if p.greedy:
             target = logits.argmax(dim=-1).tolist()
             j = 0

@@ -209,6 +209,17 @@ class InputBatch:
             ids, row = ids.to(dev), (ids // vocab).to(dev)
             xf[ids] = xf[ids] - rows.frequency.to(dev)[row] * counts.to(dev, torch.float32) - rows.presence.to(dev)[row]
 
+    def extend(self, slot: int, tokens: list[int]) -> None:
+        """Record tokens a sequence gained outside sampling (accepted speculative proposals) where a later
+        step's penalties read them."""
+        row = self._store_row[slot]
+        if row < 0 or not tokens:
+            return
+        n = int(self._len[row])
+        self._reserve(n + len(tokens) + 1)
+        self._tokens[row, n:n + len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+        self._len[row] = n + len(tokens)
+
     def append(self, rows: StepRows, tokens: torch.Tensor) -> None:
         """Record each row's sampled token (tokens [R], CPU int64) where a later step reads it."""
         if len(rows.penalty_rows):

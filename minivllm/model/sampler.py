@@ -130,6 +130,18 @@ class Sampler:
                               [ranks_l[j], *range(1, n + 1)]) for j, n in enumerate(num)]
 
 
+def penalize_dense(x: torch.Tensor, counts: torch.Tensor, prompt_seen: torch.Tensor, repetition: float,
+                   frequency: float, presence: float) -> torch.Tensor:
+    """The input batch's penalties (InputBatch.apply_penalties: repetition over prompt and output tokens,
+    HF's rule; then frequency and presence over output tokens, OpenAI's rule) on a few rows x [R, V] whose
+    output-token counts [R, V] differ row by row (speculative verification: row i has seen the first i
+    proposals as outputs too). prompt_seen [V] bool. Returns new rows."""
+    if repetition != 1.0:
+        seen = (counts > 0) | prompt_seen[None, :]
+        x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
+    return x - frequency * counts - presence * (counts > 0).float()
+
+
 def processed_probs(x: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                     min_p: torch.Tensor) -> torch.Tensor:
     """The distribution a row is drawn from (rows of temperature > 0): softmax(x / temperature) with the
