@@ -126,7 +126,7 @@ def run_speculative(ns: argparse.Namespace) -> int:
                 "drafts": st.num_drafts, "draft_tokens": st.num_draft_tokens, "accepted": st.num_accepted_tokens,
                 "rate": st.num_accepted_tokens / st.num_draft_tokens if st.num_draft_tokens else 0.0,
                 "per_position": [a / st.num_drafts if st.num_drafts else 0.0 for a in st.accepted_per_position],
-                "proposals_withheld": sp.num_skipped}
+                "proposals_withheld": sp.num_skipped, **_bound(sp, st.accepted_per_position, st.num_drafts)}
     print(report(result))
     save(result, ns.out, plot)
     return 0 if all(lossless.values()) else 1
@@ -157,6 +157,21 @@ def plot(r: dict[str, Any], png: str) -> None:
     plt.close(fig)
 
 
+def _bound(sp: Any, accepted: list[int], drafts: int) -> dict[str, float | None]:
+    """What speculation can yield at batch 1 by the engine's own measurements: a k-token proposal brings
+    1 + sum of per-position acceptance tokens per step, for a verification step (k + 1 rows) plus the
+    proposer's time, against a one-row decode step: ceiling = (1 + E) * decode / (verify + propose)."""
+    plain, multi = sp.decode_cost.fit(), sp.cost.fit()
+    if plain is None or multi is None or not drafts:
+        return {"decode_ms": None, "verify_ms": None, "propose_ms": None, "ceiling": None}
+    k = len(accepted)
+    decode, verify = plain[0] + plain[1], multi[0] + multi[1] * (k + 1)
+    propose = sp.proposer.overhead(1)
+    expected = sum(a / drafts for a in accepted)
+    return {"decode_ms": 1e3 * decode, "verify_ms": 1e3 * verify, "propose_ms": 1e3 * propose,
+            "ceiling": (1 + expected) * decode / (verify + propose)}
+
+
 def report(r: dict[str, Any]) -> str:
     """Markdown: tok/s and ratio per configuration and task, then acceptance per position."""
     cols = list(r["mean_tok_s"]["off"])
@@ -166,13 +181,17 @@ def report(r: dict[str, Any]) -> str:
                  else "" for c in cols]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "| proposer | accepted / proposed | acceptance by position | proposals withheld (adaptive) | "
-              "outputs equal to no speculation |", "|---|---|---|---|---|"]
+              "decode / verify / propose ms (batch 1, fitted) | ceiling at batch 1 | outputs equal to no speculation |",
+              "|---|---|---|---|---|---|---|"]
     lossless = r.get("lossless", {})
     for name, a in r["acceptance"].items():
         pos = ", ".join(f"{100 * x:.0f}%" for x in a["per_position"])
         same = {True: "yes", False: "**no**"}.get(lossless.get(name), "-")
+        costs = (f"{a['decode_ms']:.2f} / {a['verify_ms']:.2f} / {a['propose_ms']:.2f}"
+                 if a.get("ceiling") is not None else "-")
+        ceiling = f"{a['ceiling']:.2f}x" if a.get("ceiling") is not None else "-"
         lines.append(f"| {name} | {a['accepted']} / {a['draft_tokens']} ({100 * a['rate']:.0f}%) | {pos} | "
-                     f"{a['proposals_withheld']} | {same} |")
+                     f"{a['proposals_withheld']} | {costs} | {ceiling} | {same} |")
     return "\n".join(lines)
 
 
@@ -197,4 +216,11 @@ def verdict(r: dict[str, Any]) -> str:
     same = r.get("lossless", {})
     lossless = " Every greedy output equal to the one without speculation: " + (
         "yes." if same and all(same.values()) else "**no**.")
-    return "Targets (issue 16, 1 stream): " + "; ".join(parts) + "." + eight_s + lossless
+    ceilings = [(a["ceiling"], n) for n, a in r["acceptance"].items() if n.startswith("draft") and a.get("ceiling")]
+    bound = ""
+    if ceilings and code < 1.6:
+        c, n = max(ceilings)
+        bound = (f" What bounds the draft: its acceptance and its cost next to a target this small; by this run's own "
+                 f"fitted step costs and acceptance, the best batch-1 ceiling is {c:.2f}x ({n}), so the adaptive rule "
+                 "mostly withholds its proposals.")
+    return "Targets (issue 16, 1 stream): " + "; ".join(parts) + "." + eight_s + lossless + bound
