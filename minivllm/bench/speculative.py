@@ -161,11 +161,10 @@ def _bound(sp: Any, accepted: list[int], drafts: int) -> dict[str, float | None]
     """What speculation can yield at batch 1 by the engine's own measurements: a k-token proposal brings
     1 + sum of per-position acceptance tokens per step, for a verification step (k + 1 rows) plus the
     proposer's time, against a one-row decode step: ceiling = (1 + E) * decode / (verify + propose)."""
-    plain, multi = sp.decode_cost.fit(), sp.cost.fit()
-    if plain is None or multi is None or not drafts:
-        return {"decode_ms": None, "verify_ms": None, "propose_ms": None, "ceiling": None}
     k = len(accepted)
-    decode, verify = plain[0] + plain[1], multi[0] + multi[1] * (k + 1)
+    decode, verify = sp.steps.estimate(1), sp.steps.estimate(k + 1)
+    if decode is None or verify is None or not drafts:
+        return {"decode_ms": None, "verify_ms": None, "propose_ms": None, "ceiling": None}
     propose = sp.proposer.overhead(1)
     expected = sum(a / drafts for a in accepted)
     return {"decode_ms": 1e3 * decode, "verify_ms": 1e3 * verify, "propose_ms": 1e3 * propose,
@@ -181,7 +180,7 @@ def report(r: dict[str, Any]) -> str:
                  else "" for c in cols]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "| proposer | accepted / proposed | acceptance by position | proposals withheld (adaptive) | "
-              "decode / verify / propose ms (batch 1, fitted) | ceiling at batch 1 | outputs equal to no speculation |",
+              "decode / verify / propose ms (batch 1) | ceiling at batch 1 | outputs equal to no speculation |",
               "|---|---|---|---|---|---|---|"]
     lossless = r.get("lossless", {})
     for name, a in r["acceptance"].items():
@@ -221,6 +220,6 @@ def verdict(r: dict[str, Any]) -> str:
     if ceilings and code < 1.6:
         c, n = max(ceilings)
         bound = (f" What bounds the draft: its acceptance and its cost next to a target this small; by this run's own "
-                 f"fitted step costs and acceptance, the best batch-1 ceiling is {c:.2f}x ({n}), so the adaptive rule "
-                 "mostly withholds its proposals.")
+                 f"measured step costs and acceptance, the top batch-1 ceiling is {c:.2f}x ({n}), so the adaptive "
+                 "rule mostly withholds its proposals.")
     return "Targets (issue 16, 1 stream): " + "; ".join(parts) + "." + eight_s + lossless + bound

@@ -50,8 +50,6 @@ def load_draft_config(path: str, target: ModelConfig, target_tokenizer: object) 
 class DraftModelProposer:
     """Owns the draft's runner and KV pool; proposes for a batch of sequences, rolls back after the step."""
 
-    cheap = False  # the adaptive rule decides who drafts before the draft runs
-
     def __init__(self, mc: ModelConfig, runner: ModelRunner, block_manager: BlockManager,
                  generator: torch.Generator) -> None:
         self.mc, self.runner, self.block_manager = mc, runner, block_manager

@@ -37,8 +37,6 @@ class NgramProposer:
     """Proposals looked up in the sequence itself: each is a given token (a point mass to rejection
     sampling), whatever the request's sampling settings."""
 
-    cheap = True  # looked up before the adaptive rule decides, which then sees the real proposal lengths
-
     def __init__(self, n_min: int, n_max: int) -> None:
         self.n_min, self.n_max = n_min, n_max
 

@@ -1,7 +1,9 @@
-"""StepCostModel: a step's measured cost as a + b * size, for speculative decoding's adaptive rule."""
+"""Measured step costs for speculative decoding's adaptive rule: StepCostTable (all-decode steps by rows)
+and StepCostModel (a + b * size: a proposer's own cost by sequences)."""
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 
 import numpy as np
@@ -41,3 +43,41 @@ class StepCostModel:
         b = float(np.cov(x, y, bias=True)[0, 1] / x.var())
         b = max(b, 0.0)
         return max(float(y.mean() - b * x.mean()), 0.0), b
+
+
+class StepCostTable:
+    """Measured forward seconds of all-decode steps by their rows (a verification step is one too: its
+    proposals are decode rows), the median of the last few steps of each size. A step's cost is not one
+    line in its rows: kernels change with the shape (one row streams each weight once with a GEMV, a
+    handful more still does, many take a GEMM), so sizes never measured are interpolated between their
+    measured neighbours, or extrapolated from the two largest (smallest) sizes seen."""
+
+    def __init__(self, keep: int = 5) -> None:
+        self.samples: dict[int, deque[float]] = {}
+        self.keep = keep
+        self._sizes: list[int] = []  # measured sizes, ascending
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """One all-decode step of `rows` rows took `seconds` in the model."""
+        d = self.samples.get(rows)
+        if d is None:
+            d = self.samples[rows] = deque(maxlen=self.keep)
+            bisect.insort(self._sizes, rows)
+        d.append(seconds)
+
+    def _at(self, rows: int) -> float:
+        return float(np.median(self.samples[rows]))
+
+    def estimate(self, rows: int) -> float | None:
+        """Seconds of an all-decode step of `rows` rows; None until two sizes (or this one) were measured."""
+        if rows in self.samples:
+            return self._at(rows)
+        sizes = self._sizes
+        if len(sizes) < 2:
+            return None
+        i = bisect.bisect_left(sizes, rows)
+        lo, hi = (sizes[i - 1], sizes[i]) if 0 < i < len(sizes) else (sizes[-2], sizes[-1]) if i else (sizes[0],
+                                                                                                        sizes[1])
+        c_lo, c_hi = self._at(lo), self._at(hi)
+        slope = max((c_hi - c_lo) / (hi - lo), 0.0)  # more rows never cost less
+        return max(c_lo + slope * (rows - lo), 0.0) if rows > lo else max(c_lo - slope * (lo - rows), 0.0)

@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 
 from minivllm.engine.sequence import Sequence
-from minivllm.engine.spec_cost import StepCostModel
+from minivllm.engine.spec_cost import StepCostTable
 from minivllm.model.rejection_sampler import rejection_sample
 from minivllm.model.runner import SequenceInput
 from minivllm.model.sampler import penalize_dense, processed_probs
@@ -40,8 +40,6 @@ def verify_rows(seq: Sequence, n: int) -> list[SequenceInput]:
 
 class Proposer(Protocol):
     """What the speculator needs of a proposer (NgramProposer, DraftModelProposer)."""
-
-    cheap: bool
 
     def propose(self, batch: list[tuple[Sequence, int]]) -> list[tuple[Sequence, list[int], torch.Tensor | None]]:
         ...
@@ -72,17 +70,20 @@ class SpecDecodeStats:
 class Speculator:
     """Proposes for the running sequences before a step, verifies their rows after it.
 
-    Adaptive (--speculative-adaptive): proposals go into a step only when the measured costs say the step
-    then yields tokens faster. Two step cost models, because a step of one-token decodes runs the cheapest
-    kernel shape (a single row): `decode_cost` over such steps, `cost` over decode steps that verify
-    proposals (prefill steps fit neither); plus the proposer's own measured overhead (a draft model's
-    forwards). When the step would otherwise be a pure decode, proposals (best expected yield first) are
-    added while (n + expected accepted) / (cost(n + proposed tokens) + overhead) beats n / decode_cost(n):
-    at batch 1 the weights dominate both and speculation pays; in a large batch the extra tokens' FLOPs do
-    not. When the step has other multi-token work anyway, a proposal is kept if its expected tokens are
-    worth more of the step than the b * k it adds. Expected accepted tokens come from the sequence's own
-    history once it has one (a request whose proposals keep failing stops proposing), else from all
-    drafts so far. Before a model has data, the step that would measure it is taken."""
+    Adaptive (--speculative-adaptive): proposals go into a step only when measured costs say the step then
+    yields tokens faster. Costs come from a table of all-decode steps by rows (a verification step is one:
+    its proposals are decode rows), interpolated where a size was not measured, plus the proposer's own
+    measured time (a draft model's forwards). When the step would otherwise be a pure decode of n rows,
+    proposals (best expected yield first) are added while (n + expected accepted) / (cost(n + proposed
+    rows) + proposer time) beats n / cost(n): at batch 1 the weight read dominates both and speculation
+    pays; in a large batch the extra rows' FLOPs do not. When the step has prefill chunks anyway, a
+    proposal is kept if its expected tokens are worth more of the step than the marginal cost of its
+    rows. Expected accepted tokens come from the sequence's own history once it has one (a request whose
+    proposals keep failing stops proposing), else from all drafts so far. A size never measured is tried
+    once; and every EXPLORE_EVERY steps without speculation the best proposal goes through anyway, so one
+    unlucky measurement cannot switch speculation off for good."""
+
+    EXPLORE_EVERY = 128
 
     def __init__(self, proposer: Proposer, k: int, max_model_len: int, adaptive: bool,
                  generator: torch.Generator) -> None:
@@ -90,21 +91,18 @@ class Speculator:
         self.max_model_len = max_model_len
         self.generator = generator  # the engine sampler's stream, for sampled requests without a seed
         self.stats = SpecDecodeStats(accepted_per_position=[0] * k)
-        self.cost = StepCostModel()  # decode steps that verify proposals
-        self.decode_cost = StepCostModel()  # steps of one-token decodes only
-        self.num_skipped = 0  # proposals withheld because they were not expected to pay
+        self.steps = StepCostTable()  # all-decode steps' model time by rows
+        self.num_skipped = 0  # sequences whose proposals were withheld because they were not expected to pay
         self.draft_probs: dict[int, torch.Tensor] = {}  # seq_id → [k, V] what its proposals were drawn from
         self.proposing: list[Sequence] = []  # this step's speculating sequences
+        self._step = self._last_spec = 0  # steps proposed for, and the last one that speculated
 
     # ---- cost model ----------------------------------------------------------------------------
     def observe(self, scheduled: list[tuple[Sequence, int]], seconds: float) -> None:
-        """One step's forward time, by kind: one-token decodes only, or decodes with verification rows.
-        Steps with prefill chunks are left out: their cost (long chunks' attention) is another shape."""
-        tokens = sum(n for _, n in scheduled)
-        if tokens == len(scheduled):
-            self.decode_cost.observe(tokens, seconds)
-        elif all(n == 1 or seq.spec_token_ids for seq, n in scheduled):
-            self.cost.observe(tokens, seconds)
+        """One step's model time, if it was all decode rows (one-token decodes and verifications); steps
+        with prefill chunks are left out (long chunks' attention is another shape)."""
+        if all(n == 1 or seq.spec_token_ids for seq, n in scheduled):
+            self.steps.observe(sum(n for _, n in scheduled), seconds)
 
     def expected_accepted(self, seq: Sequence, k: int) -> float:
         """Expected accepted tokens of a k-token proposal for seq (Laplace-smoothed rates)."""
@@ -117,48 +115,58 @@ class Speculator:
         st = self.stats
         return sum((st.accepted_per_position[i] + 1) / (st.num_drafts + 2) for i in range(k))
 
+    def _explore_due(self) -> bool:
+        return self._step - self._last_spec >= self.EXPLORE_EVERY
+
+    def _marginal(self, rows: int) -> float | None:
+        """Seconds one more decode row adds to a step of `rows` rows."""
+        now, more = self.steps.estimate(rows), self.steps.estimate(rows + 8)
+        return None if now is None or more is None else max(more - now, 0.0) / 8
+
     def _may_pay(self, num_seqs: int, num_tokens: int, pure_decode: bool) -> bool:
         """Whether k-token proposals at the batch's usual acceptance could pay for one sequence or for all
         of them (the yield per second is monotone in how many speculate, so the ends decide); a cheap
-        check before any lookup."""
-        multi = self.cost.fit()
-        if multi is None:
-            return True
-        a, b = multi
-        k, e, over = self.k, self._batch_expected(self.k), self.proposer.overhead
+        check before any proposing."""
         if not pure_decode:
-            return e * (a + b * num_tokens) / max(num_seqs, 1) > b * k + over(1)
-        plain = self.decode_cost.fit()
-        if plain is None:
-            return False
-        rate = num_seqs / max(plain[0] + plain[1] * num_seqs, 1e-9)
-        return any((num_seqs + m * e) / max(a + b * (num_tokens + m * k) + over(m), 1e-9) > rate
-                   for m in (1, num_seqs))
+            return self._marginal(num_tokens) is not None
+        base = self.steps.estimate(num_seqs)
+        if base is None:
+            return False  # measure the plain decode step first
+        k, e, over = self.k, self._batch_expected(self.k), self.proposer.overhead
+        for m in (1, num_seqs):
+            cost = self.steps.estimate(num_seqs + m * k)
+            if cost is None or (num_seqs + m * e) / max(cost + over(m), 1e-9) > num_seqs / base:
+                return True
+        return self._explore_due()
 
     def worth(self, candidates: list[tuple[Sequence, int]], num_seqs: int, num_tokens: int,
               pure_decode: bool) -> list[tuple[Sequence, int]]:
         """The candidates (sequence, proposal length) worth verifying in a step of num_seqs sequences and
         num_tokens tokens without them (pure_decode: every one of those a one-token decode)."""
-        multi = self.cost.fit()
-        if multi is None:
-            return candidates  # measure multi-token steps first
-        a, b = multi
         over = self.proposer.overhead
         gains = [(self.expected_accepted(seq, k), seq, k) for seq, k in candidates]
         if not pure_decode:
-            per_token = (a + b * num_tokens) / max(num_seqs, 1)
-            return [(seq, k) for e, seq, k in gains if e * per_token > b * k + over(1)]
-        plain = self.decode_cost.fit()
-        if plain is None:
+            step, marginal = self.steps.estimate(num_tokens), self._marginal(num_tokens)
+            if step is None or marginal is None:
+                return []
+            per_token = step / max(num_seqs, 1)
+            return [(seq, k) for e, seq, k in gains if e * per_token > marginal * k + over(1)]
+        base = self.steps.estimate(num_seqs)
+        if base is None:
             return []  # measure the plain decode step first
-        best_rate, best_len = num_seqs / max(plain[0] + plain[1] * num_seqs, 1e-9), 0
+        best_rate, best_len = num_seqs / max(base, 1e-9), 0
         gains.sort(key=lambda g: g[0] / g[2], reverse=True)
         gained = extra = 0.0
         for i, (e, _, k) in enumerate(gains):
             gained, extra = gained + e, extra + k
-            rate = (num_seqs + gained) / max(a + b * (num_tokens + extra) + over(i + 1), 1e-9)
+            cost = self.steps.estimate(num_seqs + int(extra))
+            if cost is None:  # a size never measured, nor two to interpolate from: take it to measure it
+                return [(seq, k) for _, seq, k in gains[:i + 1]]
+            rate = (num_seqs + gained) / max(cost + over(i + 1), 1e-9)
             if rate > best_rate:
                 best_rate, best_len = rate, i + 1
+        if not best_len and gains and self._explore_due():
+            best_len = 1
         return [(seq, k) for _, seq, k in gains[:best_len]]
 
     # ---- proposing -------------------------------------------------------------------------------
@@ -176,10 +184,11 @@ class Speculator:
         """Set spec_token_ids of the eligible running sequences whose proposals are worth it (never past
         max_tokens or the context); returns those (end_step clears them after the step)."""
         self.end_step()  # proposals left by a step that raised
+        self._step += 1
         lacking = [s.num_tokens - s.num_computed_tokens for s in running]
         pure_decode = all(n <= 1 for n in lacking)
         if self.adaptive and not self._may_pay(len(running), sum(lacking), pure_decode):
-            return []  # not even typical proposals for everyone would pay: skip the lookups too
+            return []  # not even typical proposals for everyone would pay: skip the proposing
         batch = []
         for seq in running:
             if not self.eligible(seq):
@@ -190,25 +199,18 @@ class Speculator:
                 room = min(room, p.max_tokens - seq.num_output_tokens - 1)  # the target adds one token anyway
             if (k := min(self.k, room)) > 0:
                 batch.append((seq, k))
-        proposer = self.proposer
-        if proposer.cheap:  # look up first: the adaptive rule then sees the real proposal lengths
-            found = proposer.propose(batch)
-            if self.adaptive and found:
-                kept = {s.seq_id for s, _ in self.worth([(s, len(spec)) for s, spec, _ in found], len(running),
-                                                        sum(lacking), pure_decode)}
-                self.num_skipped += len(found) - len(kept)
-                found = [f for f in found if f[0].seq_id in kept]
-        else:
-            if self.adaptive and batch:
-                kept_batch = self.worth(batch, len(running), sum(lacking), pure_decode)
-                self.num_skipped += len(batch) - len(kept_batch)
-                batch = kept_batch
-            found = proposer.propose(batch) if batch else []
+        if self.adaptive and batch:
+            kept = self.worth(batch, len(running), sum(lacking), pure_decode)
+            self.num_skipped += len(batch) - len(kept)
+            batch = kept
+        found = self.proposer.propose(batch) if batch else []
         for seq, spec, dist in found:
             seq.spec_token_ids = spec
             if dist is not None:
                 self.draft_probs[seq.seq_id] = dist
         self.proposing = [seq for seq, _, _ in found]
+        if found:
+            self._last_spec = self._step
         return self.proposing
 
     def end_step(self) -> None:
