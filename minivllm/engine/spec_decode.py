@@ -135,7 +135,7 @@ class Speculator:
         k, e, over = self.k, self._batch_expected(self.k), self.proposer.overhead
         for m in (1, num_seqs):
             cost = self.steps.estimate(num_seqs + m * k)
-            if cost is None or (num_seqs + m * e) / max(cost + over(m), 1e-9) > num_seqs / base:
+            if cost is None or (num_seqs + m * e) / max(cost + over(m), 1e-9) > num_seqs / max(base, 1e-9):
                 return True
         return self._explore_due()
 
@@ -185,6 +185,8 @@ class Speculator:
         max_tokens or the context); returns those (end_step clears them after the step)."""
         self.end_step()  # proposals left by a step that raised
         self._step += 1
+        if not running:
+            return []
         lacking = [s.num_tokens - s.num_computed_tokens for s in running]
         pure_decode = all(n <= 1 for n in lacking)
         if self.adaptive and not self._may_pay(len(running), sum(lacking), pure_decode):
