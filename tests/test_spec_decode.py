@@ -223,8 +223,7 @@ def test_adaptive_speculation_pays_at_batch_one_not_in_a_large_batch_nor_for_a_f
     assert spec.worth([(_seq(20, 0), 3)], 1, 1, True) == []  # its proposals never held
     good = [(_seq(20, 57), 3)]
     assert spec.worth(good, 1, 1, True) == good
-    # A step that runs prefill chunks anyway: a proposal costs only its rows' marginal cost.
-    assert spec.worth(one, 16, 80, False) == one
+    assert spec.worth(one, 16, 80, False) == []  # a step with prefill chunks: no proposals
     assert _speculator(handful_ms=12.0).worth([(_seq(), 1)], 1, 1, True) == []  # 1 token in 3 ms beats 1.5 in 12
     # Withheld long enough, the best proposal goes through once: a bad measurement cannot stick forever.
     spec._step = spec.EXPLORE_EVERY

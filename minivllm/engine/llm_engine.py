@@ -191,7 +191,7 @@ class LLMEngine:
         """Run one scheduling step; return the outputs it produced (per each request's output kind)."""
         t0 = time.perf_counter()
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
+            self.speculator.propose(self.scheduler.running, bool(self.scheduler.waiting))
         sched = self.scheduler.schedule()
         if self.speculator is not None:
             for seq in sched.preempted:  # its draft K/V goes too: recomputed with it

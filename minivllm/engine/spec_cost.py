@@ -56,6 +56,7 @@ class StepCostTable:
         self.samples: dict[int, deque[float]] = {}
         self.keep = keep
         self._sizes: list[int] = []  # measured sizes, ascending
+        self._median: dict[int, float] = {}  # kept current by observe: estimates are read many times a step
 
     def observe(self, rows: int, seconds: float) -> None:
         """One all-decode step of `rows` rows took `seconds` in the model."""
@@ -64,9 +65,12 @@ class StepCostTable:
             d = self.samples[rows] = deque(maxlen=self.keep)
             bisect.insort(self._sizes, rows)
         d.append(seconds)
+        ordered = sorted(d)
+        mid = len(ordered) // 2
+        self._median[rows] = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
     def _at(self, rows: int) -> float:
-        return float(np.median(self.samples[rows]))
+        return self._median[rows]
 
     def estimate(self, rows: int) -> float | None:
         """Seconds of an all-decode step of `rows` rows; None until two sizes (or this one) were measured."""

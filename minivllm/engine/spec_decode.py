@@ -75,15 +75,17 @@ class Speculator:
     its proposals are decode rows), interpolated where a size was not measured, plus the proposer's own
     measured time (a draft model's forwards). When the step would otherwise be a pure decode of n rows,
     proposals (best expected yield first) are added while (n + expected accepted) / (cost(n + proposed
-    rows) + proposer time) beats n / cost(n): at batch 1 the weight read dominates both and speculation
-    pays; in a large batch the extra rows' FLOPs do not. When the step has prefill chunks anyway, a
-    proposal is kept if its expected tokens are worth more of the step than the marginal cost of its
-    rows. Expected accepted tokens come from the sequence's own history once it has one (a request whose
+    rows) + proposer time) beats n / cost(n) by MARGIN: at batch 1 the weight read dominates both and
+    speculation pays; in a large batch the extra rows' FLOPs do not. A step with prefill chunks gets no
+    proposals. Expected accepted tokens come from the sequence's own history once it has one (a request whose
     proposals keep failing stops proposing), else from all drafts so far. A size never measured is tried
     once; and every EXPLORE_EVERY steps without speculation the best proposal goes through anyway, so one
     unlucky measurement cannot switch speculation off for good."""
 
     EXPLORE_EVERY = 128
+    # A step must be expected to yield this much faster with its proposals: a smaller gain is within the
+    # step-to-step spread of the measurements (contexts differ, the machine drifts), so not worth the risk.
+    MARGIN = 1.05
 
     def __init__(self, proposer: Proposer, k: int, max_model_len: int, adaptive: bool,
                  generator: torch.Generator) -> None:
@@ -118,24 +120,20 @@ class Speculator:
     def _explore_due(self) -> bool:
         return self._step - self._last_spec >= self.EXPLORE_EVERY
 
-    def _marginal(self, rows: int) -> float | None:
-        """Seconds one more decode row adds to a step of `rows` rows."""
-        now, more = self.steps.estimate(rows), self.steps.estimate(rows + 8)
-        return None if now is None or more is None else max(more - now, 0.0) / 8
-
     def _may_pay(self, num_seqs: int, num_tokens: int, pure_decode: bool) -> bool:
         """Whether k-token proposals at the batch's usual acceptance could pay for one sequence or for all
         of them (the yield per second is monotone in how many speculate, so the ends decide); a cheap
         check before any proposing."""
         if not pure_decode:
-            return self._marginal(num_tokens) is not None
+            return False  # see worth()
         base = self.steps.estimate(num_seqs)
         if base is None:
             return False  # measure the plain decode step first
         k, e, over = self.k, self._batch_expected(self.k), self.proposer.overhead
+        plain_rate = self.MARGIN * num_seqs / max(base, 1e-9)
         for m in (1, num_seqs):
             cost = self.steps.estimate(num_seqs + m * k)
-            if cost is None or (num_seqs + m * e) / max(cost + over(m), 1e-9) > num_seqs / max(base, 1e-9):
+            if cost is None or (num_seqs + m * e) / max(cost + over(m), 1e-9) > plain_rate:
                 return True
         return self._explore_due()
 
@@ -146,15 +144,14 @@ class Speculator:
         over = self.proposer.overhead
         gains = [(self.expected_accepted(seq, k), seq, k) for seq, k in candidates]
         if not pure_decode:
-            step, marginal = self.steps.estimate(num_tokens), self._marginal(num_tokens)
-            if step is None or marginal is None:
-                return []
-            per_token = step / max(num_seqs, 1)
-            return [(seq, k) for e, seq, k in gains if e * per_token > marginal * k + over(1)]
+            # A step with prefill chunks: its cost is not in the table (another shape), and the sequences that
+            # would speculate wait for the chunks anyway; measured on 64 arriving requests, proposals there
+            # cost throughput (the batch finishes with its slowest sequence) and gained nothing.
+            return []
         base = self.steps.estimate(num_seqs)
         if base is None:
             return []  # measure the plain decode step first
-        best_rate, best_len = num_seqs / max(base, 1e-9), 0
+        best_rate, best_len = self.MARGIN * num_seqs / max(base, 1e-9), 0
         gains.sort(key=lambda g: g[0] / g[2], reverse=True)
         gained = extra = 0.0
         for i, (e, _, k) in enumerate(gains):
@@ -180,7 +177,7 @@ class Speculator:
         return (group is not None and group.beam is None and p.logprobs is None
                 and seq.num_output_tokens >= p.min_tokens and seq.num_computed_tokens == seq.num_tokens - 1)
 
-    def propose(self, running: list[Sequence]) -> list[Sequence]:
+    def propose(self, running: list[Sequence], waiting: bool = False) -> list[Sequence]:
         """Set spec_token_ids of the eligible running sequences whose proposals are worth it (never past
         max_tokens or the context); returns those (end_step clears them after the step)."""
         self.end_step()  # proposals left by a step that raised
@@ -188,7 +185,7 @@ class Speculator:
         if not running:
             return []
         lacking = [s.num_tokens - s.num_computed_tokens for s in running]
-        pure_decode = all(n <= 1 for n in lacking)
+        pure_decode = not waiting and all(n <= 1 for n in lacking)  # waiting requests: prefill chunks join
         if self.adaptive and not self._may_pay(len(running), sum(lacking), pure_decode):
             return []  # not even typical proposals for everyone would pay: skip the proposing
         batch = []
