@@ -178,9 +178,9 @@ def test_step_cost_table_interpolates_between_kernel_shapes():
     assert table.estimate(1) == 3.0 and table.estimate(4) is None  # one size: nothing to interpolate from
     table.observe(5, 4.0)
     table.observe(64, 20.0)
-    assert table.estimate(3) == pytest.approx(3.5)  # between its neighbours
-    assert table.estimate(32) == pytest.approx(4.0 + 16 * 27 / 59)
-    assert table.estimate(128) == pytest.approx(20.0 + 16 * 64 / 59)  # past the largest: its last slope
+    assert table.estimate(3) == 4.0 and table.estimate(32) == 20.0  # priced at the next measured size up
+    assert table.estimate(128) == pytest.approx(40.0)  # past the largest: in proportion to it
+    assert table.measured(64) == 20.0 and table.measured(32) is None
 
 
 def _cost_ms(rows: int, handful_ms: float = 4.0) -> float:
@@ -215,7 +215,7 @@ def test_adaptive_speculation_pays_at_batch_one_not_in_a_large_batch_nor_for_a_f
     cold.observe([(_seq(), 1)], 0.003)
     assert len(cold.worth([(_seq(), 3)], 1, 1, True)) == 1  # a size never measured: try it
     spec = _speculator()
-    assert spec.steps.estimate(40) == pytest.approx(12e-3)  # interpolated; prefill steps left out
+    assert spec.steps.estimate(40) == pytest.approx(_cost_ms(64) / 1e3)  # next size up; prefill steps left out
     one = [(_seq(), 3)]
     assert spec.worth(one, 1, 1, True) == one  # batch 1: 1 token in 3 ms vs ~2.5 tokens in 4 ms
     many = [(_seq(), 3) for _ in range(128)]

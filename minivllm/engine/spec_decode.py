@@ -126,7 +126,7 @@ class Speculator:
         check before any proposing."""
         if not pure_decode:
             return False  # see worth()
-        base = self.steps.estimate(num_seqs)
+        base = self.steps.measured(num_seqs)
         if base is None:
             return False  # measure the plain decode step first
         k, e, over = self.k, self._batch_expected(self.k), self.proposer.overhead
@@ -148,7 +148,7 @@ class Speculator:
             # would speculate wait for the chunks anyway; measured on 64 arriving requests, proposals there
             # cost throughput (the batch finishes with its slowest sequence) and gained nothing.
             return []
-        base = self.steps.estimate(num_seqs)
+        base = self.steps.measured(num_seqs)
         if base is None:
             return []  # measure the plain decode step first
         best_rate, best_len = self.MARGIN * num_seqs / max(base, 1e-9), 0
