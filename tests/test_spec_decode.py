@@ -11,7 +11,7 @@ from minivllm.config import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.ngram_proposer import NgramProposer, ngram_propose
 from minivllm.engine.sequence import Sequence
-from minivllm.engine.spec_cost import StepCostModel, StepCostTable
+from minivllm.engine.spec_cost import ProposerCostModel, StepCostTable
 from minivllm.engine.spec_decode import Speculator
 from minivllm.sampling_params import SamplingParams
 from tests.conftest import corpus_token_ids, noisy_copy
@@ -157,17 +157,20 @@ def test_served_with_ngram_speculation_gives_the_greedy_text(model_factory, serv
     assert len(per_pos) == 3 and sum(per_pos) == accepted
 
 
-def test_step_cost_model_recovers_the_fixed_and_per_token_cost():
-    cost = StepCostModel()
-    assert cost.fit() is None
-    for tokens in [1, 4, 9, 16, 33, 64, 2, 7, 12, 40]:
-        cost.observe(tokens, 0.010 + 0.0002 * tokens)
-    a, b = cost.fit()
-    assert a == pytest.approx(0.010) and b == pytest.approx(0.0002)
-    same = StepCostModel()
+def test_proposer_cost_model_recovers_the_fixed_per_forward_and_per_row_cost():
+    cost = ProposerCostModel()
+    assert cost.fit() is None and cost.estimate(3, 3) == 0.0
+    for forwards, rows in [(1, 1), (2, 2), (3, 3), (4, 4), (1, 8), (2, 16), (3, 24), (4, 32), (2, 5), (5, 9)]:
+        cost.observe(forwards, rows, 0.0005 + 0.00015 * forwards + 0.00001 * rows)
+    assert cost.fit() == pytest.approx((0.0005, 0.00015, 0.00001))
+    batch1 = ProposerCostModel()  # rows move with forwards: one term carries both, predictions still right
+    for forwards in [1, 2, 3, 4, 5, 6, 1, 2]:
+        batch1.observe(forwards, forwards, 0.0005 + 0.00016 * forwards)
+    assert batch1.estimate(6, 6) == pytest.approx(0.0005 + 0.00016 * 6)
+    same = ProposerCostModel()
     for _ in range(8):
-        same.observe(1, 0.003)
-    assert same.fit() == pytest.approx((0.003, 0.0))  # one size of step: its cost at that size
+        same.observe(3, 3, 0.002)
+    assert same.fit() == pytest.approx((0.002, 0.0, 0.0))  # one kind of round: its cost as the fixed part
 
 
 def test_step_cost_table_interpolates_between_kernel_shapes():
@@ -179,8 +182,11 @@ def test_step_cost_table_interpolates_between_kernel_shapes():
     table.observe(5, 4.0)
     table.observe(64, 20.0)
     assert table.estimate(3) == 4.0 and table.estimate(32) == 20.0  # priced at the next measured size up
-    assert table.estimate(128) == pytest.approx(40.0)  # past the largest: in proportion to it
+    assert table.estimate(128) == pytest.approx(20.0 + 64 * 17.0 / 63)  # past the largest: the line from 1 to it
     assert table.measured(64) == 20.0 and table.measured(32) is None
+    table.observe(6, 26.0)  # a slow outlier: 6 rows and 64 rows pooled (more rows never cost less)
+    assert table.measured(6) == table.measured(64) == table.estimate(32) == 23.0
+    assert table.measured(1) == 3.0 and table.estimate(3) == 4.0
 
 
 def _cost_ms(rows: int, handful_ms: float = 4.0) -> float:
@@ -204,30 +210,50 @@ def _speculator(handful_ms: float = 4.0) -> Speculator:
 
 
 def _seq(drafts: int = 0, accepted: int = 0) -> Sequence:
+    """A greedy sequence whose past drafts were each expected to yield 1.5 tokens."""
     seq = Sequence("r", [1, 2, 3], SamplingParams(temperature=0.0), 0)
-    seq.spec_drafts, seq.spec_accepted = drafts, accepted
+    seq.spec_drafts, seq.spec_accepted, seq.spec_expected = drafts, accepted, 1.5 * drafts
     return seq
 
 
 def test_adaptive_speculation_pays_at_batch_one_not_in_a_large_batch_nor_for_a_failing_request():
     cold = _ngram_speculator()
-    assert cold.worth([(_seq(), 3)], 1, 1, True) == []  # nothing measured: the plain decode step first
+    assert cold.worth([(_seq(), 3)], 1, True) == []  # nothing measured: the plain decode step first
     cold.observe([(_seq(), 1)], 0.003)
-    assert len(cold.worth([(_seq(), 3)], 1, 1, True)) == 1  # a size never measured: try it
+    assert [k for _, k in cold.worth([(_seq(), 3)], 1, True)] == [1]  # a size never measured: try it
     spec = _speculator()
     assert spec.steps.estimate(40) == pytest.approx(_cost_ms(64) / 1e3)  # next size up; prefill steps left out
     one = [(_seq(), 3)]
-    assert spec.worth(one, 1, 1, True) == one  # batch 1: 1 token in 3 ms vs ~2.5 tokens in 4 ms
+    assert spec.worth(one, 1, True) == one  # batch 1: 1 token in 3 ms vs ~2.5 tokens in 4 ms
     many = [(_seq(), 3) for _ in range(128)]
-    assert spec.worth(many, 128, 128, True) == []  # 128 tokens in 34 ms vs ~320 in 130 ms
-    assert spec.worth([(_seq(20, 0), 3)], 1, 1, True) == []  # its proposals never held
+    assert spec.worth(many, 128, True) == []  # 128 tokens in 34 ms vs ~320 in 130 ms
+    assert spec.worth([(_seq(20, 0), 3)], 1, True) == []  # its proposals never held
     good = [(_seq(20, 57), 3)]
-    assert spec.worth(good, 1, 1, True) == good
-    assert spec.worth(one, 16, 80, False) == []  # a step with prefill chunks: no proposals
-    assert _speculator(handful_ms=12.0).worth([(_seq(), 1)], 1, 1, True) == []  # 1 token in 3 ms beats 1.5 in 12
-    # Withheld long enough, the best proposal goes through once: a bad measurement cannot stick forever.
+    assert spec.worth(good, 1, True) == good
+    assert spec.worth(one, 16, False) == []  # a step with prefill chunks: no proposals
+    assert _speculator(handful_ms=12.0).worth([(_seq(), 1)], 1, True) == []  # 1 token in 3 ms beats 1.5 in 12
+    # Withheld long enough, the best proposal's first token goes through once: a bad measurement cannot
+    # stick forever.
     spec._step = spec.EXPLORE_EVERY
-    assert spec.worth(many, 128, 128, True) == many[:1]
+    assert spec.worth(many, 128, True) == [(many[0][0], 1)]
+
+
+def test_adaptive_proposal_length_follows_the_acceptance_by_position():
+    """Each row costs 0.6 ms more: a draft whose later guesses rarely hold proposes one token, a proposer
+    whose guesses keep holding proposes all k."""
+    def speculator(accepted: list[int], proposed: list[int]) -> Speculator:
+        spec = _ngram_speculator()
+        for rows in (1, 2, 3, 4):
+            spec.observe([(_seq(), 1)] * rows, (3.0 + 0.6 * (rows - 1)) / 1e3)
+        spec.stats.accepted_per_position, spec.stats.proposed_per_position = accepted, proposed
+        return spec
+
+    seq = _seq()
+    draft = speculator([50, 10, 5], [100, 60, 40])  # 50%, then 17% and 12%
+    assert draft.worth([(seq, 3)], 1, True) == [(seq, 1)]  # 1.5 tokens in 3.6 ms; 1.67 in 4.2; 1.8 in 4.8
+    ngram = speculator([90, 80, 70], [100, 90, 80])
+    assert ngram.worth([(seq, 3)], 1, True) == [(seq, 3)]
+    assert ngram.expected_accepted(seq, 2) == pytest.approx(91 / 102 + 81 / 92)
 
 
 def test_adaptive_speculation_stays_lossless_in_the_engine(model_factory):

@@ -21,7 +21,7 @@ import torch
 from minivllm.config import ModelConfig
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.sequence import Sequence
-from minivllm.engine.spec_cost import StepCostModel
+from minivllm.engine.spec_cost import ProposerCostModel
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.model.runner import ModelRunner, SequenceInput
 from minivllm.model.sampler import draw_from, processed_probs
@@ -47,6 +47,12 @@ def load_draft_config(path: str, target: ModelConfig, target_tokenizer: object) 
     return mc
 
 
+# A catch-up this short (the usual one: the token the target's last step added, or that and the last
+# accepted proposal) goes in as single-token rows, as a verification does (spec_decode.verify_rows): a
+# 2-token chunk would take the module path, 0.66 ms for this draft against 0.15 ms for a decode step.
+SHORT_CATCH_UP = 4
+
+
 class DraftModelProposer:
     """Owns the draft's runner and KV pool; proposes for a batch of sequences, rolls back after the step."""
 
@@ -57,7 +63,7 @@ class DraftModelProposer:
         self.generator = generator  # the engine's stream, for requests without a seed
         self.shadows: dict[int, Sequence] = {}  # target seq_id → its draft-side sequence
         self.pending: list[tuple[Sequence, Sequence, int, list[int]]] = []  # (target, shadow, T, proposals)
-        self.cost = StepCostModel()  # proposing seconds by sequences drafted
+        self.cost = ProposerCostModel()  # a round's seconds by forwards and rows
 
     @classmethod
     def build(cls, path: str, target: ModelConfig, target_tokenizer: object, dtype: torch.dtype,
@@ -84,6 +90,7 @@ class DraftModelProposer:
         t0 = time.perf_counter()
         bm, bs = self.block_manager, self.block_manager.block_size
         rows: list[tuple[Sequence, Sequence, int, int]] = []  # (target, shadow, T, k)
+        prefill = False  # some sequence's catch-up is its prompt (or a long stretch): a one-off, not timed
         inputs: list[SequenceInput] = []
         for seq, k in batch:
             total = seq.num_tokens
@@ -101,7 +108,13 @@ class DraftModelProposer:
                 continue  # the draft pool is full: this sequence decodes without proposals this step
             sh.num_computed_tokens = done
             rows.append((seq, sh, total, k))
-            inputs.append(SequenceInput(seq.token_ids[done:total], done, sh.block_table, True))
+            chunk = seq.token_ids[done:total]
+            prefill |= len(chunk) > SHORT_CATCH_UP
+            if len(chunk) <= SHORT_CATCH_UP:  # one decode row per token: the step stays on the decode stack
+                inputs += [SequenceInput([t], done + i, sh.block_table, i == len(chunk) - 1)
+                           for i, t in enumerate(chunk)]
+            else:
+                inputs.append(SequenceInput(chunk, done, sh.block_table, True))
         if not rows:
             return []
         self.runner.copy_blocks(bm.take_copies())
@@ -130,7 +143,8 @@ class DraftModelProposer:
             bm.cache_blocks(sh)
             self.pending.append((seq, sh, total, spec))
             out.append((seq, spec, torch.stack(dist) if dist else None))
-        self.cost.observe(len(rows), time.perf_counter() - t0)
+        if not prefill:  # a round's usual cost: the draft's prefill of a prompt is paid once per request
+            self.cost.observe(max(k for *_, k in rows), sum(k for *_, k in rows), time.perf_counter() - t0)
         return out
 
     def _tables(self, block_tables: list[list[int]]) -> torch.Tensor:
@@ -156,10 +170,10 @@ class DraftModelProposer:
             dists[j] = q[0]
         return tokens, dists
 
-    def overhead(self, num_seqs: int) -> float:
-        """Seconds drafting for num_seqs sequences is expected to add to a step (measured)."""
-        fit = self.cost.fit()
-        return 0.0 if fit is None else fit[0] + fit[1] * num_seqs
+    def overhead(self, longest: int, tokens: int) -> float:
+        """Seconds a round proposing `tokens` tokens in all, at most `longest` for one sequence, is expected to
+        add to a step (measured: one forward per position of the longest proposal)."""
+        return self.cost.estimate(longest, tokens)
 
     def settle(self) -> None:
         """After the target's step: each shadow keeps the K/V of the proposals the target accepted."""

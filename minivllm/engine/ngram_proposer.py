@@ -48,8 +48,9 @@ class NgramProposer:
                 out.append((seq, spec, None))
         return out
 
-    def overhead(self, num_seqs: int) -> float:
-        """Seconds proposing for num_seqs sequences adds to a step (lookups: negligible)."""
+    def overhead(self, longest: int, tokens: int) -> float:
+        """Seconds a round proposing `tokens` tokens (at most `longest` for one sequence) adds to a step
+        (lookups: negligible)."""
         return 0.0
 
     def settle(self) -> None:

@@ -42,7 +42,8 @@ class Sequence:
     __slots__ = ("seq_id", "request_id", "group", "index", "token_ids", "num_prompt_tokens", "sampling_params",
                  "priority", "arrival_index", "status", "num_computed_tokens", "block_table", "block_hashes",
                  "num_preemptions", "generator", "detokenizer", "logprobs", "cumulative_logprob", "stop_reason",
-                 "num_emitted_tokens", "finish_reported", "slot", "spec_token_ids", "spec_drafts", "spec_accepted")
+                 "num_emitted_tokens", "finish_reported", "slot", "spec_token_ids", "spec_drafts", "spec_accepted",
+                 "spec_expected")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  arrival_index: int, priority: int = 0, group: SequenceGroup | None = None, index: int = 0) -> None:
@@ -70,6 +71,7 @@ class Sequence:
         self.slot = -1  # its row of settings in the engine's input batch once sampled (-1: none)
         self.spec_token_ids: list[int] = []  # tokens proposed for this step (speculative decoding), not yet verified
         self.spec_drafts = self.spec_accepted = 0  # its proposals verified so far, and tokens accepted from them
+        self.spec_expected = 0.0  # tokens those proposals were expected to yield at all drafts' acceptance
 
     @property
     def num_tokens(self) -> int:

@@ -1,5 +1,5 @@
 """Measured step costs for speculative decoding's adaptive rule: StepCostTable (all-decode steps by rows)
-and StepCostModel (a + b * size: a proposer's own cost by sequences)."""
+and ProposerCostModel (a + b * forwards + c * rows: a draft model's round)."""
 
 from __future__ import annotations
 
@@ -9,54 +9,72 @@ from collections import deque
 import numpy as np
 
 
-class StepCostModel:
-    """The forward's measured cost as a + b * tokens, least squares over recent steps of one kind: a is
-    what a step costs whatever it holds (reading the weights), b what each more token adds (its FLOPs)."""
+class ProposerCostModel:
+    """A proposer's measured time per round as a + b * forwards + c * rows, least squares over recent rounds:
+    a draft model's round is its forwards back to back (one per proposal position, the longest proposal
+    sets how many), each costing more with the rows in it; a is the round's fixed part."""
 
-    # Refit after this many new steps: a fit costs tens of microseconds, several are read per step, and a
-    # step of a small model costs ~2 ms (refitting every step cost 10-20% of decode throughput).
+    # Refit after this many new rounds: a fit costs tens of microseconds, and estimates are read several times
+    # a step (refitting every step cost 10-20% of a small model's decode throughput).
     REFIT_EVERY = 16
 
     def __init__(self, window: int = 128) -> None:
-        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
-        self._fit: tuple[float, float] | None = None
-        self._since = 0  # steps observed since the last fit
+        self.samples: deque[tuple[int, int, float]] = deque(maxlen=window)
+        self._fit: tuple[float, float, float] | None = None
+        self._since = 0  # rounds observed since the last fit
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        """One step: tokens computed, forward seconds."""
-        self.samples.append((tokens, seconds))
+    def observe(self, forwards: int, rows: int, seconds: float) -> None:
+        """One round: forwards run, rows computed over them (proposals of every sequence), seconds taken."""
+        self.samples.append((forwards, rows, seconds))
         self._since += 1
 
-    def fit(self) -> tuple[float, float] | None:
-        """(a, b), or None until the steps seen differ enough in size to tell them apart."""
+    def fit(self) -> tuple[float, float, float] | None:
+        """(a, b, c), or None before 8 rounds were seen."""
         if len(self.samples) < 8:
             return None
         if self._fit is None or self._since >= self.REFIT_EVERY:
             self._fit, self._since = self._refit(), 0
         return self._fit
 
-    def _refit(self) -> tuple[float, float]:
-        x = np.array([t for t, _ in self.samples], dtype=np.float64)
-        y = np.array([s for _, s in self.samples], dtype=np.float64)
-        if x.max() - x.min() < 2:  # steps of one size (a batch-1 decode): its cost, at that size
-            return float(y.mean()), 0.0
-        b = float(np.cov(x, y, bias=True)[0, 1] / x.var())
-        b = max(b, 0.0)
-        return max(float(y.mean() - b * x.mean()), 0.0), b
+    def estimate(self, forwards: int, rows: int) -> float:
+        """Seconds of a round of `forwards` forwards over `rows` rows; 0 before anything was measured."""
+        fit = self.fit()
+        return 0.0 if fit is None else fit[0] + fit[1] * forwards + fit[2] * rows
+
+    def _refit(self) -> tuple[float, float, float]:
+        x = np.array([(1.0, f, r) for f, r, _ in self.samples], dtype=np.float64)
+        y = np.array([s for *_, s in self.samples], dtype=np.float64)
+        # Only the terms the rounds seen can tell apart: at batch 1 rows == forwards (one term for both),
+        # and a proposer that always runs the same round has its whole cost as the fixed part.
+        keep = [0]
+        for j in (1, 2):
+            if np.linalg.matrix_rank(x[:, keep + [j]]) == len(keep) + 1:
+                keep.append(j)
+        coef = [0.0, 0.0, 0.0]
+        for j, c in zip(keep, np.linalg.lstsq(x[:, keep], y, rcond=None)[0], strict=True):
+            coef[j] = float(c)
+        b, c = max(coef[1], 0.0), max(coef[2], 0.0)
+        mean = x.mean(axis=0)
+        return max(float(y.mean() - b * mean[1] - c * mean[2]), 0.0), b, c
 
 
 class StepCostTable:
     """Measured forward seconds of all-decode steps by their rows (a verification step is one too: its
-    proposals are decode rows), the median of the last few steps of each size. A step's cost is not one
-    line in its rows: kernels change with the shape (one row streams each weight once with a GEMV, a
-    handful more still does, many take a GEMM), so a size never measured is priced at the next measured
-    size above it, or past the largest in proportion to it."""
+    proposals are decode rows). Each size keeps the median of its last few steps, and the sizes together are
+    fitted by a non-decreasing curve (isotonic regression, pool adjacent violators, weighted by samples):
+    a step never costs less with more rows, and step times here spread by half from one step to the next
+    (62 rows measured 44 ms once, 64 rows 35 ms, 65 rows 22 ms), so a size's own few samples can be a slow
+    outlier against which proposals look free, or a fast one against which they look hopeless. A step's
+    cost is not one line in its rows: kernels change with the shape (one row streams each weight once with
+    a GEMV, a handful more still does, many take a GEMM), so a size never measured is priced at the next
+    measured size above it, or past the largest along the line from the smallest to it."""
 
     def __init__(self, keep: int = 5) -> None:
         self.samples: dict[int, deque[float]] = {}
         self.keep = keep
         self._sizes: list[int] = []  # measured sizes, ascending
-        self._median: dict[int, float] = {}  # kept current by observe: estimates are read many times a step
+        self._median: dict[int, float] = {}  # per size, kept current by observe
+        self._fit: dict[int, float] | None = None  # the monotone fit, recomputed when read after an observe
 
     def observe(self, rows: int, seconds: float) -> None:
         """One all-decode step of `rows` rows took `seconds` in the model."""
@@ -68,24 +86,42 @@ class StepCostTable:
         ordered = sorted(d)
         mid = len(ordered) // 2
         self._median[rows] = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+        self._fit = None
+
+    def _fitted(self) -> dict[int, float]:
+        """Pool adjacent violators over the sizes' medians: O(sizes), read many times between observes."""
+        if self._fit is None:
+            blocks: list[list[float]] = []  # [value, weight, sizes pooled]
+            for size in self._sizes:
+                blocks.append([self._median[size], float(len(self.samples[size])), 1.0])
+                while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+                    v2, w2, n2 = blocks.pop()
+                    v1, w1, n1 = blocks[-1]
+                    blocks[-1] = [(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2]
+            values = [v for v, _, n in blocks for _ in range(int(n))]
+            self._fit = dict(zip(self._sizes, values, strict=True))
+        return self._fit
 
     def estimate(self, rows: int) -> float | None:
         """Seconds of an all-decode step of `rows` rows; None until two sizes (or this one) were measured.
-        Between measured sizes, the next larger one's cost: a step never costs less with more rows, and the
-        cost rises in jumps (measured here: 64 rows 16.5 ms, 70-78 rows 17.8-26 ms, 151 rows 31.5 ms), which a
-        straight line between 64 and 151 would price far too low. Past the largest size, proportionally to
-        the largest's cost per row (no fixed part assumed: an upper bound while the fixed part is real)."""
-        if rows in self._median:
-            return self._median[rows]
+        Between measured sizes, the next larger one's cost: the cost rises in jumps (measured here: 64 rows
+        16.5 ms, 70-78 rows 17.8-26 ms, 151 rows 31.5 ms), which a straight line between 64 and 151 would
+        price far too low. Past the largest size, along the line from the smallest measured size to the
+        largest: each row adds the average a row added so far (at batch 1, with 1 and 2 rows measured, 6
+        rows come out near their measured cost, where pricing in proportion to 2 rows' cost would price
+        them at 3x theirs and keep longer proposals from ever being tried)."""
+        fit = self._fitted()
+        if rows in fit:
+            return fit[rows]
         sizes = self._sizes
         if len(sizes) < 2:
             return None
         i = bisect.bisect_left(sizes, rows)
         if i < len(sizes):
-            return self._median[sizes[i]]
-        hi = sizes[-1]
-        return self._median[hi] * rows / hi
+            return fit[sizes[i]]
+        lo, hi = sizes[0], sizes[-1]
+        return fit[hi] + (fit[hi] - fit[lo]) / (hi - lo) * (rows - hi)
 
     def measured(self, rows: int) -> float | None:
-        """The median of steps of exactly `rows` rows, None if none was seen."""
-        return self._median.get(rows)
+        """A plain step of `rows` rows on the fitted curve, None if no step of exactly that size was seen."""
+        return self._fitted()[rows] if rows in self._median else None

@@ -44,7 +44,7 @@ class Proposer(Protocol):
     def propose(self, batch: list[tuple[Sequence, int]]) -> list[tuple[Sequence, list[int], torch.Tensor | None]]:
         ...
 
-    def overhead(self, num_seqs: int) -> float:
+    def overhead(self, longest: int, tokens: int) -> float:
         ...
 
     def settle(self) -> None:
@@ -65,6 +65,7 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts whose proposal i was accepted
+    proposed_per_position: list[int] = field(default_factory=list)  # [i]: drafts that had a proposal i
 
 
 class Speculator:
@@ -72,15 +73,16 @@ class Speculator:
 
     Adaptive (--speculative-adaptive): proposals go into a step only when measured costs say the step then
     yields tokens faster. Costs come from a table of all-decode steps by rows (a verification step is one:
-    its proposals are decode rows), interpolated where a size was not measured, plus the proposer's own
-    measured time (a draft model's forwards). When the step would otherwise be a pure decode of n rows,
-    proposals (best expected yield first) are added while (n + expected accepted) / (cost(n + proposed
-    rows) + proposer time) beats n / cost(n) by MARGIN: at batch 1 the weight read dominates both and
-    speculation pays; in a large batch the extra rows' FLOPs do not. A step with prefill chunks gets no
-    proposals. Expected accepted tokens come from the sequence's own history once it has one (a request whose
-    proposals keep failing stops proposing), else from all drafts so far. A size never measured is tried
-    once; and every EXPLORE_EVERY steps without speculation the best proposal goes through anyway, so one
-    unlucky measurement cannot switch speculation off for good."""
+    its proposals are decode rows), priced at the next measured size where a size was not measured, plus
+    the proposer's own measured time (a draft model's forwards, one per proposal position). When the step
+    would otherwise be a pure decode of n rows, proposal positions (best expected gain first: the
+    position's acceptance rate over all drafts, scaled by the sequence's own record) are added while
+    (n + expected accepted) / (cost(n + proposed rows) + proposer time) beats n / cost(n) by MARGIN. So
+    each sequence proposes as many tokens (up to k) as pay: at batch 1 a good proposer's whole k, a draft
+    whose later guesses rarely hold one or two, in a large batch (where extra rows' FLOPs cost what they
+    yield) none; a request whose proposals keep failing stops proposing. A step with prefill chunks gets no
+    proposals. A size never measured is tried once; and every EXPLORE_EVERY steps without speculation the
+    best proposal goes through anyway, so one unlucky measurement cannot switch speculation off for good."""
 
     EXPLORE_EVERY = 128
     # A step must be expected to yield this much faster with its proposals: a smaller gain is within the
@@ -92,9 +94,9 @@ class Speculator:
         self.proposer, self.k, self.adaptive = proposer, k, adaptive
         self.max_model_len = max_model_len
         self.generator = generator  # the engine sampler's stream, for sampled requests without a seed
-        self.stats = SpecDecodeStats(accepted_per_position=[0] * k)
+        self.stats = SpecDecodeStats(accepted_per_position=[0] * k, proposed_per_position=[0] * k)
         self.steps = StepCostTable()  # all-decode steps' model time by rows
-        self.num_skipped = 0  # sequences whose proposals were withheld because they were not expected to pay
+        self.num_skipped = 0  # proposal tokens withheld because they were not expected to pay
         self.draft_probs: dict[int, torch.Tensor] = {}  # seq_id → [k, V] what its proposals were drawn from
         self.proposing: list[Sequence] = []  # this step's speculating sequences
         self._step = self._last_spec = 0  # steps proposed for, and the last one that speculated
@@ -106,43 +108,52 @@ class Speculator:
         if all(n == 1 or seq.spec_token_ids for seq, n in scheduled):
             self.steps.observe(sum(n for _, n in scheduled), seconds)
 
-    def expected_accepted(self, seq: Sequence, k: int) -> float:
-        """Expected accepted tokens of a k-token proposal for seq (Laplace-smoothed rates)."""
-        if seq.spec_drafts >= 4:
-            return k * (seq.spec_accepted + 1) / (seq.spec_drafts * self.k + 2)
-        return self._batch_expected(k)
-
-    def _batch_expected(self, k: int) -> float:
-        """Expected accepted tokens of a k-token proposal at the acceptance of all drafts so far."""
+    def position_rates(self) -> list[float]:
+        """P(proposal i is accepted) for each position i < k, over all drafts that reached i (Laplace-smoothed:
+        a position never tried counts as even odds, so it gets tried)."""
         st = self.stats
-        return sum((st.accepted_per_position[i] + 1) / (st.num_drafts + 2) for i in range(k))
+        return [(a + 1) / (n + 2) for a, n in zip(st.accepted_per_position, st.proposed_per_position, strict=True)]
+
+    def _factor(self, seq: Sequence) -> float:
+        """How seq's proposals fare against all drafts' (accepted / expected at their positions), once it has
+        a history of its own: a request whose proposals keep failing stops proposing."""
+        return (seq.spec_accepted + 1) / (seq.spec_expected + 1) if seq.spec_drafts >= 4 else 1.0
+
+    def expected_accepted(self, seq: Sequence, k: int) -> float:
+        """Expected accepted tokens of a k-token proposal for seq."""
+        return self._factor(seq) * sum(self.position_rates()[:k])
 
     def _explore_due(self) -> bool:
         return self._step - self._last_spec >= self.EXPLORE_EVERY
 
-    def _may_pay(self, num_seqs: int, num_tokens: int, pure_decode: bool) -> bool:
-        """Whether k-token proposals at the batch's usual acceptance could pay for one sequence or for all
-        of them (the yield per second is monotone in how many speculate, so the ends decide); a cheap
-        check before any proposing."""
+    def _may_pay(self, num_seqs: int, pure_decode: bool) -> bool:
+        """Whether proposals at the batch's usual acceptance could pay for one sequence or for all of them, at
+        some proposal length (the yield per second is monotone in how many speculate, so the ends decide);
+        a cheap check before any proposing."""
         if not pure_decode:
             return False  # see worth()
         base = self.steps.measured(num_seqs)
         if base is None:
             return False  # measure the plain decode step first
-        k, e, over = self.k, self._batch_expected(self.k), self.proposer.overhead
         plain_rate = self.MARGIN * num_seqs / max(base, 1e-9)
-        for m in (1, num_seqs):
-            cost = self.steps.estimate(num_seqs + m * k)
-            if cost is None or (num_seqs + m * e) / max(cost + over(m), 1e-9) > plain_rate:
-                return True
+        over = self.proposer.overhead
+        e = 0.0
+        for length, rate in enumerate(self.position_rates(), start=1):
+            e += rate
+            for m in (1, num_seqs):
+                cost = self.steps.estimate(num_seqs + m * length)
+                if cost is None or (num_seqs + m * e) / max(cost + over(length, m * length), 1e-9) > plain_rate:
+                    return True
         return self._explore_due()
 
-    def worth(self, candidates: list[tuple[Sequence, int]], num_seqs: int, num_tokens: int,
-              pure_decode: bool) -> list[tuple[Sequence, int]]:
-        """The candidates (sequence, proposal length) worth verifying in a step of num_seqs sequences and
-        num_tokens tokens without them (pure_decode: every one of those a one-token decode)."""
-        over = self.proposer.overhead
-        gains = [(self.expected_accepted(seq, k), seq, k) for seq, k in candidates]
+    def worth(self, candidates: list[tuple[Sequence, int]], num_seqs: int, pure_decode: bool
+              ) -> list[tuple[Sequence, int]]:
+        """The candidates (sequence, longest proposal it may take) worth verifying in a step of num_seqs
+        sequences (pure_decode: every one of them a one-token decode), each with the proposal length that
+        pays best. Each proposal position is a unit of expected gain (its acceptance rate, scaled by the
+        sequence's own record); units are added best first while the step's expected yield per second
+        improves, so a draft whose later positions rarely hold proposes fewer tokens, and in a large
+        batch, where extra rows cost as much as they yield, none at all."""
         if not pure_decode:
             # A step with prefill chunks: its cost is not in the table (another shape), and the sequences that
             # would speculate wait for the chunks anyway; measured on 64 arriving requests, proposals there
@@ -151,20 +162,33 @@ class Speculator:
         base = self.steps.measured(num_seqs)
         if base is None:
             return []  # measure the plain decode step first
-        best_rate, best_len = self.MARGIN * num_seqs / max(base, 1e-9), 0
-        gains.sort(key=lambda g: g[0] / g[2], reverse=True)
-        gained = extra = 0.0
-        for i, (e, _, k) in enumerate(gains):
-            gained, extra = gained + e, extra + k
-            cost = self.steps.estimate(num_seqs + int(extra))
-            if cost is None:  # a size never measured, nor two to interpolate from: take it to measure it
-                return [(seq, k) for _, seq, k in gains[:i + 1]]
-            rate = (num_seqs + gained) / max(cost + over(i + 1), 1e-9)
+        rates = self.position_rates()
+        units: list[tuple[float, int]] = []  # (expected gain, candidate index), positions in order per candidate
+        for j, (seq, k) in enumerate(candidates):
+            f, g = self._factor(seq), float("inf")
+            for rate in rates[:k]:
+                g = min(g, rate * f)  # never above the position before: a sequence's units stay in order
+                units.append((g, j))
+        units.sort(key=lambda u: -u[0])  # stable: ties keep each sequence's positions in order
+        over = self.proposer.overhead
+        lengths = [0] * len(candidates)
+        best_rate, best, longest, gained = self.MARGIN * num_seqs / max(base, 1e-9), 0, 0, 0.0
+        for i, (g, j) in enumerate(units, start=1):
+            lengths[j] += 1
+            longest, gained = max(longest, lengths[j]), gained + g
+            cost = self.steps.estimate(num_seqs + i)
+            if cost is None:  # a size never measured, nor two to price it from: take it to measure it
+                best = i
+                break
+            rate = (num_seqs + gained) / max(cost + over(longest, i), 1e-9)
             if rate > best_rate:
-                best_rate, best_len = rate, i + 1
-        if not best_len and gains and self._explore_due():
-            best_len = 1
-        return [(seq, k) for _, seq, k in gains[:best_len]]
+                best_rate, best = rate, i
+        if not best and units and self._explore_due():
+            best = 1
+        lengths = [0] * len(candidates)
+        for _, j in units[:best]:
+            lengths[j] += 1
+        return [(seq, n) for (seq, _), n in zip(candidates, lengths, strict=True) if n]
 
     # ---- proposing -------------------------------------------------------------------------------
     @staticmethod
@@ -186,7 +210,7 @@ class Speculator:
             return []
         lacking = [s.num_tokens - s.num_computed_tokens for s in running]
         pure_decode = not waiting and all(n <= 1 for n in lacking)  # waiting requests: prefill chunks join
-        if self.adaptive and not self._may_pay(len(running), sum(lacking), pure_decode):
+        if self.adaptive and not self._may_pay(len(running), pure_decode):
             return []  # not even typical proposals for everyone would pay: skip the proposing
         batch = []
         for seq in running:
@@ -199,8 +223,8 @@ class Speculator:
             if (k := min(self.k, room)) > 0:
                 batch.append((seq, k))
         if self.adaptive and batch:
-            kept = self.worth(batch, len(running), sum(lacking), pure_decode)
-            self.num_skipped += len(batch) - len(kept)
+            kept = self.worth(batch, len(running), pure_decode)
+            self.num_skipped += sum(k for _, k in batch) - sum(k for _, k in kept)
             batch = kept
         found = self.proposer.propose(batch) if batch else []
         for seq, spec, dist in found:
@@ -267,9 +291,12 @@ class Speculator:
         if proposed:
             seq.spec_drafts += 1
             seq.spec_accepted += j
+            seq.spec_expected += sum(self.position_rates()[:len(proposed)])
             st.num_drafts += 1
             st.num_draft_tokens += len(proposed)
             st.num_accepted_tokens += j
+            for i in range(len(proposed)):
+                st.proposed_per_position[i] += 1
             for i in range(j):
                 st.accepted_per_position[i] += 1
         return kept
