@@ -11,6 +11,11 @@ from typing import Any
 
 import torch
 
+from minivllm.model_config import ModelConfig
+from minivllm.spec_config import parse_speculative_config
+
+__all__ = ["ModelConfig"]  # re-exported: config is where EngineArgs' users find it
+
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -173,6 +178,10 @@ class EngineArgs:
         "per request); off: every eligible sequence proposes every step")
     prompt_lookup_max: int = _arg(4, "ngram proposer: the longest suffix matched")
     prompt_lookup_min: int = _arg(1, "ngram proposer: the shortest suffix matched")
+    speculative_config: str | dict[str, Any] | None = _arg(
+        None, "speculative decoding as vLLM's JSON, instead of the flags above: {\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 3} or {\"model\": \"DIR|default-draft\", "
+        "\"num_speculative_tokens\": 3} (also \"prompt_lookup_min\", \"adaptive\")")
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -204,6 +213,11 @@ class EngineArgs:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
 
     def _check_speculative(self) -> None:
+        if self.speculative_config is not None:
+            if self.speculative_model is not None or self.num_speculative_tokens:
+                raise ValueError("give speculative_config or speculative_model / num_speculative_tokens, not both")
+            for name, value in parse_speculative_config(self.speculative_config).items():
+                setattr(self, name, value)
         if self.speculative_model is None:
             if self.num_speculative_tokens:
                 raise ValueError("num_speculative_tokens needs speculative_model (ngram or a draft model)")
@@ -307,91 +321,3 @@ def cpu_count() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
-
-
-def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
-    for k in keys:
-        if cfg.get(k) is not None:
-            return cfg[k]
-    return default
-
-
-def _read_json(path: str) -> dict[str, Any]:
-    import json
-
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"model: {path} is not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"model: {path} must hold a JSON object")
-    return data
-
-
-def _as_id_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, list | tuple) else [int(value)]
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """What the engine needs to know of a Hugging Face checkpoint, normalised across families."""
-
-    path: str
-    hf_config: dict[str, Any]
-    architecture: str
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    vocab_size: int
-    max_position_embeddings: int
-    checkpoint_dtype: str | None
-    eos_token_ids: tuple[int, ...]
-
-    @staticmethod
-    def from_pretrained(path: str) -> ModelConfig:
-        """Read config.json (and generation_config.json when present) from a model directory."""
-        cfg_path = os.path.join(path, "config.json")
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"model: {path!r} is not a directory")
-        if not os.path.isfile(cfg_path):
-            raise FileNotFoundError(f"model: no config.json in {path!r}; expected a Hugging Face model directory")
-        cfg = _read_json(cfg_path)
-        archs = cfg.get("architectures") or []
-        if not archs:
-            raise ValueError(f"model: config.json in {path!r} names no 'architectures'")
-        gen_path = os.path.join(path, "generation_config.json")
-        gen = _read_json(gen_path) if os.path.isfile(gen_path) else {}
-
-        def need(*keys: str) -> int:
-            value = _first(cfg, *keys)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"model: {cfg_path} needs a positive integer {' or '.join(map(repr, keys))}, "
-                                 f"got {value!r}")
-            return value
-
-        hidden, heads = need("hidden_size", "n_embd"), need("num_attention_heads", "n_head")
-        eos = _as_id_list(gen.get("eos_token_id")) + _as_id_list(cfg.get("eos_token_id"))
-        return ModelConfig(
-            path=path,
-            hf_config=cfg,
-            architecture=archs[0],
-            num_layers=need("num_hidden_layers", "n_layer"),
-            num_heads=heads,
-            num_kv_heads=int(_first(cfg, "num_key_value_heads", default=heads)),
-            head_dim=int(_first(cfg, "head_dim", default=hidden // heads)),
-            hidden_size=hidden,
-            vocab_size=need("vocab_size"),
-            max_position_embeddings=int(_first(cfg, "max_position_embeddings", "n_positions", default=2048)),
-            checkpoint_dtype=_first(cfg, "torch_dtype", "dtype"),
-            eos_token_ids=tuple(dict.fromkeys(eos)),
-        )
-
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes of K and V for one token across all layers."""
-        elt = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elt

@@ -113,10 +113,42 @@ def test_greedy_outputs_identical_with_and_without_speculation(model_factory, tm
     (dict(speculative_model="ngram", num_speculative_tokens=2, prompt_lookup_min=3, prompt_lookup_max=2),
      "1 <= min <= max"),
     (dict(speculative_model="ngram", num_speculative_tokens=2, kv_cache_mode="none"), "kv_cache_mode=paged"),
+    (dict(speculative_config="{method: ngram}"), "speculative_config: not valid JSON"),
+    (dict(speculative_config="[1, 2]"), "expected a JSON object"),
+    (dict(speculative_config='{"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}'),
+     "unknown key.*'lookahead'"),
+    (dict(speculative_config='{"method": "eagle", "model": "x", "num_speculative_tokens": 2}'),
+     "method 'eagle' is not supported"),
+    (dict(speculative_config='{"method": "draft_model", "num_speculative_tokens": 2}'), "needs 'model'"),
+    (dict(speculative_config='{"method": "ngram"}'), "num_speculative_tokens must be an integer >= 1"),
+    (dict(speculative_config='{"method": "ngram", "num_speculative_tokens": 2, "adaptive": 1}'),
+     "adaptive must be bool"),
+    (dict(speculative_config='{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}'),
+     "1 <= min <= max"),
+    (dict(speculative_config='{"method": "ngram", "num_speculative_tokens": 2}', speculative_model="ngram"),
+     "not both"),
 ])
 def test_bad_speculative_settings_are_clear_errors(model_factory, kw, match):
     with pytest.raises(ValueError, match=match):
         EngineArgs(model=model_factory("tiny-llama"), **kw)
+
+
+def test_speculative_config_json_sets_the_same_fields_as_the_flags(model_factory):
+    """vLLM's --speculative-config: method/model, k and the n-gram bounds, from the CLI and from LLM()."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    ns = parser.parse_args(["--model", model_factory("tiny-llama"), "--speculative-config",
+                            '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, '
+                            '"prompt_lookup_min": 2, "adaptive": false}'])
+    args = EngineArgs.from_cli_args(ns)
+    assert (args.speculative_model, args.num_speculative_tokens, args.prompt_lookup_max, args.prompt_lookup_min,
+            args.speculative_adaptive) == ("ngram", 4, 3, 2, False)
+    engine = LLMEngine(args)
+    assert engine.speculator is not None and engine.speculator.k == 4 and not engine.speculator.adaptive
+    draft = EngineArgs(speculative_config={"model": "default-draft", "num_speculative_tokens": 2})
+    assert draft.speculative_model.endswith("minivllm-py-1m-draft") and draft.num_speculative_tokens == 2
 
 
 def test_served_with_ngram_speculation_gives_the_greedy_text(model_factory, serve):
@@ -230,6 +262,10 @@ def test_adaptive_speculation_pays_at_batch_one_not_in_a_large_batch_nor_for_a_f
     assert spec.worth([(_seq(20, 0), 3)], 1, True) == []  # its proposals never held
     good = [(_seq(20, 57), 3)]
     assert spec.worth(good, 1, True) == good
+    failing = [(_seq(20, 0), 3)]
+    for _ in range(40):  # withheld step after step, it forgets its record and gets to propose again
+        spec.forget_withheld(failing, spec.worth(failing, 1, True))
+    assert spec.worth(failing, 1, True) == failing
     assert spec.worth(one, 16, False) == []  # a step with prefill chunks: no proposals
     assert _speculator(handful_ms=12.0).worth([(_seq(), 1)], 1, True) == []  # 1 token in 3 ms beats 1.5 in 12
     # Withheld long enough, the best proposal's first token goes through once: a bad measurement cannot

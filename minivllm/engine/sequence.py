@@ -70,8 +70,10 @@ class Sequence:
         self.finish_reported = False  # DELTA outputs: its finish_reason went out already
         self.slot = -1  # its row of settings in the engine's input batch once sampled (-1: none)
         self.spec_token_ids: list[int] = []  # tokens proposed for this step (speculative decoding), not yet verified
-        self.spec_drafts = self.spec_accepted = 0  # its proposals verified so far, and tokens accepted from them
-        self.spec_expected = 0.0  # tokens those proposals were expected to yield at all drafts' acceptance
+        # Its speculation record: proposals verified so far, and (recent ones weighing most) the tokens they
+        # yielded against what all drafts' acceptance expected of them.
+        self.spec_drafts = 0
+        self.spec_accepted = self.spec_expected = 0.0
 
     @property
     def num_tokens(self) -> int:
