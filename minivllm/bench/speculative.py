@@ -7,8 +7,9 @@ then with the n-gram proposer and with the draft model (default: the embedded pa
 each k, in ABBA order across rounds; output tok/s, the ratio to no speculation, acceptance per position,
 and whether every greedy output equals the one without speculation. With the adaptive rule off, the
 draft's own acceptance by position and the best ratio it could give at this run's measured step costs
-(what bounds it). A 64-sequence run checks that adaptive speculation does not cost throughput when
-batches are large. PNG: the ratio against k, per proposer and task.
+(what bounds it). A 64-sequence run (each proposer's engine against itself with speculation detached)
+checks that adaptive speculation does not cost throughput when batches are large. PNG: the ratio against
+k, per proposer and task.
 """
 
 from __future__ import annotations
@@ -112,23 +113,33 @@ def run_speculative(ns: argparse.Namespace) -> int:
                     # The same max(streams) prompts for every stream count: one prompt alone would measure
                     # how well the proposer guesses that one text (a draft's acceptance varies 50-95%).
                     measure(name, f"{task}, {s} stream(s)", prompts[:max(streams)], ns.output_len, s)
+    big_ratio: dict[str, float] = {}
     if ns.large_batch:
-        # Step times spread widely here, and a large batch runs few steps: one warm-up each (kernel shapes
-        # first met at these sizes), then ABBA three times.
-        big = tasks["code"][:ns.large_batch]
+        # Step times spread by a tenth from run to run here and a large batch runs few steps, so each
+        # proposer's engine is compared with itself, its speculator detached (no other engine's memory
+        # placement in the ratio), after a warm-up (kernel shapes first met at these sizes), ABBA three times.
+        big, col = tasks["code"][:ns.large_batch], f"code, {ns.large_batch} sequences"
         for best in [f"{p} k={ks[len(ks) // 2]}" for p in proposers]:
-            _run(engines[best], big, 8)
-        _run(engines["off"], big, 8)
-        for best in [f"{p} k={ks[len(ks) // 2]}" for p in proposers]:
-            for name in ("off", best, best, "off") * 3:
-                measure(name, f"code, {ns.large_batch} sequences", big, ns.output_len // 2)
+            eng, sp = engines[best], engines[best].speculator
+            _run(eng, big, 8)
+            runs: dict[bool, list[float]] = {True: [], False: []}
+            for attached in (False, True, True, False) * 3:
+                eng.speculator = sp if attached else None
+                rate, toks = _run(eng, big, ns.output_len // 2)
+                runs[attached].append(rate)
+                outputs[best if attached else "off"][col] = toks
+            eng.speculator = sp
+            tok_s[best][col] = runs[True]
+            tok_s["off"].setdefault(col, []).extend(runs[False])
+            big_ratio[best] = sum(runs[True]) / sum(runs[False])
     mean = {name: {c: sum(v) / len(v) for c, v in cols.items()} for name, cols in tok_s.items()}
     # Greedy speculation is lossless: every output must equal the one without speculation.
     lossless = {name: all(outs[c] == outputs["off"][c] for c in outs) for name, outs in outputs.items()}
     result: dict[str, Any] = {"model": model, "draft": proposers.get("draft"), "ks": ks, "streams": streams,
                               "output_len": ns.output_len, "lossless": lossless,
                               "tok_s": tok_s, "mean_tok_s": mean,
-                              "ratio": {name: {c: v / mean["off"][c] for c, v in cols.items()}
+                              "ratio": {name: {c: big_ratio[name] if c.endswith("sequences") and name in big_ratio
+                                               else v / mean["off"][c] for c, v in cols.items()}
                                         for name, cols in mean.items()},
                               "acceptance": {}}
     for name, eng in engines.items():

@@ -90,7 +90,7 @@ class DraftModelProposer:
         t0 = time.perf_counter()
         bm, bs = self.block_manager, self.block_manager.block_size
         rows: list[tuple[Sequence, Sequence, int, int]] = []  # (target, shadow, T, k)
-        prefill = False  # some sequence's catch-up is its prompt (or a long stretch): a one-off, not timed
+        prompt = False  # some sequence's catch-up is its whole prompt: a one-off per request, not timed
         inputs: list[SequenceInput] = []
         for seq, k in batch:
             total = seq.num_tokens
@@ -98,6 +98,7 @@ class DraftModelProposer:
             if k < 1:
                 continue
             sh = self._shadow(seq)
+            prompt |= not sh.block_table
             hits = bm.get_computed_blocks(sh) if not sh.block_table else []
             done = sh.num_computed_tokens + len(hits) * bs
             if done >= total:
@@ -109,7 +110,6 @@ class DraftModelProposer:
             sh.num_computed_tokens = done
             rows.append((seq, sh, total, k))
             chunk = seq.token_ids[done:total]
-            prefill |= len(chunk) > SHORT_CATCH_UP
             if len(chunk) <= SHORT_CATCH_UP:  # one decode row per token: the step stays on the decode stack
                 inputs += [SequenceInput([t], done + i, sh.block_table, i == len(chunk) - 1)
                            for i, t in enumerate(chunk)]
@@ -143,7 +143,11 @@ class DraftModelProposer:
             bm.cache_blocks(sh)
             self.pending.append((seq, sh, total, spec))
             out.append((seq, spec, torch.stack(dist) if dist else None))
-        if not prefill:  # a round's usual cost: the draft's prefill of a prompt is paid once per request
+        if not prompt:
+            # A round's cost by what the adaptive rule decides (positions and proposed tokens), catch-ups
+            # included: a sequence that skipped steps catches up on them in its next round (at 8 streams,
+            # leaving them out priced rounds at half their cost and drafting lost 5-20%); the draft's prefill
+            # of a prompt is paid once per request and left out.
             self.cost.observe(max(k for *_, k in rows), sum(k for *_, k in rows), time.perf_counter() - t0)
         return out
 
