@@ -168,6 +168,11 @@ class EngineArgs:
         "slots at admission, as a per-request contiguous cache must; none: no KV reuse, the whole sequence is "
         "recomputed every step. Both serve only n=1 requests without beam search")
 
+    tensor_parallel_size: int = _arg(
+        1, "shard the model across this many processes with torch.distributed (gloo on CPU, NCCL on CUDA; spawned "
+        "by the engine): column-parallel qkv/gate_up, row-parallel o/down, vocab-parallel embedding and LM head; "
+        "kv_cache_memory is per rank")
+
     speculative_model: str | None = _arg(
         None, "speculative decoding proposer: ngram (prompt lookup: the tokens that followed the latest earlier "
         "occurrence of the sequence's last n tokens), a draft model directory (same tokenizer as the model), or "

@@ -91,7 +91,12 @@ class ModelConfig:
             eos_token_ids=tuple(dict.fromkeys(eos)),
         )
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes of K and V for one token across all layers."""
+    def kv_heads_per_rank(self, tensor_parallel_size: int = 1) -> int:
+        """KV heads each tensor-parallel rank holds: its share, or with fewer KV heads than ranks the one its
+        query heads read (replicated)."""
+        return max(self.num_kv_heads // tensor_parallel_size, 1)
+
+    def kv_bytes_per_token(self, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
+        """Bytes of K and V for one token across all layers (in one tensor-parallel rank's cache)."""
         elt = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elt
+        return 2 * self.num_layers * self.kv_heads_per_rank(tensor_parallel_size) * self.head_dim * elt

@@ -17,7 +17,9 @@ from minivllm.model.decode_stack import DecodeStack
 from minivllm.model.kernel_plan import PlannedLinear, best_time, plan_kernels
 from minivllm.model.layers import Linear, onednn_linear_available
 from minivllm.model.loader import load_model
+from minivllm.model.parallel import ParallelConfig, check_tensor_parallel, intermediate_size
 from minivllm.model.quantization import QuantizedLinear, check_device
+from minivllm.model.tp_worker import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +58,27 @@ class ModelRunner:
     def __init__(self, mc: ModelConfig, dtype: torch.dtype, device: torch.device, num_blocks: int,
                  block_size: int, max_model_len: int, attention_backend: str = "auto",
                  linear_backend: str = "auto", quant: QuantConfig | None = None,
-                 quantization_kernel: str = "auto", enforce_eager: bool = False) -> None:
+                 quantization_kernel: str = "auto", enforce_eager: bool = False, tensor_parallel_size: int = 1,
+                 parallel: ParallelConfig | None = None) -> None:
         self.mc, self.dtype, self.device = mc, dtype, device
         self.block_size = block_size
         if quant is not None:
             check_device(quant, device)
-        self.model = load_model(mc, dtype, device, max_model_len, quant)
+        # Tensor parallelism: as rank 0 (tensor_parallel_size > 1) spawn the other ranks, which build their own
+        # runner with the same arguments and `parallel` set; each loads the model and keeps its shard.
+        self.group: TensorParallelGroup | None = None
+        if parallel is None:
+            check_tensor_parallel(mc, tensor_parallel_size, intermediate_size(mc))
+            parallel = ParallelConfig(0, tensor_parallel_size)
+            if tensor_parallel_size > 1:
+                threads = max(1, torch.get_num_threads() // tensor_parallel_size)
+                torch.set_num_threads(threads)  # the ranks share this machine's cores
+                self.group = TensorParallelGroup(tensor_parallel_size, threads, dict(
+                    mc=mc, dtype=dtype, device=device, num_blocks=num_blocks, block_size=block_size,
+                    max_model_len=max_model_len, attention_backend=attention_backend, linear_backend=linear_backend,
+                    quant=quant, quantization_kernel=quantization_kernel, enforce_eager=enforce_eager))
+        self.parallel = parallel
+        self.model = load_model(mc, dtype, device, max_model_len, quant, parallel)
         # Shape class → kernel of the full-precision and of the quantized projections, timed on this machine.
         linears = [m for m in self.model.modules() if isinstance(m, Linear)]
         if _use_onednn(linear_backend, device, dtype):
@@ -76,7 +93,8 @@ class ModelRunner:
                                           dtype)
         self.sliding_window: int | None = getattr(self.model, "sliding_window", None)
         # One allocation for the whole pool: [2, layers, blocks, block_size, kv_heads, head_dim].
-        self.kv_cache = torch.zeros(2, mc.num_layers, num_blocks, block_size, mc.num_kv_heads, mc.head_dim,
+        self.kv_cache = torch.zeros(2, mc.num_layers, num_blocks, block_size, mc.kv_heads_per_rank(parallel.size),
+                                    mc.head_dim,
                                     dtype=dtype, device=device)
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         assert len(layers) == mc.num_layers
@@ -85,7 +103,8 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
             layer.backend = backend
         # All-decode steps in one native call where the stack runs the kernels planned above.
-        self.decode_stack = None if enforce_eager else DecodeStack.build(self.model)
+        # (Not with tensor parallelism: the stack's layers have no all-reduce between them.)
+        self.decode_stack = None if enforce_eager or parallel.size > 1 else DecodeStack.build(self.model)
         if self.decode_stack is not None:
             self.model.decode_stack = self.decode_stack
         self.last_forward_time = 0.0  # seconds in the model (forward + logits) during the last execute
@@ -125,6 +144,11 @@ class ModelRunner:
         """Copy-on-write: duplicate whole blocks (all layers, K and V) before they are written."""
         if not copies:
             return
+        if self.group is not None:
+            self.group.command("_copy", copies)
+        self._copy(copies)
+
+    def _copy(self, copies: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
@@ -133,11 +157,18 @@ class ModelRunner:
     def execute(self, seqs: list[SequenceInput]) -> torch.Tensor:
         """Run one forward over all scheduled tokens; return float32 logits in the order of `seqs`: one row
         per token for `all_logits` inputs, else one row for a sampling input, none otherwise."""
-        input_ids, positions, md, logits_indices = self._prepare(seqs)
+        return self._forward(*self._prepare(seqs))
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
+                 logits_indices: torch.Tensor | None) -> torch.Tensor:
+        """The model on prepared inputs → logits of the rows in logits_indices (None: every row). Under
+        tensor parallelism every rank runs this on the inputs rank 0 broadcasts."""
+        if self.group is not None:
+            self.group.command("_forward", input_ids, positions, md, logits_indices)
         t0 = time.perf_counter()
         with forward_context(md):
             hidden = self.model(input_ids, positions)
-        logits = self.model.compute_logits(hidden[logits_indices])
+        logits = self.model.compute_logits(hidden if logits_indices is None else hidden[logits_indices])
         self.last_forward_time = time.perf_counter() - t0
         return logits
 
@@ -165,12 +196,7 @@ class ModelRunner:
                                                                                          block_tables.shape[1]),
                                max_decode_seq_len=int(positions.max()) + 1, sliding_window=self.sliding_window,
                                prefills=[])
-        t0 = time.perf_counter()
-        with forward_context(md):
-            hidden = self.model(token_ids, positions)
-        logits = self.model.compute_logits(hidden)
-        self.last_forward_time = time.perf_counter() - t0
-        return logits
+        return self._forward(token_ids, positions, md, None)
 
     def _prepare(self, seqs: list[SequenceInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
                                                               torch.Tensor]:

@@ -1,0 +1,176 @@
+"""Tensor parallelism: a loaded model's weights cut into one rank's shard, and the collectives that join
+the shards (torch.distributed: gloo on CPU, NCCL on CUDA).
+
+Megatron's split, as vLLM does it: the fused qkv and gate/up projections are column-parallel (each rank
+computes its own heads and its slice of the MLP), o_proj and down are row-parallel (each rank multiplies
+its slice of the input and an all-reduce sums the partial outputs; the bias is added by rank 0 alone),
+the token embedding is vocab-parallel (each rank looks up its rows, zeros elsewhere, all-reduce) and so is
+the LM head (each rank computes its vocabulary slice, an all-gather joins the logits). KV heads are split
+with the query heads; with fewer KV heads than ranks, each rank keeps the one KV head its query heads
+read (replicated across the ranks that share it). Sharding runs on the loaded full-precision model,
+before quantization and kernel planning, so every later stage sees only the rank's shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from minivllm.config import ModelConfig
+
+
+@dataclass(slots=True, frozen=True)
+class ParallelConfig:
+    """This process's place in the tensor-parallel group."""
+
+    rank: int = 0
+    size: int = 1
+
+
+def check_tensor_parallel(mc: ModelConfig, size: int, intermediate: int | None) -> None:
+    """Raise a clear error where the model cannot be split `size` ways."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+    if size == 1:
+        return
+    if size > mc.num_heads or mc.num_heads % size:
+        raise ValueError(f"tensor_parallel_size {size} must divide the model's {mc.num_heads} attention heads "
+                         f"(and be at most that many)")
+    kv = mc.num_kv_heads
+    if kv % size and size % kv:
+        raise ValueError(f"tensor_parallel_size {size}: the model's {kv} KV heads can neither be split {size} ways "
+                         f"nor replicated evenly ({size} is not a multiple of {kv})")
+    if intermediate is not None and intermediate % size:
+        raise ValueError(f"tensor_parallel_size {size} must divide the MLP's intermediate size {intermediate}")
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t.contiguous().clone(), requires_grad=False)
+
+
+def _rows(w: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    return torch.cat([w[a:b] for a, b in spans])
+
+
+def _column_parallel(lin: nn.Module, spans: list[tuple[int, int]]) -> None:
+    """Keep the output rows in `spans` (weight [out, in], bias [out])."""
+    lin.weight = _param(_rows(lin.weight.data, spans))
+    if lin.bias is not None:
+        lin.bias = _param(_rows(lin.bias.data, spans))
+    lin.out_features = lin.weight.shape[0]
+
+
+def _row_parallel(lin: nn.Module, start: int, end: int, rank: int) -> None:
+    """Keep input columns [start, end); partial outputs are summed across ranks after the matmul, so only
+    rank 0 keeps the bias."""
+    lin.weight = _param(lin.weight.data[:, start:end])
+    if lin.bias is not None and rank:
+        lin.bias = _param(torch.zeros_like(lin.bias.data))
+    lin.in_features = end - start
+    lin.register_forward_hook(_all_reduce_hook)
+
+
+def _all_reduce_hook(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(out)
+    return out
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, start + rows) of the embedding table; ids outside give zeros, summed across ranks."""
+
+    def __init__(self, weight: torch.Tensor, start: int) -> None:
+        super().__init__()
+        self.weight = _param(weight)
+        self.start = start
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        out = nn.functional.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        out = out * inside.unsqueeze(-1).to(out.dtype)
+        dist.all_reduce(out)
+        return out
+
+
+def _vocab_shard(weight: torch.Tensor, vocab: int, pc: ParallelConfig) -> tuple[torch.Tensor, int]:
+    """This rank's rows of a [vocab, H] table, the vocabulary padded to a multiple of the ranks (the last
+    rank's padding rows are zeros: their logits are cut off after the gather)."""
+    per = -(-vocab // pc.size)
+    start = pc.rank * per
+    rows = weight[start:min(start + per, vocab)]
+    if rows.shape[0] < per:
+        rows = torch.cat([rows, rows.new_zeros(per - rows.shape[0], rows.shape[1])])
+    return rows, start
+
+
+def _shard_vocab(model: nn.Module, embed_name: str, vocab: int, pc: ParallelConfig) -> None:
+    """Vocab-parallel embedding and LM head (tied ones share the shard); logits gathered to the full vocab."""
+    embed: nn.Embedding = getattr(model, embed_name)
+    tied = model.lm_head.weight is embed.weight
+    rows, start = _vocab_shard(embed.weight.data, vocab, pc)
+    setattr(model, embed_name, VocabParallelEmbedding(rows, start))
+    head = model.lm_head
+    if tied:
+        head.weight = getattr(model, embed_name).weight
+    else:
+        head.weight = _param(_vocab_shard(head.weight.data, vocab, pc)[0])
+    head.out_features = head.weight.shape[0]
+
+    def gather(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(out) for _ in range(pc.size)]
+        dist.all_gather(parts, out.contiguous())
+        return torch.cat(parts, dim=-1)[..., :vocab]
+
+    head.register_forward_hook(gather)
+
+
+def _head_spans(first: int, count: int, d: int, offset: int = 0) -> list[tuple[int, int]]:
+    return [(offset + first * d, offset + (first + count) * d)]
+
+
+def shard_model(model: nn.Module, mc: ModelConfig, pc: ParallelConfig) -> None:
+    """Cut a loaded Llama-family or GPT-2 model down to rank pc.rank's shard, in place."""
+    if pc.size == 1:
+        return
+    r, n, d = pc.rank, pc.size, mc.head_dim
+    hq = mc.num_heads // n
+    if hasattr(model, "layers"):  # Llama, Mistral, Qwen2
+        kv = mc.kv_heads_per_rank(n)
+        kv_first = r * hq // (mc.num_heads // mc.num_kv_heads)  # the KV head of this rank's first query head
+        q_size, kv_size = mc.num_heads * d, mc.num_kv_heads * d
+        for layer in model.layers:
+            attn = layer.self_attn
+            _column_parallel(attn.qkv_proj, _head_spans(r * hq, hq, d) + _head_spans(kv_first, kv, d, q_size)
+                             + _head_spans(kv_first, kv, d, q_size + kv_size))
+            _row_parallel(attn.o_proj, r * hq * d, (r + 1) * hq * d, r)
+            attn.q_size, attn.kv_size = hq * d, kv * d
+            attn.attn.num_heads, attn.attn.num_kv_heads = hq, kv
+            mlp = layer.mlp
+            inter = mlp.down_proj.in_features
+            per = inter // n
+            _column_parallel(mlp.gate_up_proj, [(r * per, (r + 1) * per), (inter + r * per, inter + (r + 1) * per)])
+            _row_parallel(mlp.down_proj, r * per, (r + 1) * per, r)
+        _shard_vocab(model, "embed_tokens", mc.vocab_size, pc)
+    elif hasattr(model, "h"):  # GPT-2: fused [q; k; v] rows, heads == KV heads
+        hidden = mc.hidden_size
+        for block in model.h:
+            attn = block.attn
+            _column_parallel(attn.c_attn, [(i * hidden + r * hq * d, i * hidden + (r + 1) * hq * d) for i in range(3)])
+            _row_parallel(attn.c_proj, r * hq * d, (r + 1) * hq * d, r)
+            attn.attn.num_heads = attn.attn.num_kv_heads = hq
+            inner = block.mlp.c_fc.out_features
+            per = inner // n
+            _column_parallel(block.mlp.c_fc, [(r * per, (r + 1) * per)])
+            _row_parallel(block.mlp.c_proj, r * per, (r + 1) * per, r)
+        _shard_vocab(model, "wte", mc.vocab_size, pc)
+    else:
+        raise ValueError(f"tensor parallelism: no sharding rule for {type(model).__name__}")
+
+
+def intermediate_size(mc: ModelConfig) -> int:
+    """The MLP width the split must divide (GPT-2: n_inner, default 4 * hidden)."""
+    cfg = mc.hf_config
+    return int(cfg.get("intermediate_size") or cfg.get("n_inner") or 4 * mc.hidden_size)
