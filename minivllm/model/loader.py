@@ -13,7 +13,7 @@ from torch import nn
 
 from minivllm.config import ModelConfig, QuantConfig
 from minivllm.model.models import get_model_class
-from minivllm.model.parallel import ParallelConfig, shard_model
+from minivllm.model.parallel import ParallelConfig, attach_collectives, shard_model
 from minivllm.model.quantization import quantize_model
 from minivllm.model.quantized_checkpoint import load_quantized
 
@@ -82,4 +82,6 @@ def load_model(mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_mo
             shard_model(model, mc, parallel)
         if quant is not None:
             quantize_model(model, quant)
+    if tp:
+        attach_collectives(model, mc, parallel)
     return model.eval().requires_grad_(False)

@@ -70,7 +70,6 @@ def _row_parallel(lin: nn.Module, start: int, end: int, rank: int) -> None:
     if lin.bias is not None and rank:
         lin.bias = _param(torch.zeros_like(lin.bias.data))
     lin.in_features = end - start
-    lin.register_forward_hook(_all_reduce_hook)
 
 
 def _all_reduce_hook(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
@@ -119,20 +118,37 @@ def _shard_vocab(model: nn.Module, embed_name: str, vocab: int, pc: ParallelConf
         head.weight = _param(_vocab_shard(head.weight.data, vocab, pc)[0])
     head.out_features = head.weight.shape[0]
 
-    def gather(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(out) for _ in range(pc.size)]
-        dist.all_gather(parts, out.contiguous())
-        return torch.cat(parts, dim=-1)[..., :vocab]
-
-    head.register_forward_hook(gather)
-
 
 def _head_spans(first: int, count: int, d: int, offset: int = 0) -> list[tuple[int, int]]:
     return [(offset + first * d, offset + (first + count) * d)]
 
 
+def _row_parallel_names(model: nn.Module) -> list[str]:
+    if hasattr(model, "layers"):
+        return [f"layers.{i}.{m}" for i in range(len(model.layers)) for m in ("self_attn.o_proj", "mlp.down_proj")]
+    return [f"h.{i}.{m}" for i in range(len(model.h)) for m in ("attn.c_proj", "mlp.c_proj")]
+
+
+def attach_collectives(model: nn.Module, mc: ModelConfig, pc: ParallelConfig) -> None:
+    """The all-reduce after every row-parallel projection and the logits' all-gather, as forward hooks on the
+    final modules (after quantization, which replaces the projections)."""
+    if pc.size == 1:
+        return
+    for name in _row_parallel_names(model):
+        model.get_submodule(name).register_forward_hook(_all_reduce_hook)
+    vocab = mc.vocab_size
+
+    def gather(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(out) for _ in range(pc.size)]
+        dist.all_gather(parts, out.contiguous())
+        return torch.cat(parts, dim=-1)[..., :vocab]
+
+    model.lm_head.register_forward_hook(gather)
+
+
 def shard_model(model: nn.Module, mc: ModelConfig, pc: ParallelConfig) -> None:
-    """Cut a loaded Llama-family or GPT-2 model down to rank pc.rank's shard, in place."""
+    """Cut a loaded Llama-family or GPT-2 model down to rank pc.rank's shard, in place (attach_collectives
+    then joins the shards)."""
     if pc.size == 1:
         return
     r, n, d = pc.rank, pc.size, mc.head_dim

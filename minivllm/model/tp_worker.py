@@ -3,7 +3,8 @@
 Rank 0 (the engine's process) schedules, prepares each step's inputs and broadcasts them; every rank runs
 the same forward on its shard (the collectives inside it join the shards), and rank 0 alone samples. The
 process group uses gloo on CPU and NCCL on CUDA over a TCP rendezvous on 127.0.0.1. One tensor-parallel
-engine per process at a time: starting another shuts the previous group down.
+engine per process at a time: starting another shuts the previous group down. As with vLLM, a script that
+builds one must do so under `if __name__ == "__main__":` (spawned ranks import the main module).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import atexit
 import datetime
 import logging
 import socket
+import time
 from typing import Any
 
 import torch
@@ -34,11 +36,11 @@ def _backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def _init(rank: int, size: int, address: str, device: torch.device) -> None:
-    dist.init_process_group(_backend(device), init_method=address, rank=rank, world_size=size, timeout=JOIN_TIMEOUT)
+def _init(store: dist.TCPStore, rank: int, size: int, device: torch.device) -> None:
+    dist.init_process_group(_backend(device), store=store, rank=rank, world_size=size, timeout=JOIN_TIMEOUT)
 
 
-def worker_main(rank: int, size: int, address: str, threads: int, runner_kwargs: dict[str, Any]) -> None:
+def worker_main(rank: int, size: int, port: int, threads: int, runner_kwargs: dict[str, Any]) -> None:
     """A rank > 0: join the group, build this rank's shard, then run whatever rank 0 broadcasts."""
     from minivllm.model.parallel import ParallelConfig
     from minivllm.model.runner import ModelRunner
@@ -47,7 +49,9 @@ def worker_main(rank: int, size: int, address: str, threads: int, runner_kwargs:
     device = runner_kwargs["device"]
     if device.type == "cuda":
         torch.cuda.set_device(rank)
-    _init(rank, size, address, device)
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=JOIN_TIMEOUT)
+    store.set(f"joined/{rank}", "1")
+    _init(store, rank, size, device)
     runner = ModelRunner(**runner_kwargs, parallel=ParallelConfig(rank, size))
     with torch.inference_mode():
         while True:
@@ -70,16 +74,34 @@ class TensorParallelGroup:
             TensorParallelGroup._active.shutdown()
         if dist.is_initialized():
             raise RuntimeError("tensor parallelism: this process already belongs to a torch.distributed group")
-        address = f"tcp://127.0.0.1:{_free_port()}"
+        port = _free_port()
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=worker_main, args=(r, size, address, threads, runner_kwargs), daemon=True,
+        self.procs = [ctx.Process(target=worker_main, args=(r, size, port, threads, runner_kwargs), daemon=True,
                                   name=f"minivllm-tp{r}") for r in range(1, size)]
         for p in self.procs:
             p.start()
-        _init(0, size, address, runner_kwargs["device"])
+        self._wait_joined(store, size)
+        _init(store, 0, size, runner_kwargs["device"])
         self.alive = True
         TensorParallelGroup._active = self
         atexit.register(self.shutdown)
+
+    def _wait_joined(self, store: dist.TCPStore, size: int) -> None:
+        """Until every rank has reached the rendezvous; a rank that exits first is an error now, not a
+        two-minute wait."""
+        keys = [f"joined/{r}" for r in range(1, size)]
+        deadline = time.monotonic() + JOIN_TIMEOUT.total_seconds()
+        while not store.check(keys):
+            for r, p in enumerate(self.procs, start=1):
+                if p.exitcode is not None:
+                    raise RuntimeError(
+                        f"tensor parallelism: rank {r} exited with code {p.exitcode} while starting (its output is "
+                        "above). Ranks are spawned processes that import the main module: a script that builds a "
+                        "tensor-parallel engine must do so under `if __name__ == \"__main__\":`")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor parallelism: ranks did not join within {JOIN_TIMEOUT}")
+            time.sleep(0.05)
 
     def command(self, op: str, *args: Any) -> None:
         """Every other rank runs runner.<op>(*args) (rank 0 runs it itself, right after)."""
