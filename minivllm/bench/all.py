@@ -53,6 +53,8 @@ def _argv(quick: bool, model: str | None) -> dict[str, list[str]]:
                             "--prompt-len", "16", "--large-batch", "4", "--rounds", "1",
                             *(["--draft", model] if model else [])],  # the model as its own draft: same tokenizer
             "step": ["step", *m, "--batches", "4,8", "--steps", "2", "--kv-cache-memory", "8MiB"],
+            "parallel": ["parallel", *m, "--batches", "1,4", "--steps", "3", "--rounds", "1", "--prompt-len", "8",
+                         "--kv-cache-memory", "8MiB"],
             "beam": ["beam", *m, "--num-prompts", "2", "--prompt-len", "8", "--beam-width", "2", "--max-tokens", "3",
                      "--rounds", "1", "--kv-cache-memory", "8MiB"],
             "quantization": ["quantization", *m, "--quality-model", model or "", "--output-len", "4", "--repeats", "1",
@@ -75,11 +77,12 @@ def _argv(quick: bool, model: str | None) -> dict[str, list[str]]:
         "step": ["step"],
         "beam": ["beam"],
         "speculative": ["speculative"],
+        "parallel": ["parallel"],
     }
 
 
 BENCHES = ("seed", "throughput", "latency", "transports", "perplexity", "quantization", "step", "beam",
-           "speculative")
+           "speculative", "parallel")
 
 
 def machine_info() -> dict[str, Any]:
@@ -153,6 +156,7 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
     """BENCHMARKS.md from the JSON files in out_dir (a section per bench found)."""
     from minivllm.bench import (
         latency,
+        parallel,
         perplexity,
         quantization_report,
         serve_report,
@@ -211,6 +215,10 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
                                    "speculation (the default); code = held-out standard-library code, repetitive "
                                    "= a code excerpt then \"the same code again\".", "", speculative.report(r), "",
                                    speculative.verdict(r)]),
+        ("parallel", lambda r: ["## Tensor parallelism: a decode step, TP=2 vs one process (`bench parallel`)", "",
+                                f"`{os.path.basename(r['model'].rstrip('/'))}` in float32, ms per engine step with "
+                                "every sequence decoding (in brackets: the forward alone), the two engines "
+                                "alternating in one run.", "", parallel.report(r), "", parallel.verdict(r)]),
     ]
     for name, section in sections:
         r = _load(out_dir, name)

@@ -37,6 +37,8 @@ VERBS: dict[str, tuple[str, str, str, str]] = {
     "quantization": ("quantization", "add_quantization_args", "run_quantization",
                      "every weight format's speed (b=1, batches) and quality, with rooflines and HF transformers "
                      "in the same run"),
+    "parallel": ("parallel", "add_parallel_args", "run_parallel",
+                 "decode step time with tensor parallelism (TP=2 processes on gloo) vs one process, b=1 and 64"),
     "all": ("all", "add_all_args", "run_all", "every bench in turn, then BENCHMARKS.md regenerated from their results"),
 }
 
