@@ -169,9 +169,10 @@ class EngineArgs:
         "recomputed every step. Both serve only n=1 requests without beam search")
 
     tensor_parallel_size: int = _arg(
-        1, "shard the model across this many processes with torch.distributed (gloo on CPU, NCCL on CUDA; spawned "
-        "by the engine): column-parallel qkv/gate_up, row-parallel o/down, vocab-parallel embedding and LM head; "
-        "kv_cache_memory is per rank")
+        1, "shard the model across this many processes spawned by the engine (torch.distributed: gloo on CPU, NCCL "
+        "on CUDA; on x86-64 CPUs the collectives go through shared memory, MINIVLLM_TP_COMM=gloo to keep gloo): "
+        "column-parallel qkv/gate_up, row-parallel o/down, vocab-parallel embedding and LM head; kv_cache_memory "
+        "is per rank. Scripts must build such an engine under `if __name__ == '__main__':`")
 
     speculative_model: str | None = _arg(
         None, "speculative decoding proposer: ngram (prompt lookup: the tokens that followed the latest earlier "

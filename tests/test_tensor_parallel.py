@@ -4,7 +4,9 @@ whole one does."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,11 +29,14 @@ def _greedy(engine: LLMEngine, prompts: list[list[int]], n: int) -> dict[str, li
     return done
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-gpt2"])
-def test_tp2_greedy_outputs_and_logits_match_tp1(model_factory, preset):
+@pytest.mark.parametrize(("preset", "comm"), [("tiny-llama", "shm"), ("tiny-qwen2", "shm"), ("tiny-gpt2", "shm"),
+                                              ("tiny-llama", "gloo")])
+def test_tp2_greedy_outputs_and_logits_match_tp1(model_factory, preset, comm, monkeypatch):
     """Llama with GQA (2 KV heads split over 2 ranks), Qwen2 with qkv bias and a single KV head (replicated
     on both ranks: fewer KV heads than ranks works), GPT-2 (fused c_attn, learned positions, tied head):
-    greedy outputs identical in float32, with chunked prefill and a mixed batch; logits within 1e-4."""
+    greedy outputs identical in float32, with chunked prefill and a mixed batch; logits within 1e-4. Collectives
+    through shared memory (the CPU default) and through gloo."""
+    monkeypatch.setenv("MINIVLLM_TP_COMM", comm)
     path = model_factory(preset)
     kw = dict(model=path, num_kv_blocks=256, max_num_batched_tokens=64, dtype="float32")
     one = LLMEngine(EngineArgs(**kw))
@@ -115,3 +120,55 @@ def test_tp2_quantizes_each_shard_about_as_well_as_one_process(model_factory, me
         two.runner.group.shutdown()
     err_one, err_two = (one - ref).abs().max().item(), (got - ref).abs().max().item()
     assert 0 < err_two <= 1.5 * err_one, (err_one, err_two)
+
+
+def _comm_rank(rank: int, port: int, path: str, out) -> None:
+    import torch.distributed as dist
+
+    from minivllm.model.shm_comm import SLOT_BYTES, ShmComm
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    comm = ShmComm(path, rank, 2)
+    g = torch.Generator().manual_seed(rank)
+    results = {}
+    for name, shape in (("small", (3, 5)), ("large", (SLOT_BYTES // 4 + 7,))):  # the large one goes by gloo
+        x = torch.randn(shape, generator=g)
+        mine = x.clone()
+        comm.all_reduce(x)
+        parts = comm.all_gather(mine)
+        results[name] = (x.numpy(), [t.numpy() for t in parts])  # arrays: a queued tensor needs its sender alive
+    big = {"payload": bytes(SLOT_BYTES + 1)} if rank == 0 else None  # larger than a slot: by gloo
+    got = [comm.broadcast_object({"step": i, "t": list(range(i))} if rank == 0 else None) for i in range(5)]
+    out.put((rank, results, got, len(comm.broadcast_object(big)["payload"])))
+    dist.destroy_process_group()
+
+
+def test_shared_memory_collectives_agree_with_plain_sums_on_every_rank(tmp_path):
+    """ShmComm between two real processes: all-reduce equal to the sum and bit-identical on both ranks,
+    all-gather in rank order, broadcasts in order; payloads over a slot fall back to gloo on every rank."""
+    import torch.multiprocessing as mp
+
+    from minivllm.model.shm_comm import ShmComm
+    from minivllm.model.tp_worker import _free_port
+
+    path = f"/dev/shm/minivllm-test-{_free_port()}"
+    ShmComm.create(path, 2)
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_comm_rank, args=(r, port, path, out)) for r in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        got = dict((r, rest) for r, *rest in (out.get(timeout=120) for _ in procs))
+        for p in procs:
+            p.join(timeout=60)
+    finally:
+        os.unlink(path)
+    for name in ("small", "large"):
+        (sum0, parts0), (sum1, parts1) = got[0][0][name], got[1][0][name]
+        assert (sum0 == sum1).all()  # bit-identical on both ranks
+        assert np.allclose(sum0, parts0[0] + parts0[1], atol=1e-6)
+        assert all((a == b).all() for a, b in zip(parts0, parts1, strict=True))
+        assert not (parts0[0] == parts0[1]).all()  # each rank's own input, in rank order
+    assert [m["step"] for m in got[1][1]] == list(range(5)) and got[1][1][4]["t"] == [0, 1, 2, 3]
+    assert got[0][2] == got[1][2] == (8 << 20) + 1

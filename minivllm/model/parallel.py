@@ -1,5 +1,5 @@
 """Tensor parallelism: a loaded model's weights cut into one rank's shard, and the collectives that join
-the shards (torch.distributed: gloo on CPU, NCCL on CUDA).
+the shards (model/shm_comm.py: shared memory on CPU, else torch.distributed's gloo or NCCL).
 
 Megatron's split, as vLLM does it: the fused qkv and gate/up projections are column-parallel (each rank
 computes its own heads and its slice of the MLP), o_proj and down are row-parallel (each rank multiplies
@@ -16,10 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from minivllm.config import ModelConfig
+from minivllm.model.shm_comm import get_comm
 
 
 @dataclass(slots=True, frozen=True)
@@ -73,7 +73,7 @@ def _row_parallel(lin: nn.Module, start: int, end: int, rank: int) -> None:
 
 
 def _all_reduce_hook(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
-    dist.all_reduce(out)
+    get_comm().all_reduce(out)
     return out
 
 
@@ -90,7 +90,7 @@ class VocabParallelEmbedding(nn.Module):
         inside = (local >= 0) & (local < self.weight.shape[0])
         out = nn.functional.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
         out = out * inside.unsqueeze(-1).to(out.dtype)
-        dist.all_reduce(out)
+        get_comm().all_reduce(out)
         return out
 
 
@@ -139,9 +139,7 @@ def attach_collectives(model: nn.Module, mc: ModelConfig, pc: ParallelConfig) ->
     vocab = mc.vocab_size
 
     def gather(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(out) for _ in range(pc.size)]
-        dist.all_gather(parts, out.contiguous())
-        return torch.cat(parts, dim=-1)[..., :vocab]
+        return torch.cat(get_comm().all_gather(out), dim=-1)[..., :vocab]
 
     model.lm_head.register_forward_hook(gather)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import logging
+import os
 import socket
 import time
 from typing import Any
@@ -19,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from minivllm.model.shm_comm import GlooComm, ShmComm, set_comm, shm_supported
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +43,19 @@ def _init(store: dist.TCPStore, rank: int, size: int, device: torch.device) -> N
     dist.init_process_group(_backend(device), store=store, rank=rank, world_size=size, timeout=JOIN_TIMEOUT)
 
 
-def worker_main(rank: int, size: int, port: int, threads: int, runner_kwargs: dict[str, Any]) -> None:
+def _connect(rank: int, size: int, shm_path: str | None) -> GlooComm:
+    """This rank's communicator: shared memory where supported (rank 0 created the file), else gloo. The file
+    is unlinked once every rank has it open, so nothing is left in /dev/shm whatever happens later."""
+    comm = GlooComm() if shm_path is None else ShmComm(shm_path, rank, size)
+    set_comm(comm)
+    dist.barrier()
+    if rank == 0 and shm_path is not None:
+        os.unlink(shm_path)
+    return comm
+
+
+def worker_main(rank: int, size: int, port: int, threads: int, runner_kwargs: dict[str, Any],
+                shm_path: str | None = None) -> None:
     """A rank > 0: join the group, build this rank's shard, then run whatever rank 0 broadcasts."""
     from minivllm.model.parallel import ParallelConfig
     from minivllm.model.runner import ModelRunner
@@ -52,15 +67,15 @@ def worker_main(rank: int, size: int, port: int, threads: int, runner_kwargs: di
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=JOIN_TIMEOUT)
     store.set(f"joined/{rank}", "1")
     _init(store, rank, size, device)
+    comm = _connect(rank, size, shm_path)
     runner = ModelRunner(**runner_kwargs, parallel=ParallelConfig(rank, size))
     with torch.inference_mode():
         while True:
-            box: list[Any] = [None]
-            dist.broadcast_object_list(box, src=0)
-            op, args = box[0]
+            op, args = comm.broadcast_object(None)
             if op == "stop":
                 break
             getattr(runner, op)(*args)
+    set_comm(None)
     dist.destroy_process_group()
 
 
@@ -75,14 +90,21 @@ class TensorParallelGroup:
         if dist.is_initialized():
             raise RuntimeError("tensor parallelism: this process already belongs to a torch.distributed group")
         port = _free_port()
+        device = runner_kwargs["device"]
+        shm_path = None
+        if shm_supported(device) and os.environ.get("MINIVLLM_TP_COMM", "shm") == "shm":
+            shm_path = f"/dev/shm/minivllm-tp-{os.getpid()}-{port}"
+            ShmComm.create(shm_path, size)  # every rank maps it in _connect
         store = dist.TCPStore("127.0.0.1", port, size, is_master=True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=worker_main, args=(r, size, port, threads, runner_kwargs), daemon=True,
+        self.procs = [ctx.Process(target=worker_main, args=(r, size, port, threads, runner_kwargs, shm_path),
+                                  daemon=True,
                                   name=f"minivllm-tp{r}") for r in range(1, size)]
         for p in self.procs:
             p.start()
         self._wait_joined(store, size)
-        _init(store, 0, size, runner_kwargs["device"])
+        _init(store, 0, size, device)
+        self.comm = _connect(0, size, shm_path)
         self.alive = True
         TensorParallelGroup._active = self
         atexit.register(self.shutdown)
@@ -105,7 +127,7 @@ class TensorParallelGroup:
 
     def command(self, op: str, *args: Any) -> None:
         """Every other rank runs runner.<op>(*args) (rank 0 runs it itself, right after)."""
-        dist.broadcast_object_list([(op, args)], src=0)
+        self.comm.broadcast_object((op, args))
 
     def shutdown(self) -> None:
         """Stop the ranks and leave the group (idempotent)."""
@@ -114,6 +136,8 @@ class TensorParallelGroup:
         self.alive = False
         try:
             self.command("stop")
+            set_comm(None)
+            self.comm.close()
             dist.destroy_process_group()
         except Exception as e:  # noqa: BLE001 - a rank already gone: terminate what is left
             logger.warning("tensor parallelism: shutdown: %s", e)
