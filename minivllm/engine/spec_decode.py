@@ -80,7 +80,7 @@ class Speculator:
     (n + expected accepted) / (cost(n + proposed rows) + proposer time) beats n / cost(n) by MARGIN. So
     each sequence proposes as many tokens (up to k) as pay: at batch 1 a good proposer's whole k, a draft
     whose later guesses rarely hold one or two, in a large batch (where extra rows' FLOPs cost what they
-    yield) none; a request whose proposals keep failing stops proposing. A step with prefill chunks gets no
+    yield) none; a request whose proposals keep failing pauses proposing. A step with prefill chunks gets no
     proposals. A size never measured is tried once; and every EXPLORE_EVERY steps without speculation the
     best proposal goes through anyway, so one unlucky measurement cannot switch speculation off for good."""
 
@@ -123,12 +123,8 @@ class Speculator:
 
     def _factor(self, seq: Sequence) -> float:
         """How seq's proposals fare against all drafts' (accepted / expected at their positions), once it has
-        a history of its own: a request whose proposals keep failing stops proposing."""
+        a history of its own: a request whose proposals keep failing pauses proposing (see FORGET)."""
         return (seq.spec_accepted + 1) / (seq.spec_expected + 1) if seq.spec_drafts >= 4 else 1.0
-
-    def expected_accepted(self, seq: Sequence, k: int) -> float:
-        """Expected accepted tokens of a k-token proposal for seq."""
-        return self._factor(seq) * sum(self.position_rates()[:k])
 
     def _explore_due(self) -> bool:
         return self._step - self._last_spec >= self.EXPLORE_EVERY
