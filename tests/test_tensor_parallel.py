@@ -172,3 +172,23 @@ def test_shared_memory_collectives_agree_with_plain_sums_on_every_rank(tmp_path)
         assert not (parts0[0] == parts0[1]).all()  # each rank's own input, in rank order
     assert [m["step"] for m in got[1][1]] == list(range(5)) and got[1][1][4]["t"] == [0, 1, 2, 3]
     assert got[0][2] == got[1][2] == (8 << 20) + 1
+
+
+def test_a_rank_that_dies_fails_the_next_step_with_a_clear_error_not_a_hang(model_factory):
+    """Kill the other rank: rank 0's next step raises naming it (rank 0 checks its peers while it waits),
+    and the group can be shut down and a new tensor-parallel engine started in the same process."""
+    path = model_factory("tiny-llama")
+    kw = dict(model=path, num_kv_blocks=64, tensor_parallel_size=2)
+    engine = LLMEngine(EngineArgs(**kw))
+    engine.runner.group.procs[0].kill()
+    engine.runner.group.procs[0].join(timeout=30)
+    engine.add_request("r", {"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(temperature=0.0, max_tokens=4))
+    with pytest.raises(RuntimeError, match="rank 1 exited with code"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    engine.runner.group.shutdown()
+    again = LLMEngine(EngineArgs(**kw))
+    try:
+        assert _greedy(again, [[5, 6, 7, 8]], 4)["0"]
+    finally:
+        again.runner.group.shutdown()

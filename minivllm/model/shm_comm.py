@@ -22,6 +22,7 @@ import os
 import pickle
 import platform
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -89,8 +90,9 @@ class ShmComm(GlooComm):
         with open(path, "wb") as f:
             f.truncate(_nbytes(size))
 
-    def __init__(self, path: str, rank: int, size: int) -> None:
+    def __init__(self, path: str, rank: int, size: int, peers_dead: Callable[[], str | None] | None = None) -> None:
         self.rank, self.size, self.path = rank, size, path
+        self.peers_dead = peers_dead  # rank 0: which other rank has died, if any (checked while waiting)
         nbytes = _nbytes(size)
         self.buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
         self.flags = self.buf[:_HEADER * size].view(torch.int64).numpy().reshape(size, _HEADER // 8)
@@ -110,8 +112,12 @@ class ShmComm(GlooComm):
             if time.monotonic() - start > SPIN_S:
                 time.sleep(IDLE_SLEEP_S)
                 checks += 1
-                if self.rank and checks % 4096 == 0 and os.getppid() != self.parent:
-                    raise SystemExit("tensor parallelism: rank 0 is gone")
+                if checks % 2048 == 0:  # about every half second of waiting
+                    if self.rank and os.getppid() != self.parent:
+                        raise SystemExit("tensor parallelism: rank 0 is gone")
+                    dead = self.peers_dead() if self.peers_dead is not None else None
+                    if dead:
+                        raise RuntimeError(f"tensor parallelism: {dead}; the engine cannot continue")
             else:
                 os.sched_yield()
 

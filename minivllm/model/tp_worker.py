@@ -43,10 +43,10 @@ def _init(store: dist.TCPStore, rank: int, size: int, device: torch.device) -> N
     dist.init_process_group(_backend(device), store=store, rank=rank, world_size=size, timeout=JOIN_TIMEOUT)
 
 
-def _connect(rank: int, size: int, shm_path: str | None) -> GlooComm:
+def _connect(rank: int, size: int, shm_path: str | None, peers_dead: Any = None) -> GlooComm:
     """This rank's communicator: shared memory where supported (rank 0 created the file), else gloo. The file
     is unlinked once every rank has it open, so nothing is left in /dev/shm whatever happens later."""
-    comm = GlooComm() if shm_path is None else ShmComm(shm_path, rank, size)
+    comm = GlooComm() if shm_path is None else ShmComm(shm_path, rank, size, peers_dead)
     set_comm(comm)
     dist.barrier()
     if rank == 0 and shm_path is not None:
@@ -104,7 +104,7 @@ class TensorParallelGroup:
             p.start()
         self._wait_joined(store, size)
         _init(store, 0, size, device)
-        self.comm = _connect(0, size, shm_path)
+        self.comm = _connect(0, size, shm_path, self.dead_rank)
         self.alive = True
         TensorParallelGroup._active = self
         atexit.register(self.shutdown)
@@ -125,6 +125,13 @@ class TensorParallelGroup:
                 raise RuntimeError(f"tensor parallelism: ranks did not join within {JOIN_TIMEOUT}")
             time.sleep(0.05)
 
+    def dead_rank(self) -> str | None:
+        """'rank N exited with code C' for the first rank that is gone, else None."""
+        for r, p in enumerate(self.procs, start=1):
+            if p.exitcode is not None:
+                return f"rank {r} exited with code {p.exitcode}"
+        return None
+
     def command(self, op: str, *args: Any) -> None:
         """Every other rank runs runner.<op>(*args) (rank 0 runs it itself, right after)."""
         self.comm.broadcast_object((op, args))
@@ -136,11 +143,14 @@ class TensorParallelGroup:
         self.alive = False
         try:
             self.command("stop")
-            set_comm(None)
-            self.comm.close()
-            dist.destroy_process_group()
-        except Exception as e:  # noqa: BLE001 - a rank already gone: terminate what is left
+        except Exception as e:  # noqa: BLE001 - a rank already gone: the others are terminated below
             logger.warning("tensor parallelism: shutdown: %s", e)
+        set_comm(None)
+        self.comm.close()
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # noqa: BLE001
+            logger.warning("tensor parallelism: leaving the group: %s", e)
         for p in self.procs:
             p.join(timeout=10)
             if p.is_alive():
