@@ -149,12 +149,12 @@ def test_shared_memory_collectives_agree_with_plain_sums_on_every_rank(tmp_path)
     import torch.multiprocessing as mp
 
     from minivllm.model.shm_comm import ShmComm
-    from minivllm.model.tp_worker import _free_port
+    from minivllm.model.tp_worker import free_port
 
-    path = f"/dev/shm/minivllm-test-{_free_port()}"
+    path = f"/dev/shm/minivllm-test-{free_port()}"
     ShmComm.create(path, 2)
     ctx = mp.get_context("spawn")
-    out, port = ctx.Queue(), _free_port()
+    out, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_comm_rank, args=(r, port, path, out)) for r in range(2)]
     try:
         for p in procs:

@@ -87,11 +87,11 @@ def all_reduce_us(size: int, hidden: int, shm: bool, reps: int = 200) -> float:
     import torch.multiprocessing as mp
 
     from minivllm.model.shm_comm import ShmComm
-    from minivllm.model.tp_worker import _free_port
+    from minivllm.model.tp_worker import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     path = f"/dev/shm/minivllm-probe-{os.getpid()}-{port}" if shm else None
     if path:
         ShmComm.create(path, size)

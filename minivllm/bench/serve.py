@@ -28,6 +28,7 @@ from minivllm.bench.loadgen import ENDPOINT_NAMES, ENDPOINTS, RequestSpec, make_
 from minivllm.bench.results import save
 from minivllm.bench.serve_report import plot, report
 from minivllm.config import cpu_count
+from minivllm.model.tp_worker import free_port
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -71,14 +72,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="measure the machine's ceilings here and report each column's roofline throughput")
     p.add_argument("--no-offline", action="store_true", help="skip the offline engine baseline")
     p.add_argument("--out", default=None, help="write the results as JSON here (and a PNG plot next to it)")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start_server(path: str, port: int, grpc_port: int | None, ns: argparse.Namespace, extra: list[str],
@@ -277,7 +270,7 @@ def run_serve(ns: argparse.Namespace) -> int:
             if ns.base_url:
                 addrs[v] = (ns.base_url.rstrip("/"), ns.grpc_target)
                 continue
-            port, grpc_port = _free_port(), (_free_port() if "grpc" in endpoints else None)
+            port, grpc_port = free_port(), (free_port() if "grpc" in endpoints else None)
             _start_server(path, port, grpc_port, ns, flags, procs)
             addrs[v] = (f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}")
         for k in keys:  # warm-up: every client path once

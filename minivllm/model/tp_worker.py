@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 JOIN_TIMEOUT = datetime.timedelta(seconds=120)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (rendezvous, probes, test servers)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -89,7 +90,7 @@ class TensorParallelGroup:
             TensorParallelGroup._active.shutdown()
         if dist.is_initialized():
             raise RuntimeError("tensor parallelism: this process already belongs to a torch.distributed group")
-        port = _free_port()
+        port = free_port()
         device = runner_kwargs["device"]
         shm_path = None
         if shm_supported(device) and os.environ.get("MINIVLLM_TP_COMM", "shm") == "shm":
