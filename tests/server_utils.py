@@ -27,7 +27,8 @@ class ServerProcess:
     """`python -m minivllm serve [MODEL] ...` in a subprocess, with its log kept for failure messages
     (no MODEL: the embedded default model)."""
 
-    def __init__(self, model: str | None, *args: str) -> None:
+    def __init__(self, model: str | None, *args: str, stop_timeout: float = 15.0) -> None:
+        self.stop_timeout = stop_timeout  # a front of Ray replicas tears its cluster down on the way out
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="minivllm-serve-", suffix=".log", delete=False)
@@ -57,7 +58,7 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(15)
+                self.proc.wait(self.stop_timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         os.unlink(self.log.name)

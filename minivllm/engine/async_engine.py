@@ -215,6 +215,10 @@ class AsyncLLMEngine:
             self._cv.notify()
         return streams
 
+    async def submit(self, requests: Sequence[EngineRequest]) -> list[AsyncStream]:
+        """add_requests as the servers call it (a replica router's submit waits for its replica to accept)."""
+        return self.add_requests(requests)
+
     async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0,
                           arrival_time: float | None = None) -> AsyncStream:
         """Validate and queue one request; its outputs arrive on the returned stream."""

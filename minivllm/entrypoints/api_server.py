@@ -137,9 +137,11 @@ async def _lag_probe(metrics: ServerMetrics) -> None:
         metrics.observe_loop_lag(max(0.0, loop.time() - t - _LAG_PROBE_S))
 
 
-def build_app(engine: AsyncLLMEngine, args: ServerArgs) -> FastAPI:
-    """The FastAPI app around a (not yet started) AsyncLLMEngine; its metrics join the engine's loggers."""
-    metrics = ServerMetrics(served_model_name(engine.model_path, args), engine.num_speculative_tokens)
+def build_app(engine: AsyncLLMEngine, args: ServerArgs, metrics: ServerMetrics | None = None) -> FastAPI:
+    """The FastAPI app around a (not yet started) AsyncLLMEngine, or a RayEngineClient with the metrics its
+    launcher made; the metrics join the engine's loggers."""
+    if metrics is None:
+        metrics = ServerMetrics(served_model_name(engine.model_path, args), engine.num_speculative_tokens)
     engine.stat_loggers.insert(0, metrics)
 
     @contextlib.asynccontextmanager
@@ -183,8 +185,13 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs) -> FastAPI:
 
 
 def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
-    """Load the model and serve until interrupted."""
+    """Load the model and serve until interrupted (with --replicas: Ray Serve replicas behind this front)."""
     import uvicorn
+
+    if server_args.replicas is not None:
+        from minivllm.entrypoints.ray_launch import run_replicated_server
+
+        return run_replicated_server(engine_args, server_args)
 
     engine = AsyncLLMEngine.from_engine_args(engine_args)
     app = build_app(engine, server_args)

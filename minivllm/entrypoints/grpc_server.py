@@ -153,7 +153,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         """One prompt, answered once finished."""
         async def work(t0: float) -> pb.GenerateResponse:
             reqs = await self._prepare(request, RequestOutputKind.FINAL_ONLY, [_prompt(request)], request.request_id)
-            (out,) = await self.state.wait_finals(None, self.state.submit(reqs))
+            (out,) = await self.state.wait_finals(None, await self.state.submit(reqs))
             return _response(out, t0, _opt(request, "logprobs"), request.HasField("beam_width"))
 
         return await self._call("Generate", context, work)
@@ -165,7 +165,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             if not request.prompts:
                 raise APIError(400, "prompts: give at least one prompt", "prompts")
             reqs = await self._prepare(request, RequestOutputKind.FINAL_ONLY, list(request.prompts))
-            outs = await self.state.wait_finals(None, self.state.submit(reqs))
+            outs = await self.state.wait_finals(None, await self.state.submit(reqs))
             results = [_response(o, t0, _opt(request, "logprobs")) for o in outs]
             latency = 1000.0 * (time.monotonic() - t0)
             for r in results:
@@ -186,7 +186,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         status, stream = "aborted", None  # stays "aborted" when the client cancels or its deadline passes
         try:
             reqs = await self._prepare(request, RequestOutputKind.DELTA, [_prompt(request)], request.request_id)
-            (stream,) = self.state.submit(reqs)
+            (stream,) = await self.state.submit(reqs)
             k, n = _opt(request, "logprobs"), 0
             async for out in stream:
                 c = out.outputs[0]

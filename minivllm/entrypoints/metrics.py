@@ -22,30 +22,36 @@ GRPC_ENDPOINTS = ("/minivllm.v1.InferenceService/Generate", "/minivllm.v1.Infere
                   "/minivllm.v1.InferenceService/GenerateStream")
 ENDPOINTS = HTTP_ENDPOINTS + GRPC_ENDPOINTS
 OUTCOMES = ("success", "client_error", "server_error", "aborted")
+# Families a front counts itself (HTTP requests, its event loop); every other family is the engine's.
+FRONT_FAMILIES = frozenset({"inference_requests", "inference_request_latency_seconds",
+                            "minivllm:event_loop_lag_seconds", "minivllm:event_loop_lag_max_seconds"})
 
 
 class ServerMetrics:
     """Every metric of one server, plus the StatLogger that feeds the engine's ones."""
 
-    def __init__(self, model_name: str, num_speculative_tokens: int = 0) -> None:
+    def __init__(self, model_name: str, num_speculative_tokens: int = 0, engine_metrics: bool = True) -> None:
+        """engine_metrics=False (a front before Ray Serve replicas): the engine's families are not exported
+        here, since every replica reports its own (router_metrics.ReplicaCollector labels them by replica)."""
         self.registry = r = CollectorRegistry()
+        er = r if engine_metrics else CollectorRegistry()  # the engine's families (unexported when off)
         labels = {"model_name": model_name}
         names = list(labels)
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(name, doc, [*names, *extra], registry=r)
+            return Counter(name, doc, [*names, *extra], registry=er)
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, names, registry=r)
+            return Gauge(name, doc, names, registry=er)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, names, buckets=buckets, registry=r)
+            return Histogram(name, doc, names, buckets=buckets, registry=er)
 
         # Seed names, kept for the seed's dashboards.
         self.requests_total = Counter("inference_requests",
                                       "Generation requests (HTTP and gRPC), by endpoint and outcome",
                                       ["endpoint", "status"], registry=r)
-        self.tokens_generated = Counter("inference_tokens_generated", "Generated tokens", registry=r)
+        self.tokens_generated = Counter("inference_tokens_generated", "Generated tokens", registry=er)
         self.request_latency = Histogram("inference_request_latency_seconds",
                                          "Generation request latency (arrival to last byte), by endpoint",
                                          ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)

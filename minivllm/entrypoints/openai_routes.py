@@ -100,7 +100,7 @@ def _chat_logprobs(c: CompletionOutput, k: int) -> dict[str, Any]:
 async def _submit(st: ServerState, prompts: list[Prompt], params: SamplingParams,
                   priority: int, prefix: str) -> tuple[str, list[AsyncStream]]:
     rid = new_request_id(prefix)
-    return rid, st.submit(await st.prepare(rid, prompts, params, priority))
+    return rid, await st.submit(await st.prepare(rid, prompts, params, priority))
 
 
 # ---- /v1/completions -----------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     params = _params(body, RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY)
     (req,) = await state.prepare(new_request_id("gen"), [body.prompt], params, body.priority,
                                  default_max_tokens=_DEFAULT_MAX_TOKENS)
-    streams = state.submit([req])
+    streams = await state.submit([req])
     if body.stream:
         return state.stream_response("/generate", t0, _deltas(streams[0]), streams)
     (out,) = await state.wait_finals(request, streams)
@@ -91,7 +91,7 @@ async def batch_generate(body: BatchGenerateRequest, request: Request) -> Respon
     params = _params(body, RequestOutputKind.FINAL_ONLY)
     reqs = await state.prepare(new_request_id("batch"), list(body.prompts), params, body.priority,
                                default_max_tokens=_DEFAULT_MAX_TOKENS)
-    streams = state.submit(reqs)  # one inbox entry: the engine sees them together and batches them
+    streams = await state.submit(reqs)  # one inbox entry: the engine sees them together and batches them
     outs = await state.wait_finals(request, streams)
     state.count("/batch_generate", "success", t0)
     return JSONResponse({"generated_texts": [o.outputs[0].text for o in outs],
@@ -142,7 +142,7 @@ async def _ws_request(state: ServerState, ws: WebSocket, text: str, reading: asy
                                      default_max_tokens=_DEFAULT_MAX_TOKENS)
         if reading.done():
             return
-        (stream,) = state.submit([req])
+        (stream,) = await state.submit([req])
     except ValidationError as e:
         msg, param = validation_message(e)
         await ws.send_json(APIError(400, msg, param).body())

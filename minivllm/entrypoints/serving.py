@@ -49,6 +49,10 @@ class ServerArgs:
     served_model_name: str | None = _arg(None, "model name in the OpenAI API (default: the model directory's name)")
     max_body_size: str = _arg("4MiB", "largest request body accepted (413 beyond)")
     log_level: str = _arg("info", "log level of the server and engine")
+    replicas: int | None = _arg(None, "serve N engine replicas on Ray Serve behind this front (least-loaded routing; "
+                                      "needs the [ray] extra); engine flags apply to each replica")
+    ray_address: str | None = _arg(None, "with --replicas: join the Ray cluster at HOST:PORT (or ray://..., auto) "
+                                         "instead of starting a local one")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -57,6 +61,10 @@ class ServerArgs:
             raise ValueError(f"grpc_port must be in [0, 65535], got {self.grpc_port}")
         if self.grpc_port is not None and self.grpc_port == self.port != 0:
             raise ValueError(f"grpc_port and port are both {self.port}; give gRPC a port of its own")
+        if self.replicas is not None and self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.ray_address is not None and self.replicas is None:
+            raise ValueError("ray_address needs replicas: give --replicas N to deploy on that cluster")
         if parse_size(self.max_body_size, "max_body_size") <= 0:
             raise ValueError(f"max_body_size must be positive, got {self.max_body_size!r}")
 
@@ -173,10 +181,10 @@ class ServerState:
             raise bad_request(e) from None
 
 
-    def submit(self, requests: list[EngineRequest]) -> list[AsyncStream]:
+    async def submit(self, requests: list[EngineRequest]) -> list[AsyncStream]:
         """Queue requests together; 429 when the waiting queue is full, 503 when the engine is dead."""
         try:
-            return self.engine.add_requests(requests)
+            return await self.engine.submit(requests)
         except QueueFullError as e:
             raise APIError(429, str(e), None, {"Retry-After": str(e.retry_after_s)}) from None
         except EngineDeadError as e:
