@@ -13,8 +13,7 @@ import time
 
 import httpx
 import pytest
-
-from tests.server_utils import ServerProcess, free_port, metrics
+from server_utils import ServerProcess, free_port, metrics
 
 pytest.importorskip("ray.serve", reason="Ray Serve is the [ray] extra: pip install -e '.[test,ray]'")
 openai = pytest.importorskip("openai")
@@ -24,8 +23,10 @@ MODEL = "minivllm-py-12m"
 
 @pytest.fixture(scope="module")
 def replicated():
+    grpc_port = free_port()
     server = ServerProcess(None, "--replicas", "2", "--max-num-seqs", "32", "--kv-cache-memory", "256MiB",
-                           "--log-level", "warning", stop_timeout=60)
+                           "--grpc-port", str(grpc_port), "--log-level", "warning", stop_timeout=60)
+    server.grpc_target = f"127.0.0.1:{grpc_port}"
     try:
         _wait_replicas(server.url, 2, exclude_pids=set())
         yield server
@@ -125,6 +126,19 @@ def test_every_route_through_the_front(replicated):
             msgs.append(json.loads(ws.recv(timeout=60)))
     assert msgs[-1]["usage"]["completion_tokens"] == 4
     assert httpx.get(url + "/health", timeout=10).json() == {"status": "ok"}
+    # gRPC is served by the same front, on the same replicas.
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from minivllm.entrypoints.proto import inference_pb2 as pb
+    from minivllm.entrypoints.proto import inference_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(replicated.grpc_target) as channel:
+        out = pb_grpc.InferenceServiceStub(channel).Generate(
+            pb.GenerateRequest(prompt="def f():", max_new_tokens=5, temperature=0, ignore_eos=True), timeout=60)
+        assert out.tokens_generated == 5 and out.finish_reason == "length"
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_killed_replica_fails_only_its_requests_and_is_replaced(replicated):

@@ -55,6 +55,9 @@ def _argv(quick: bool, model: str | None) -> dict[str, list[str]]:
             "step": ["step", *m, "--batches", "4,8", "--steps", "2", "--kv-cache-memory", "8MiB"],
             "parallel": ["parallel", *m, "--batches", "1,4", "--steps", "3", "--rounds", "1", "--prompt-len", "8",
                          "--kv-cache-memory", "8MiB"],
+            "replicas": ["replicas", *m, "--concurrency", "4", "--num-requests", "8", "--output-len", "3",
+                         "--max-num-seqs", "4", "--kv-cache-memory", "64MiB", "--rounds", "1",
+                         "--latency-requests", "4", "--latency-output-len", "2"],
             "beam": ["beam", *m, "--num-prompts", "2", "--prompt-len", "8", "--beam-width", "2", "--max-tokens", "3",
                      "--rounds", "1", "--kv-cache-memory", "8MiB"],
             "quantization": ["quantization", *m, "--quality-model", model or "", "--output-len", "4", "--repeats", "1",
@@ -78,11 +81,12 @@ def _argv(quick: bool, model: str | None) -> dict[str, list[str]]:
         "beam": ["beam"],
         "speculative": ["speculative"],
         "parallel": ["parallel"],
+        "replicas": ["replicas"],
     }
 
 
 BENCHES = ("seed", "throughput", "latency", "transports", "perplexity", "quantization", "step", "beam",
-           "speculative", "parallel")
+           "speculative", "parallel", "replicas")
 
 
 def machine_info() -> dict[str, Any]:
@@ -159,6 +163,7 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
         parallel,
         perplexity,
         quantization_report,
+        replicas,
         serve_report,
         speculative,
         step_overhead,
@@ -219,6 +224,12 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
                                 f"`{os.path.basename(r['model'].rstrip('/'))}` in float32, ms per engine step with "
                                 "every sequence decoding (in brackets: the forward alone), the two engines "
                                 "alternating in one run.", "", parallel.report(r), "", parallel.verdict(r)]),
+        ("replicas", lambda r: ["## Scale-out: Ray Serve replicas vs one server (`bench replicas`)", "",
+                                f"`{os.path.basename(r['model'].rstrip('/'))}` in float32 on one 2-core machine: "
+                                "every variant's front and replicas on one local Ray cluster, the plain server "
+                                "beside them, all driven by `bench serve` on the same requests. Capacity "
+                                "planning from these figures: [docs/scaling.md](docs/scaling.md).", "",
+                                replicas.report(r)]),
     ]
     for name, section in sections:
         r = _load(out_dir, name)

@@ -39,6 +39,9 @@ VERBS: dict[str, tuple[str, str, str, str]] = {
                      "in the same run"),
     "parallel": ("parallel", "add_parallel_args", "run_parallel",
                  "decode step time with tensor parallelism (TP=2 processes on gloo) vs one process, b=1 and 64"),
+    "replicas": ("replicas", "add_replicas_args", "run_replicas",
+                 "Ray Serve replicas (1, 2, 1 with 2 threads) vs one server on the seed's workload, and the "
+                 "router's added latency"),
     "all": ("all", "add_all_args", "run_all", "every bench in turn, then BENCHMARKS.md regenerated from their results"),
 }
 
