@@ -124,6 +124,13 @@ def _col(r: dict[str, Any], variant: str) -> dict[str, Any]:
     return r["server"][f"{variant}/http"]
 
 
+def _cpu_per_request(s: dict[str, Any]) -> str:
+    """CPU ms of the process behind the port per successful request: the whole engine for a plain server,
+    the routing alone for a front of replicas (its engines run in the replicas' processes)."""
+    cpu = s.get("event_loop_lag", {}).get("server_cpu_s")
+    return f"{1000 * cpu / s['successes']:.2f} ms" if cpu is not None and s["successes"] else "–"
+
+
 def report(r: dict[str, Any]) -> str:
     """Throughput per variant (ratio to 1 replica x 1 thread), then the router's added latency."""
     t = r["throughput"]
@@ -145,6 +152,7 @@ def report(r: dict[str, Any]) -> str:
     row(f"**tok/s / {r['base']}**", lambda s: f"**{s['output_tok_per_s'] / base:.2f}**")
     row("end-to-end p50 / p99", lambda s: f"{s['e2e_ms']['p50']:.0f} / {s['e2e_ms']['p99']:.0f} ms")
     row("successes / failures", lambda s: f"{s['successes']} / {s['failures']}")
+    row("server process CPU per request", _cpu_per_request)
     lat = r["latency"]
     a, b = (_col(lat, n)["e2e_ms"] for n in r["latency_pair"])
     lines += ["", f"Router's added latency: {lat['num_requests']} requests one at a time (prompts "
@@ -155,6 +163,10 @@ def report(r: dict[str, Any]) -> str:
         lines.append(f"| {name} | {d['p50']:.1f} ms | {d['p95']:.1f} ms | {d['p99']:.1f} ms |")
     lines.append(f"| **added by the router** | **{b['p50'] - a['p50']:+.1f} ms** | {b['p95'] - a['p95']:+.1f} ms | "
                  f"**{b['p99'] - a['p99']:+.1f} ms** |")
+    name_a, name_b = r["latency_pair"]
+    lines += ["", f"CPU of the process behind the port, per request one at a time: `{name_a}` "
+              f"{_cpu_per_request(_col(lat, name_a))} (its engine included), `{name_b}`'s front "
+              f"{_cpu_per_request(_col(lat, name_b))} (routing only: the engine runs in the replica)."]
     return "\n".join(lines)
 
 

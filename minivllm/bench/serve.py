@@ -123,7 +123,7 @@ def _scrape_lag(url: str) -> dict[str, float]:
     out = {}
     for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
         for s in fam.samples:
-            if s.name.startswith("minivllm:event_loop_lag"):
+            if s.name.startswith("minivllm:event_loop_lag") or s.name == "process_cpu_seconds_total":
                 out[s.name + (f"{{le={s.labels['le']}}}" if "le" in s.labels else "")] = s.value
     return out
 
@@ -139,7 +139,10 @@ def _lag(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
                      for k in after if k.startswith(name + "_bucket"))
     p99 = next((le for le, c in buckets if c >= 0.99 * n), float("inf"))
     worst = next((le for le, c in buckets if c >= n), float("inf"))
-    return {"probes": n, "mean_s": mean, "p99_le_s": p99, "max_le_s": worst}
+    out = {"probes": n, "mean_s": mean, "p99_le_s": p99, "max_le_s": worst}
+    if "process_cpu_seconds_total" in after:  # the server process's CPU time over the run (a front: routing only)
+        out["server_cpu_s"] = after["process_cpu_seconds_total"] - before["process_cpu_seconds_total"]
+    return out
 
 
 def _offline(path: str, requests: list[RequestSpec], tokenizer: Any, ns: argparse.Namespace) -> float:
@@ -188,6 +191,8 @@ def _merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
         out["event_loop_lag"] = {"probes": sum(x["probes"] for x in lags), "mean_s": mean(x["mean_s"] for x in lags),
                                  "p99_le_s": max(x["p99_le_s"] for x in lags),
                                  "max_le_s": max(x["max_le_s"] for x in lags)}
+        if all("server_cpu_s" in x for x in lags):
+            out["event_loop_lag"]["server_cpu_s"] = sum(x["server_cpu_s"] for x in lags)
     out["runs_tok_per_s"] = [r["output_tok_per_s"] for r in runs]
     return out
 

@@ -3,7 +3,7 @@ histograms, on a registry of their own (one per server)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 from minivllm.engine.stats import IterationStats, SchedulerSnapshot
 
@@ -35,6 +35,7 @@ class ServerMetrics:
         here, since every replica reports its own (router_metrics.ReplicaCollector labels them by replica)."""
         self.registry = r = CollectorRegistry()
         er = r if engine_metrics else CollectorRegistry()  # the engine's families (unexported when off)
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, memory, fds: what the server process costs
         labels = {"model_name": model_name}
         names = list(labels)
 
