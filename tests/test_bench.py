@@ -137,7 +137,8 @@ def test_bench_all_quick_regenerates_the_markdown(model_factory, tmp_path):
     for heading in ("The seed's serving workload", "Offline throughput", "Step-time split at", "Throughput vs "
                     "concurrency", "Ablations", "Single-request latency", "Transports",
                     "default model's quality", "Engine overhead: a decode step with mixed sampling",
-                    "Beam search: inside the step vs as a driver", "Speculative decoding (`bench speculative`)"):
+                    "Beam search: inside the step vs as a driver", "Speculative decoding (`bench speculative`)",
+                    "Scale-out: Ray Serve replicas vs one server", "added by the router"):
         assert heading in text, heading
     beam = json.loads((results / "beam.json").read_text())
     assert beam["same_beams"] == 2  # the driver and the engine's own beam search agree

@@ -100,6 +100,11 @@ def test_two_replicas_serve_200_concurrent_openai_requests(replicated):
         time.sleep(0.5)
     assert all(done[r] >= routed[r] for r in routed), (done, routed)
     assert m["minivllm:router_failures_total{reason=\"replica_died\"}"] == 0
+    # One family per name (the replicas' merged under a replica label; the front's process_* its own).
+    from prometheus_client.parser import text_string_to_metric_families
+
+    names = [f.name for f in text_string_to_metric_families(httpx.get(replicated.url + "/metrics").text)]
+    assert len(names) == len(set(names)) and "process_cpu_seconds" in names
 
 
 def test_every_route_through_the_front(replicated):

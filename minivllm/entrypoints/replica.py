@@ -69,7 +69,7 @@ def families(metrics: ServerMetrics) -> list[Family]:
     """The engine's metric families of a replica (the front counts HTTP and its own loop itself)."""
     out: list[Family] = []
     for m in metrics.registry.collect():
-        if m.name in FRONT_FAMILIES:
+        if m.name in FRONT_FAMILIES or m.name.startswith("process_"):  # process_*: the front reports its own
             continue
         out.append((m.name, m.documentation, m.type, m.unit, [(s.name, dict(s.labels), s.value) for s in m.samples]))
     return out
