@@ -229,7 +229,7 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
                                 "every variant's front and replicas on one local Ray cluster, the plain server "
                                 "beside them, all driven by `bench serve` on the same requests. Capacity "
                                 "planning from these figures: [docs/scaling.md](docs/scaling.md).", "",
-                                replicas.report(r)]),
+                                replicas.report(r), "", replicas.verdict(r)]),
     ]
     for name, section in sections:
         r = _load(out_dir, name)

@@ -187,3 +187,30 @@ def plot(r: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def verdict(r: dict[str, Any]) -> str:
+    """What the run shows, in ratios from this run."""
+    t = r["throughput"]
+    tok = {n: _col(t, n)["output_tok_per_s"] for n in r["variants"]}
+    two, one, wide, plain = (tok[n] for n in ("2 replicas x 1 thread", BASE, "1 replica x 2 threads", "server"))
+    lat = r["latency"]
+    a, b = (_col(lat, n)["e2e_ms"] for n in r["latency_pair"])
+    e2e = [_col(t, n)["e2e_ms"]["p50"] for n in r["variants"]]
+    runs = [x for n in ("1 replica x 2 threads", "server") for x in _col(t, n).get("runs_tok_per_s", [])]
+    spread = (max(runs) - min(runs)) / min(runs) if runs else 0.0
+    drift = ": the gap is within the runs' spread" if abs(wide / plain - 1) <= spread else ""
+    return (f"- 2 replicas x 1 thread: **{two / one:.2f}x** one replica of 1 thread, **{two / wide:.2f}x** one "
+            f"replica of 2 threads on the same 2 cores, **{two / plain:.2f}x** the plain server. Two engines of one "
+            "thread each use the cores better than one engine of two: each step's serial parts (scheduling, "
+            "sampling, the Python between kernels) and the OpenMP barriers inside it do not get faster with a "
+            "second thread, while a second engine runs them side by side.\n"
+            f"- 1 replica x 2 threads vs the plain server (the same engine and flags): **{wide / plain:.2f}x** (runs "
+            f"{_runs(t, '1 replica x 2 threads')} vs {_runs(t, 'server')} tok/s{drift}); the "
+            f"router adds {b['p50'] - a['p50']:+.1f} ms at p50 and {b['p99'] - a['p99']:+.1f} ms at p99 per request "
+            "(front → Serve router → replica → front over Ray, two messages for a whole answer), against end-to-end "
+            f"latencies of {min(e2e) / 1000:.1f}–{max(e2e) / 1000:.1f} s (p50) under the seed's load.")
+
+
+def _runs(t: dict[str, Any], variant: str) -> str:
+    return "/".join(f"{x:.0f}" for x in _col(t, variant).get("runs_tok_per_s", [_col(t, variant)["output_tok_per_s"]]))
