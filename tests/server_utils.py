@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -109,3 +111,20 @@ def wait_idle(url: str, timeout: float = 20.0) -> dict[str, float]:
             f"{m['minivllm:num_requests_running']}, waiting {m['minivllm:num_requests_waiting']}, " \
             f"KV usage {m['minivllm:kv_cache_usage_perc']}"
         time.sleep(0.1)
+
+
+# promtool's lint cannot be switched off; these two are vLLM's naming, kept on purpose: the colon of the
+# `minivllm:` namespace, and `iteration_tokens_total` (vLLM's name for a histogram).
+_EXPECTED_LINTS = (re.compile(r"^minivllm:\w+ metric names should not contain ':'$"),
+                   re.compile(r'^minivllm:iteration_tokens_total non-counter metrics should not have "_total" suffix$'))
+
+
+def promtool_lints(text: str) -> tuple[list[str], list[str]] | None:
+    """`promtool check metrics` on a scrape: (every lint, those beyond vLLM's deliberate names); None
+    without promtool."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        return None
+    out = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    lints = [line.strip() for line in (out.stdout + out.stderr).splitlines() if line.strip()]
+    return lints, [line for line in lints if not any(p.match(line) for p in _EXPECTED_LINTS)]

@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from server_utils import ServerProcess, free_port, metrics
+from server_utils import ServerProcess, free_port, metrics, promtool_lints
 
 pytest.importorskip("ray.serve", reason="Ray Serve is the [ray] extra: pip install -e '.[test,ray]'")
 openai = pytest.importorskip("openai")
@@ -103,8 +103,11 @@ def test_two_replicas_serve_200_concurrent_openai_requests(replicated):
     # One family per name (the replicas' merged under a replica label; the front's process_* its own).
     from prometheus_client.parser import text_string_to_metric_families
 
-    names = [f.name for f in text_string_to_metric_families(httpx.get(replicated.url + "/metrics").text)]
+    text = httpx.get(replicated.url + "/metrics").text
+    names = [f.name for f in text_string_to_metric_families(text)]
     assert len(names) == len(set(names)) and "process_cpu_seconds" in names
+    checked = promtool_lints(text)  # the merged exposition is valid: nothing beyond vLLM's deliberate names
+    assert checked is None or not checked[1], checked
 
 
 def test_every_route_through_the_front(replicated):

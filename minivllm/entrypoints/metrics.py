@@ -3,7 +3,15 @@ histograms, on a registry of their own (one per server)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from minivllm.engine.stats import IterationStats, SchedulerSnapshot
 
@@ -33,6 +41,8 @@ class ServerMetrics:
     def __init__(self, model_name: str, num_speculative_tokens: int = 0, engine_metrics: bool = True) -> None:
         """engine_metrics=False (a front before Ray Serve replicas): the engine's families are not exported
         here, since every replica reports its own (router_metrics.ReplicaCollector labels them by replica)."""
+        # No `*_created` series (vLLM turns them off too): each would be one more series per labelled child.
+        disable_created_metrics()
         self.registry = r = CollectorRegistry()
         er = r if engine_metrics else CollectorRegistry()  # the engine's families (unexported when off)
         ProcessCollector(registry=r)  # process_cpu_seconds_total, memory, fds: what the server process costs
