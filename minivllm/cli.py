@@ -1,4 +1,4 @@
-"""The `minivllm` command: serve | generate | make-model | quantize | bench."""
+"""The `minivllm` command: serve | generate | make-model | quantize | monitor | profile | bench."""
 
 from __future__ import annotations
 
@@ -120,6 +120,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="dtype of the tensors left in full precision (auto: the checkpoint's)")
     qz.add_argument("--out", required=True, help="output directory (new or empty)")
     qz.set_defaults(func=_cmd_quantize)
+
+    from minivllm.profiling.monitor import add_monitor_args, run_monitor
+    from minivllm.profiling.profiler import add_profile_args, run_profile
+
+    mon = sub.add_parser("monitor", help="sample a running process (RSS, peak RSS, context switches, CPU%, "
+                                         "threads, page faults) into a CSV and a plot")
+    add_monitor_args(mon)
+    mon.set_defaults(func=run_monitor)
+    prof = sub.add_parser("profile", help="perf stat counters and a py-spy flame graph of a running process")
+    add_profile_args(prof)
+    prof.set_defaults(func=run_profile)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
