@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     from minivllm.profiling.monitor import add_monitor_args, run_monitor
     from minivllm.profiling.profiler import add_profile_args, run_profile
 
-    mon = sub.add_parser("monitor", help="sample a running process (RSS, peak RSS, context switches, CPU%, "
+    mon = sub.add_parser("monitor", help="sample a running process (RSS, peak RSS, context switches, CPU%%, "
                                          "threads, page faults) into a CSV and a plot")
     add_monitor_args(mon)
     mon.set_defaults(func=run_monitor)
