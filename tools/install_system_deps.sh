@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # System packages some tests use, from Debian/Ubuntu's apt (the README's test command and .ci/run run
-# this first): promtool (package prometheus) for `promtool check config/metrics`, and docker-compose to
-# validate deploy/docker-compose.yml. Only missing tools are installed; without apt (or root/sudo) it
+# this first): promtool (package prometheus) for `promtool check config/metrics`, docker-compose to
+# validate deploy/docker-compose.yml, and chromium, which Playwright drives to test the live view
+# (Playwright's own browser download comes from a CDN, not a package registry). Only missing tools are installed; without apt (or root/sudo) it
 # says so and exits 0, and the tests that need a tool skip naming it.
 set -euo pipefail
 
-declare -A PACKAGE_OF=([promtool]=prometheus [docker-compose]=docker-compose)
+declare -A PACKAGE_OF=([promtool]=prometheus [docker-compose]=docker-compose [chromium]=chromium)
 missing=()
 for tool in "${!PACKAGE_OF[@]}"; do
     command -v "$tool" >/dev/null 2>&1 || missing+=("${PACKAGE_OF[$tool]}")

@@ -33,6 +33,7 @@ from minivllm.config import EngineArgs, cpu_count
 from minivllm.engine.input_processor import EngineRequest, Prompt
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.stats import IterationStats, LoggingStatLogger, SchedulerSnapshot, StatLogger
+from minivllm.engine.step_trace import StepTracer
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -105,6 +106,7 @@ class AsyncLLMEngine:
         self._loop_ready = threading.Event()
         self._stop = False
         self.dead_error: BaseException | None = None
+        self.tracer = StepTracer()  # the live view's feed; costs nothing while nobody subscribes
         self._thread = threading.Thread(target=self._thread_main, args=(engine,), name="minivllm-engine",
                                         daemon=True)
         self.engine: LLMEngine
@@ -319,11 +321,15 @@ class AsyncLLMEngine:
         """Hand the step's stats to the event loop, where the front end's loggers record them: the engine
         thread produces stats objects and never calls into the server's metrics (vLLM v1's direction)."""
         self._snapshot = snap = self.engine.snapshot(self._inbox_adds)
-        if self.stat_loggers and self._loop is not None:
-            try:
+        if self._loop is None:
+            return
+        try:
+            if self.tracer.active and stats is not None:  # a live view is watching
+                self._loop.call_soon_threadsafe(self.tracer.publish, self.tracer.build(self.engine, stats))
+            if self.stat_loggers:
                 self._loop.call_soon_threadsafe(self._log_stats, stats, snap)
-            except RuntimeError:  # the event loop closed under us (server shutdown)
-                pass
+        except RuntimeError:  # the event loop closed under us (server shutdown)
+            pass
 
     def _log_stats(self, stats: IterationStats | None, snap: SchedulerSnapshot) -> None:
         """On the event-loop thread: every stat logger records one step's stats (or an idle tick)."""

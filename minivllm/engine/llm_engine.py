@@ -106,6 +106,7 @@ class LLMEngine:
         self.recorder = StatsRecorder(self.eos_token_ids)  # IterationStats since the last take_stats()
         self.beams = BeamSearcher(self.scheduler, self.recorder, self.eos_token_ids, self.max_model_len)
         self._in_flight: SchedulerOutput | None = None  # the step in progress (to name its requests on error)
+        self.last_schedule: SchedulerOutput | None = None  # the last step's, for the live view (step_trace.py)
         logger.info("engine: %s (%s, %s%s) on %s, KV pool %d blocks x %d tokens",
                     mc.architecture, args.model, self.dtype,
                     f", {self.quant_config.method} {self.runner.quant_kernels}" if self.quant_config else "",
@@ -229,7 +230,7 @@ class LLMEngine:
                 if self.log_stats:
                     self.recorder.finished(group, now)
         self.recorder.produced.clear()
-        self._in_flight = None
+        self.last_schedule, self._in_flight = sched, None
         t4 = time.perf_counter()
         tm, forward = self.timings, self.runner.last_forward_time
         tm.steps += 1

@@ -26,6 +26,7 @@ class FinishedRequestStats:
     queue_time: float | None  # arrival → first scheduled (None: never scheduled)
     num_prompt_tokens: int
     num_generation_tokens: int
+    request_id: str = ""  # for the live view's feed (metrics never label by request)
 
 
 @dataclass(slots=True)
@@ -130,7 +131,7 @@ class StatsRecorder:
                      else sum(s.num_output_tokens for s in group.seqs))
         queued = group.first_scheduled_time - group.arrival_time if group.first_scheduled_time is not None else None
         self.stats.finished.append(FinishedRequestStats(reason, now - group.arrival_time, queued,
-                                                        len(group.prompt_token_ids), generated))
+                                                        len(group.prompt_token_ids), generated, group.request_id))
 
     def take(self, s: SchedulerStats, spec: SpecDecodeStats | None = None) -> IterationStats:
         """The stats gathered since the previous call, the scheduler's (and speculation's) counters as deltas."""

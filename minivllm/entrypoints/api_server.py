@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from minivllm.config import EngineArgs, parse_size
 from minivllm.engine.async_engine import AsyncLLMEngine
-from minivllm.entrypoints import openai_routes, seed_routes
+from minivllm.entrypoints import dashboard, openai_routes, seed_routes
 from minivllm.entrypoints.metrics import HTTP_ENDPOINTS, ServerMetrics
 from minivllm.entrypoints.serving import (
     APIError,
@@ -34,8 +34,9 @@ from minivllm.entrypoints.serving import (
 logger = logging.getLogger(__name__)
 
 _LAG_PROBE_S = 0.01
-# Routes that need the API key (monitoring stays open, as Prometheus scrapes without one).
-_OPEN_PATHS = frozenset({"/health", "/metrics", "/docs", "/openapi.json"})
+# Routes that need no API key: monitoring stays open, as Prometheus scrapes without one, and so does the
+# live view (a browser cannot put a header on a WebSocket; it shows request ids and counts, no text).
+_OPEN_PATHS = frozenset({"/health", "/metrics", "/docs", "/openapi.json", "/dashboard", "/ws/events"})
 
 
 class BodyTooLarge(StarletteHTTPException):
@@ -51,7 +52,7 @@ class GuardMiddleware:
         self.max_body_bytes = max_body_bytes
 
     def _authorized(self, scope: Scope) -> bool:
-        if not self.api_key or scope["path"] in _OPEN_PATHS:
+        if not self.api_key or scope["path"] in _OPEN_PATHS or scope["path"].startswith("/dashboard/"):
             return True
         headers = dict(scope.get("headers") or [])
         auth = headers.get(b"authorization", b"").decode("latin-1")
@@ -177,6 +178,7 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs, metrics: ServerMetrics |
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    app.include_router(dashboard.router)
     app.include_router(seed_routes.router)
     app.include_router(openai_routes.router)
     app.add_middleware(GuardMiddleware, api_key=args.api_key,

@@ -1,0 +1,68 @@
+"""The live view (SPEC §7): `GET /dashboard` (HTML, JS and CSS from the package: no build step, no CDN)
+and `WS /ws/events`, which streams the engine's step records (engine/step_trace.py) to the page."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+from fastapi import APIRouter, WebSocket, WebSocketDisconnect
+from starlette.responses import FileResponse, Response
+
+router = APIRouter()
+STATIC = os.path.join(os.path.dirname(__file__), "static")
+_FILES = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
+_MAX_BATCH = 64  # records per WebSocket message when a viewer is behind
+
+
+@router.get("/dashboard", include_in_schema=False)
+async def dashboard() -> Response:
+    return FileResponse(os.path.join(STATIC, "dashboard.html"), media_type="text/html")
+
+
+@router.get("/dashboard/{name}", include_in_schema=False)
+async def dashboard_file(name: str) -> Response:
+    if name not in _FILES:
+        return Response(f"no file {name}", status_code=404)
+    return FileResponse(os.path.join(STATIC, name), media_type=_FILES[name])
+
+
+@router.websocket("/ws/events")
+async def events(ws: WebSocket) -> None:
+    """A hello with the engine's shape, then lists of step records as steps run."""
+    state = ws.app.state.server
+    tracer = getattr(state.engine, "tracer", None)
+    await ws.accept()
+    if tracer is None:  # a front of Ray replicas: each replica has its own engine and no feed here
+        await ws.send_json({"type": "error", "message": "the live view follows one engine; it is not available "
+                                                        "through --replicas (open a replica's own server)"})
+        await ws.close(1011)
+        return
+    eng = state.engine
+    await ws.send_json({"type": "hello", "model": state.model_name, "max_num_seqs": state.max_num_seqs,
+                        "max_model_len": state.max_model_len})
+    sub = tracer.subscribe()
+
+    async def until_closed() -> None:
+        while True:
+            await ws.receive_text()  # the page sends nothing; this returns on close
+
+    closed = asyncio.ensure_future(until_closed())
+    try:
+        while not closed.done():
+            get = asyncio.ensure_future(sub.queue.get())
+            await asyncio.wait({get, closed}, return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()
+                break
+            records = [get.result()]
+            while len(records) < _MAX_BATCH and not sub.queue.empty():
+                records.append(sub.queue.get_nowait())
+            await ws.send_text(json.dumps({"type": "steps", "records": records, "dropped": sub.dropped,
+                                           "running": eng.is_running}))
+    except (WebSocketDisconnect, RuntimeError):
+        pass
+    finally:
+        closed.cancel()
+        tracer.unsubscribe(sub)
