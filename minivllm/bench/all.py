@@ -58,6 +58,9 @@ def _argv(quick: bool, model: str | None) -> dict[str, list[str]]:
             "replicas": ["replicas", *m, "--concurrency", "4", "--num-requests", "8", "--output-len", "3",
                          "--max-num-seqs", "4", "--kv-cache-memory", "64MiB", "--rounds", "1",
                          "--latency-requests", "4", "--latency-output-len", "2"],
+            "liveview": ["liveview", *m, "--concurrency", "2", "--num-requests", "4", "--output-len", "3",
+                         "--input-len-min", "8", "--input-len-max", "16", "--rounds", "1",
+                         "--kv-cache-memory", "64MiB"],
             "beam": ["beam", *m, "--num-prompts", "2", "--prompt-len", "8", "--beam-width", "2", "--max-tokens", "3",
                      "--rounds", "1", "--kv-cache-memory", "8MiB"],
             "quantization": ["quantization", *m, "--quality-model", model or "", "--output-len", "4", "--repeats", "1",
@@ -82,11 +85,12 @@ def _argv(quick: bool, model: str | None) -> dict[str, list[str]]:
         "speculative": ["speculative"],
         "parallel": ["parallel"],
         "replicas": ["replicas"],
+        "liveview": ["liveview", "--rounds", "3"],
     }
 
 
 BENCHES = ("seed", "throughput", "latency", "transports", "perplexity", "quantization", "step", "beam",
-           "speculative", "parallel", "replicas")
+           "speculative", "parallel", "replicas", "liveview")
 
 
 def machine_info() -> dict[str, Any]:
@@ -160,6 +164,7 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
     """BENCHMARKS.md from the JSON files in out_dir (a section per bench found)."""
     from minivllm.bench import (
         latency,
+        live_view,
         parallel,
         perplexity,
         quantization_report,
@@ -230,6 +235,10 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
                                 "beside them, all driven by `bench serve` on the same requests. Capacity "
                                 "planning from these figures: [docs/scaling.md](docs/scaling.md).", "",
                                 replicas.report(r), "", replicas.verdict(r)]),
+        ("liveview", lambda r: ["## The live view's cost (`bench liveview`)", "",
+                                f"`{os.path.basename(r['model'].rstrip('/'))}`: the same server and requests with "
+                                "and without a viewer reading every step record from `/ws/events` (as the "
+                                "`/dashboard` page does).", "", live_view.report(r)]),
     ]
     for name, section in sections:
         r = _load(out_dir, name)

@@ -42,6 +42,8 @@ VERBS: dict[str, tuple[str, str, str, str]] = {
     "replicas": ("replicas", "add_replicas_args", "run_replicas",
                  "Ray Serve replicas (1, 2, 1 with 2 threads) vs one server on the seed's workload, and the "
                  "router's added latency"),
+    "liveview": ("live_view", "add_liveview_args", "run_liveview",
+                 "what the live view's event feed costs: throughput with and without a /ws/events viewer"),
     "all": ("all", "add_all_args", "run_all", "every bench in turn, then BENCHMARKS.md regenerated from their results"),
 }
 

@@ -10,8 +10,11 @@ total), never slows the engine. The KV block grid, O(blocks), is sent at most ev
 from __future__ import annotations
 
 import asyncio
+import base64
 import itertools
+import sys
 import time
+from array import array
 from typing import TYPE_CHECKING, Any
 
 from minivllm.engine.stats import IterationStats
@@ -94,14 +97,17 @@ class StepTracer:
         return record
 
     def _kv_grid(self, eng: LLMEngine) -> dict[str, Any]:
-        """Owner of every block: a request's index in `requests`, FREE or CACHED; `shared` lists blocks
-        referenced by more than one sequence (prefix sharing, samples, beams)."""
+        """Owner of every block: a request's index in `requests`, FREE or CACHED, as little-endian int32s in
+        base64 (one C call to encode, however large the pool); `shared` lists the blocks more than one
+        sequence references (prefix sharing, samples, beams). O(blocks in use) Python work."""
         bm = eng.block_manager
-        owners = [FREE] * bm.num_blocks
+        owners = array("i", [FREE]) * bm.num_blocks
         for b in bm.evictable:
             owners[b] = CACHED
         requests: list[str] = []
         index: dict[str, int] = {}
+        shared = set()
+        refs = bm.ref_counts
         for seq in eng.scheduler.running:
             i = index.get(seq.request_id)
             if i is None:
@@ -109,6 +115,10 @@ class StepTracer:
                 requests.append(seq.request_id)
             for b in seq.block_table:
                 owners[b] = i
-        shared = [b for b, r in enumerate(bm.ref_counts) if r > 1]
-        return {"num_blocks": bm.num_blocks, "block_size": bm.block_size, "owners": owners, "requests": requests,
-                "shared": shared, "used": bm.num_used}
+                if refs[b] > 1:
+                    shared.add(b)
+        if sys.byteorder != "little":
+            owners.byteswap()
+        return {"num_blocks": bm.num_blocks, "block_size": bm.block_size, "requests": requests,
+                "owners_b64": base64.b64encode(owners.tobytes()).decode("ascii"), "shared": sorted(shared),
+                "used": bm.num_used}

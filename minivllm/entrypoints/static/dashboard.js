@@ -72,7 +72,11 @@ function onStep(rec) {
   for (const a of [stepPts, tputPts, latPts]) while (a.length > MAX_POINTS) a.shift();
   $("running").textContent = rec.num_running;
   $("waiting").textContent = rec.num_waiting;
-  if (rec.kv) lastKv = rec.kv;
+  if (rec.kv) {   // owners arrive as little-endian int32s in base64
+    const bytes = Uint8Array.from(atob(rec.kv.owners_b64), (c) => c.charCodeAt(0));
+    rec.kv.owners = new Int32Array(bytes.buffer);
+    lastKv = rec.kv;
+  }
 }
 
 function drawKv() {
