@@ -50,11 +50,10 @@ class RayEngineClient:
     """Routes the server's calls to Ray Serve replicas; see the module doc."""
 
     def __init__(self, handle: Any, board: Any, info: dict[str, Any], tokenizer: Any, metrics: RouterMetrics,
-                 collector: ReplicaCollector, num_replicas: int) -> None:
+                 collector: ReplicaCollector) -> None:
         self.handle = handle.options(stream=True)
         self.board = board
         self.metrics, self.collector = metrics, collector
-        self.num_replicas = num_replicas
         self.model_path: str = info["model_path"]
         self.max_model_len: int = info["max_model_len"]
         self.max_num_seqs: int = info["max_num_seqs"]

@@ -124,7 +124,7 @@ def run_replicated_server(engine_args: EngineArgs, server_args: ServerArgs) -> N
         collector = ReplicaCollector()
         metrics.registry.register(collector)
         client = RayEngineClient(handle, board, info, tokenizer, RouterMetrics(metrics.registry, model_name, n),
-                                 collector, n)
+                                 collector)
         client.update(reports)
         app = build_app(client, server_args, metrics)  # type: ignore[arg-type]
         logger.info("serving %s from %d replica(s) on http://%s:%d", model_name, n, server_args.host,
