@@ -65,6 +65,7 @@ def default_device() -> torch.device:
 
 BATCHING_MODES = ("continuous", "static")
 KV_CACHE_MODES = ("paged", "contiguous", "none")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
 
 QUANTIZATION_METHODS = ("int8", "int4", "w8a8", "w4a8")
@@ -128,6 +129,10 @@ class EngineArgs:
     dtype: str = _arg("auto", "float32 | bfloat16 | float16 | auto (float32 on CPU, checkpoint dtype on GPU)")
     kv_cache_memory: str = _arg("2GiB", "memory budget for the paged KV cache pool, e.g. 2GiB")
     num_kv_blocks: int | None = _arg(None, "pool size in blocks, overriding kv_cache_memory (tests, debugging)")
+    kv_cache_dtype: str = _arg(
+        "auto", "KV cache storage: auto (the model's dtype) | int8 (one byte per value and a float16 scale per token "
+        "and head: ~1.9x the tokens of bf16 and ~3.8x of fp32 in the same kv_cache_memory) | fp8 (e4m3, the same "
+        "layout, on CUDA GPUs with fp8)")
     block_size: int = _arg(16, "tokens per KV cache block")
     max_num_seqs: int = _arg(256, "most sequences running in one step")
     max_num_batched_tokens: int | None = _arg(
@@ -207,6 +212,8 @@ class EngineArgs:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching must be one of {', '.join(BATCHING_MODES)}, got {self.batching!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_mode not in KV_CACHE_MODES:
             raise ValueError(f"kv_cache_mode must be one of {', '.join(KV_CACHE_MODES)}, got {self.kv_cache_mode!r}")
         if self.quantization is not None:

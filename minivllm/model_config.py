@@ -96,7 +96,10 @@ class ModelConfig:
         query heads read (replicated)."""
         return max(self.num_kv_heads // tensor_parallel_size, 1)
 
-    def kv_bytes_per_token(self, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
-        """Bytes of K and V for one token across all layers (in one tensor-parallel rank's cache)."""
-        elt = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.kv_heads_per_rank(tensor_parallel_size) * self.head_dim * elt
+    def kv_bytes_per_token(self, dtype: torch.dtype, tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto"
+                           ) -> int:
+        """Bytes of K and V for one token across all layers (in one tensor-parallel rank's cache). An int8 or
+        fp8 cache holds one byte per value plus a float16 scale per token and head."""
+        per_head = (self.head_dim + 2 if kv_cache_dtype in ("int8", "fp8")
+                    else self.head_dim * torch.empty((), dtype=dtype).element_size())
+        return 2 * self.num_layers * self.kv_heads_per_rank(tensor_parallel_size) * per_head

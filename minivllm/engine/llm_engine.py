@@ -66,7 +66,7 @@ class LLMEngine:
             raise ValueError(f"max_num_batched_tokens ({token_budget}) must be >= max_model_len "
                              f"({self.max_model_len}) when chunked prefill is disabled")
         self.tokenizer = get_tokenizer(args.model)
-        per_token = mc.kv_bytes_per_token(self.dtype, args.tensor_parallel_size)  # one rank's cache
+        per_token = mc.kv_bytes_per_token(self.dtype, args.tensor_parallel_size, args.kv_cache_dtype)  # one rank's
         kv_bytes = (args.num_kv_blocks * args.block_size * per_token if args.num_kv_blocks
                     else parse_size(args.kv_cache_memory, "kv_cache_memory"))
         # Ablation modes: neither a per-request contiguous cache nor a recomputed one can share prefix blocks.
@@ -85,7 +85,8 @@ class LLMEngine:
                                                 args.quantize_lm_head, mc)
         self.runner = ModelRunner(mc, self.dtype, self.device, cc.num_blocks, cc.block_size, self.max_model_len,
                                   args.attention_backend, args.linear_backend, self.quant_config,
-                                  args.quantization_kernel, args.enforce_eager, args.tensor_parallel_size)
+                                  args.quantization_kernel, args.enforce_eager, args.tensor_parallel_size,
+                                  kv_cache_dtype=args.kv_cache_dtype)
         self.block_manager = BlockManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = _scheduler_class(self.scheduler_config)(self.scheduler_config, self.block_manager)
         self.sampler = Sampler(self.device, args.seed)

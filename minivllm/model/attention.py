@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.model import cpu_kernels
+from minivllm.model.kv_quant import dequantize_kv, quantize_kv
 
 
 @dataclass(slots=True)
@@ -70,9 +71,12 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
-        # Bound by the model runner once the pool exists: [num_blocks, block_size, kv_heads, head_dim] each.
+        # Bound by the model runner once the pool exists: [num_blocks, block_size, kv_heads, head_dim] each, and
+        # for a quantized cache (--kv-cache-dtype int8) float16 scales [num_blocks, block_size, kv_heads].
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
         self.backend: AttentionBackend = TorchPagedAttention()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_written: bool = False) -> torch.Tensor:
@@ -84,7 +88,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         md = get_metadata()
         if not kv_written:
-            write_kv(self.k_cache, self.v_cache, k, v, md.slot_mapping)
+            write_kv(self, k, v, md.slot_mapping)
         out = torch.empty(t, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         if md.num_decodes:
             self.backend.decode(self, q[:md.num_decodes], md, out[:md.num_decodes])
@@ -95,21 +99,35 @@ class Attention(nn.Module):
 
     def can_fuse_rope(self, qkv: torch.Tensor) -> bool:
         """Whether rope_and_cache can take this fused qkv output (float32 on the CPU, native kernels)."""
-        return (qkv.dtype == torch.float32 and self.k_cache.dtype == torch.float32 and qkv.device.type == "cpu"
-                and qkv.stride(-1) == 1 and cpu_kernels.available())
+        return (qkv.dtype == torch.float32 and self.k_cache.dtype in (torch.float32, torch.int8)
+                and qkv.device.type == "cpu" and qkv.stride(-1) == 1 and cpu_kernels.available())
 
     def rope_and_cache(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
         """Rotate the q and k heads of qkv in place and store k and v in their cache slots, in one pass."""
         cpu_kernels.rope_kv_write(qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions, cos_sin_cache,
-                                  self.k_cache, self.v_cache, get_metadata().slot_mapping)
+                                  self.k_cache, self.v_cache, get_metadata().slot_mapping, self.k_scale, self.v_scale)
+
+    def cached_kv(self, block_table: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the blocks in block_table (any shape of block ids), gathered as `dtype`:
+        [*block_table.shape, block_size, kv_heads, head_dim] each (a quantized cache dequantized)."""
+        k, v = self.k_cache[block_table], self.v_cache[block_table]
+        if self.k_scale is None:
+            return k, v
+        assert self.v_scale is not None
+        return (dequantize_kv(k, self.k_scale[block_table], dtype), dequantize_kv(v, self.v_scale[block_table], dtype))
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Scatter the step's new K/V rows into their pool slots (one op each, no per-sequence loop)."""
-    kvh, d = k_cache.shape[-2:]
-    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
+def write_kv(layer: Attention, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter the step's new K/V rows into their pool slots (one op each, no per-sequence loop); a quantized
+    cache stores each row's values and scale."""
+    kvh, d = layer.k_cache.shape[-2:]
+    for cache, scales, x in ((layer.k_cache, layer.k_scale, k), (layer.v_cache, layer.v_scale, v)):
+        if scales is None:
+            cache.view(-1, kvh, d).index_copy_(0, slot_mapping, x)
+        else:
+            q, s = quantize_kv(x, cache.dtype)
+            cache.view(-1, kvh, d).index_copy_(0, slot_mapping, q)
+            scales.view(-1, kvh).index_copy_(0, slot_mapping, s)
 
 
 def prefill_sdpa(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: PrefillSpan
@@ -123,8 +141,9 @@ def prefill_sdpa(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         vi = v[p.start:p.end].transpose(0, 1).unsqueeze(0)
     else:
         ctx = p.num_cached + (p.end - p.start)
-        ki = layer.k_cache[p.block_table].flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0)
-        vi = layer.v_cache[p.block_table].flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0)
+        kc, vc = layer.cached_kv(p.block_table, q.dtype)
+        ki = kc.flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0)
+        vi = vc.flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0)
     oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=p.mask, is_causal=p.mask is None, scale=layer.scale,
                                         enable_gqa=gqa)
     return oi.squeeze(0).transpose(0, 1)
@@ -150,23 +169,24 @@ class TorchPagedAttention(AttentionBackend):
         bt = md.decode_block_tables
         assert bt is not None and md.decode_mask is not None
         b, kvh, d = bt.shape[0], layer.num_kv_heads, layer.head_dim
-        kc = layer.k_cache[bt].view(b, -1, kvh, d).transpose(1, 2)
-        vc = layer.v_cache[bt].view(b, -1, kvh, d).transpose(1, 2)
+        kc, vc = layer.cached_kv(bt, q.dtype)
+        kc = kc.view(b, -1, kvh, d).transpose(1, 2)
+        vc = vc.view(b, -1, kvh, d).transpose(1, 2)
         o = F.scaled_dot_product_attention(q.unsqueeze(2), kc, vc, attn_mask=md.decode_mask, scale=layer.scale,
                                            enable_gqa=kvh != layer.num_heads)
         out.copy_(o.squeeze(2))
 
 
 class CpuNativePagedAttention(AttentionBackend):
-    """CPU backend: a compiled kernel reads K/V straight from the pool (no gather copy), float32 or
-    bfloat16 (widened as read; q and the output go through float32)."""
+    """CPU backend: a compiled kernel reads K/V straight from the pool (no gather copy), float32, bfloat16
+    (widened as read) or int8 with its scales; q and the output go through float32."""
 
     def decode(self, layer: Attention, q: torch.Tensor, md: AttentionMetadata, out: torch.Tensor) -> None:
         assert md.decode_block_tables is not None and md.decode_positions is not None
         out32 = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32)
         cpu_kernels.paged_attention(out32, q if q.dtype == torch.float32 else q.float(), layer.k_cache, layer.v_cache,
                                     md.decode_block_tables, md.decode_positions, layer.scale, md.sliding_window or 0,
-                                    md.max_decode_seq_len)
+                                    md.max_decode_seq_len, layer.k_scale, layer.v_scale)
         if out32 is not out:
             out.copy_(out32)
 

@@ -79,8 +79,8 @@ def load_library() -> ctypes.CDLL | None:
             os.replace(tmp_lib, lib_path)  # atomic: concurrent builders never see a partial file
     lib = ctypes.CDLL(lib_path)
     i64, p, c_int, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    lib.paged_attention_f32.argtypes = [p, p, i64, p, p, c_int, p, i64, p, i64, c_int, c_int, c_int, c_int, c_float,
-                                        i64, i64, p, c_int]
+    lib.paged_attention_f32.argtypes = [p, p, i64, p, p, c_int, p, p, p, i64, p, i64, c_int, c_int, c_int, c_int,
+                                        c_float, i64, i64, p, c_int]
     lib.paged_attention_f32.restype = None
     lib.sample_rows_f32.argtypes = [p, i64, i64, p, p, p, p, p, p, p, c_int]
     lib.sample_rows_f32.restype = None
@@ -93,7 +93,7 @@ def load_library() -> ctypes.CDLL | None:
     lib.quantize_rows_s8.restype = lib.rescale_i32.restype = None
     lib.add_rmsnorm_f32.argtypes = [p, p, i64, p, c_float, p, i64, i64, c_int]
     lib.silu_mul_f32.argtypes = [p, i64, p, i64, i64, c_int]
-    lib.rope_kv_write_f32.argtypes = [p, i64, i64, c_int, c_int, c_int, p, p, p, p, c_int, p, c_int]
+    lib.rope_kv_write_f32.argtypes = [p, i64, i64, c_int, c_int, c_int, p, p, p, p, c_int, p, p, p, c_int]
     for fn in (lib.add_rmsnorm_f32, lib.silu_mul_f32, lib.rope_kv_write_f32):
         fn.restype = None
     lib.decode_stack_f32.argtypes = [p, i64, p, p, p, p]
@@ -119,24 +119,28 @@ def available() -> bool:
 _local = threading.local()  # per-thread scratch: ctypes drops the GIL, so engines in threads must not share
 
 
+KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # csrc's kv_fmt codes
+
+
 def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, positions: torch.Tensor, scale: float, window: int,
-                    max_ctx: int) -> None:
+                    max_ctx: int, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """Decode attention: out[t] = softmax(q[t] K^T * scale) V over the context of token t (row t of
-    block_tables), read in place from the block pool (float32 or bfloat16). q [T, H, D] and out are
-    float32; q may have any row stride."""
+    block_tables), read in place from the block pool (float32, bfloat16, or int8 with float16 scales per
+    slot and kv head). q [T, H, D] and out are float32; q may have any row stride."""
     lib = load_library()
     assert lib is not None
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == head_dim and out.is_contiguous()
-    assert out.dtype == torch.float32 and k_cache.dtype == v_cache.dtype in (torch.float32, torch.bfloat16)
+    assert out.dtype == torch.float32 and k_cache.dtype == v_cache.dtype and k_cache.dtype in KV_FORMATS
+    assert (k_cache.dtype == torch.int8) == (k_scale is not None)
     assert block_tables.dtype == torch.int64 and block_tables.stride(1) == 1 and positions.dtype == torch.int64
     threads = torch.get_num_threads()
     scratch = _scratch_for(threads * (num_heads // num_kv_heads) * ((max_ctx + 15) // 16 * 16))
     lib.paged_attention_f32(
         out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-        int(k_cache.dtype == torch.bfloat16), block_tables.data_ptr(),
+        KV_FORMATS[k_cache.dtype], _ptr(k_scale), _ptr(v_scale), block_tables.data_ptr(),
         block_tables.stride(0), positions.data_ptr(), num_tokens, num_heads, num_kv_heads, head_dim, block_size,
         scale, window, max_ctx, scratch.data_ptr(), threads)
 
@@ -260,13 +264,16 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
 
 def rope_kv_write(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int, positions: torch.Tensor,
                   cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> None:
+                  slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> None:
     """Rotary embedding in place on the q and k heads of a fused qkv [M, (H + 2 KVH) * D] (float32, unit
-    column stride), then k and v written to their cache slots: one pass instead of rope + two scatters."""
+    column stride), then k and v written to their cache slots (an int8 cache with its scales): one pass
+    instead of rope + two scatters."""
     lib = load_library()
     lib.rope_kv_write_f32(qkv.data_ptr(), qkv.stride(0), qkv.shape[0], num_q_heads, num_kv_heads, head_dim,
                           positions.data_ptr(), cos_sin_cache.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                          int(k_cache.dtype == torch.bfloat16), slot_mapping.data_ptr(), torch.get_num_threads())
+                          KV_FORMATS[k_cache.dtype], _ptr(k_scale), _ptr(v_scale), slot_mapping.data_ptr(),
+                          torch.get_num_threads())
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:

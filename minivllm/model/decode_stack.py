@@ -33,14 +33,14 @@ class _Proj(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _p), ("post_norm", _p), ("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj),
-                ("down", _Proj), ("k_cache", _p), ("v_cache", _p)]
+                ("down", _Proj), ("k_cache", _p), ("v_cache", _p), ("k_scale", _p), ("v_scale", _p)]
 
 
 class _Step(ctypes.Structure):
     _fields_ = [("M", _i64), ("H", _i64), ("I", _i64), ("nq", _i64), ("nkv", _i64), ("D", _i64),
                 ("block_size", _i64), ("eps", _f), ("scale", _f), ("positions", _p), ("slot_mapping", _p),
                 ("block_tables", _p), ("bt_stride", _i64), ("window", _i64), ("max_ctx", _i64), ("cos_sin", _p),
-                ("gemv_scratch", _p), ("attn_scratch", _p), ("work", _p), ("num_threads", _i64), ("kv_bf16", _i64)]
+                ("gemv_scratch", _p), ("attn_scratch", _p), ("work", _p), ("num_threads", _i64), ("kv_fmt", _i64)]
 
 
 def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:
@@ -89,6 +89,9 @@ class DecodeStack:
             a = layer.self_attn.attn
             row.k_cache, row.v_cache = a.k_cache.data_ptr(), a.v_cache.data_ptr()
             keep += [a.k_cache, a.v_cache]
+            if a.k_scale is not None:
+                row.k_scale, row.v_scale = a.k_scale.data_ptr(), a.v_scale.data_ptr()
+                keep += [a.k_scale, a.v_scale]
         self.final_norm = f32(model.norm.weight)
         self.cos_sin = f32(model.rotary.cos_sin_cache)
         self._keep = keep
@@ -97,7 +100,7 @@ class DecodeStack:
         self.step = _Step(H=self.hidden, I=self.inter, nq=self.num_heads, nkv=self.num_kv_heads, D=self.head_dim,
                           block_size=self.block_size, eps=model.norm.eps, scale=attn.scale,
                           cos_sin=self.cos_sin.data_ptr(), gemv_scratch=self.gemv_scratch.data_ptr(),
-                          kv_bf16=int(attn.k_cache.dtype == torch.bfloat16))
+                          kv_fmt=cpu_kernels.KV_FORMATS[attn.k_cache.dtype])
         self.n_layers = len(model.layers)
         self._layers_ptr, self._step_ptr = ctypes.addressof(self.layers), ctypes.addressof(self.step)
         self.residual = torch.empty(0)
@@ -113,8 +116,7 @@ class DecodeStack:
         if not all(hasattr(first, n) for n in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")):
             return None
         attn = first.self_attn.attn
-        if not isinstance(attn.backend, CpuNativePagedAttention) or attn.k_cache.dtype not in (torch.float32,
-                                                                                              torch.bfloat16):
+        if not isinstance(attn.backend, CpuNativePagedAttention) or attn.k_cache.dtype not in cpu_kernels.KV_FORMATS:
             return None
         classes = _native_classes(model)
         return DecodeStack(model, classes) if any(classes) else None

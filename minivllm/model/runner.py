@@ -15,6 +15,7 @@ from minivllm.config import ModelConfig, QuantConfig
 from minivllm.model.attention import Attention, AttentionMetadata, PrefillSpan, forward_context, get_backend
 from minivllm.model.decode_stack import DecodeStack
 from minivllm.model.kernel_plan import PlannedLinear, best_time, plan_kernels
+from minivllm.model.kv_quant import is_quantized, kv_storage_dtype
 from minivllm.model.layers import Linear, onednn_linear_available
 from minivllm.model.loader import load_model
 from minivllm.model.parallel import ParallelConfig, check_tensor_parallel, intermediate_size
@@ -59,7 +60,7 @@ class ModelRunner:
                  block_size: int, max_model_len: int, attention_backend: str = "auto",
                  linear_backend: str = "auto", quant: QuantConfig | None = None,
                  quantization_kernel: str = "auto", enforce_eager: bool = False, tensor_parallel_size: int = 1,
-                 parallel: ParallelConfig | None = None) -> None:
+                 parallel: ParallelConfig | None = None, kv_cache_dtype: str = "auto") -> None:
         self.mc, self.dtype, self.device = mc, dtype, device
         self.block_size = block_size
         if quant is not None:
@@ -76,7 +77,8 @@ class ModelRunner:
                 self.group = TensorParallelGroup(tensor_parallel_size, threads, dict(
                     mc=mc, dtype=dtype, device=device, num_blocks=num_blocks, block_size=block_size,
                     max_model_len=max_model_len, attention_backend=attention_backend, linear_backend=linear_backend,
-                    quant=quant, quantization_kernel=quantization_kernel, enforce_eager=enforce_eager))
+                    quant=quant, quantization_kernel=quantization_kernel, enforce_eager=enforce_eager,
+                    kv_cache_dtype=kv_cache_dtype))
         self.parallel = parallel
         self.model = load_model(mc, dtype, device, max_model_len, quant, parallel)
         # Shape class → kernel of the full-precision and of the quantized projections, timed on this machine.
@@ -92,16 +94,25 @@ class ModelRunner:
         self.quant_kernels = plan_kernels(quantized, quantization_kernel, f"quantization {quant and quant.method}",
                                           dtype)
         self.sliding_window: int | None = getattr(self.model, "sliding_window", None)
-        # One allocation for the whole pool: [2, layers, blocks, block_size, kv_heads, head_dim].
-        self.kv_cache = torch.zeros(2, mc.num_layers, num_blocks, block_size, mc.kv_heads_per_rank(parallel.size),
-                                    mc.head_dim,
-                                    dtype=dtype, device=device)
+        # One allocation for the whole pool: [2, layers, blocks, block_size, kv_heads, head_dim]; a quantized
+        # cache adds float16 scales [2, layers, blocks, block_size, kv_heads] (model/kv_quant.py).
+        self.kv_cache_dtype = kv_dtype = kv_storage_dtype(kv_cache_dtype, dtype, device)
+        kv_heads = mc.kv_heads_per_rank(parallel.size)
+        self.kv_cache = torch.zeros(2, mc.num_layers, num_blocks, block_size, kv_heads, mc.head_dim, dtype=kv_dtype,
+                                    device=device)
+        self.kv_scales = (torch.zeros(2, mc.num_layers, num_blocks, block_size, kv_heads, dtype=torch.float16,
+                                      device=device) if is_quantized(kv_dtype) else None)
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         assert len(layers) == mc.num_layers
         self.attention_backend = backend = get_backend(attention_backend, device, dtype)
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            if self.kv_scales is not None:
+                layer.k_scale, layer.v_scale = self.kv_scales[0, i], self.kv_scales[1, i]
             layer.backend = backend
+        # Every tensor of the pool, each [2, layers, num_blocks, ...]: whole-block copies (copy-on-write, swap)
+        # move the same block index in all of them.
+        self.kv_pools: list[torch.Tensor] = [self.kv_cache] + ([self.kv_scales] if self.kv_scales is not None else [])
         # All-decode steps in one native call where the stack runs the kernels planned above.
         # (Not with tensor parallelism: the stack's layers have no all-reduce between them.)
         self.decode_stack = None if enforce_eager or parallel.size > 1 else DecodeStack.build(self.model)
@@ -151,7 +162,8 @@ class ModelRunner:
     def _copy(self, copies: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
-        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        for pool in self.kv_pools:
+            pool[:, :, dst] = pool[:, :, src]
 
     @torch.inference_mode()
     def execute(self, seqs: list[SequenceInput]) -> torch.Tensor:

@@ -6,7 +6,8 @@
  * dispatch (module calls, views, ctypes marshalling: ~90 us a layer) was a tenth to a third of a
  * batch-1 step. Here the same kernels run back to back from C, with every activation in one buffer
  * the caller owns, so a step costs one foreign call however many layers the model has.
- * float32 activations; KV cache float32 or bfloat16; weights in any format of csrc/gemv.c.
+ * float32 activations; KV cache float32, bfloat16 or int8 (+ float16 scales); weights in any format of
+ * csrc/gemv.c.
  */
 #include <stdint.h>
 #include <string.h>
@@ -17,11 +18,11 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
 void add_rmsnorm_f32(float *residual, const float *x, int64_t ldx, const float *w, float eps, float *out,
                      int64_t M, int64_t H, int num_threads);
 void rope_kv_write_f32(float *qkv, int64_t ldx, int64_t M, int nq, int nkv, int D, const int64_t *pos,
-                       const float *cos_sin, void *k_cache, void *v_cache, int kv_bf16, const int64_t *slot_mapping,
-                       int num_threads);
+                       const float *cos_sin, void *k_cache, void *v_cache, int kv_fmt, _Float16 *k_scale,
+                       _Float16 *v_scale, const int64_t *slot_mapping, int num_threads);
 void silu_mul_f32(const float *gu, int64_t ldg, float *out, int64_t M, int64_t I, int num_threads);
 void paged_attention_f32(float *out, const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                         int kv_bf16, const int64_t *block_tables, int64_t bt_stride, const int64_t *positions,
+                         int kv_fmt, const _Float16 *k_scale, const _Float16 *v_scale, const int64_t *block_tables, int64_t bt_stride, const int64_t *positions,
                          int64_t num_tokens, int num_heads, int num_kv_heads, int head_dim, int block_size,
                          float scale, int64_t window, int64_t max_ctx, float *scratch, int num_threads);
 
@@ -37,6 +38,7 @@ typedef struct {
     const float *input_norm, *post_norm;
     proj_t qkv, o, gate_up, down;
     void *k_cache, *v_cache;
+    _Float16 *k_scale, *v_scale; /* int8 caches only */
 } layer_t;
 
 /* The model's shape and the step's inputs (attention metadata of an all-decode step). */
@@ -48,7 +50,7 @@ typedef struct {
     int64_t bt_stride, window, max_ctx;
     const float *cos_sin;
     float *gemv_scratch, *attn_scratch, *work;
-    int64_t num_threads, kv_bf16;
+    int64_t num_threads, kv_fmt;
 } step_t;
 
 static void project(float *out, const float *x, const proj_t *p, const step_t *s) {
@@ -74,8 +76,9 @@ void decode_stack_f32(const layer_t *layers, int64_t n_layers, const float *fina
         add_rmsnorm_f32(residual, l ? proj : NULL, H, L->input_norm, s->eps, normed, M, H, nt);
         project(qkv, normed, &L->qkv, s);
         rope_kv_write_f32(qkv, qkv_n, M, (int)s->nq, (int)s->nkv, (int)s->D, s->positions, s->cos_sin, L->k_cache,
-                          L->v_cache, (int)s->kv_bf16, s->slot_mapping, nt);
-        paged_attention_f32(attn, qkv, qkv_n, L->k_cache, L->v_cache, (int)s->kv_bf16, s->block_tables, s->bt_stride, s->positions,
+                          L->v_cache, (int)s->kv_fmt, L->k_scale, L->v_scale, s->slot_mapping, nt);
+        paged_attention_f32(attn, qkv, qkv_n, L->k_cache, L->v_cache, (int)s->kv_fmt, L->k_scale, L->v_scale,
+                            s->block_tables, s->bt_stride, s->positions,
                             M, (int)s->nq, (int)s->nkv, (int)s->D, (int)s->block_size, s->scale, s->window,
                             s->max_ctx, s->attn_scratch, nt);
         project(proj, attn, &L->o, s);

@@ -5,8 +5,9 @@
  *
  *   add_rmsnorm   residual += x (when x is given); out = residual * rsqrt(mean(residual^2) + eps) * w
  *   rope_kv_write neox-style rotary embedding in place on the q and k heads of a fused qkv row, then its
- *                 k and v heads copied into their KV-cache slot (float32, or bfloat16 rounded to nearest
- *                 even as torch's conversion does)
+ *                 k and v heads copied into their KV-cache slot (float32, bfloat16 rounded to nearest
+ *                 even as torch's conversion does, or int8 with a float16 scale per slot and head:
+ *                 kv_quantize_rows, the same arithmetic as attention.quantize_kv)
  *   silu_mul      out = silu(gate) * up for a fused [gate | up] row
  */
 #include <math.h>
@@ -43,12 +44,29 @@ static inline uint16_t to_bf16(float f) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* n heads of D floats → int8 rows and one float16 scale each: scale = absmax / 127 rounded to float16, values
+ * x * (1 / scale) rounded to nearest even (an all-zero head gets scale 0 and zeros). */
+static inline void kv_quantize_rows(const float *x, int n, int D, int8_t *q, _Float16 *scale) {
+    for (int h = 0; h < n; h++) {
+        const float *xr = x + (int64_t)h * D;
+        float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+        for (int i = 0; i < D; i++) amax = fmaxf(amax, fabsf(xr[i]));
+        const _Float16 s = (_Float16)fminf(amax / 127.f, 65504.f);
+        const float sf = (float)s, inv = sf > 0.f ? 1.f / sf : 0.f;
+        int8_t *qr = q + (int64_t)h * D;
+#pragma omp simd
+        for (int i = 0; i < D; i++) qr[i] = (int8_t)fminf(fmaxf(rintf(xr[i] * inv), -127.f), 127.f);
+        scale[h] = s;
+    }
+}
+
 /* qkv: M rows ldx floats apart, [q (nq heads) | k (nkv heads) | v (nkv heads)] of D floats each. Rotates
- * q and k in place, then writes k and v into slot slot_mapping[m] of the caches ([slots, nkv, D], float32
- * or, with kv_bf16, bfloat16). */
+ * q and k in place, then writes k and v into slot slot_mapping[m] of the caches ([slots, nkv, D]: float32
+ * (kv_fmt 0), bfloat16 (1) or int8 (2) with scales [slots, nkv] in k_scale / v_scale). */
 void rope_kv_write_f32(float *qkv, int64_t ldx, int64_t M, int nq, int nkv, int D, const int64_t *pos,
-                       const float *cos_sin, void *k_cache, void *v_cache, int kv_bf16, const int64_t *slot_mapping,
-                       int num_threads) {
+                       const float *cos_sin, void *k_cache, void *v_cache, int kv_fmt, _Float16 *k_scale,
+                       _Float16 *v_scale, const int64_t *slot_mapping, int num_threads) {
     int half = D / 2;
     int64_t kv = (int64_t)nkv * D;
 #pragma omp parallel for num_threads(num_threads) if (M >= PAR_ROWS) schedule(static)
@@ -65,7 +83,11 @@ void rope_kv_write_f32(float *qkv, int64_t ldx, int64_t M, int nq, int nkv, int 
             }
         }
         const float *ks = row + (int64_t)nq * D, *vs = ks + kv;
-        if (kv_bf16) {
+        if (kv_fmt == 2) {
+            const int64_t slot = slot_mapping[m];
+            kv_quantize_rows(ks, nkv, D, (int8_t *)k_cache + slot * kv, k_scale + slot * nkv);
+            kv_quantize_rows(vs, nkv, D, (int8_t *)v_cache + slot * kv, v_scale + slot * nkv);
+        } else if (kv_fmt == 1) {
             uint16_t *kd = (uint16_t *)k_cache + slot_mapping[m] * kv, *vd = (uint16_t *)v_cache + slot_mapping[m] * kv;
 #pragma omp simd
             for (int64_t i = 0; i < kv; i++) {

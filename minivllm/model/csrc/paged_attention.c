@@ -2,11 +2,15 @@
  * Paged attention for CPU: every query token attends to its sequence's context, read straight
  * out of the KV block pool through the block table (no gathered copy of the context).
  *
- * One query token per sequence (decode). q and out are float32; the cache is float32 or bfloat16 (widened
- * to float32 as it is read, so a bf16 model reads half the KV bytes). Layouts:
+ * One query token per sequence (decode). q and out are float32; the cache is float32, bfloat16 (widened
+ * to float32 as it is read, so a bf16 model reads half the KV bytes) or int8 with one float16 scale per
+ * (slot, kv head) (--kv-cache-dtype int8: a quarter of float32's bytes; the scale multiplies the dot
+ * product of a key row and the weight of a value row, so a row is never dequantized element by element).
+ * Layouts:
  *   q           [T, H, D], rows q_stride floats apart (q may be a view into the fused qkv output)
  *   out         [T, H, D] contiguous
  *   k/v cache   [num_blocks, block_size, KVH, D] contiguous
+ *   k/v scale   [num_blocks, block_size, KVH] float16 (int8 caches only)
  *   block_tables[T, bt_stride] (int64, unit column stride): row t is token t's sequence
  * Token t sits at position positions[t]; it sees keys at positions max(0, pos - window + 1) .. pos
  * (window <= 0: no sliding window).
@@ -30,6 +34,7 @@ typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
+typedef int8_t v16c __attribute__((vector_size(16)));
 #define MAX_G 32
 #define MAX_CHUNKS 16 /* head_dim <= 256 on the vector path */
 #define INLINE static inline __attribute__((always_inline))
@@ -55,19 +60,29 @@ typedef struct {
     int64_t stride;
     const float *qg;      /* G query heads, [G][D] */
     float *og;            /* G output heads */
-    const void *k_cache, *v_cache; /* float32, or bfloat16 bits when bf16 */
+    const void *k_cache, *v_cache; /* float32, bfloat16 bits or int8 (fmt) */
+    const _Float16 *k_scale, *v_scale; /* int8: one per (slot, kv head) */
     const int64_t *table; /* this sequence's block table */
     int64_t start, end;   /* key positions [start, end) */
     int bs;
-    int64_t row;          /* floats per slot: KVH * D */
+    int64_t row;          /* elements per slot: KVH * D */
+    int nkv;
     int g;                /* kv head */
     float scale;
-    int bf16;
+    int fmt;              /* KV_F32, KV_BF16, KV_INT8 */
 } item_t;
 
-/* 16 cache values from element index i: float32, or bfloat16 widened (its bits are a float's upper half). */
-INLINE v16 load_kv16(const void *cache, int64_t i, int bf16) {
-    if (!bf16) return load16((const float *)cache + i);
+enum { KV_F32 = 0, KV_BF16 = 1, KV_INT8 = 2 };
+
+/* 16 cache values from element index i: float32, bfloat16 widened (its bits are a float's upper half), or
+ * int8 (unscaled: the caller applies the row's scale). */
+INLINE v16 load_kv16(const void *cache, int64_t i, int fmt) {
+    if (fmt == KV_F32) return load16((const float *)cache + i);
+    if (fmt == KV_INT8) {
+        v16c c;
+        memcpy(&c, (const int8_t *)cache + i, sizeof c);
+        return __builtin_convertvector(c, v16);
+    }
     v16h h;
     memcpy(&h, (const uint16_t *)cache + i, sizeof h);
     v16u u = __builtin_convertvector(h, v16u) << 16;
@@ -76,17 +91,24 @@ INLINE v16 load_kv16(const void *cache, int64_t i, int bf16) {
     return f;
 }
 
-INLINE float load_kv1(const void *cache, int64_t i, int bf16) {
-    if (!bf16) return ((const float *)cache)[i];
+INLINE float load_kv1(const void *cache, int64_t i, int fmt) {
+    if (fmt == KV_F32) return ((const float *)cache)[i];
+    if (fmt == KV_INT8) return (float)((const int8_t *)cache)[i];
     uint32_t u = (uint32_t)((const uint16_t *)cache)[i] << 16;
     float f;
     memcpy(&f, &u, 4);
     return f;
 }
 
+/* Slot (block * block_size + offset) of position p. */
+INLINE int64_t slot_of(const item_t *it, int64_t p) { return it->table[p / it->bs] * it->bs + p % it->bs; }
+
 /* Element index of the start of position p's slot (all kv heads) in a cache. */
-INLINE int64_t slot_row(const item_t *it, int64_t p) {
-    return (it->table[p / it->bs] * it->bs + p % it->bs) * it->row;
+INLINE int64_t slot_row(const item_t *it, int64_t p) { return slot_of(it, p) * it->row; }
+
+/* The dequantization scale of this item's kv head at a slot (1 for float caches). */
+INLINE float row_scale(const item_t *it, const _Float16 *scale, int64_t slot, int fmt) {
+    return fmt == KV_INT8 ? (float)scale[slot * it->nkv + it->g] : 1.f;
 }
 
 /* Blocks sit at random places in the pool, so the hardware prefetcher cannot guess the next one:
@@ -94,7 +116,7 @@ INLINE int64_t slot_row(const item_t *it, int64_t p) {
  * 22% faster when the KV cache streams from DRAM). */
 INLINE void prefetch_block(const void *cache, const item_t *it, int64_t b, int D) {
     if (b * it->bs >= it->end) return;
-    const int esz = it->bf16 ? 2 : 4;
+    const int esz = it->fmt == KV_F32 ? 4 : it->fmt == KV_BF16 ? 2 : 1;
     const char *nb = (const char *)cache + (it->table[b] * it->bs * it->row + (int64_t)it->g * D) * esz;
     for (int r = 0; r < it->bs; r++)
         for (int c = 0; c < D * esz; c += 64) __builtin_prefetch(nb + r * it->row * esz + c);
@@ -117,8 +139,8 @@ static void softmax_rows(float *sc, int64_t stride, int G, int64_t n) {
     }
 }
 
-/* Vector path; G, D and BF (bf16 cache) are compile-time constants in every specialised caller. */
-INLINE void item_vec(const item_t *it, int G, int D, int BF) {
+/* Vector path; G, D and FMT (the cache's format) are compile-time constants in every specialised caller. */
+INLINE void item_vec(const item_t *it, int G, int D, int FMT) {
     const int C = D / 16;
     const int64_t start = it->start, end = it->end, bs = it->bs, stride = it->stride;
     v16 qv[MAX_G * MAX_CHUNKS];
@@ -134,10 +156,11 @@ INLINE void item_vec(const item_t *it, int G, int D, int BF) {
             v16 acc[MAX_G];
             for (int h = 0; h < G; h++) acc[h] = (v16){0};
             for (int c = 0; c < C; c++) {
-                const v16 kv = load_kv16(it->k_cache, kr + c * 16, BF);
+                const v16 kv = load_kv16(it->k_cache, kr + c * 16, FMT);
                 for (int h = 0; h < G; h++) acc[h] += qv[h * C + c] * kv;
             }
-            for (int h = 0; h < G; h++) it->sc[h * stride + (p - start)] = hsum16(acc[h]);
+            const float ks = row_scale(it, it->k_scale, it->table[b] * bs + (p - b * bs), FMT);
+            for (int h = 0; h < G; h++) it->sc[h * stride + (p - start)] = hsum16(acc[h]) * ks;
         }
     }
     /* 2. softmax */
@@ -151,9 +174,12 @@ INLINE void item_vec(const item_t *it, int G, int D, int BF) {
         prefetch_block(it->v_cache, it, b + 1, D);
         for (int64_t p = lo; p < hi; p++) {
             const int64_t vr = base + (p - b * bs) * it->row;
+            const float vs = row_scale(it, it->v_scale, it->table[b] * bs + (p - b * bs), FMT);
+            float w[MAX_G];
+            for (int h = 0; h < G; h++) w[h] = it->sc[h * stride + (p - start)] * vs;
             for (int c = 0; c < C; c++) {
-                const v16 vv = load_kv16(it->v_cache, vr + c * 16, BF);
-                for (int h = 0; h < G; h++) out[h * C + c] += it->sc[h * stride + (p - start)] * vv;
+                const v16 vv = load_kv16(it->v_cache, vr + c * 16, FMT);
+                for (int h = 0; h < G; h++) out[h * C + c] += w[h] * vv;
             }
         }
     }
@@ -166,39 +192,45 @@ static void item_scalar(const item_t *it, int G, int D) {
     const int64_t stride = it->stride;
     for (int64_t p = it->start; p < it->end; p++) {
         const int64_t kr = slot_row(it, p) + (int64_t)it->g * D;
+        const float ks = row_scale(it, it->k_scale, slot_of(it, p), it->fmt);
         for (int h = 0; h < G; h++) {
             float acc = 0.f;
-            for (int d = 0; d < D; d++) acc += it->qg[h * D + d] * load_kv1(it->k_cache, kr + d, it->bf16);
-            it->sc[h * stride + (p - it->start)] = acc * it->scale;
+            for (int d = 0; d < D; d++) acc += it->qg[h * D + d] * load_kv1(it->k_cache, kr + d, it->fmt);
+            it->sc[h * stride + (p - it->start)] = acc * it->scale * ks;
         }
     }
     softmax_rows(it->sc, stride, G, it->end - it->start);
     for (int i = 0; i < G * D; i++) it->og[i] = 0.f;
     for (int64_t p = it->start; p < it->end; p++) {
         const int64_t vr = slot_row(it, p) + (int64_t)it->g * D;
+        const float vs = row_scale(it, it->v_scale, slot_of(it, p), it->fmt);
         for (int h = 0; h < G; h++) {
-            const float w = it->sc[h * stride + (p - it->start)];
-            for (int d = 0; d < D; d++) it->og[h * D + d] += w * load_kv1(it->v_cache, vr + d, it->bf16);
+            const float w = it->sc[h * stride + (p - it->start)] * vs;
+            for (int d = 0; d < D; d++) it->og[h * D + d] += w * load_kv1(it->v_cache, vr + d, it->fmt);
         }
     }
 }
 
 /* item_vec is always_inline (so constants propagate); this is its callable, non-specialised form. */
 static void item_generic(const item_t *it, int G, int D) {
-    if (it->bf16)
-        item_vec(it, G, D, 1);
+    if (it->fmt == KV_BF16)
+        item_vec(it, G, D, KV_BF16);
+    else if (it->fmt == KV_INT8)
+        item_vec(it, G, D, KV_INT8);
     else
-        item_vec(it, G, D, 0);
+        item_vec(it, G, D, KV_F32);
 }
 
 /* One body per (G, D) and cache dtype. */
 #define SPECIALISE(GG, DD)                                                                              \
     static void item_##GG##_##DD(const item_t *it, int G, int D) {                                      \
         (void)G, (void)D;                                                                               \
-        if (it->bf16)                                                                                   \
-            item_vec(it, GG, DD, 1);                                                                    \
+        if (it->fmt == KV_BF16)                                                                         \
+            item_vec(it, GG, DD, KV_BF16);                                                              \
+        else if (it->fmt == KV_INT8)                                                                    \
+            item_vec(it, GG, DD, KV_INT8);                                                              \
         else                                                                                            \
-            item_vec(it, GG, DD, 0);                                                                    \
+            item_vec(it, GG, DD, KV_F32);                                                               \
     }
 /* Group sizes of the supported families: Llama-3.x 1B (4), SmolLM2 (3), Qwen2.5-0.5B (7), TinyLlama /
  * Mistral (8 / 4), GPT-2 and MHA models (1). */
@@ -234,7 +266,7 @@ static item_fn pick(int G, int D) {
  * num_threads is passed in, not read from this thread's OpenMP settings, so the engine's thread
  * count holds whichever thread calls. */
 void paged_attention_f32(float *out, const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                        int kv_bf16, const int64_t *block_tables, int64_t bt_stride, const int64_t *positions,
+                        int kv_fmt, const _Float16 *k_scale, const _Float16 *v_scale, const int64_t *block_tables, int64_t bt_stride, const int64_t *positions,
                         int64_t num_tokens, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                         int64_t window, int64_t max_ctx, float *scratch, int num_threads) {
     const int G = num_heads / num_kv_heads, D = head_dim;
@@ -252,14 +284,17 @@ void paged_attention_f32(float *out, const float *q, int64_t q_stride, const voi
                 .og = out + (t * num_heads + (int64_t)g * G) * D,
                 .k_cache = k_cache,
                 .v_cache = v_cache,
+                .k_scale = k_scale,
+                .v_scale = v_scale,
                 .table = block_tables + t * bt_stride,
                 .start = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0,
                 .end = pos + 1,
                 .bs = block_size,
                 .row = (int64_t)num_kv_heads * D,
+                .nkv = num_kv_heads,
                 .g = g,
                 .scale = scale,
-                .bf16 = kv_bf16,
+                .fmt = kv_fmt,
             };
             fn(&it, G, D);
         }
