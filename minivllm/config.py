@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from minivllm.model_config import ModelConfig
+from minivllm.slo import TtftSlo
 from minivllm.spec_config import parse_speculative_config
 
 __all__ = ["ModelConfig"]  # re-exported: config is where EngineArgs' users find it
@@ -65,7 +66,9 @@ def default_device() -> torch.device:
 
 BATCHING_MODES = ("continuous", "static")
 KV_CACHE_MODES = ("paged", "contiguous", "none")
+PREEMPTION_MODES = ("recompute", "swap", "auto")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+KV_EVICTION_MODES = ("none", "sink-window")
 
 
 QUANTIZATION_METHODS = ("int8", "int4", "w8a8", "w4a8")
@@ -133,6 +136,12 @@ class EngineArgs:
         "auto", "KV cache storage: auto (the model's dtype) | int8 (one byte per value and a float16 scale per token "
         "and head: ~1.9x the tokens of bf16 and ~3.8x of fp32 in the same kv_cache_memory) | fp8 (e4m3, the same "
         "layout, on CUDA GPUs with fp8)")
+    kv_eviction: str = _arg(
+        "none", "none | sink-window (StreamingLLM, opt-in, lossy past sink_tokens + window_tokens): every token "
+        "attends to the first sink_tokens positions and the last window_tokens, and the blocks in between are "
+        "freed, so a sequence can run past the KV pool (up to max_model_len)")
+    sink_tokens: int = _arg(4, "kv_eviction sink-window: attention-sink tokens kept at the start of a sequence")
+    window_tokens: int | None = _arg(None, "kv_eviction sink-window: the recent tokens each token attends to")
     block_size: int = _arg(16, "tokens per KV cache block")
     max_num_seqs: int = _arg(256, "most sequences running in one step")
     max_num_batched_tokens: int | None = _arg(
@@ -164,6 +173,10 @@ class EngineArgs:
         0.0, "serving: when the engine is idle, coalesce arrivals for up to this many ms before the first prefill "
         "step (0: continuous batching already merges arrivals)")
     max_waiting: int = _arg(512, "serving: most requests queued before new ones get 429 with Retry-After")
+    ttft_slo_ms: str | float | None = _arg(
+        None, "default time-to-first-token SLO per priority class, e.g. interactive=500,batch=30000 (a class not "
+        "named has no deadline; one number is interactive's). A request's deadline is its arrival plus its own "
+        "ttft_slo_ms or its class's; within a priority, the earliest deadline is admitted first")
     batching: str = _arg(
         "continuous", "continuous | static. static is request-level batching, the seed's and HF generate's (an "
         "ablation baseline): a batch of up to max_num_seqs requests is admitted only once the previous batch has "
@@ -172,6 +185,17 @@ class EngineArgs:
         "paged", "paged | contiguous | none (ablation baselines). contiguous: each sequence reserves max_model_len "
         "slots at admission, as a per-request contiguous cache must; none: no KV reuse, the whole sequence is "
         "recomputed every step. Both serve only n=1 requests without beam search")
+    preemption_mode: str = _arg(
+        "recompute", "how a running sequence gives up its KV blocks when the pool runs out: recompute (drop them; "
+        "recomputed when it resumes) | swap (copy them to a host tier of swap_space and back when it resumes; "
+        "recompute when the tier is full) | auto (per sequence, the cheaper of the two by measured costs: prefill "
+        "seconds per token vs copy seconds per block)")
+    swap_space: str = _arg(
+        "4GiB", "preemption_mode swap|auto: the host tier's size per rank, e.g. 4GiB (vLLM's default): pinned host "
+        "memory on CUDA, a memory-mapped file on CPU or wherever swap_dir is given; unused with recompute")
+    swap_dir: str | None = _arg(
+        None, "directory of the swap file (e.g. on an SSD; default: the system's temp directory); the file is "
+        "unlinked as soon as it is mapped, so nothing is left behind")
 
     tensor_parallel_size: int = _arg(
         1, "shard the model across this many processes spawned by the engine (torch.distributed: gloo on CPU, NCCL "
@@ -210,12 +234,15 @@ class EngineArgs:
             raise ValueError(f"batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+        TtftSlo.parse(self.ttft_slo_ms)  # ValueError naming what is wrong, at start-up rather than per request
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching must be one of {', '.join(BATCHING_MODES)}, got {self.batching!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_mode not in KV_CACHE_MODES:
             raise ValueError(f"kv_cache_mode must be one of {', '.join(KV_CACHE_MODES)}, got {self.kv_cache_mode!r}")
+        self._check_eviction()
+        self._check_swap()
         if self.quantization is not None:
             QuantConfig(self.quantization, self.quantization_group_size, self.quantize_lm_head)
         if self.quantization_kernel not in QUANTIZATION_KERNELS:
@@ -224,6 +251,39 @@ class EngineArgs:
         self._check_speculative()
         if parse_size(self.kv_cache_memory, "kv_cache_memory") <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
+
+    def _check_swap(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, got "
+                             f"{self.preemption_mode!r}")
+        # Checked even with recompute (where it is unused): a typo should not wait for the day swap is turned on.
+        if parse_size(self.swap_space, "swap_space") <= 0:
+            raise ValueError(f"swap_space must be positive, got {self.swap_space!r}")
+        if self.swap_dir is not None and not os.path.isdir(self.swap_dir):
+            raise ValueError(f"swap_dir: {self.swap_dir!r} is not an existing directory")
+        if self.preemption_mode != "recompute" and self.kv_cache_mode != "paged":
+            raise ValueError(f"preemption_mode={self.preemption_mode} needs kv_cache_mode=paged, got "
+                             f"{self.kv_cache_mode!r}")
+
+    def _check_eviction(self) -> None:
+        if self.kv_eviction not in KV_EVICTION_MODES:
+            raise ValueError(f"kv_eviction must be one of {', '.join(KV_EVICTION_MODES)}, got {self.kv_eviction!r}")
+        if self.kv_eviction == "none":
+            return
+        if self.window_tokens is None or self.window_tokens < 1:
+            raise ValueError(f"kv_eviction sink-window needs window_tokens >= 1, got {self.window_tokens}")
+        if self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
+        if self.kv_cache_mode != "paged":
+            raise ValueError(f"kv_eviction sink-window needs kv_cache_mode=paged, got {self.kv_cache_mode!r}")
+        if self.speculative_model is not None or self.speculative_config is not None:
+            raise ValueError("kv_eviction sink-window does not combine with speculative decoding (the draft's own "
+                             "pool and the verified rows assume the full context)")
+
+    @property
+    def sink_window(self) -> tuple[int, int] | None:
+        """(sink_tokens, window_tokens) with sink-window eviction, else None."""
+        return None if self.kv_eviction == "none" else (self.sink_tokens, int(self.window_tokens or 0))
 
     def _check_speculative(self) -> None:
         if self.speculative_config is not None:
@@ -309,6 +369,7 @@ class SchedulerConfig:
     static_batching: bool = False  # admit a new batch only when the running one has finished
     reserve_tokens: int | None = None  # contiguous cache: slots each sequence reserves at admission
     recompute_kv: bool = False  # no KV reuse: every step recomputes each sampled sequence from its start
+    preemption_mode: str = "recompute"  # recompute | swap | auto (EngineArgs.preemption_mode)
 
     @property
     def is_ablation(self) -> bool:

@@ -29,8 +29,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in the order of the prompts."""
+                 use_tqdm: bool = True, priority: int | str | Sequence[int | str] | None = None,
+                 ttft_slo_ms: float | Sequence[float | None] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the order of the prompts. `priority` (an int, lower
+        is sooner, or a class name: interactive, batch, background) and `ttft_slo_ms` (a TTFT deadline after
+        arrival) apply to every prompt, or come one per prompt."""
         if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -43,14 +46,14 @@ class LLM:
         # Offline callers want finished results only: no per-step outputs to build.
         final = {id(p): p.clone(output_kind=RequestOutputKind.FINAL_ONLY) for p in params}
         params = [final[id(p)] for p in params]
-        if priority is not None and len(priority) != len(prompts):
-            raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts")
+        priorities = _per_prompt(priority, 0, len(prompts), "priority")
+        slos = _per_prompt(ttft_slo_ms, None, len(prompts), "ttft_slo_ms")
         engine = self.llm_engine
         ids = [str(next(self._ids)) for _ in prompts]
         added = []
         try:
             for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
-                engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+                engine.add_request(rid, prompt, p, priority=priorities[i], ttft_slo_ms=slos[i])
                 added.append(rid)
         except Exception:
             for rid in added:
@@ -89,3 +92,13 @@ class LLM:
                         elapsed = bar.format_dict["elapsed"] or 1e-9
                         bar.set_postfix_str(f"output {out_tokens / elapsed:.1f} tok/s", refresh=False)
         return [done[i] for i in ids]
+
+
+def _per_prompt(value: Any, default: Any, n: int, name: str) -> list[Any]:
+    """One value for all n prompts (a scalar, or None for the default), or a sequence of exactly n."""
+    if value is None or isinstance(value, int | float | str):
+        return [default if value is None else value] * n
+    values = list(value)
+    if len(values) != n:
+        raise ValueError(f"{name}: got {len(values)} values for {n} prompts")
+    return values

@@ -64,12 +64,13 @@ def test_the_proto_ships_in_the_package():
 def test_sampling_fields_mirror_sampling_params():
     single = {f.name: (f.number, f.type, f.has_presence) for f in pb.GenerateRequest.DESCRIPTOR.fields}
     batch = {f.name: (f.number, f.type, f.has_presence) for f in pb.BatchGenerateRequest.DESCRIPTOR.fields}
-    own = {"prompt", "prompt_token_ids", "request_id", "prompts", "priority", "max_new_tokens"}
+    scheduling = {"priority", "priority_class", "ttft_slo_ms"}  # not sampling: the scheduler's (slo.py)
+    own = {"prompt", "prompt_token_ids", "request_id", "prompts", "max_new_tokens"} | scheduling
     # Generate alone takes beam search (its answer carries the beams) and the prompt's logprobs.
     single_only = {"beam_width", "length_penalty", "early_stopping", "prompt_logprobs"}
     sampling = set(single) - own
     assert sampling - single_only == set(batch) - own
-    for name in sampling - single_only | {"max_new_tokens", "priority"}:
+    for name in sampling - single_only | {"max_new_tokens"} | scheduling:
         assert single[name] == batch[name], name  # same number and type in both messages
     params = {f.name for f in dataclasses.fields(SamplingParams)}
     assert sampling <= params, sampling - params

@@ -60,7 +60,9 @@ def test_int8_logits_close_to_float_cache(model_factory, family):
         assert diff > 0, "the int8 cache changed nothing: is it quantizing?"
         assert agree >= 0.95, f"{family} {b}: top-1 agreement {agree:.3f}"
     if len(got) == 2:  # the native kernel against the torch path on the same quantized cache
-        torch.testing.assert_close(got["cpu_native"], got["torch"], atol=2e-4, rtol=0)
+        # Float rounding only (the torch path dequantizes then multiplies; the kernel folds the scale into the
+        # dot product): up to 2.7e-4 seen on a Sapphire Rapids box, against 0.017-0.060 for the int8 error.
+        torch.testing.assert_close(got["cpu_native"], got["torch"], atol=1e-3, rtol=0)
 
 
 def test_int8_greedy_agreement_embedded_model():

@@ -30,7 +30,15 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     ("Running and waiting requests", "short", [("running", "sum(minivllm:num_requests_running)"),
                                                ("waiting", "sum(minivllm:num_requests_waiting)")]),
     ("KV cache usage", "percentunit", [("{{replica}}", "max by (replica) (minivllm:kv_cache_usage_perc)")]),
-    ("Preemptions", "short", [("per second", f"sum(rate(minivllm:num_preemptions_total{RANGE}))")]),
+    ("Preemptions", "short", [("per second", f"sum(rate(minivllm:num_preemptions_total{RANGE}))"),
+                              ("{{mode}}", f"sum by (mode) (rate(minivllm:num_preemptions_by_mode_total{RANGE}))")]),
+    ("KV swap (host tier)", "Bps", [("out", f"sum(rate(minivllm:kv_swap_out_bytes_total{RANGE}))"),
+                                    ("in", f"sum(rate(minivllm:kv_swap_in_bytes_total{RANGE}))")]),
+    ("Host tier usage", "percentunit", [("{{replica}}", "max by (replica) (minivllm:cpu_cache_usage_perc)")]),
+    ("Swapped requests and blocks", "short", [("requests", "sum(minivllm:num_requests_swapped)"),
+                                              ("blocks", "sum(minivllm:num_swapped_blocks)")]),
+    ("KV blocks evicted (sink-window)", "short",
+     [("per second", f"sum(rate(minivllm:kv_evicted_blocks_total{RANGE}))")]),
     ("Prefix cache hit rate", "percentunit", [("hit rate", f"sum(rate(minivllm:prefix_cache_hits_total{RANGE})) / "
                                                f"sum(rate(minivllm:prefix_cache_queries_total{RANGE}))")]),
     ("Errors by cause", "reqps", [("{{endpoint}} {{status}}", "sum by (endpoint, status) (rate(inference_requests_"
@@ -40,6 +48,13 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     ("Finished requests by reason", "reqps", [("{{finished_reason}}", "sum by (finished_reason) "
                                                f"(rate(minivllm:request_success_total{RANGE}))")]),
     ("Tokens per engine step", "short", _quantiles("minivllm:iteration_tokens_total")),
+    # SLO classes (interactive, batch, background): is each class served within its TTFT deadline?
+    ("Time to first token p95 by class", "s", [("{{class}}", "histogram_quantile(0.95, sum by (le, class) "
+                                                f"(rate(minivllm:time_to_first_token_by_class_seconds_bucket{RANGE})))")]),
+    ("TTFT deadline misses by class", "reqps", [("{{class}}", "sum by (class) "
+                                                 f"(rate(minivllm:request_deadline_miss_total{RANGE}))")]),
+    ("Queue time p95 by class", "s", [("{{class}}", "histogram_quantile(0.95, sum by (le, class) "
+                                       f"(rate(minivllm:request_queue_time_by_class_seconds_bucket{RANGE})))")]),
     ("Event-loop lag", "s", [("p99", "histogram_quantile(0.99, sum by (le) "
                               f"(rate(minivllm:event_loop_lag_seconds_bucket{RANGE})))"),
                              ("max seen", "max(minivllm:event_loop_lag_max_seconds)")]),

@@ -66,6 +66,14 @@ def _argv(quick: bool, model: str | None) -> dict[str, list[str]]:
             "quantization": ["quantization", *m, "--quality-model", model or "", "--output-len", "4", "--repeats", "1",
                              "--batches", "2", "--batch-output-len", "2", "--perplexity-tokens", "600",
                              "--kl-tokens", "256", "--no-hf"],
+            "kvcache": ["kvcache", *m, "--kv-cache-memory", "1MiB", "--num-requests", "4", "--prompt-len", "24",
+                        "--output-len", "4", "--rounds", "1", "--quality-windows", "2", "--quality-len", "48",
+                        "--windows", "16"],
+            "preemption": ["preemption", *m, "--workloads", "long-prompt=6x60x4,long-output=6x8x40",
+                           "--kv-cache-memory", "256KiB", "--swap-space", "4MiB", "--rounds", "1"],
+            "slo": ["slo", *m, "--duration", "2", "--interactive-shape", "8x4", "--batch-shape", "32x8",
+                    "--interactive-rate", "4", "--batch-rate", "4",
+                    "--rounds", "1", "--kv-cache-memory", "8MiB"],
         }
     return {
         # The seed's workload: 50 clients, 500 requests, 30 new tokens, GPT-2 (124M) in float32, the seed's
@@ -86,11 +94,14 @@ def _argv(quick: bool, model: str | None) -> dict[str, list[str]]:
         "parallel": ["parallel"],
         "replicas": ["replicas"],
         "liveview": ["liveview", "--rounds", "3"],
+        "kvcache": ["kvcache"],
+        "preemption": ["preemption"],
+        "slo": ["slo"],
     }
 
 
 BENCHES = ("seed", "throughput", "latency", "transports", "perplexity", "quantization", "step", "beam",
-           "speculative", "parallel", "replicas", "liveview")
+           "speculative", "parallel", "replicas", "liveview", "kvcache", "preemption", "slo")
 
 
 def machine_info() -> dict[str, Any]:
@@ -163,13 +174,16 @@ def _load(out_dir: str, name: str) -> dict[str, Any] | None:
 def render(out_dir: str, argv: dict[str, list[str]]) -> str:
     """BENCHMARKS.md from the JSON files in out_dir (a section per bench found)."""
     from minivllm.bench import (
+        kv_cache,
         latency,
         live_view,
         parallel,
         perplexity,
+        preemption,
         quantization_report,
         replicas,
         serve_report,
+        slo,
         speculative,
         step_overhead,
         throughput_report,
@@ -239,6 +253,18 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
                                 f"`{os.path.basename(r['model'].rstrip('/'))}`: the same server and requests with "
                                 "and without a viewer reading every step record from `/ws/events` (as the "
                                 "`/dashboard` page does).", "", live_view.report(r)]),
+        ("kvcache", lambda r: ["## KV cache storage at one budget: fp32, bf16, int8 (`bench kvcache`)", "",
+                               f"`{os.path.basename(r['model'].rstrip('/'))}`, offline, every storage in one run "
+                               "(ABBA order).", "", kv_cache.report(r)]),
+        ("preemption", lambda r: ["## Preemption: swap vs recompute (`bench preemption`)", "",
+                                  f"`{os.path.basename(r['model'].rstrip('/'))}` in {r['dtype']}, KV pool "
+                                  f"{r['kv_cache_memory']}, host tier {r['swap_space']} (a memory-mapped file), "
+                                  f"max_num_seqs {r['max_num_seqs']}; the three modes alternate in one run, "
+                                  f"{r['rounds']} rounds ABBA (medians).", "", preemption.report(r)]),
+        ("slo", lambda r: ["## SLO-aware scheduling: interactive TTFT vs batch throughput (`bench slo`)", "",
+                           f"`{os.path.basename(r['model'].rstrip('/'))}`, an open-loop driver over the engine "
+                           "(each request added at its arrival time, the engine stepped in between).", "",
+                           slo.report(r)]),
     ]
     for name, section in sections:
         r = _load(out_dir, name)

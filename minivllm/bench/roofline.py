@@ -54,7 +54,26 @@ def measure_ceilings(hidden: int = 576, intermediate: int = 1536, dtype: torch.d
     return MachineCeilings(torch.get_num_threads(), peak, mkl, model_gemm, median, lo, hi)
 
 
-def measure_bandwidth(mib: int = 1024, passes: int = 9, threads: int | None = None) -> tuple[float, float, float]:
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache this machine reports (0 where sysfs does not say)."""
+    import glob
+
+    llc = 0
+    for f in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        text = open(f).read().strip()
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        llc = max(llc, int(text.rstrip("KMG")) * unit)
+    return llc
+
+
+def probe_mib() -> int:
+    """The bandwidth probe's buffer: 1 GiB, or 8x the last-level cache where that is larger (a VM may report
+    its host's whole L3: 480 MiB was seen here), so every pass streams from memory."""
+    return max(1024, 8 * last_level_cache_bytes() // 2**20)
+
+
+def measure_bandwidth(mib: int | None = None, passes: int = 9, threads: int | None = None
+                      ) -> tuple[float, float, float]:
     """Memory read bandwidth (median, min, max over passes, bytes/s) with the engine's thread count."""
     return bandwidth_stats(bandwidth_passes(mib, passes, threads))
 
@@ -65,17 +84,17 @@ def bandwidth_stats(rates: list[float]) -> tuple[float, float, float]:
     return rates[len(rates) // 2], rates[0], rates[-1]
 
 
-def bandwidth_passes(mib: int = 1024, passes: int = 9, threads: int | None = None) -> list[float]:
+def bandwidth_passes(mib: int | None = None, passes: int = 9, threads: int | None = None) -> list[float]:
     """Memory read bandwidth of each pass (bytes/s) with the engine's thread count.
 
-    The buffer (1 GiB) is far beyond the last-level cache and larger than the models it bounds, every
-    pass reads all of it, and the reader is the native kernel (csrc/membw.c: 8 independent vector
-    accumulators per thread, so enough loads are in flight; a single dependent chain, or one thread,
+    The buffer (probe_mib(): 1 GiB, or 8x the last-level cache) is far beyond that cache and larger than
+    the models it bounds, every pass reads all of it, and the reader is the native kernel (csrc/membw.c: 8
+    independent vector accumulators per thread, so enough loads are in flight; a single dependent chain, or one thread,
     measures latency instead of bandwidth). Without a C compiler, torch's sum stands in."""
     from minivllm.model import cpu_kernels
 
     threads = threads or torch.get_num_threads()
-    buf = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    buf = torch.ones((mib or probe_mib()) * 2**20 // 4, dtype=torch.float32)
     if cpu_kernels.available():
         read = lambda: cpu_kernels.stream_read(buf, threads)  # noqa: E731
     else:

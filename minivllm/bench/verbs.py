@@ -44,6 +44,14 @@ VERBS: dict[str, tuple[str, str, str, str]] = {
                  "router's added latency"),
     "liveview": ("live_view", "add_liveview_args", "run_liveview",
                  "what the live view's event feed costs: throughput with and without a /ws/events viewer"),
+    "kvcache": ("kv_cache", "add_kvcache_args", "run_kvcache",
+                "KV storage at a fixed budget (fp32, bf16, int8): sequences that fit, throughput, int8 and "
+                "sink-window quality"),
+    "preemption": ("preemption", "add_preemption_args", "run_preemption",
+                   "preemption by swap vs recompute (and auto) on a small pool: long prompts / short outputs, and "
+                   "the reverse"),
+    "slo": ("slo", "add_slo_args", "run_slo",
+            "interactive TTFT and batch throughput under a mixed open-loop load, FCFS vs SLO-aware scheduling"),
     "all": ("all", "add_all_args", "run_all", "every bench in turn, then BENCHMARKS.md regenerated from their results"),
 }
 

@@ -5,17 +5,23 @@ carries no branch for them."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from minivllm.config import SchedulerConfig
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import Sequence
 
+if TYPE_CHECKING:
+    from minivllm.engine.swap_manager import SwapManager
+
 
 class AblationScheduler(Scheduler):
     """The scheduler with SchedulerConfig's ablation modes switched on."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
-        super().__init__(config, block_manager)
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 swap_manager: SwapManager | None = None) -> None:
+        super().__init__(config, block_manager, swap_manager)
         self._batch_forming = True  # static batching: the current batch still admits requests
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:

@@ -186,12 +186,12 @@ class AsyncLLMEngine:
         return self._snapshot
 
     # ---- requests (event-loop thread) -----------------------------------------------------------
-    def process_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0,
+    def process_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int | str = 0,
                         arrival_time: float | None = None, fit_context: bool = False,
-                        default_max_tokens: int | None = None) -> EngineRequest:
+                        default_max_tokens: int | None = None, ttft_slo_ms: float | None = None) -> EngineRequest:
         """Tokenize and validate (ValueError names the problem) without queueing; see InputProcessor.process."""
         return self.engine.process_request(request_id, prompt, params, priority, arrival_time, fit_context,
-                                           default_max_tokens)
+                                           default_max_tokens, ttft_slo_ms)
 
     def add_requests(self, requests: Sequence[EngineRequest]) -> list[AsyncStream]:
         """Queue requests together (they reach the engine in the same step); one stream each."""
@@ -199,7 +199,7 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"the engine loop is not running ({self.dead_error!r})")
         # Exact on this thread: every request in flight has a stream; the running count lags by at most
         # one step, which only overstates the queue for a moment.
-        waiting = len(self._streams) - self._snapshot.num_running
+        waiting = len(self._streams) - self._snapshot.num_running - self._snapshot.num_swapped
         if waiting + len(requests) > self.max_waiting:
             raise QueueFullError(f"server overloaded: {waiting} requests are waiting (max_waiting="
                                  f"{self.max_waiting}); retry later")
@@ -221,10 +221,10 @@ class AsyncLLMEngine:
         """add_requests as the servers call it (a replica router's submit waits for its replica to accept)."""
         return self.add_requests(requests)
 
-    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0,
-                          arrival_time: float | None = None) -> AsyncStream:
+    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int | str = 0,
+                          arrival_time: float | None = None, ttft_slo_ms: float | None = None) -> AsyncStream:
         """Validate and queue one request; its outputs arrive on the returned stream."""
-        req = self.process_request(request_id, prompt, params, priority, arrival_time)
+        req = self.process_request(request_id, prompt, params, priority, arrival_time, ttft_slo_ms=ttft_slo_ms)
         return self.add_requests([req])[0]
 
     def abort(self, request_id: str) -> None:
@@ -242,10 +242,10 @@ class AsyncLLMEngine:
         if self._streams.get(stream.request_id) is stream:
             self.abort(stream.request_id)
 
-    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str, priority: int = 0
-                       ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str, priority: int | str = 0,
+                       ttft_slo_ms: float | None = None) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs; leaving early (cancel, break) aborts it."""
-        stream = await self.add_request(request_id, prompt, params, priority)
+        stream = await self.add_request(request_id, prompt, params, priority, ttft_slo_ms=ttft_slo_ms)
         try:
             async for out in stream:
                 yield out

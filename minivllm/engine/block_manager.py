@@ -3,6 +3,10 @@
 Every block is in exactly one state: free (no reusable content), used (ref count > 0), or cached
 (ref count 0 but holding a full block whose hash is registered, kept for prefix hits and evicted in
 LRU order when a free block is needed). free + used + cached == num_blocks at all times.
+
+With sink-window eviction (--kv-eviction sink-window, StreamingLLM) a running sequence's blocks that lie
+wholly between its attention sinks and its recent window are released as it advances; their block-table
+entries become EVICTED, which attention never reads (every token's keys are the sinks and the window).
 """
 
 from __future__ import annotations
@@ -10,9 +14,11 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from minivllm.engine.sequence import Sequence
+
+EVICTED = -1  # a block-table entry whose block was released by sink-window eviction
 
 
 def hash_block(parent: bytes, tokens: list[int]) -> bytes:
@@ -23,7 +29,8 @@ def hash_block(parent: bytes, tokens: list[int]) -> bytes:
 class BlockManager:
     """Paged KV blocks: allocation, ref counts, prefix caching with LRU retention, copy-on-write."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sink_window: tuple[int, int] | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -35,6 +42,11 @@ class BlockManager:
         self.registered: dict[int, int] = {}  # seq_id → leading full blocks already hashed/registered
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies owed before the next forward
         self.num_used = 0
+        # Sink-window eviction: blocks holding any of the first sink tokens are kept; a later block goes once
+        # no upcoming token's window reaches it. evicted_upto: seq_id → logical blocks already considered.
+        self.sink_window = sink_window
+        self.evicted_upto: dict[int, int] = {}
+        self.num_evicted_blocks = 0  # since start (a metric)
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -102,6 +114,8 @@ class BlockManager:
         sequence.
         """
         computed = computed_blocks or []
+        if self.sink_window is not None and seq.num_computed_tokens:
+            self.evict_outside_window(seq)
         bs = self.block_size
         num_computed = seq.num_computed_tokens + len(computed) * bs
         have = len(seq.block_table) + len(computed)
@@ -129,21 +143,81 @@ class BlockManager:
             seq.block_table.append(b)
         return True
 
+    def evict_outside_window(self, seq: Sequence) -> None:
+        """Release seq's blocks that neither hold a sink token nor reach into the window of its next token
+        (position num_computed_tokens sees keys from num_computed_tokens - window + 1). A released block with a
+        registered hash stays cached for prefix hits: under one engine-wide attention rule its KV is the
+        same for any sequence with that prefix."""
+        assert self.sink_window is not None
+        sinks, window = self.sink_window
+        bs = self.block_size
+        first = -(-sinks // bs)  # blocks before this one hold a sink token
+        stop = (seq.num_computed_tokens - window + 1) // bs  # blocks before this one are out of every window
+        i = max(first, self.evicted_upto.get(seq.seq_id, 0))
+        table = seq.block_table
+        while i < stop:
+            b = table[i]
+            if b != EVICTED:
+                self._decref(b)
+                table[i] = EVICTED
+                self.num_evicted_blocks += 1
+            i += 1
+        if stop > first:
+            self.evicted_upto[seq.seq_id] = max(i, self.evicted_upto.get(seq.seq_id, 0))
+
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks; tail blocks first so the LRU evicts a prefix's tail before its head."""
         for b in reversed(seq.block_table):
-            self._decref(b)
+            if b != EVICTED:
+                self._decref(b)
         seq.block_table = []
         self.registered.pop(seq.seq_id, None)
+        self.evicted_upto.pop(seq.seq_id, None)
+
+    def restore(self, seq: Sequence, num_blocks: int, num_new_tokens: int, evicted: Collection[int] = ()
+                ) -> list[int] | None:
+        """Give a sequence coming back from the host tier a block table of num_blocks blocks (its computed
+        tokens), plus room for num_new_tokens more; the indices in `evicted` (released by sink-window eviction
+        before it left) stay EVICTED. Its full blocks whose hash is still cached are reused as they are; the
+        others are fresh. Returns the indices of the fresh ones (their KV is to be copied back), or None,
+        changing nothing, when the pool cannot supply the blocks."""
+        assert not seq.block_table
+        full = seq.num_computed_tokens // self.block_size
+        reuse: dict[int, int] = {}
+        if self.enable_prefix_caching:
+            for i, h in enumerate(self._ensure_hashes(seq, full)[:full]):
+                if i not in evicted and (b := self.hash_to_block.get(h)) is not None:
+                    reuse[i] = b
+        fresh = [i for i in range(num_blocks) if i not in reuse and i not in evicted]
+        new = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - num_blocks
+        reserved = sum(1 for b in reuse.values() if self.ref_counts[b] == 0)  # touched, so no longer evictable
+        if len(fresh) + new > self.num_free_blocks - reserved:
+            return None
+        for b in reuse.values():  # first, so that no fresh block is taken by evicting one of them
+            self._incref(b)
+        table = [reuse.get(i, EVICTED) for i in range(num_blocks)]
+        for i in fresh:
+            table[i] = self._pop_free()
+            self._incref(table[i])
+        seq.block_table = table
+        # Restored full blocks register their hashes again (their KV is copied in before the next forward).
+        self.registered.pop(seq.seq_id, None)
+        self.cache_blocks(seq)
+        ok = self.allocate_slots(seq, num_new_tokens)
+        assert ok  # room was counted above; the last block is fresh or full, so no copy-on-write
+        return fresh
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Share all of parent's blocks with child (ref counts); writes diverge by copy-on-write."""
         assert not child.block_table
         for b in parent.block_table:
-            self._incref(b)
+            if b != EVICTED:
+                self._incref(b)
         child.block_table = list(parent.block_table)
         if parent.seq_id in self.registered:
             self.registered[child.seq_id] = self.registered[parent.seq_id]
+        if parent.seq_id in self.evicted_upto:
+            self.evicted_upto[child.seq_id] = self.evicted_upto[parent.seq_id]
 
     def cache_blocks(self, seq: Sequence) -> None:
         """Register the hashes of blocks that became full (and computed) so later requests can hit them."""
@@ -156,6 +230,8 @@ class BlockManager:
         hashes = self._ensure_hashes(seq, num_full)
         for i in range(start, num_full):
             h, b = hashes[i], seq.block_table[i]
+            if b == EVICTED:
+                continue
             # A duplicate of an already-registered block stays unhashed and is freed, not cached.
             if h not in self.hash_to_block and self.block_hash[b] is None:
                 self.hash_to_block[h] = b
@@ -178,7 +254,7 @@ class BlockManager:
     # ---- invariants ----------------------------------------------------------------------------
     def check_invariants(self, live: Iterable[Sequence]) -> None:
         """Assert the accounting is consistent with the live sequences' block tables."""
-        refs = Counter(b for s in live for b in s.block_table)
+        refs = Counter(b for s in live for b in s.block_table if b != EVICTED)
         used = sum(1 for r in self.ref_counts if r > 0)
         assert used == self.num_used, (used, self.num_used)
         assert len(self.free_ids) + len(self.evictable) + used == self.num_blocks, \
@@ -195,5 +271,6 @@ class BlockManager:
         bs = self.block_size
         first, last = seq.num_computed_tokens // bs, (seq.num_computed_tokens + num_new_tokens - 1) // bs
         for b in seq.block_table[first:last + 1]:
+            assert b != EVICTED, f"{seq.request_id}: writing an evicted block"
             assert self.ref_counts[b] == 1, f"{seq.request_id}: writing shared block {b} (ref {self.ref_counts[b]})"
             assert self.block_hash[b] is None, f"{seq.request_id}: writing cached block {b}"

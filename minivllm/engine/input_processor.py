@@ -8,12 +8,14 @@ is safe to call off the engine thread (the servers tokenize large prompts on a w
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from minivllm.sampling_params import SamplingParams
+from minivllm.slo import TtftSlo, resolve_priority
 
 Prompt = str | list[int] | dict[str, Any]
 
@@ -28,17 +30,21 @@ class EngineRequest:
     params: SamplingParams
     arrival_time: float
     priority: int = 0
+    ttft_deadline: float = math.inf  # arrival_time + its TTFT SLO (slo.py); inf: none
 
 
 class InputProcessor:
     """Prompt → token ids, the request's limits checked against the model and the KV pool."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, kv_cache_mode: str,
-                 blocks_needed: Callable[[int], int], num_blocks: int, pool: str) -> None:
+                 blocks_needed: Callable[[int], int], num_blocks: int, pool: str,
+                 ttft_slo_ms: str | float | None = None, seq_block_cap: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.kv_cache_mode = kv_cache_mode
         self.blocks_needed, self.num_blocks, self.pool = blocks_needed, num_blocks, pool
+        self.seq_block_cap = seq_block_cap  # sink-window eviction: the most blocks a sequence ever holds at once
+        self.ttft_slo = TtftSlo.parse(ttft_slo_ms)  # the classes' default deadlines (--ttft-slo-ms)
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """A prompt (text, token ids, or {"prompt_token_ids": [...]}) → (text, token ids)."""
@@ -57,15 +63,19 @@ class InputProcessor:
             return None, list(prompt)
         raise ValueError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
 
-    def process(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0,
+    def process(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, priority: int | str = 0,
                 arrival_time: float | None = None, fit_context: bool = False,
-                default_max_tokens: int | None = None) -> EngineRequest:
+                default_max_tokens: int | None = None, ttft_slo_ms: float | None = None) -> EngineRequest:
         """Tokenize, validate and fill in max_tokens; ValueError naming the problem if the request can never run.
+        `priority` is an int or a class name, `ttft_slo_ms` overrides its class's TTFT SLO (slo.py).
 
         A missing max_tokens is `default_max_tokens` clipped to the room the prompt leaves, or without one
         runs to the end of the context. With `fit_context` (the servers, vLLM's rule) the prompt must leave
         room to generate and an explicit max_tokens must fit the context with the prompt."""
         params = params or SamplingParams()
+        priority = resolve_priority(priority)
+        arrival_time = arrival_time or time.time()
+        deadline = self.ttft_slo.deadline(priority, arrival_time, ttft_slo_ms)
         text, ids = self.tokenize(prompt)
         room = self.max_model_len - len(ids)
         if fit_context:
@@ -80,7 +90,7 @@ class InputProcessor:
         if params.max_tokens is None:
             fill = max(1, room) if default_max_tokens is None else min(default_max_tokens, room)
             params = params.clone(max_tokens=fill)
-        return EngineRequest(request_id, text, ids, params, arrival_time or time.time(), priority)
+        return EngineRequest(request_id, text, ids, params, arrival_time, priority, deadline)
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -102,6 +112,8 @@ class InputProcessor:
         # its longest (samples and beams can then always make progress one at a time).
         longest = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
         need = self.blocks_needed(longest)
+        if self.seq_block_cap is not None:
+            need = min(need, self.seq_block_cap)
         if need > self.num_blocks:
             raise ValueError(
                 f"request needs {need} KV blocks for prompt + max_tokens ({longest} tokens) but the whole pool has "

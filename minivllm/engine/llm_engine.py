@@ -23,12 +23,14 @@ from minivllm.config import (
 from minivllm.engine.beam_search import BeamSearcher
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.input_processor import EngineRequest, InputProcessor, Prompt
+from minivllm.engine.introspection import EngineIntrospection
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import BeamState, Sequence, SequenceGroup, SequenceStatus
 from minivllm.engine.spec_decode import verify_rows
 from minivllm.engine.spec_factory import build_speculator
-from minivllm.engine.stats import IterationStats, SchedulerSnapshot, StatsRecorder, StepTimings
+from minivllm.engine.stats import StatsRecorder, StepTimings
+from minivllm.engine.swap_manager import build_swap_manager
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.model.input_batch import InputBatch, SlotParams
 from minivllm.model.runner import ModelRunner, SequenceInput
@@ -47,7 +49,16 @@ def _scheduler_class(config: SchedulerConfig) -> type[Scheduler]:
     return AblationScheduler
 
 
-class LLMEngine:
+def _eviction_block_cap(args: EngineArgs, block_size: int, token_budget: int) -> int | None:
+    """Under sink-window eviction, the most blocks one sequence holds at once: its sink blocks, and its window
+    plus a step's chunk (which may straddle one more block)."""
+    if args.sink_window is None:
+        return None
+    sinks, window = args.sink_window
+    return -(-sinks // block_size) + -(-(window - 1 + token_budget) // block_size) + 1
+
+
+class LLMEngine(EngineIntrospection):
     """The synchronous engine core: one `step()` = schedule, one forward, sample, update."""
 
     def __init__(self, args: EngineArgs, log_stats: bool = False) -> None:
@@ -80,24 +91,26 @@ class LLMEngine:
                              "max_model_len")
         self.scheduler_config = SchedulerConfig(args.max_num_seqs, token_budget, args.enable_chunked_prefill,
                                                 static_batching=args.batching == "static", reserve_tokens=reserve,
-                                                recompute_kv=args.kv_cache_mode == "none")
+                                                recompute_kv=args.kv_cache_mode == "none",
+                                                preemption_mode=args.preemption_mode)
         self.quant_config = QuantConfig.resolve(args.quantization, args.quantization_group_size,
                                                 args.quantize_lm_head, mc)
         self.runner = ModelRunner(mc, self.dtype, self.device, cc.num_blocks, cc.block_size, self.max_model_len,
                                   args.attention_backend, args.linear_backend, self.quant_config,
                                   args.quantization_kernel, args.enforce_eager, args.tensor_parallel_size,
-                                  kv_cache_dtype=args.kv_cache_dtype)
-        self.block_manager = BlockManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching)
-        self.scheduler = _scheduler_class(self.scheduler_config)(self.scheduler_config, self.block_manager)
+                                  kv_cache_dtype=args.kv_cache_dtype, sink_window=args.sink_window)
+        self.block_manager = BlockManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching, args.sink_window)
+        self.swap = build_swap_manager(args, self.runner, self.block_manager)  # None: preemption by recompute only
+        self.scheduler = _scheduler_class(self.scheduler_config)(self.scheduler_config, self.block_manager, self.swap)
         self.sampler = Sampler(self.device, args.seed)
         self.input_batch = InputBatch()  # the sampled sequences' settings and penalty stores, by slot
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
-        self.input_processor = InputProcessor(
-            self.tokenizer, mc.vocab_size, self.max_model_len, args.kv_cache_mode,
-            self.block_manager.blocks_needed, cc.num_blocks,
-            f"num_kv_blocks={args.num_kv_blocks}" if args.num_kv_blocks else f"kv_cache_memory={args.kv_cache_memory}")
+        pool = f"num_kv_blocks={n}" if (n := args.num_kv_blocks) else f"kv_cache_memory={args.kv_cache_memory}"
+        self.input_processor = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len, args.kv_cache_mode,
+                                              self.block_manager.blocks_needed, cc.num_blocks, pool, args.ttft_slo_ms,
+                                              _eviction_block_cap(args, cc.block_size, token_budget))
         self.speculator = build_speculator(args, self) if args.speculative_model else None
         self.groups: dict[str, SequenceGroup] = {}
         self.timings = StepTimings()
@@ -120,24 +133,25 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
+                    priority: int | str = 0, arrival_time: float | None = None, ttft_slo_ms: float | None = None
+                    ) -> None:
         """Validate and queue a request; raise ValueError naming the problem if it can never run."""
-        self.add_engine_request(self.process_request(request_id, prompt, sampling_params, priority, arrival_time))
+        self.add_engine_request(self.process_request(request_id, prompt, sampling_params, priority, arrival_time,
+                                                     ttft_slo_ms=ttft_slo_ms))
 
     def process_request(self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                        priority: int = 0, arrival_time: float | None = None, fit_context: bool = False,
-                        default_max_tokens: int | None = None) -> EngineRequest:
-        """Tokenize and validate without touching engine state (safe off the engine thread); see
-        InputProcessor.process."""
+                        priority: int | str = 0, arrival_time: float | None = None, fit_context: bool = False,
+                        default_max_tokens: int | None = None, ttft_slo_ms: float | None = None) -> EngineRequest:
+        """Tokenize and validate without touching engine state (safe off the engine thread): InputProcessor.process."""
         return self.input_processor.process(request_id, prompt, sampling_params, priority, arrival_time,
-                                            fit_context, default_max_tokens)
+                                            fit_context, default_max_tokens, ttft_slo_ms)
 
     def add_engine_request(self, req: EngineRequest) -> None:
         """Queue a request that process_request() built."""
         if req.request_id in self.groups:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         request_id, ids, params = req.request_id, req.prompt_token_ids, req.params
-        group = SequenceGroup(request_id, req.prompt, ids, params, req.arrival_time)
+        group = SequenceGroup(request_id, req.prompt, ids, params, req.arrival_time, ttft_deadline=req.ttft_deadline)
         seq = Sequence(request_id, ids, params, next(self._arrivals), req.priority, group, 0)
         group.seqs.append(seq)
         if params.prompt_logprobs is not None:
@@ -170,7 +184,7 @@ class LLMEngine:
         if group.beam is not None:
             group.beam.live = []
         if self.log_stats:
-            self.recorder.finished(group, time.time())
+            self.recorder.finished(group, self.scheduler.clock())
         return self.output_processor.make_output(group)
 
     abort = abort_request
@@ -198,18 +212,22 @@ class LLMEngine:
         if self.speculator is not None:
             for seq in sched.preempted:  # its draft K/V goes too: recomputed with it
                 self.speculator.release(seq)
+        t1 = time.perf_counter()
+        # Swaps, then copy-on-write copies; before an empty return too: a step may swap out all it had.
+        swap_time = self.runner.move_blocks(sched.swap_out, sched.swap_in, sched.block_copies)
         if sched.is_empty:
             return []
-        t1 = time.perf_counter()
         self._in_flight = sched
         if self.log_stats:
-            self.recorder.scheduled(sched.scheduled, sched.num_batched_tokens)
+            self.recorder.scheduled(sched.scheduled, sched.num_batched_tokens, sched.now)
         if self.args.check_invariants:
             for seq, n in sched.scheduled:
                 self.block_manager.check_writable(seq, n)
-        self.runner.copy_blocks(sched.block_copies)
         inputs = self._runner_inputs(sched.scheduled)
         logits = self.runner.execute(inputs)
+        if self.swap is not None:
+            self.swap.costs.observe(swap_time, len(sched.swap_out) + len(sched.swap_in), self.runner.last_forward_time,
+                                    sched.num_batched_tokens, len(sched.scheduled))
         if self.speculator is not None:
             self.speculator.observe(sched.scheduled, self.runner.last_forward_time)
         t2 = time.perf_counter()
@@ -218,7 +236,7 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.end_step()
         t3 = time.perf_counter()
-        now = time.time()
+        now = self.scheduler.clock()  # time.time() but for tests, which script it (deadlines in steps)
         outputs = []
         for group in touched:
             if self.log_stats:
@@ -371,29 +389,3 @@ class LLMEngine:
         banned = (*(self.eos_token_ids if not p.ignore_eos else ()), *p.stop_token_ids)
         return SlotParams(0.0 if p.greedy else p.temperature, p.top_k, p.top_p, p.min_p, p.presence_penalty,
                           p.frequency_penalty, p.repetition_penalty, p.logprobs, p.min_tokens, banned, seq.generator)
-
-    # ---- stats ---------------------------------------------------------------------------------
-    def take_failed_step(self) -> list[str]:
-        """The request ids of a step that raised (empty if none was in progress); clears it."""
-        sched, self._in_flight = self._in_flight, None
-        return list(dict.fromkeys(seq.request_id for seq, _ in sched.scheduled)) if sched else []
-
-    def take_stats(self) -> IterationStats:
-        """The stats gathered since the previous call (scheduler counters as deltas)."""
-        return self.recorder.take(self.scheduler.stats, self.speculator.stats if self.speculator else None)
-
-    def snapshot(self, extra_waiting: int = 0) -> SchedulerSnapshot:
-        """Requests running and waiting, and KV usage, now."""
-        running = len({seq.request_id for seq in self.scheduler.running})
-        bm = self.block_manager
-        return SchedulerSnapshot(running, len(self.groups) - running + extra_waiting, bm.num_used / bm.num_blocks)
-
-    # ---- introspection -------------------------------------------------------------------------
-    def check_invariants(self) -> None:
-        """Block accounting agrees with the live sequences, and every sampling slot belongs to one."""
-        live = self.scheduler.running + self.scheduler.waiting
-        self.block_manager.check_invariants(live)
-        if self.speculator is not None:
-            self.speculator.proposer.check_invariants()
-        slots = [s.slot for s in live if s.slot >= 0]
-        assert len(set(slots)) == len(slots) == self.input_batch.num_active, (slots, self.input_batch.num_active)

@@ -2,18 +2,32 @@
 
 Chunked prefill and prefix-cache hits fall out of the same loop: a sequence is scheduled for
 `num_tokens - num_computed_tokens` tokens, capped by what is left of the budget. When the pool runs
-out, the lowest-priority (then newest) running sequence is preempted by recompute.
+out, the running sequence whose preemption hurts least (`_pick_victim`) is preempted: by recompute, or with
+preemption_mode swap/auto by copying its KV to the host tier (swap_manager.py). Swapped sequences resume
+before any waiting one is admitted (vLLM v0's order: running, swapped, waiting).
+
+SLO-aware (slo.py): queues are ordered by priority, then earliest TTFT deadline, then arrival. A waiting
+request of a better class than running ones goes ahead of them in the step (`_admit_ahead`): it takes the
+budget before their chunks, and preempts them when the seats or the pool are theirs. Without classes every
+request is interactive and none of this fires: the order is vLLM v1's.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from minivllm.config import SchedulerConfig
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.slo import CLASS_NAMES, class_rank
+
+if TYPE_CHECKING:
+    from minivllm.engine.swap_manager import SwapManager
 
 
 @dataclass
@@ -24,6 +38,10 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     preempted: list[Sequence] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Host-tier moves, run before the copy-on-write copies and the forward: (device, host) and (host, device).
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    now: float = 0.0  # the scheduler's clock when it decided (deadlines and slack were judged against it)
 
     @property
     def is_empty(self) -> bool:
@@ -35,21 +53,28 @@ class SchedulerOutput:
 class SchedulerStats:
     """Counters since start."""
 
-    num_preemptions: int = 0
+    num_preemptions: int = 0  # by either mode
+    num_swap_preemptions: int = 0  # of which by swap
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up
     prefix_cache_hits: int = 0  # of which served from cache
 
 
-def _order(seq: Sequence) -> tuple[int, int]:
+_NO_CLASS = len(CLASS_NAMES)  # a class rank worse than every class: nothing may go ahead of running work
+
+
+def _order(seq: Sequence) -> tuple[int, float, int]:
     return seq.sort_key
 
 
-def _reversed_order(seq: Sequence) -> tuple[int, int]:
-    priority, arrival = seq.sort_key
-    return -priority, -arrival
+def _reversed_order(seq: Sequence) -> tuple[int, float, int]:
+    priority, deadline, arrival = seq.sort_key
+    return -priority, -deadline, -arrival
 
 
-def _remove_sorted(queue: list[Sequence], seq: Sequence, key: Callable[[Sequence], tuple[int, int]]) -> None:
+def _remove_sorted(queue: list[Sequence], seq: Sequence, key: Callable[[Sequence], tuple[int, float, int]]
+                   ) -> None:
     """Remove seq from a queue sorted by key: a bisection to its key, then a short scan among equal keys
     (a request's samples and beams share one), instead of list.remove's scan of the whole queue."""
     i = bisect.bisect_left(queue, key(seq), key=key)
@@ -61,7 +86,8 @@ def _remove_sorted(queue: list[Sequence], seq: Sequence, key: Callable[[Sequence
 class Scheduler:
     """Decides, each step, which sequences run and for how many tokens."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 swap_manager: SwapManager | None = None) -> None:
         if config.is_ablation and type(self) is Scheduler:
             raise ValueError("ablation modes (static batching, contiguous or no KV cache) run on "
                              "engine.ablation_scheduler.AblationScheduler")
@@ -69,8 +95,12 @@ class Scheduler:
         self.bm = block_manager
         # Sorted by sort_key, last first: the next to admit is at the end, so admission pops in O(1).
         self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []  # sorted by sort_key: the preemption victim is the last
+        self.running: list[Sequence] = []  # sorted by sort_key: classes in order, best first
+        self.swap = swap_manager  # the host tier (preemption_mode swap or auto), else None
+        self.swapped: list[Sequence] = []  # sorted like waiting: the next to resume is at the end
         self.stats = SchedulerStats()
+        # Deadlines are arrival_time + SLO on time.time()'s scale; tests swap in a scripted clock (slack in steps).
+        self.clock: Callable[[], float] = time.time
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence."""
@@ -79,16 +109,24 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        """Sequences waiting or running."""
-        return len(self.waiting) + len(self.running)
+        """Sequences waiting, running or swapped."""
+        return len(self.waiting) + len(self.running) + len(self.swapped)
 
     def schedule(self) -> SchedulerOutput:
-        """Fill one step's token budget: running sequences first, then admit waiting ones."""
-        out = SchedulerOutput()
+        """Fill one step's token budget: running sequences first, then admit waiting ones; a waiting request
+        of a better class than running ones goes ahead of those (`_admit_ahead`)."""
+        now = self.clock()
+        out = SchedulerOutput(now=now)
         budget = self.config.max_num_batched_tokens
+        head_rank = self._head_rank()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if head_rank < class_rank(seq.priority):  # running is sorted: seq starts the first worse class
+                budget, admitted, stalled = self._admit_ahead(out, budget, i, now)
+                i += admitted  # the admitted sort before seq, and are scheduled
+                head_rank = _NO_CLASS if stalled else self._head_rank()
+                continue  # seq itself may have made room
             # Speculative proposals are scheduled after the sequence's last token, in the same chunk.
             n = min(seq.num_tokens + len(seq.spec_token_ids) - seq.num_computed_tokens, budget)
             if n == 0:  # a beam whose next-token log-probs wait for the rest of its beam group
@@ -99,7 +137,9 @@ class Scheduler:
                     seq.spec_token_ids = []
                     n = min(seq.num_tokens - seq.num_computed_tokens, budget)
                     continue
-                victim = self.running.pop()  # lowest priority, newest: running is kept sorted
+                j = self._pick_victim(now, i)
+                assert j is not None  # seq itself qualifies
+                victim = self.running.pop(j)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -108,21 +148,43 @@ class Scheduler:
                 out.scheduled.append((seq, n))
                 budget -= n
                 i += 1
-        # vLLM v1's rule: no admissions in a step that had to preempt (the pool is under pressure).
+        # vLLM v1's rule: no admissions (nor swap-ins) in a step that had to preempt (the pool is under pressure).
         if not out.preempted:
-            budget = self._admit_waiting(out, budget)
+            budget = self._resume_then_admit(out, budget, self._admit_waiting)
         # Beams waiting for their siblings hold blocks but compute nothing, so they are never preempted
         # above. If they starve a waiting sibling (nothing at all could run), they make room: their
         # next-token log-probs are kept by their beam group, only their KV is recomputed later.
-        while not out.scheduled and self.waiting and any(self._idle(s) for s in self.running):
+        # A swapped sibling starves them alike (it resumes before anything waiting is admitted).
+        while not out.scheduled and (self.waiting or self.swapped) and any(self._idle(s) for s in self.running):
             victim = next(s for s in reversed(self.running) if self._idle(s))
             _remove_sorted(self.running, victim, _order)
             self._preempt(victim)
             out.preempted.append(victim)
-            budget, _ = self._admit(out, budget)
+            budget = self._resume_then_admit(out, budget, lambda o, b: self._admit(o, b)[0])
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         out.block_copies = self.bm.take_copies()
+        if self.swap is not None:
+            out.swap_out, out.swap_in = self.swap.take()
+            self.stats.swap_out_bytes += len(out.swap_out) * self.swap.block_bytes
+            self.stats.swap_in_bytes += len(out.swap_in) * self.swap.block_bytes
         return out
+
+    def _resume_then_admit(self, out: SchedulerOutput, budget: int,
+                           admit: Callable[[SchedulerOutput, int], int]) -> int:
+        """Swap sequences back in (highest priority first), and only once none is left admit waiting ones:
+        a swapped sequence holds host blocks and has work done, so it never starves behind new arrivals."""
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            assert self.swap is not None
+            seq = self.swapped[-1]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.swap.swap_in(seq, n):
+                return budget
+            self.swapped.pop()
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=_order)
+            out.scheduled.append((seq, n))
+            budget -= n
+        return budget if self.swapped else admit(out, budget)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         """Continuous batching: admit waiting sequences every step. Returns the budget left."""
@@ -142,40 +204,124 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
         """Admit waiting sequences in order while they fit; returns the budget left and whether the step
         budget (rather than the seats, the pool, or an empty queue) is what stopped admission."""
-        cfg = self.config
-        while self.waiting and len(self.running) < cfg.max_num_seqs:
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
             if budget == 0:
                 return budget, True
-            seq = self.waiting[-1]
-            computed = [] if seq.skips_prefix_cache else self.bm.get_computed_blocks(seq)
-            num_cached = len(computed) * self.bm.block_size
-            n = seq.num_tokens - num_cached
-            if n > budget and not cfg.enable_chunked_prefill:
-                return budget, True
-            n = min(n, budget)
-            if not self.bm.allocate_slots(seq, self._reserve(n, num_cached), computed):
-                return budget, False
-            self.waiting.pop()
-            self.stats.prefix_cache_queries += seq.num_tokens
-            self.stats.prefix_cache_hits += num_cached
-            if seq.num_preemptions == 0 and seq.group is not None and seq.index == 0 and seq.num_output_tokens == 0:
-                seq.group.num_cached_tokens = num_cached
-            seq.num_computed_tokens = num_cached
-            seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=_order)
-            out.scheduled.append((seq, n))
+            n = self._admit_head(out, budget)
+            if not n:
+                return budget, n == 0
             budget -= n
         return budget, False
 
+    def _admit_head(self, out: SchedulerOutput, budget: int) -> int | None:
+        """Admit the next waiting sequence for at most budget (> 0) tokens; returns how many it was scheduled
+        for, 0 when its prompt needs more than the budget and chunked prefill is off, None when the pool lacks
+        the blocks."""
+        seq = self.waiting[-1]
+        computed = [] if seq.skips_prefix_cache else self.bm.get_computed_blocks(seq)
+        num_cached = len(computed) * self.bm.block_size
+        n = seq.num_tokens - num_cached
+        if n > budget and not self.config.enable_chunked_prefill:
+            return 0
+        n = min(n, budget)
+        if not self.bm.allocate_slots(seq, self._reserve(n, num_cached), computed):
+            return None
+        self.waiting.pop()
+        self.stats.prefix_cache_queries += seq.num_tokens
+        self.stats.prefix_cache_hits += num_cached
+        if seq.num_preemptions == 0 and seq.group is not None and seq.index == 0 and seq.num_output_tokens == 0:
+            seq.group.num_cached_tokens = num_cached
+        seq.num_computed_tokens = num_cached
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=_order)
+        out.scheduled.append((seq, n))
+        return n
+
+    def _head_rank(self) -> int:
+        """The class of the next waiting request (_NO_CLASS when none waits)."""
+        return class_rank(self.waiting[-1].priority) if self.waiting else _NO_CLASS
+
+    def _admit_ahead(self, out: SchedulerOutput, budget: int, start: int, now: float) -> tuple[int, int, bool]:
+        """Admit waiting requests of a better class than running[start] (the first running sequence of a worse
+        class than the queue's head, not yet scheduled this step) before it: they take the budget ahead of its
+        class's prefill chunks and decodes, so a long batch prefill cannot hold an interactive first token back
+        by whole steps. A head short of a seat or of blocks preempts a running sequence of a worse class than
+        its own (vLLM's priority scheduling); never one of its own class, so equals never thrash, and every
+        victim is of a worse class than anything this call admits, so none is re-admitted in the same step.
+        Returns the budget left, how many were admitted (all inserted before `start`) and whether it stalled
+        (no budget for the head's prompt, or nothing worse to displace): a stall holds for the rest of the step."""
+        admitted = 0
+        limit = class_rank(self.running[start].priority)
+        while budget > 0 and self.waiting and class_rank(self.waiting[-1].priority) < limit:
+            head, rank = self.waiting[-1], class_rank(self.waiting[-1].priority)
+            if len(self.running) < self.config.max_num_seqs:
+                n = self._admit_head(out, budget)
+                if n:
+                    budget -= n
+                    admitted += 1
+                    continue
+                if n == 0:
+                    return budget, admitted, True
+                # Short of blocks: preempt nobody unless preempting every worse-class sequence could make room.
+                worse = (s for s in self.running[start + admitted:] if class_rank(s.priority) > rank)
+                room = self.bm.num_free_blocks + sum(len(s.block_table) for s in worse)
+                if room < self.bm.blocks_needed(min(head.num_tokens, budget)):
+                    return budget, admitted, True
+            j = self._pick_victim(now, start + admitted, rank)
+            if j is None:
+                return budget, admitted, True
+            victim = self.running.pop(j)
+            self._preempt(victim)
+            out.preempted.append(victim)
+        return budget, admitted, budget == 0
+
+    def _pick_victim(self, now: float, start: int, worse_than: int = -1) -> int | None:
+        """The index in running of the preemption that hurts least among running[start:] of a class worse than
+        `worse_than` (None: no such sequence): the lowest priority; then the most slack before its TTFT deadline
+        (one that has its first token, or has no deadline, has all the slack there is); then the cheapest to
+        restore (fewest computed tokens: what a recompute redoes, what a swap moves); then the newest. Sequences
+        scheduled earlier in the step (before `start`) are never victims: their copy-on-write copies are owed and
+        their tokens counted. O(sequences of the lowest priority): running is sorted, so the scan stops there."""
+        best, best_key = None, None
+        for j in range(len(self.running) - 1, start - 1, -1):
+            s = self.running[j]
+            if (best_key is not None and s.priority < best_key[0]) or class_rank(s.priority) <= worse_than:
+                break
+            slack = math.inf if s.num_output_tokens else s.ttft_deadline - now
+            key = (s.priority, slack, -s.num_computed_tokens, s.arrival_index)
+            if best_key is None or key > best_key:
+                best, best_key = j, key
+        return best
+
     def _preempt(self, seq: Sequence) -> None:
-        """Preempt by recompute (seq already off the running list): drop its KV blocks and requeue it;
-        it resumes from its tokens so far."""
-        self.bm.free(seq)
+        """Preempt seq (already off the running list). By swap (see _swaps): its KV goes to the host tier and
+        it waits in `swapped`, keeping num_computed_tokens. By recompute: its KV blocks are dropped and it is
+        requeued, to resume from its tokens so far."""
         seq.spec_token_ids = []
-        seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.stats.num_preemptions += 1
+        if self._swaps(seq):
+            assert self.swap is not None
+            self.swap.swap_out(seq)
+            seq.status = SequenceStatus.SWAPPED
+            bisect.insort_left(self.swapped, seq, key=_reversed_order)
+            self.stats.num_swap_preemptions += 1
+            return
+        self.bm.free(seq)
+        seq.num_computed_tokens = 0
         self.add(seq)
+
+    def _swaps(self, seq: Sequence) -> bool:
+        """Whether to preempt seq by swap: in swap mode whenever the host tier has room for it, in auto mode
+        when the measured costs also say it is cheaper. An idle beam is always recomputed: it gives up its
+        blocks to a sibling that needs them, and swapped it would resume first and take them back."""
+        swap = self.swap
+        if swap is None or self._idle(seq) or not swap.can_swap_out(seq):
+            return False
+        # Swap-outs read their blocks before the step's copy-on-write copies write theirs: a sequence scheduled
+        # (so possibly copied-on-write) earlier in this step is never the victim.
+        assert not {d for _, d in self.bm.pending_copies} & set(seq.block_table), seq
+        return self.config.preemption_mode == "swap" or swap.prefers_swap(seq)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Add child as a copy of parent that shares its KV blocks (copy-on-write later). Forks join the
@@ -197,5 +343,9 @@ class Scheduler:
             _remove_sorted(self.running, seq, _order)
         elif seq.status == SequenceStatus.WAITING:
             _remove_sorted(self.waiting, seq, _reversed_order)
+        elif seq.status == SequenceStatus.SWAPPED:
+            _remove_sorted(self.swapped, seq, _reversed_order)
+            assert self.swap is not None
+            self.swap.free(seq)
         seq.status = status
         self.bm.free(seq)

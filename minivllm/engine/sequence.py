@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,7 @@ class SequenceStatus(enum.Enum):
 
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted by swap: its computed KV waits in the host tier
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -43,7 +45,7 @@ class Sequence:
                  "priority", "arrival_index", "status", "num_computed_tokens", "block_table", "block_hashes",
                  "num_preemptions", "generator", "detokenizer", "logprobs", "cumulative_logprob", "stop_reason",
                  "num_emitted_tokens", "finish_reported", "slot", "spec_token_ids", "spec_drafts", "spec_accepted",
-                 "spec_expected")
+                 "spec_expected", "ttft_deadline")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  arrival_index: int, priority: int = 0, group: SequenceGroup | None = None, index: int = 0) -> None:
@@ -74,6 +76,8 @@ class Sequence:
         # yielded against what all drafts' acceptance expected of them.
         self.spec_drafts = 0
         self.spec_accepted = self.spec_expected = 0.0
+        # Its request's (samples and beams inherit it through the group); a copy, so sort keys read one slot.
+        self.ttft_deadline = group.ttft_deadline if group is not None else math.inf
 
     @property
     def num_tokens(self) -> int:
@@ -91,9 +95,10 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
-    def sort_key(self) -> tuple[int, int]:
-        """Scheduling order: lower priority value first, then earlier arrival."""
-        return (self.priority, self.arrival_index)
+    def sort_key(self) -> tuple[int, float, int]:
+        """Scheduling order: lower priority value first, then earliest TTFT deadline (none: math.inf, after every
+        deadline), then earlier arrival. Fixed for a sequence's life, so sorted queues stay sorted."""
+        return (self.priority, self.ttft_deadline, self.arrival_index)
 
     @property
     def skips_prefix_cache(self) -> bool:
@@ -142,6 +147,7 @@ class SequenceGroup:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    ttft_deadline: float = math.inf  # when the first token is due (arrival_time's clock; slo.py)
 
     @property
     def finished(self) -> bool:

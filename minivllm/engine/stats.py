@@ -9,6 +9,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from minivllm.slo import priority_class
+
 if TYPE_CHECKING:
     from minivllm.engine.scheduler import SchedulerStats
     from minivllm.engine.sequence import Sequence, SequenceGroup
@@ -27,6 +29,7 @@ class FinishedRequestStats:
     num_prompt_tokens: int
     num_generation_tokens: int
     request_id: str = ""  # for the live view's feed (metrics never label by request)
+    priority_class: str = "interactive"  # slo.py's class of its priority
 
 
 @dataclass(slots=True)
@@ -39,9 +42,15 @@ class IterationStats:
     num_prompt_tokens: int = 0  # prompts of requests that produced their first token
     num_generation_tokens: int = 0
     time_to_first_tokens: list[float] = field(default_factory=list)  # from arrival
+    first_token_classes: list[str] = field(default_factory=list)  # the class of each of those requests
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
+    deadline_misses: list[str] = field(default_factory=list)  # the class of each request past its TTFT deadline
     num_preemptions: int = 0
+    num_swap_preemptions: int = 0  # of num_preemptions, those by swap (the rest by recompute)
+    kv_swap_out_bytes: int = 0
+    kv_swap_in_bytes: int = 0
+    num_evicted_blocks: int = 0  # released by sink-window eviction
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     # Speculative decoding (zero when it is off): drafts verified, tokens proposed, tokens accepted, and
@@ -59,6 +68,9 @@ class SchedulerSnapshot:
     num_running: int  # requests with a sequence running
     num_waiting: int  # requests queued (including those not yet handed to the engine)
     kv_cache_usage: float  # fraction of KV blocks referenced by live sequences (cached-evictable count as free)
+    num_swapped: int = 0  # requests preempted by swap with no sequence running
+    cpu_cache_usage: float = 0.0  # fraction of the host tier's blocks held by swapped sequences
+    num_swapped_blocks: int = 0  # those blocks
 
 
 @dataclass
@@ -86,12 +98,14 @@ class StatsRecorder:
         self.eos_token_ids = eos_token_ids
         self.stats = IterationStats()
         self.produced: set[str] = set()  # request ids that got a new token in the current step
-        self._base = (0, 0, 0)  # scheduler counters at the last take()
+        self._base = (0, 0, 0, 0, 0, 0, 0)  # scheduler (and block manager) counters at the last take()
         self._spec_base: tuple[int, int, int, list[int]] | None = None  # speculation's, likewise
 
-    def scheduled(self, scheduled: Iterable[tuple[Sequence, int]], num_batched_tokens: int) -> None:
-        """A step was scheduled: its tokens, the prompt share of them, first-scheduled times."""
-        st, now = self.stats, time.time()
+    def scheduled(self, scheduled: Iterable[tuple[Sequence, int]], num_batched_tokens: int,
+                  now: float | None = None) -> None:
+        """A step was scheduled (at `now`, the scheduler's clock): its tokens, the prompt share of them,
+        first-scheduled times."""
+        st, now = self.stats, time.time() if now is None else now
         st.num_steps += 1
         st.num_iteration_tokens.append(num_batched_tokens)
         for seq, n in scheduled:
@@ -111,8 +125,12 @@ class StatsRecorder:
             return
         if group.first_token_time is None:
             group.first_token_time = now
+            cls = priority_class(group.seqs[0].priority)
             self.stats.time_to_first_tokens.append(now - group.arrival_time)
+            self.stats.first_token_classes.append(cls)
             self.stats.num_prompt_tokens += len(group.prompt_token_ids)
+            if now > group.ttft_deadline:  # counted once: a request has one first token
+                self.stats.deadline_misses.append(cls)
         else:
             assert group.last_token_time is not None
             self.stats.inter_token_latencies.append(now - group.last_token_time)
@@ -130,17 +148,27 @@ class StatsRecorder:
         generated = (sum(len(ids) for _, ids, _ in group.beam.finished) if group.beam is not None
                      else sum(s.num_output_tokens for s in group.seqs))
         queued = group.first_scheduled_time - group.arrival_time if group.first_scheduled_time is not None else None
+        cls = priority_class(group.seqs[0].priority)
         self.stats.finished.append(FinishedRequestStats(reason, now - group.arrival_time, queued,
-                                                        len(group.prompt_token_ids), generated, group.request_id))
+                                                        len(group.prompt_token_ids), generated, group.request_id, cls))
+        if group.first_token_time is None and now > group.ttft_deadline:  # aborted, never served: missed too
+            self.stats.deadline_misses.append(cls)
 
-    def take(self, s: SchedulerStats, spec: SpecDecodeStats | None = None) -> IterationStats:
-        """The stats gathered since the previous call, the scheduler's (and speculation's) counters as deltas."""
+    def take(self, s: SchedulerStats, spec: SpecDecodeStats | None = None, num_evicted_blocks: int = 0
+             ) -> IterationStats:
+        """The stats gathered since the previous call, the scheduler's, the block manager's evictions and
+        speculation's counters as deltas."""
         st, self.stats = self.stats, IterationStats()
-        p0, q0, h0 = self._base
+        p0, q0, h0, w0, o0, i0, e0 = self._base
         st.num_preemptions = s.num_preemptions - p0
         st.prefix_cache_queries = s.prefix_cache_queries - q0
         st.prefix_cache_hits = s.prefix_cache_hits - h0
-        self._base = (s.num_preemptions, s.prefix_cache_queries, s.prefix_cache_hits)
+        st.num_swap_preemptions = s.num_swap_preemptions - w0
+        st.kv_swap_out_bytes = s.swap_out_bytes - o0
+        st.kv_swap_in_bytes = s.swap_in_bytes - i0
+        st.num_evicted_blocks = num_evicted_blocks - e0
+        self._base = (s.num_preemptions, s.prefix_cache_queries, s.prefix_cache_hits, s.num_swap_preemptions,
+                      s.swap_out_bytes, s.swap_in_bytes, num_evicted_blocks)
         if spec is not None:
             d0, t0, a0, pos0 = self._spec_base or (0, 0, 0, [0] * len(spec.accepted_per_position))
             st.spec_num_drafts = spec.num_drafts - d0
@@ -190,6 +218,9 @@ class LoggingStatLogger:
                         "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
                         self._prompt / elapsed, self._gen / elapsed, snapshot.num_running,
                         snapshot.num_waiting, 100.0 * snapshot.kv_cache_usage, hit_rate)
+            if snapshot.num_swapped or snapshot.cpu_cache_usage:
+                logger.info("Swapped: %d reqs, CPU KV cache usage: %.1f%%", snapshot.num_swapped,
+                            100.0 * snapshot.cpu_cache_usage)
             if self._drafted:
                 logger.info("Speculative decoding: %d of %d proposed tokens accepted (%.1f%%)", self._accepted,
                             self._drafted, 100.0 * self._accepted / self._drafted)

@@ -17,6 +17,8 @@ import time
 from array import array
 from typing import TYPE_CHECKING, Any
 
+from minivllm.engine.block_manager import EVICTED
+from minivllm.engine.sequence import SequenceStatus
 from minivllm.engine.stats import IterationStats
 
 if TYPE_CHECKING:
@@ -83,6 +85,10 @@ class StepTracer:
             "batch": batch, "num_batched_tokens": sched.num_batched_tokens if sched and stats.num_steps else 0,
             "token_budget": eng.scheduler_config.max_num_batched_tokens,
             "preempted": sorted({s.request_id for s in sched.preempted}) if sched and stats.num_steps else [],
+            # Of those, the ones whose KV went to the host tier (preemption by swap) rather than away.
+            "swapped_out": sorted({s.request_id for s in sched.preempted if s.status == SequenceStatus.SWAPPED})
+            if sched and stats.num_steps else [],
+            "num_swapped": len({s.request_id for s in scheduler.swapped}),
             "waiting": [s.request_id for s in scheduler.waiting[:MAX_WAITING_LISTED]],
             "num_waiting": len(scheduler.waiting), "num_running": len({s.request_id for s in scheduler.running}),
             "finished": [[f.request_id, f.finish_reason, round(f.e2e_latency, 4)] for f in stats.finished],
@@ -114,6 +120,8 @@ class StepTracer:
                 i = index[seq.request_id] = len(requests)
                 requests.append(seq.request_id)
             for b in seq.block_table:
+                if b == EVICTED:
+                    continue
                 owners[b] = i
                 if refs[b] > 1:
                     shared.add(b)

@@ -48,7 +48,7 @@ METHODS = ("Generate", "BatchGenerate", "GenerateStream")
 ENDPOINTS = tuple(f"/{SERVICE_NAME}/{m}" for m in METHODS)  # the metrics' endpoint label: the gRPC method path
 _DEFAULT_MAX_TOKENS = 128  # as /generate
 _HEALTH_POLL_S = 0.25  # how often Watch subscribers learn of a change (Check is exact)
-_SAMPLING_FIELDS = frozenset(SamplingFields.model_fields) - {"priority"}
+_SAMPLING_FIELDS = frozenset(SamplingFields.model_fields) - {"priority", "ttft_slo_ms"}
 _STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
                  413: grpc.StatusCode.INVALID_ARGUMENT, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
                  503: grpc.StatusCode.UNAVAILABLE}
@@ -147,7 +147,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                        prompts: list[Any], request_id: str = "") -> list:
         params = sampling_params(msg, kind)
         rid = request_id or new_request_id("grpc")
-        return await self.state.prepare(rid, prompts, params, msg.priority, default_max_tokens=_DEFAULT_MAX_TOKENS)
+        # proto3 cannot tell an unset int from 0, so a class name comes in a field of its own.
+        if msg.priority_class and msg.priority:
+            raise APIError(400, "priority_class: give priority or priority_class, not both", "priority_class")
+        return await self.state.prepare(rid, prompts, params, msg.priority_class or msg.priority,
+                                        default_max_tokens=_DEFAULT_MAX_TOKENS, ttft_slo_ms=_opt(msg, "ttft_slo_ms"))
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         """One prompt, answered once finished."""

@@ -14,6 +14,7 @@ from prometheus_client import (
 )
 
 from minivllm.engine.stats import IterationStats, SchedulerSnapshot
+from minivllm.slo import CLASS_NAMES
 
 _LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0)  # the seed's 0.1…50 s
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -24,6 +25,7 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 _TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 FINISH_REASONS = ("stop", "length", "abort")
+PREEMPTION_MODES = ("recompute", "swap")  # how a preemption went (auto picks one of the two each time)
 HTTP_ENDPOINTS = ("/generate", "/batch_generate", "/ws/generate", "/v1/completions", "/v1/chat/completions")
 # gRPC calls are labelled with their method path (grpc_server.ENDPOINTS; a test keeps the two in step).
 GRPC_ENDPOINTS = ("/minivllm.v1.InferenceService/Generate", "/minivllm.v1.InferenceService/BatchGenerate",
@@ -55,8 +57,8 @@ class ServerMetrics:
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, names, registry=er)
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, names, buckets=buckets, registry=er)
+        def histogram(name: str, doc: str, buckets: tuple[float, ...], extra: tuple[str, ...] = ()) -> Histogram:
+            return Histogram(name, doc, [*names, *extra], buckets=buckets, registry=er)
 
         # Seed names, kept for the seed's dashboards.
         self.requests_total = Counter("inference_requests",
@@ -72,7 +74,18 @@ class ServerMetrics:
         self.kv_usage = gauge("minivllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full)")
         self.prompt_tokens = counter("minivllm:prompt_tokens", "Prompt tokens of requests that started generating")
         self.generation_tokens = counter("minivllm:generation_tokens", "Generated tokens")
-        self.preemptions = counter("minivllm:num_preemptions", "Preemptions (recompute) of running sequences")
+        self.preemptions = counter("minivllm:num_preemptions", "Preemptions of running sequences (either mode)")
+        # The host tier of preemption_mode swap/auto (vLLM's names where vLLM has one); zero with recompute.
+        self.preemptions_by_mode = counter("minivllm:num_preemptions_by_mode", "Preemptions of running sequences by "
+                                           "mode: recompute (KV dropped) or swap (KV copied to the host tier)",
+                                           ("mode",))
+        self.swapped = gauge("minivllm:num_requests_swapped", "Requests preempted by swap (KV in the host tier)")
+        self.cpu_usage = gauge("minivllm:cpu_cache_usage_perc", "Fraction of the host (swap) tier's KV blocks in use")
+        self.swapped_blocks = gauge("minivllm:num_swapped_blocks", "KV blocks held in the host (swap) tier")
+        self.swap_out_bytes = counter("minivllm:kv_swap_out_bytes", "KV bytes copied to the host tier")
+        self.swap_in_bytes = counter("minivllm:kv_swap_in_bytes", "KV bytes copied back from the host tier")
+        self.evicted_blocks = counter("minivllm:kv_evicted_blocks", "KV blocks released by sink-window eviction "
+                                      "(--kv-eviction sink-window) from sequences still running")
         self.request_success = counter("minivllm:request_success", "Finished requests by finish reason",
                                        ("finished_reason",))
         self.prefix_queries = counter("minivllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
@@ -84,6 +97,15 @@ class ServerMetrics:
                                     _E2E_BUCKETS)
         self.iteration_tokens = histogram("minivllm:iteration_tokens_total", "Tokens in one engine step",
                                           _TOKENS_BUCKETS)
+        # SLO classes (slo.py: priority <= 0 interactive, 1 batch, >= 2 background). New families rather than a
+        # label on the ones above, whose series and the dashboards that sum them stay as they were.
+        self.deadline_misses = counter("minivllm:request_deadline_miss", "Requests whose first token came after "
+                                       "their TTFT deadline (or that ended past it without one), by priority class",
+                                       ("class",))
+        self.ttft_by_class = histogram("minivllm:time_to_first_token_by_class_seconds",
+                                       "Arrival to first token, by priority class", _TTFT_BUCKETS, ("class",))
+        self.queue_time_by_class = histogram("minivllm:request_queue_time_by_class_seconds",
+                                             "Arrival to first scheduled, by priority class", _E2E_BUCKETS, ("class",))
         self.loop_lag = Histogram("minivllm:event_loop_lag_seconds", "Asyncio event-loop lag (timer probe)",
                                   buckets=_LAG_BUCKETS, registry=r)
         self.loop_lag_max = Gauge("minivllm:event_loop_lag_max_seconds", "Largest event-loop lag seen",
@@ -105,13 +127,19 @@ class ServerMetrics:
         # Every series exists from the start (value 0), so dashboards and rate() work before any request.
         for reason in FINISH_REASONS:
             self.request_success.labels(**labels, finished_reason=reason)
+        for mode in PREEMPTION_MODES:
+            self.preemptions_by_mode.labels(**labels, mode=mode)
+        for cls in CLASS_NAMES:
+            for m in (self.deadline_misses, self.ttft_by_class, self.queue_time_by_class):
+                m.labels(**labels, **{"class": cls})
         for endpoint in ENDPOINTS:
             self.request_latency.labels(endpoint=endpoint)
             for outcome in OUTCOMES:
                 self.requests_total.labels(endpoint=endpoint, status=outcome)
         for m in (self.running, self.waiting, self.kv_usage, self.prompt_tokens, self.generation_tokens,
                   self.preemptions, self.prefix_queries, self.prefix_hits, self.ttft, self.itl, self.e2e,
-                  self.queue_time, self.iteration_tokens):
+                  self.queue_time, self.iteration_tokens, self.swapped, self.cpu_usage, self.swapped_blocks,
+                  self.swap_out_bytes, self.swap_in_bytes, self.evicted_blocks):
             m.labels(**labels)
 
     def record(self, stats: IterationStats | None, snapshot: SchedulerSnapshot) -> None:
@@ -123,6 +151,9 @@ class ServerMetrics:
         self.running.labels(**lbl).set(snapshot.num_running)
         self.waiting.labels(**lbl).set(snapshot.num_waiting)
         self.kv_usage.labels(**lbl).set(snapshot.kv_cache_usage)
+        self.swapped.labels(**lbl).set(snapshot.num_swapped)
+        self.cpu_usage.labels(**lbl).set(snapshot.cpu_cache_usage)
+        self.swapped_blocks.labels(**lbl).set(snapshot.num_swapped_blocks)
 
     def _record_stats(self, stats: IterationStats) -> None:
         lbl = self._lbl
@@ -130,6 +161,11 @@ class ServerMetrics:
         self.generation_tokens.labels(**lbl).inc(stats.num_generation_tokens)
         self.tokens_generated.inc(stats.num_generation_tokens)
         self.preemptions.labels(**lbl).inc(stats.num_preemptions)
+        self.preemptions_by_mode.labels(**lbl, mode="swap").inc(stats.num_swap_preemptions)
+        self.preemptions_by_mode.labels(**lbl, mode="recompute").inc(stats.num_preemptions - stats.num_swap_preemptions)
+        self.swap_out_bytes.labels(**lbl).inc(stats.kv_swap_out_bytes)
+        self.swap_in_bytes.labels(**lbl).inc(stats.kv_swap_in_bytes)
+        self.evicted_blocks.labels(**lbl).inc(stats.num_evicted_blocks)
         self.prefix_queries.labels(**lbl).inc(stats.prefix_cache_queries)
         self.prefix_hits.labels(**lbl).inc(stats.prefix_cache_hits)
         for n in stats.num_iteration_tokens:
@@ -139,6 +175,10 @@ class ServerMetrics:
             ttft.observe(t)
         for t in stats.inter_token_latencies:
             itl.observe(t)
+        for t, cls in zip(stats.time_to_first_tokens, stats.first_token_classes, strict=True):
+            self.ttft_by_class.labels(**lbl, **{"class": cls}).observe(t)
+        for cls in stats.deadline_misses:
+            self.deadline_misses.labels(**lbl, **{"class": cls}).inc()
         if self.spec is not None:
             drafts, draft_tokens, accepted, per_pos = self.spec
             drafts.labels(**lbl).inc(stats.spec_num_drafts)
@@ -151,6 +191,7 @@ class ServerMetrics:
             self.e2e.labels(**lbl).observe(f.e2e_latency)
             if f.queue_time is not None:
                 self.queue_time.labels(**lbl).observe(f.queue_time)
+                self.queue_time_by_class.labels(**lbl, **{"class": f.priority_class}).observe(f.queue_time)
 
     def observe_loop_lag(self, lag_s: float) -> None:
         """One event-loop timer-probe sample."""

@@ -98,9 +98,9 @@ def _chat_logprobs(c: CompletionOutput, k: int) -> dict[str, Any]:
 
 
 async def _submit(st: ServerState, prompts: list[Prompt], params: SamplingParams,
-                  priority: int, prefix: str) -> tuple[str, list[AsyncStream]]:
+                  body: CompletionRequest | ChatCompletionRequest, prefix: str) -> tuple[str, list[AsyncStream]]:
     rid = new_request_id(prefix)
-    return rid, await st.submit(await st.prepare(rid, prompts, params, priority))
+    return rid, await st.submit(await st.prepare(rid, prompts, params, body.priority, ttft_slo_ms=body.ttft_slo_ms))
 
 
 # ---- /v1/completions -----------------------------------------------------------------------------------
@@ -122,7 +122,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     # echo with logprobs scores the prompt too (OpenAI's legacy behaviour): through prompt_logprobs.
     prompt_lp = max(body.prompt_logprobs or 0, body.logprobs or 0) if echo_logprobs else body.prompt_logprobs
     params = _params(body, body.max_tokens, body.logprobs, prompt_lp)
-    rid, streams = await _submit(st, prompts, params, body.priority, "cmpl")
+    rid, streams = await _submit(st, prompts, params, body, "cmpl")
     created = int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -246,7 +246,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         prompt = await asyncio.to_thread(chat_prompt, st.tokenizer, messages, body.add_generation_prompt)
     except ValueError as e:
         raise bad_request(e) from None
-    rid, streams = await _submit(st, [prompt], params, body.priority, "chatcmpl")
+    rid, streams = await _submit(st, [prompt], params, body, "chatcmpl")
     created = int(time.time())
     k = body.top_logprobs or 0
     if body.stream:

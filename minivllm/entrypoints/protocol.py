@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr
 
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -26,7 +26,10 @@ class SamplingFields(BaseModel):
     min_tokens: int | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
-    priority: int = 0
+    # Scheduling, not sampling: an int (lower is served sooner) or a class name (interactive, batch, background),
+    # and a TTFT SLO overriding the class's (slo.py; values are checked where every API's are, InputProcessor).
+    priority: StrictInt | StrictStr = 0
+    ttft_slo_ms: StrictFloat | None = None
 
     def sampling_params(self, max_tokens: int | None, kind: RequestOutputKind, **extra: Any) -> SamplingParams:
         """Build SamplingParams (raises ValueError naming a bad value)."""

@@ -62,7 +62,8 @@ class RayEngineClient:
         self.tokenizer = tokenizer
         bs = info["block_size"]
         self.input_processor = InputProcessor(tokenizer, info["vocab_size"], self.max_model_len, info["kv_cache_mode"],
-                                              lambda n: -(-n // bs), info["num_blocks"], info["pool"])
+                                              lambda n: -(-n // bs), info["num_blocks"], info["pool"],
+                                              info.get("ttft_slo_ms"))
         self.stat_loggers: list[Any] = []  # build_app adds the server's metrics; the replicas feed their own
         self.dead_error: BaseException | None = None
         self.reports: dict[str, dict[str, Any]] = {}
@@ -82,12 +83,13 @@ class RayEngineClient:
         """The replicas' gauges summed (KV usage: their mean)."""
         return self._snapshot
 
-    def process_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0,
+    def process_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int | str = 0,
                         arrival_time: float | None = None, fit_context: bool = False,
-                        default_max_tokens: int | None = None) -> EngineRequest:
-        """Tokenize and validate as a replica would (ValueError names the problem)."""
+                        default_max_tokens: int | None = None, ttft_slo_ms: float | None = None) -> EngineRequest:
+        """Tokenize and validate as a replica would (ValueError names the problem); the front sets deadlines
+        (with the replicas' --ttft-slo-ms), as requests arrive here."""
         return self.input_processor.process(request_id, prompt, params, priority, arrival_time, fit_context,
-                                            default_max_tokens)
+                                            default_max_tokens, ttft_slo_ms)
 
     def start(self) -> None:
         """Start reading the board (call on the server's event loop)."""

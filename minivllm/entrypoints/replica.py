@@ -98,6 +98,7 @@ class EngineReplica:
                 "num_speculative_tokens": self.engine.num_speculative_tokens,
                 "vocab_size": eng.model_config.vocab_size, "kv_cache_mode": eng.args.kv_cache_mode,
                 "block_size": cc.block_size, "num_blocks": cc.num_blocks, "pool": eng.input_processor.pool,
+                "ttft_slo_ms": eng.args.ttft_slo_ms,
                 "replica": self.replica_id, "pid": self.pid}
 
     def _report(self) -> dict[str, Any]:

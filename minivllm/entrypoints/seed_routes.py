@@ -52,7 +52,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     t0 = request.state.t0
     params = _params(body, RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY)
     (req,) = await state.prepare(new_request_id("gen"), [body.prompt], params, body.priority,
-                                 default_max_tokens=_DEFAULT_MAX_TOKENS)
+                                 default_max_tokens=_DEFAULT_MAX_TOKENS, ttft_slo_ms=body.ttft_slo_ms)
     streams = await state.submit([req])
     if body.stream:
         return state.stream_response("/generate", t0, _deltas(streams[0]), streams)
@@ -90,7 +90,7 @@ async def batch_generate(body: BatchGenerateRequest, request: Request) -> Respon
     t0 = request.state.t0
     params = _params(body, RequestOutputKind.FINAL_ONLY)
     reqs = await state.prepare(new_request_id("batch"), list(body.prompts), params, body.priority,
-                               default_max_tokens=_DEFAULT_MAX_TOKENS)
+                               default_max_tokens=_DEFAULT_MAX_TOKENS, ttft_slo_ms=body.ttft_slo_ms)
     streams = await state.submit(reqs)  # one inbox entry: the engine sees them together and batches them
     outs = await state.wait_finals(request, streams)
     state.count("/batch_generate", "success", t0)
@@ -139,7 +139,7 @@ async def _ws_request(state: ServerState, ws: WebSocket, text: str, reading: asy
         body = GenerateRequest.model_validate_json(text)
         params = _params(body, RequestOutputKind.DELTA)
         (req,) = await state.prepare(new_request_id("ws"), [body.prompt], params, body.priority,
-                                     default_max_tokens=_DEFAULT_MAX_TOKENS)
+                                     default_max_tokens=_DEFAULT_MAX_TOKENS, ttft_slo_ms=body.ttft_slo_ms)
         if reading.done():
             return
         (stream,) = await state.submit([req])

@@ -156,10 +156,11 @@ class ServerState:
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                            "model")
 
-    async def prepare(self, request_id: str, prompts: list[Prompt], params: SamplingParams, priority: int = 0,
-                      default_max_tokens: int | None = None) -> list[EngineRequest]:
+    async def prepare(self, request_id: str, prompts: list[Prompt], params: SamplingParams, priority: int | str = 0,
+                      default_max_tokens: int | None = None, ttft_slo_ms: float | None = None) -> list[EngineRequest]:
         """Tokenize and validate the requests of one call (ids request_id-0, -1, ...); APIError(400)
-        naming the problem. Large inputs are tokenized on a worker thread, off the event loop.
+        naming the problem. Large inputs are tokenized on a worker thread, off the event loop. `priority` is
+        an int or a class name, `ttft_slo_ms` the requests' TTFT SLO (slo.py).
 
         An explicit max_tokens must fit the context with the prompt (vLLM's rule); a default one is
         clipped to what is left."""
@@ -172,7 +173,8 @@ class ServerState:
 
         def build() -> list[EngineRequest]:
             return [self.engine.process_request(f"{request_id}-{i}", p, params, priority, arrival, fit_context=True,
-                                                default_max_tokens=default_max_tokens) for i, p in enumerate(prompts)]
+                                                default_max_tokens=default_max_tokens, ttft_slo_ms=ttft_slo_ms)
+                    for i, p in enumerate(prompts)]
 
         size = sum(len(p) if isinstance(p, str) else 64 for p in prompts)
         try:

@@ -40,8 +40,9 @@ class AttentionMetadata:
     decode_positions: torch.Tensor | None  # [num_decodes] int64, position of each decode token
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool, if the backend wants it
     max_decode_seq_len: int
-    sliding_window: int | None
+    sliding_window: int | None  # the model's window, or --kv-eviction sink-window's
     prefills: list[PrefillSpan]
+    sink_tokens: int = 0  # with a window: the first positions every token still attends to (attention sinks)
 
 
 _metadata: AttentionMetadata | None = None
@@ -186,7 +187,7 @@ class CpuNativePagedAttention(AttentionBackend):
         out32 = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32)
         cpu_kernels.paged_attention(out32, q if q.dtype == torch.float32 else q.float(), layer.k_cache, layer.v_cache,
                                     md.decode_block_tables, md.decode_positions, layer.scale, md.sliding_window or 0,
-                                    md.max_decode_seq_len, layer.k_scale, layer.v_scale)
+                                    md.max_decode_seq_len, layer.k_scale, layer.v_scale, md.sink_tokens)
         if out32 is not out:
             out.copy_(out32)
 

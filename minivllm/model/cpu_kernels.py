@@ -80,7 +80,7 @@ def load_library() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(lib_path)
     i64, p, c_int, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.paged_attention_f32.argtypes = [p, p, i64, p, p, c_int, p, p, p, i64, p, i64, c_int, c_int, c_int, c_int,
-                                        c_float, i64, i64, p, c_int]
+                                        c_float, i64, i64, i64, p, c_int]
     lib.paged_attention_f32.restype = None
     lib.sample_rows_f32.argtypes = [p, i64, i64, p, p, p, p, p, p, p, c_int]
     lib.sample_rows_f32.restype = None
@@ -124,10 +124,12 @@ KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # csrc's kv_f
 
 def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, positions: torch.Tensor, scale: float, window: int,
-                    max_ctx: int, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+                    max_ctx: int, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                    sinks: int = 0) -> None:
     """Decode attention: out[t] = softmax(q[t] K^T * scale) V over the context of token t (row t of
     block_tables), read in place from the block pool (float32, bfloat16, or int8 with float16 scales per
-    slot and kv head). q [T, H, D] and out are float32; q may have any row stride."""
+    slot and kv head). The context is the last `window` positions (0: all) and the first `sinks`. q [T, H, D]
+    and out are float32; q may have any row stride."""
     lib = load_library()
     assert lib is not None
     num_tokens, num_heads, head_dim = q.shape
@@ -142,7 +144,7 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v
         out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         KV_FORMATS[k_cache.dtype], _ptr(k_scale), _ptr(v_scale), block_tables.data_ptr(),
         block_tables.stride(0), positions.data_ptr(), num_tokens, num_heads, num_kv_heads, head_dim, block_size,
-        scale, window, max_ctx, scratch.data_ptr(), threads)
+        scale, window, sinks, max_ctx, scratch.data_ptr(), threads)
 
 
 def _scratch_for(numel: int) -> torch.Tensor:

@@ -39,8 +39,9 @@ class _Layer(ctypes.Structure):
 class _Step(ctypes.Structure):
     _fields_ = [("M", _i64), ("H", _i64), ("I", _i64), ("nq", _i64), ("nkv", _i64), ("D", _i64),
                 ("block_size", _i64), ("eps", _f), ("scale", _f), ("positions", _p), ("slot_mapping", _p),
-                ("block_tables", _p), ("bt_stride", _i64), ("window", _i64), ("max_ctx", _i64), ("cos_sin", _p),
-                ("gemv_scratch", _p), ("attn_scratch", _p), ("work", _p), ("num_threads", _i64), ("kv_fmt", _i64)]
+                ("block_tables", _p), ("bt_stride", _i64), ("window", _i64), ("sinks", _i64), ("max_ctx", _i64),
+                ("cos_sin", _p), ("gemv_scratch", _p), ("attn_scratch", _p), ("work", _p), ("num_threads", _i64),
+                ("kv_fmt", _i64)]
 
 
 def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:
@@ -147,6 +148,7 @@ class DecodeStack:
         s = self.step
         s.M, s.positions, s.slot_mapping = m, positions.data_ptr(), md.slot_mapping.data_ptr()
         s.block_tables, s.bt_stride, s.window = bt.data_ptr(), bt.stride(0), md.sliding_window or 0
+        s.sinks = md.sink_tokens
         s.max_ctx, s.attn_scratch, s.work = md.max_decode_seq_len, self.attn_scratch.data_ptr(), self.work.data_ptr()
         s.num_threads = threads
         self._fn(self._layers_ptr, self.n_layers, self.final_norm.data_ptr(), self._step_ptr, h.data_ptr(),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ from minivllm.model.attention import Attention, AttentionMetadata, PrefillSpan, 
 from minivllm.model.decode_stack import DecodeStack
 from minivllm.model.kernel_plan import PlannedLinear, best_time, plan_kernels
 from minivllm.model.kv_quant import is_quantized, kv_storage_dtype
+from minivllm.model.kv_swap import HostKVTier, block_bytes, check_capacity, uses_pinned_memory
 from minivllm.model.layers import Linear, onednn_linear_available
 from minivllm.model.loader import load_model
 from minivllm.model.parallel import ParallelConfig, check_tensor_parallel, intermediate_size
@@ -60,7 +62,8 @@ class ModelRunner:
                  block_size: int, max_model_len: int, attention_backend: str = "auto",
                  linear_backend: str = "auto", quant: QuantConfig | None = None,
                  quantization_kernel: str = "auto", enforce_eager: bool = False, tensor_parallel_size: int = 1,
-                 parallel: ParallelConfig | None = None, kv_cache_dtype: str = "auto") -> None:
+                 parallel: ParallelConfig | None = None, kv_cache_dtype: str = "auto",
+                 sink_window: tuple[int, int] | None = None) -> None:
         self.mc, self.dtype, self.device = mc, dtype, device
         self.block_size = block_size
         if quant is not None:
@@ -78,7 +81,7 @@ class ModelRunner:
                     mc=mc, dtype=dtype, device=device, num_blocks=num_blocks, block_size=block_size,
                     max_model_len=max_model_len, attention_backend=attention_backend, linear_backend=linear_backend,
                     quant=quant, quantization_kernel=quantization_kernel, enforce_eager=enforce_eager,
-                    kv_cache_dtype=kv_cache_dtype))
+                    kv_cache_dtype=kv_cache_dtype, sink_window=sink_window))
         self.parallel = parallel
         self.model = load_model(mc, dtype, device, max_model_len, quant, parallel)
         # Shape class → kernel of the full-precision and of the quantized projections, timed on this machine.
@@ -94,6 +97,14 @@ class ModelRunner:
         self.quant_kernels = plan_kernels(quantized, quantization_kernel, f"quantization {quant and quant.method}",
                                           dtype)
         self.sliding_window: int | None = getattr(self.model, "sliding_window", None)
+        # --kv-eviction sink-window (StreamingLLM): every token attends to the first sink_tokens positions and
+        # the last window_tokens; the engine frees the blocks in between.
+        self.sink_tokens = 0
+        if sink_window is not None:
+            if self.sliding_window is not None:
+                raise ValueError(f"kv_eviction: {mc.architecture} already attends through a sliding window of "
+                                 f"{self.sliding_window} tokens; sink-window eviction is for full-attention models")
+            self.sink_tokens, self.sliding_window = sink_window
         # One allocation for the whole pool: [2, layers, blocks, block_size, kv_heads, head_dim]; a quantized
         # cache adds float16 scales [2, layers, blocks, block_size, kv_heads] (model/kv_quant.py).
         self.kv_cache_dtype = kv_dtype = kv_storage_dtype(kv_cache_dtype, dtype, device)
@@ -119,6 +130,7 @@ class ModelRunner:
         if self.decode_stack is not None:
             self.model.decode_stack = self.decode_stack
         self.last_forward_time = 0.0  # seconds in the model (forward + logits) during the last execute
+        self.host_tier: HostKVTier | None = None  # preemption by swap's host tier (init_swap)
         self._plan_handful_with_stack()
 
     def _plan_handful_with_stack(self) -> None:
@@ -165,6 +177,48 @@ class ModelRunner:
         for pool in self.kv_pools:
             pool[:, :, dst] = pool[:, :, src]
 
+    @property
+    def swap_block_bytes(self) -> int:
+        """Bytes of one block in the host tier (this rank's shard of every pool tensor)."""
+        return block_bytes(self.kv_pools)
+
+    def init_swap(self, num_blocks: int, swap_dir: str | None) -> float:
+        """Allocate the host tier of num_blocks blocks (under tensor parallelism every rank its own shard's);
+        returns this rank's measured seconds to swap one block (HostKVTier.probe)."""
+        if self.parallel.rank == 0:  # one check for every rank's tier, before any allocates
+            check_capacity(num_blocks * self.swap_block_bytes * self.parallel.size,
+                           uses_pinned_memory(self.device, swap_dir), swap_dir or tempfile.gettempdir())
+        if self.group is not None:
+            self.group.command("init_swap", num_blocks, swap_dir)
+        self.host_tier = HostKVTier(self.kv_pools, num_blocks, swap_dir)
+        return self.host_tier.probe(self.kv_pools, min(8, num_blocks, self.kv_pools[0].shape[2]))
+
+    @torch.inference_mode()
+    def move_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
+                    copies: list[tuple[int, int]]) -> float:
+        """A step's block moves, each a list of (src, dst): swap-outs to the host tier, swap-ins from it, then
+        copy-on-write copies. Returns the seconds the swaps took (for preemption_mode=auto's estimates)."""
+        if not (swap_out or swap_in or copies):
+            return 0.0
+        if self.group is not None:
+            self.group.command("_move", swap_out, swap_in, copies)
+        t0 = time.perf_counter()
+        self._move(swap_out, swap_in, copies)
+        return time.perf_counter() - t0 if swap_out or swap_in else 0.0
+
+    def _move(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
+              copies: list[tuple[int, int]]) -> None:
+        # In this order: the scheduler may hand blocks a swap-out released to a swap-in or a copy-on-write of
+        # the same step, so they are read out before anything is written into them.
+        if swap_out or swap_in:
+            assert self.host_tier is not None, "swaps without init_swap"
+            if swap_out:
+                self.host_tier.swap_out(self.kv_pools, swap_out)
+            if swap_in:
+                self.host_tier.swap_in(self.kv_pools, swap_in)
+        if copies:
+            self._copy(copies)
+
     @torch.inference_mode()
     def execute(self, seqs: list[SequenceInput]) -> torch.Tensor:
         """Run one forward over all scheduled tokens; return float32 logits in the order of `seqs`: one row
@@ -192,7 +246,7 @@ class ModelRunner:
         key_pos = torch.arange(num_blocks * self.block_size, device=self.device)[None, :]
         mask = key_pos < lens
         if self.sliding_window is not None:
-            mask &= key_pos >= lens - self.sliding_window
+            mask &= (key_pos >= lens - self.sliding_window) | (key_pos < self.sink_tokens)
         return mask[:, None, None, :]
 
     @torch.inference_mode()
@@ -207,7 +261,7 @@ class ModelRunner:
                                decode_positions=positions, decode_mask=self._decode_mask(positions,
                                                                                          block_tables.shape[1]),
                                max_decode_seq_len=int(positions.max()) + 1, sliding_window=self.sliding_window,
-                               prefills=[])
+                               prefills=[], sink_tokens=self.sink_tokens)
         return self._forward(token_ids, positions, md, None)
 
     def _prepare(self, seqs: list[SequenceInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
@@ -241,7 +295,7 @@ class ModelRunner:
         md = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping).to(dev), num_decodes=nd, decode_block_tables=None,
             decode_positions=None, decode_mask=None, max_decode_seq_len=0, sliding_window=self.sliding_window,
-            prefills=[])
+            prefills=[], sink_tokens=self.sink_tokens)
         if nd:
             dec_blocks = int(n_blocks[:nd].max())
             md.decode_block_tables = torch.from_numpy(tables[:nd, :dec_blocks]).to(dev)
@@ -275,7 +329,7 @@ class ModelRunner:
         k_pos = torch.arange(ctx, device=dev)[None, :]
         mask = k_pos <= q_pos
         if window is not None:
-            mask &= k_pos > q_pos - window
+            mask &= (k_pos > q_pos - window) | (k_pos < self.sink_tokens)
         nblocks = -(-ctx // self.block_size)
         table = torch.tensor(s.block_table[:nblocks], device=dev)
         return PrefillSpan(start, end, num_cached, table, mask)

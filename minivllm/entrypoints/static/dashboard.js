@@ -52,7 +52,11 @@ function onStep(rec) {
     const r = requests.get(rid);
     if (!r) { setState(rid, "WAITING"); log(`queued ${rid}`); }
   }
-  for (const rid of rec.preempted) { setState(rid, "PREEMPTED"); log(`preempted ${rid} (recompute)`); }
+  const swappedOut = new Set(rec.swapped_out || []);
+  for (const rid of rec.preempted) {
+    setState(rid, "PREEMPTED");
+    log(`preempted ${rid} (${swappedOut.has(rid) ? "swap" : "recompute"})`);
+  }
   let decode = 0, prefill = 0;
   for (const [rid, kind, n] of rec.batch) {
     const r = requests.get(rid);

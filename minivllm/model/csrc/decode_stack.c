@@ -24,7 +24,8 @@ void silu_mul_f32(const float *gu, int64_t ldg, float *out, int64_t M, int64_t I
 void paged_attention_f32(float *out, const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                          int kv_fmt, const _Float16 *k_scale, const _Float16 *v_scale, const int64_t *block_tables, int64_t bt_stride, const int64_t *positions,
                          int64_t num_tokens, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                         float scale, int64_t window, int64_t max_ctx, float *scratch, int num_threads);
+                         float scale, int64_t window, int64_t sinks, int64_t max_ctx, float *scratch,
+                         int num_threads);
 
 /* One projection as csrc/gemv.c takes it (the fields of cpu_kernels.GemvWeights). */
 typedef struct {
@@ -47,7 +48,7 @@ typedef struct {
     int64_t nq, nkv, D, block_size;
     float eps, scale;
     const int64_t *positions, *slot_mapping, *block_tables;
-    int64_t bt_stride, window, max_ctx;
+    int64_t bt_stride, window, sinks, max_ctx;
     const float *cos_sin;
     float *gemv_scratch, *attn_scratch, *work;
     int64_t num_threads, kv_fmt;
@@ -80,7 +81,7 @@ void decode_stack_f32(const layer_t *layers, int64_t n_layers, const float *fina
         paged_attention_f32(attn, qkv, qkv_n, L->k_cache, L->v_cache, (int)s->kv_fmt, L->k_scale, L->v_scale,
                             s->block_tables, s->bt_stride, s->positions,
                             M, (int)s->nq, (int)s->nkv, (int)s->D, (int)s->block_size, s->scale, s->window,
-                            s->max_ctx, s->attn_scratch, nt);
+                            s->sinks, s->max_ctx, s->attn_scratch, nt);
         project(proj, attn, &L->o, s);
         add_rmsnorm_f32(residual, proj, H, L->post_norm, s->eps, normed, M, H, nt);
         project(gu, normed, &L->gate_up, s);

@@ -13,7 +13,8 @@
  *   k/v scale   [num_blocks, block_size, KVH] float16 (int8 caches only)
  *   block_tables[T, bt_stride] (int64, unit column stride): row t is token t's sequence
  * Token t sits at position positions[t]; it sees keys at positions max(0, pos - window + 1) .. pos
- * (window <= 0: no sliding window).
+ * (window <= 0: no sliding window) and, with sinks > 0, the first `sinks` positions too (StreamingLLM's
+ * attention sinks: --kv-eviction sink-window frees the blocks in between, which are never read).
  *
  * Work items are (token, kv head) pairs; the G = H / KVH query heads of a group share each K/V row
  * load. Scores go to a per-thread scratch row, then one softmax pass, then the weighted V sum:
@@ -63,6 +64,7 @@ typedef struct {
     const void *k_cache, *v_cache; /* float32, bfloat16 bits or int8 (fmt) */
     const _Float16 *k_scale, *v_scale; /* int8: one per (slot, kv head) */
     const int64_t *table; /* this sequence's block table */
+    int64_t sink_end;     /* attention sinks: key positions [0, sink_end), before the window */
     int64_t start, end;   /* key positions [start, end) */
     int bs;
     int64_t row;          /* elements per slot: KVH * D */
@@ -139,18 +141,15 @@ static void softmax_rows(float *sc, int64_t stride, int G, int64_t n) {
     }
 }
 
-/* Vector path; G, D and FMT (the cache's format) are compile-time constants in every specialised caller. */
-INLINE void item_vec(const item_t *it, int G, int D, int FMT) {
+/* Scores of positions [lo, hi) (block by block, so no division per key) into sc[h][off + p - lo]. */
+INLINE void scores_range(const item_t *it, const v16 *qv, int64_t lo_all, int64_t hi_all, int64_t off, int G, int D,
+                         int FMT) {
     const int C = D / 16;
-    const int64_t start = it->start, end = it->end, bs = it->bs, stride = it->stride;
-    v16 qv[MAX_G * MAX_CHUNKS];
-    for (int h = 0; h < G; h++)
-        for (int c = 0; c < C; c++) qv[h * C + c] = load16(it->qg + h * D + c * 16) * it->scale;
-    /* 1. scores: block by block, so no division per key */
-    for (int64_t b = start / bs; b * bs < end; b++) {
-        const int64_t lo = b * bs > start ? b * bs : start, hi = (b + 1) * bs < end ? (b + 1) * bs : end;
+    const int64_t bs = it->bs, stride = it->stride;
+    for (int64_t b = lo_all / bs; b * bs < hi_all; b++) {
+        const int64_t lo = b * bs > lo_all ? b * bs : lo_all, hi = (b + 1) * bs < hi_all ? (b + 1) * bs : hi_all;
         const int64_t base = it->table[b] * bs * it->row + (int64_t)it->g * D;
-        prefetch_block(it->k_cache, it, b + 1, D);
+        if ((b + 1) * bs < hi_all) prefetch_block(it->k_cache, it, b + 1, D);
         for (int64_t p = lo; p < hi; p++) {
             const int64_t kr = base + (p - b * bs) * it->row;
             v16 acc[MAX_G];
@@ -160,52 +159,81 @@ INLINE void item_vec(const item_t *it, int G, int D, int FMT) {
                 for (int h = 0; h < G; h++) acc[h] += qv[h * C + c] * kv;
             }
             const float ks = row_scale(it, it->k_scale, it->table[b] * bs + (p - b * bs), FMT);
-            for (int h = 0; h < G; h++) it->sc[h * stride + (p - start)] = hsum16(acc[h]) * ks;
+            for (int h = 0; h < G; h++) it->sc[h * stride + off + (p - lo_all)] = hsum16(acc[h]) * ks;
         }
     }
-    /* 2. softmax */
-    softmax_rows(it->sc, stride, G, end - start);
-    /* 3. weighted sum of V rows */
-    v16 out[MAX_G * MAX_CHUNKS];
-    for (int i = 0; i < G * C; i++) out[i] = (v16){0};
-    for (int64_t b = start / bs; b * bs < end; b++) {
-        const int64_t lo = b * bs > start ? b * bs : start, hi = (b + 1) * bs < end ? (b + 1) * bs : end;
+}
+
+/* out[h] += sum over positions [lo, hi) of weight sc[h][off + p - lo] x V row p. */
+INLINE void values_range(const item_t *it, v16 *out, int64_t lo_all, int64_t hi_all, int64_t off, int G, int D,
+                         int FMT) {
+    const int C = D / 16;
+    const int64_t bs = it->bs, stride = it->stride;
+    for (int64_t b = lo_all / bs; b * bs < hi_all; b++) {
+        const int64_t lo = b * bs > lo_all ? b * bs : lo_all, hi = (b + 1) * bs < hi_all ? (b + 1) * bs : hi_all;
         const int64_t base = it->table[b] * bs * it->row + (int64_t)it->g * D;
-        prefetch_block(it->v_cache, it, b + 1, D);
+        if ((b + 1) * bs < hi_all) prefetch_block(it->v_cache, it, b + 1, D);
         for (int64_t p = lo; p < hi; p++) {
             const int64_t vr = base + (p - b * bs) * it->row;
             const float vs = row_scale(it, it->v_scale, it->table[b] * bs + (p - b * bs), FMT);
             float w[MAX_G];
-            for (int h = 0; h < G; h++) w[h] = it->sc[h * stride + (p - start)] * vs;
+            for (int h = 0; h < G; h++) w[h] = it->sc[h * stride + off + (p - lo_all)] * vs;
             for (int c = 0; c < C; c++) {
                 const v16 vv = load_kv16(it->v_cache, vr + c * 16, FMT);
                 for (int h = 0; h < G; h++) out[h * C + c] += w[h] * vv;
             }
         }
     }
+}
+
+/* Vector path; G, D and FMT (the cache's format) are compile-time constants in every specialised caller.
+ * Keys: the attention sinks [0, sink_end), then the window [start, end); scores in that order. */
+INLINE void item_vec(const item_t *it, int G, int D, int FMT) {
+    const int C = D / 16;
+    const int64_t ns = it->sink_end, nw = it->end - it->start;
+    v16 qv[MAX_G * MAX_CHUNKS];
+    for (int h = 0; h < G; h++)
+        for (int c = 0; c < C; c++) qv[h * C + c] = load16(it->qg + h * D + c * 16) * it->scale;
+    /* 1. scores */
+    if (ns) scores_range(it, qv, 0, ns, 0, G, D, FMT);
+    scores_range(it, qv, it->start, it->end, ns, G, D, FMT);
+    /* 2. softmax */
+    softmax_rows(it->sc, it->stride, G, ns + nw);
+    /* 3. weighted sum of V rows */
+    v16 out[MAX_G * MAX_CHUNKS];
+    for (int i = 0; i < G * C; i++) out[i] = (v16){0};
+    if (ns) values_range(it, out, 0, ns, 0, G, D, FMT);
+    values_range(it, out, it->start, it->end, ns, G, D, FMT);
     for (int h = 0; h < G; h++)
         for (int c = 0; c < C; c++) store16(it->og + h * D + c * 16, out[h * C + c]);
 }
 
+/* Key j of an item (sinks first, then the window) → its position. */
+INLINE int64_t key_pos(const item_t *it, int64_t j) {
+    return j < it->sink_end ? j : it->start + (j - it->sink_end);
+}
+
 /* Any head_dim / group size: plain loops. */
 static void item_scalar(const item_t *it, int G, int D) {
-    const int64_t stride = it->stride;
-    for (int64_t p = it->start; p < it->end; p++) {
+    const int64_t stride = it->stride, n = it->sink_end + (it->end - it->start);
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t p = key_pos(it, j);
         const int64_t kr = slot_row(it, p) + (int64_t)it->g * D;
         const float ks = row_scale(it, it->k_scale, slot_of(it, p), it->fmt);
         for (int h = 0; h < G; h++) {
             float acc = 0.f;
             for (int d = 0; d < D; d++) acc += it->qg[h * D + d] * load_kv1(it->k_cache, kr + d, it->fmt);
-            it->sc[h * stride + (p - it->start)] = acc * it->scale * ks;
+            it->sc[h * stride + j] = acc * it->scale * ks;
         }
     }
-    softmax_rows(it->sc, stride, G, it->end - it->start);
+    softmax_rows(it->sc, stride, G, n);
     for (int i = 0; i < G * D; i++) it->og[i] = 0.f;
-    for (int64_t p = it->start; p < it->end; p++) {
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t p = key_pos(it, j);
         const int64_t vr = slot_row(it, p) + (int64_t)it->g * D;
         const float vs = row_scale(it, it->v_scale, slot_of(it, p), it->fmt);
         for (int h = 0; h < G; h++) {
-            const float w = it->sc[h * stride + (p - it->start)] * vs;
+            const float w = it->sc[h * stride + j] * vs;
             for (int d = 0; d < D; d++) it->og[h * D + d] += w * load_kv1(it->v_cache, vr + d, it->fmt);
         }
     }
@@ -268,7 +296,7 @@ static item_fn pick(int G, int D) {
 void paged_attention_f32(float *out, const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                         int kv_fmt, const _Float16 *k_scale, const _Float16 *v_scale, const int64_t *block_tables, int64_t bt_stride, const int64_t *positions,
                         int64_t num_tokens, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                        int64_t window, int64_t max_ctx, float *scratch, int num_threads) {
+                        int64_t window, int64_t sinks, int64_t max_ctx, float *scratch, int num_threads) {
     const int G = num_heads / num_kv_heads, D = head_dim;
     const item_fn fn = pick(G, D);
     const int64_t stride = (max_ctx + 15) / 16 * 16;
@@ -277,6 +305,7 @@ void paged_attention_f32(float *out, const float *q, int64_t q_stride, const voi
     for (int64_t t = 0; t < num_tokens; t++) {
         for (int g = 0; g < num_kv_heads; g++) {
             const int64_t pos = positions[t];
+            const int64_t start = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
             item_t it = {
                 .sc = scratch + (size_t)omp_get_thread_num() * G * stride,
                 .stride = stride,
@@ -287,7 +316,8 @@ void paged_attention_f32(float *out, const float *q, int64_t q_stride, const voi
                 .k_scale = k_scale,
                 .v_scale = v_scale,
                 .table = block_tables + t * bt_stride,
-                .start = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0,
+                .start = start,
+                .sink_end = sinks < start ? sinks : start,
                 .end = pos + 1,
                 .bs = block_size,
                 .row = (int64_t)num_kv_heads * D,

@@ -1,0 +1,156 @@
+"""SwapManager: block accounting of the host tier that preemption by swap uses (vLLM v0's swap space).
+
+Every host block is free, held by exactly one swapped sequence, or being read by a swap-in of the step
+being scheduled (freed once the step's moves are taken): free + held + releasing == num_blocks. A
+sequence swapped out keeps its num_computed_tokens; its computed blocks are copied to the host and its
+device blocks released as on any free, so those with a prefix hash stay cached (their hashes survive, and
+so does seq.block_hashes). On swap-in, the full blocks still cached on device are reused by hash and only
+the rest are copied back (BlockManager.restore).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from minivllm.config import EngineArgs, parse_size
+from minivllm.engine.block_manager import EVICTED, BlockManager
+from minivllm.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from minivllm.model.runner import ModelRunner
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else old + 0.2 * (new - old)
+
+
+@dataclass(slots=True)
+class PreemptionCosts:
+    """preemption_mode=auto's two estimates, moving averages of what the engine measured."""
+
+    prefill_s_per_token: float | None = None
+    swap_s_per_block: float | None = None
+
+    def observe(self, swap_seconds: float, swap_blocks: int, forward_seconds: float, num_tokens: int,
+                num_seqs: int) -> None:
+        """One step: its swap copies (out and in together) and its forward. Only prefill-heavy forwards count:
+        a recompute is a prefill, and a decode step's tokens cost several times a prefill's each (the weights
+        are read for few tokens)."""
+        if swap_blocks:
+            self.swap_s_per_block = _ema(self.swap_s_per_block, swap_seconds / swap_blocks)
+        if num_tokens >= 2 * num_seqs > 0:
+            self.prefill_s_per_token = _ema(self.prefill_s_per_token, forward_seconds / num_tokens)
+
+    def swap_is_cheaper(self, recompute_tokens: int, swap_blocks: int) -> bool:
+        """A swap is paid twice (out now, in at resume); a recompute once, as a prefill of what is lost. Until
+        a prefill is measured, swap: it keeps the work done."""
+        if self.prefill_s_per_token is None or self.swap_s_per_block is None:
+            return True
+        return 2 * swap_blocks * self.swap_s_per_block <= recompute_tokens * self.prefill_s_per_token
+
+
+class SwapManager:
+    """Host blocks: who holds which, and the copies owed to the runner before the next forward."""
+
+    def __init__(self, num_blocks: int, block_bytes: int, block_manager: BlockManager) -> None:
+        self.num_blocks = num_blocks
+        self.block_bytes = block_bytes
+        self.bm = block_manager
+        self.free_ids: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        # seq_id → host block of each block of its computed tokens, in order (EVICTED: released by sink-window
+        # eviction before the swap, so not moved).
+        self.tables: dict[int, list[int]] = {}
+        self.pending_out: list[tuple[int, int]] = []  # (device block, host block)
+        self.pending_in: list[tuple[int, int]] = []  # (host block, device block)
+        # Host blocks this step's swap-ins read: a swap-out later in the same schedule must not take them,
+        # since the runner runs every swap-out of a step before its swap-ins.
+        self.releasing: list[int] = []
+        self.costs = PreemptionCosts()
+
+    @property
+    def num_used(self) -> int:
+        """Host blocks held by swapped sequences."""
+        return self.num_blocks - len(self.free_ids) - len(self.releasing)
+
+    def blocks_of(self, seq: Sequence) -> int:
+        """Host blocks a swap of seq takes: its blocks up to its computed tokens (later ones hold nothing kept),
+        less any that sink-window eviction released."""
+        return sum(1 for b in seq.block_table[:self.bm.blocks_needed(seq.num_computed_tokens)] if b != EVICTED)
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        """Whether seq has computed KV and the tier has room for all of it."""
+        return 0 < self.blocks_of(seq) <= len(self.free_ids)
+
+    def prefers_swap(self, seq: Sequence) -> bool:
+        """preemption_mode=auto: whether swapping seq out and back costs less than recomputing it."""
+        bs, refs, hashes = self.bm.block_size, self.bm.ref_counts, self.bm.block_hash
+        # Its leading blocks that other sequences hold stay on device: readmission hits them, uncomputed.
+        kept = 0
+        for b in seq.block_table[:seq.num_computed_tokens // bs]:
+            if b == EVICTED or refs[b] < 2 or hashes[b] is None:
+                break
+            kept += 1
+        return self.costs.swap_is_cheaper(seq.num_computed_tokens - kept * bs, self.blocks_of(seq))
+
+    def swap_out(self, seq: Sequence) -> None:
+        """Copy seq's computed blocks to the host and release its device blocks."""
+        table = []
+        for b in seq.block_table[:self.bm.blocks_needed(seq.num_computed_tokens)]:
+            table.append(EVICTED if b == EVICTED else self.free_ids.pop())
+            if b != EVICTED:
+                self.pending_out.append((b, table[-1]))
+        self.tables[seq.seq_id] = table
+        self.bm.free(seq)
+
+    def swap_in(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Give seq device blocks for its computed tokens and num_new_tokens more, copying back those not
+        still cached; False, changing nothing, when the pool cannot supply them."""
+        host = self.tables[seq.seq_id]
+        fresh = self.bm.restore(seq, len(host), num_new_tokens, {i for i, h in enumerate(host) if h == EVICTED})
+        if fresh is None:
+            return False
+        self.pending_in += [(host[i], seq.block_table[i]) for i in fresh]
+        self.releasing += [h for h in self.tables.pop(seq.seq_id) if h != EVICTED]
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """seq finished or was aborted while swapped: its host blocks go back."""
+        self.free_ids += [h for h in self.tables.pop(seq.seq_id) if h != EVICTED]
+
+    def take(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Hand the step's swap-outs and swap-ins to the runner; the host blocks swapped in are free after."""
+        out, into = self.pending_out, self.pending_in
+        self.pending_out, self.pending_in = [], []
+        self.free_ids += self.releasing
+        self.releasing = []
+        return out, into
+
+    def check_invariants(self, swapped: Iterable[Sequence]) -> None:
+        """Assert the host accounting agrees with the swapped sequences."""
+        swapped = list(swapped)
+        held = [b for table in self.tables.values() for b in table if b != EVICTED]
+        assert len(set(held)) == len(held), "a host block held twice"
+        assert not set(held) & set(self.free_ids) and not set(self.releasing) & set(self.free_ids)
+        assert len(self.free_ids) + len(held) + len(self.releasing) == self.num_blocks, \
+            (len(self.free_ids), len(held), len(self.releasing), self.num_blocks)
+        assert set(self.tables) == {s.seq_id for s in swapped}, (sorted(self.tables), [s.seq_id for s in swapped])
+        for s in swapped:
+            assert not s.block_table and len(self.tables[s.seq_id]) == self.bm.blocks_needed(s.num_computed_tokens), s
+
+
+def build_swap_manager(args: EngineArgs, runner: ModelRunner, block_manager: BlockManager) -> SwapManager | None:
+    """The host tier for preemption_mode swap or auto (None with recompute), sized from swap_space."""
+    if args.preemption_mode == "recompute":
+        return None
+    block_bytes = runner.swap_block_bytes
+    swap_bytes = parse_size(args.swap_space, "swap_space")
+    num_blocks = swap_bytes // block_bytes
+    if num_blocks < 1:
+        raise ValueError(f"swap_space: {swap_bytes} bytes cannot hold one KV block ({block_bytes} bytes: "
+                         f"{block_manager.block_size} tokens of every layer's K and V); raise it")
+    seconds_per_block = runner.init_swap(num_blocks, args.swap_dir)  # checks the space first
+    swap = SwapManager(num_blocks, block_bytes, block_manager)
+    swap.costs.swap_s_per_block = seconds_per_block
+    return swap
