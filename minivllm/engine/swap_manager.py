@@ -10,8 +10,10 @@ the rest are copied back (BlockManager.restore).
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from minivllm.config import EngineArgs, parse_size
@@ -22,16 +24,19 @@ if TYPE_CHECKING:
     from minivllm.model.runner import ModelRunner
 
 
-def _ema(old: float | None, new: float) -> float:
-    return new if old is None else old + 0.2 * (new - old)
+_WINDOW = 32  # recent observations each estimate is the median of
 
 
 @dataclass(slots=True)
 class PreemptionCosts:
-    """preemption_mode=auto's two estimates, moving averages of what the engine measured."""
+    """preemption_mode=auto's two estimates: medians of the last steps' measurements. A median, not a moving
+    average: a host block's first use faults its pages in (a swap 10x its usual time was seen), and one such
+    step must not make swaps look dear for the next dozens of decisions."""
 
     prefill_s_per_token: float | None = None
     swap_s_per_block: float | None = None
+    _prefill: deque[float] = field(default_factory=lambda: deque(maxlen=_WINDOW))
+    _swap: deque[float] = field(default_factory=lambda: deque(maxlen=_WINDOW))
 
     def observe(self, swap_seconds: float, swap_blocks: int, forward_seconds: float, num_tokens: int,
                 num_seqs: int) -> None:
@@ -39,9 +44,11 @@ class PreemptionCosts:
         a recompute is a prefill, and a decode step's tokens cost several times a prefill's each (the weights
         are read for few tokens)."""
         if swap_blocks:
-            self.swap_s_per_block = _ema(self.swap_s_per_block, swap_seconds / swap_blocks)
+            self._swap.append(swap_seconds / swap_blocks)
+            self.swap_s_per_block = statistics.median(self._swap)
         if num_tokens >= 2 * num_seqs > 0:
-            self.prefill_s_per_token = _ema(self.prefill_s_per_token, forward_seconds / num_tokens)
+            self._prefill.append(forward_seconds / num_tokens)
+            self.prefill_s_per_token = statistics.median(self._prefill)
 
     def swap_is_cheaper(self, recompute_tokens: int, swap_blocks: int) -> bool:
         """A swap is paid twice (out now, in at resume); a recompute once, as a prefill of what is lost. Until
@@ -152,5 +159,5 @@ def build_swap_manager(args: EngineArgs, runner: ModelRunner, block_manager: Blo
                          f"{block_manager.block_size} tokens of every layer's K and V); raise it")
     seconds_per_block = runner.init_swap(num_blocks, args.swap_dir)  # checks the space first
     swap = SwapManager(num_blocks, block_bytes, block_manager)
-    swap.costs.swap_s_per_block = seconds_per_block
+    swap.costs.observe(seconds_per_block, 1, 0.0, 0, 0)
     return swap
