@@ -173,4 +173,8 @@ def report(r: dict[str, Any]) -> str:
         redo = base["computed_tokens"] - w["needed_tokens"]
         verdicts.append(f"- {name}: swap {ratio:.2f}x recompute ({won}; recompute redid {redo:.0f} tokens, "
                         f"{100 * redo / w['needed_tokens']:.0f}% of the work); {auto}.")
+    verdicts.append("\nA swapped block moves as one copy of its bytes each way, while a recomputed one is a prefill of "
+                    "its tokens; so swap pays in proportion to what recompute would redo, and where recompute redoes "
+                    "little (a victim finds its own blocks still in the prefix cache when it is readmitted) swapping "
+                    "buys nothing measurable.")
     return "\n".join([*lines, *verdicts])

@@ -35,10 +35,11 @@ def add_slo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model directory (default: the embedded model)")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals")
     p.add_argument("--interactive-rate", type=float, default=2.0, help="interactive requests per second")
-    p.add_argument("--batch-rate", type=float, default=2.0, help="batch jobs per second")
+    p.add_argument("--batch-rate", type=float, default=12.0,
+                   help="batch jobs per second (past what the embedded model serves here: a backlog builds)")
     p.add_argument("--interactive-shape", default="32x32", help="PROMPTxOUTPUT tokens of an interactive request")
     p.add_argument("--batch-shape", default="384x128", help="PROMPTxOUTPUT tokens of a batch job")
-    p.add_argument("--ttft-slo-ms", type=float, default=1000.0, help="the interactive requests' TTFT deadline")
+    p.add_argument("--ttft-slo-ms", type=float, default=500.0, help="the interactive requests' TTFT deadline")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--kv-cache-memory", default="64MiB")
     p.add_argument("--rounds", type=int, default=2, help="ABBA-ordered rounds")
