@@ -140,3 +140,50 @@ def test_evicted_blocks_reach_the_metrics(model_factory):
     samples = {s.name: s.value for fam in text_string_to_metric_families(metrics.render().decode())
                for s in fam.samples}
     assert samples["minivllm:kv_evicted_blocks_total"] == evicted
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_eviction_under_heavy_preemption(model_factory, tmp_path, mode):
+    """Victims preempted before their own allocation in a step still hold blocks their window has left: swapped,
+    those are released rather than copied (a swap-in once wrote a fresh copy through an EVICTED entry)."""
+    path = model_factory("tiny-llama")
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    kw = dict(kv_eviction="sink-window", sink_tokens=SINKS, window_tokens=WINDOW, enable_prefix_caching=False)
+    big = _engine(path, num_kv_blocks=256, **kw)
+    prompts = _prompts(6, 120, big.model_config.vocab_size)
+    want = _run(big, prompts, params)
+    # 16 blocks of 8 tokens: prompts of 120 tokens arrive in 32-token chunks, so a victim that is mid-prefill
+    # holds blocks its window left in its last chunk.
+    small = _engine(path, num_kv_blocks=16, preemption_mode=mode, swap_space="4MiB", swap_dir=str(tmp_path), **kw)
+    move = small.runner.move_blocks
+
+    def checked_move(swap_out, swap_in, copies):
+        assert all(b >= 0 for pair in (*swap_out, *swap_in, *copies) for b in pair), (swap_out, swap_in, copies)
+        return move(swap_out, swap_in, copies)
+
+    small.runner.move_blocks = checked_move
+    assert _run(small, prompts, params) == want
+    st = small.scheduler.stats
+    assert st.num_preemptions >= 4 and (mode == "recompute" or st.num_swap_preemptions >= 4), st
+    assert small.block_manager.num_used == 0
+    if small.swap is not None:
+        assert small.swap.num_used == 0
+
+
+def test_a_cached_prefix_nearly_the_size_of_the_pool_is_admitted_with_eviction(model_factory):
+    """Prefix hits outside the window are not taken at admission: a prompt whose cached blocks nearly fill the
+    pool, with more tokens after them, runs (taking every hit, its first chunk could never find room)."""
+    path = model_factory("tiny-llama")
+    eng = _engine(path, num_kv_blocks=18, kv_eviction="sink-window", sink_tokens=SINKS, window_tokens=WINDOW)
+    prompts = _prompts(2, 140, eng.model_config.vocab_size)
+    first = _run(eng, prompts[:1], SamplingParams(temperature=0, max_tokens=4))
+    hits = eng.scheduler.stats.prefix_cache_hits
+    eng.add_request("b", {"prompt_token_ids": prompts[0] + first["0"] + prompts[1][:60]},
+                    SamplingParams(temperature=0, max_tokens=4))
+    for _ in range(100):
+        if not eng.has_unfinished_requests():
+            break
+        eng.step()
+    assert not eng.has_unfinished_requests(), "the request with a long cached prefix never ran"
+    assert eng.scheduler.stats.prefix_cache_hits - hits >= 128  # 16 of its 17 full cached blocks
+    assert eng.block_manager.num_used == 0

@@ -119,17 +119,29 @@ class BlockManager:
         bs = self.block_size
         num_computed = seq.num_computed_tokens + len(computed) * bs
         have = len(seq.block_table) + len(computed)
+        # Prefix hits that no upcoming token's window reaches are not taken (sink-window eviction): their
+        # table entries are EVICTED from the start, so a long cached prefix costs only sinks + window.
+        skip = range(0)
+        if self.sink_window is not None and computed:
+            first, stop = self._out_of_window(num_computed)
+            skip = range(max(first, len(seq.block_table)), stop)
+        taken = [b for i, b in enumerate(computed, len(seq.block_table)) if i not in skip]
         new = max(0, self.blocks_needed(num_computed + num_new_tokens) - have)
         cow = (num_new_tokens > 0 and num_computed % bs != 0 and not computed
                and self.ref_counts[seq.block_table[num_computed // bs]] > 1)
-        reserved = sum(1 for b in computed if self.ref_counts[b] == 0)  # touched, so no longer evictable
+        reserved = sum(1 for b in taken if self.ref_counts[b] == 0)  # touched, so no longer evictable
         if new + cow > self.num_free_blocks - reserved:
             return False
-        for b in computed:
-            self._incref(b)
-            seq.block_table.append(b)
+        for i, b in enumerate(computed, len(seq.block_table)):
+            if i in skip:
+                seq.block_table.append(EVICTED)
+            else:
+                self._incref(b)
+                seq.block_table.append(b)
         if computed:
             self.registered[seq.seq_id] = len(computed)
+        if skip:
+            self.evicted_upto[seq.seq_id] = max(skip.stop, self.evicted_upto.get(seq.seq_id, 0))
         if cow:
             i = num_computed // bs
             old, fresh = seq.block_table[i], self._pop_free()
@@ -148,11 +160,7 @@ class BlockManager:
         (position num_computed_tokens sees keys from num_computed_tokens - window + 1). A released block with a
         registered hash stays cached for prefix hits: under one engine-wide attention rule its KV is the
         same for any sequence with that prefix."""
-        assert self.sink_window is not None
-        sinks, window = self.sink_window
-        bs = self.block_size
-        first = -(-sinks // bs)  # blocks before this one hold a sink token
-        stop = (seq.num_computed_tokens - window + 1) // bs  # blocks before this one are out of every window
+        first, stop = self._out_of_window(seq.num_computed_tokens)
         i = max(first, self.evicted_upto.get(seq.seq_id, 0))
         table = seq.block_table
         while i < stop:
@@ -165,6 +173,13 @@ class BlockManager:
         if stop > first:
             self.evicted_upto[seq.seq_id] = max(i, self.evicted_upto.get(seq.seq_id, 0))
 
+    def _out_of_window(self, num_computed: int) -> tuple[int, int]:
+        """Logical blocks [first, stop) that hold no sink token and that no token from position num_computed on
+        attends to (its keys start at num_computed - window + 1)."""
+        assert self.sink_window is not None
+        sinks, window = self.sink_window
+        return -(-sinks // self.block_size), (num_computed - window + 1) // self.block_size
+
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks; tail blocks first so the LRU evicts a prefix's tail before its head."""
         for b in reversed(seq.block_table):
@@ -175,11 +190,11 @@ class BlockManager:
         self.evicted_upto.pop(seq.seq_id, None)
 
     def restore(self, seq: Sequence, num_blocks: int, num_new_tokens: int, evicted: Collection[int] = ()
-                ) -> list[int] | None:
+                ) -> list[tuple[int, int]] | None:
         """Give a sequence coming back from the host tier a block table of num_blocks blocks (its computed
         tokens), plus room for num_new_tokens more; the indices in `evicted` (released by sink-window eviction
         before it left) stay EVICTED. Its full blocks whose hash is still cached are reused as they are; the
-        others are fresh. Returns the indices of the fresh ones (their KV is to be copied back), or None,
+        others are fresh. Returns (index, block) of the fresh ones (their KV is to be copied back), or None,
         changing nothing, when the pool cannot supply the blocks."""
         assert not seq.block_table
         full = seq.num_computed_tokens // self.block_size
@@ -203,9 +218,10 @@ class BlockManager:
         # Restored full blocks register their hashes again (their KV is copied in before the next forward).
         self.registered.pop(seq.seq_id, None)
         self.cache_blocks(seq)
+        moves = [(i, table[i]) for i in fresh]  # before allocate_slots, which may evict out-of-window entries
         ok = self.allocate_slots(seq, num_new_tokens)
         assert ok  # room was counted above; the last block is fresh or full, so no copy-on-write
-        return fresh
+        return moves
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Share all of parent's blocks with child (ref counts); writes diverge by copy-on-write."""

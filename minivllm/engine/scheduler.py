@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from minivllm.config import SchedulerConfig
-from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.block_manager import EVICTED, BlockManager
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.slo import CLASS_NAMES, class_rank
 
@@ -264,7 +264,9 @@ class Scheduler:
                     return budget, admitted, True
                 # Short of blocks: preempt nobody unless preempting every worse-class sequence could make room.
                 worse = (s for s in self.running[start + admitted:] if class_rank(s.priority) > rank)
-                room = self.bm.num_free_blocks + sum(len(s.block_table) for s in worse)
+                refs = self.bm.ref_counts  # only blocks a preemption would free: not evicted, not shared
+                room = self.bm.num_free_blocks + sum(1 for s in worse for b in s.block_table
+                                                     if b != EVICTED and refs[b] == 1)
                 if room < self.bm.blocks_needed(min(head.num_tokens, budget)):
                     return budget, admitted, True
             j = self._pick_victim(now, start + admitted, rank)

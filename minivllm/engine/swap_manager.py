@@ -103,6 +103,10 @@ class SwapManager:
 
     def swap_out(self, seq: Sequence) -> None:
         """Copy seq's computed blocks to the host and release its device blocks."""
+        if self.bm.sink_window is not None and seq.num_computed_tokens:
+            # A victim preempted before its own allocation this step still holds blocks its window has left:
+            # released now, they are neither copied out nor given fresh blocks at swap-in.
+            self.bm.evict_outside_window(seq)
         table = []
         for b in seq.block_table[:self.bm.blocks_needed(seq.num_computed_tokens)]:
             table.append(EVICTED if b == EVICTED else self.free_ids.pop())
@@ -115,10 +119,10 @@ class SwapManager:
         """Give seq device blocks for its computed tokens and num_new_tokens more, copying back those not
         still cached; False, changing nothing, when the pool cannot supply them."""
         host = self.tables[seq.seq_id]
-        fresh = self.bm.restore(seq, len(host), num_new_tokens, {i for i, h in enumerate(host) if h == EVICTED})
-        if fresh is None:
+        moves = self.bm.restore(seq, len(host), num_new_tokens, {i for i, h in enumerate(host) if h == EVICTED})
+        if moves is None:
             return False
-        self.pending_in += [(host[i], seq.block_table[i]) for i in fresh]
+        self.pending_in += [(host[i], b) for i, b in moves]
         self.releasing += [h for h in self.tables.pop(seq.seq_id) if h != EVICTED]
         return True
 
