@@ -475,3 +475,25 @@ def test_every_api_takes_a_class_name_and_a_deadline(server):
     assert after[key.format("interactive")] - before[key.format("interactive")] >= 1
     for cls in ("interactive", "batch", "background"):
         assert f'minivllm:request_deadline_miss_total{{class="{cls}"}}' in after
+
+
+def test_a_swapped_better_class_resumes_before_a_worse_class_is_admitted_ahead():
+    """Swapped work resumes before waiting work is admitted: a waiting batch request must not jump ahead of a
+    running background one (taking the last seat) while an interactive sequence waits in the host tier."""
+    from minivllm.engine.swap_manager import SwapManager
+
+    bm = BlockManager(64, 4)
+    s = Scheduler(SchedulerConfig(2, 64, True, preemption_mode="swap"), bm, SwapManager(16, 1, bm))
+    s.clock = lambda: 0.0
+    vip, bg = _seq("vip", 8, INTERACTIVE), _seq("bg", 8, BACKGROUND)
+    s.add(vip)
+    s.add(bg)
+    _advance(s, s.schedule())
+    s.running.remove(vip)
+    s._preempt(vip)  # as the pool would have it: vip's KV goes to the host tier
+    assert vip.status == SequenceStatus.SWAPPED
+    s.swap.take()
+    s.add(_seq("b", 8, BATCH))
+    out = s.schedule()
+    assert not out.preempted and _ids(out.scheduled) == ["bg", "vip"], _ids(out.scheduled)
+    assert [q.request_id for q in s.waiting] == ["b"] and not s.swapped

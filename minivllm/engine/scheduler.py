@@ -238,8 +238,14 @@ class Scheduler:
         return n
 
     def _head_rank(self) -> int:
-        """The class of the next waiting request (_NO_CLASS when none waits)."""
-        return class_rank(self.waiting[-1].priority) if self.waiting else _NO_CLASS
+        """The class of the next waiting request (_NO_CLASS when none waits, or when a swapped sequence of its
+        class or better waits to resume: swapped work goes first, so admitting ahead would invert priorities)."""
+        if not self.waiting:
+            return _NO_CLASS
+        rank = class_rank(self.waiting[-1].priority)
+        if self.swapped and class_rank(self.swapped[-1].priority) <= rank:
+            return _NO_CLASS
+        return rank
 
     def _admit_ahead(self, out: SchedulerOutput, budget: int, start: int, now: float) -> tuple[int, int, bool]:
         """Admit waiting requests of a better class than running[start] (the first running sequence of a worse
