@@ -175,15 +175,25 @@ def test_killed_replica_fails_only_its_requests_and_is_replaced(replicated):
             return f"error: {e.message}"
 
     async def whole(i: int):
-        r = await client.completions.create(model=MODEL, prompt=f"def g{i}():", max_tokens=60, temperature=0,
+        r = await client.completions.create(model=MODEL, prompt=f"def g{i}():", max_tokens=150, temperature=0,
                                             extra_body={"ignore_eos": True})
         return r.choices[0].finish_reason
 
+    whole_on_victim = 0
+
     async def run():
+        nonlocal whole_on_victim
         tasks = [asyncio.ensure_future(streamed(i)) for i in range(16)]
-        tasks += [asyncio.ensure_future(whole(i)) for i in range(8)]
         await asyncio.wait_for(started.wait(), 120)
+        # The whole answers go in once the streams have output, 0.1 s before the kill: routed (~11 ms) but far from
+        # done (150 tokens), so those the victim accepted are in flight when it dies. The router's counts just
+        # before and after tell how many that was (least-loaded routing may send none there).
+        at_whole = await asyncio.to_thread(metrics, url)
+        tasks += [asyncio.ensure_future(whole(i)) for i in range(8)]
+        await asyncio.sleep(0.1)
+        at_kill = await asyncio.to_thread(metrics, url)
         os.kill(victim, signal.SIGKILL)
+        whole_on_victim = _routed(at_kill).get(victim_id, 0) - _routed(at_whole).get(victim_id, 0)
         try:  # none hangs: every request ends, one way or the other
             return await asyncio.wait_for(asyncio.gather(*tasks), 180)
         finally:
@@ -200,8 +210,11 @@ def test_killed_replica_fails_only_its_requests_and_is_replaced(replicated):
     assert len(failed) < 16  # the other replica's streams finished
     # Whole answers had nothing sent yet: the router routed them again instead of failing them.
     assert whole_res == ["length"] * 8
-    assert mid['minivllm:router_retries_total{reason="replica_died"}'] > before.get(
+    # The whole answers the victim held were routed once more (streams with output failed instead; one it had
+    # already finished needs no retry).
+    retries = mid['minivllm:router_retries_total{reason="replica_died"}'] - before.get(
         'minivllm:router_retries_total{reason="replica_died"}', 0)
+    assert whole_on_victim <= retries <= routed_to_victim - len(failed), (whole_on_victim, retries, routed_to_victim)
     # Ray replaces the replica; the deployment is back to 2 healthy replicas, and the new one serves.
     new_pids = _wait_replicas(url, 2, exclude_pids={victim})
     assert victim_id not in new_pids
