@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Any
 
@@ -21,6 +20,7 @@ import numpy as np
 import torch
 
 from minivllm.bench.perplexity import evaluation_data
+from minivllm.bench.results import save
 from minivllm.config import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.model.runner import ModelRunner, SequenceInput
@@ -151,9 +151,7 @@ def run_kvcache(ns: argparse.Namespace) -> int:
               "prompt_len": ns.prompt_len, "output_len": ns.output_len, "sinks": ns.sinks,
               "throughput": _throughput(ns, prompts), "quality": _quality(ns, held)}
     print(report(result))
-    if ns.out:
-        with open(ns.out, "w") as f:
-            json.dump(result, f, indent=2)
+    save(result, ns.out, None)
     return 0
 
 

@@ -16,7 +16,6 @@ computed beyond the workload's own (what recompute redoes). Workloads:
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from minivllm.bench.perplexity import evaluation_data
+from minivllm.bench.results import save
 from minivllm.config import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.sampling_params import SamplingParams
@@ -131,9 +131,7 @@ def run_preemption(ns: argparse.Namespace) -> int:
                   "workloads": {name: _workload(ns, held, shape, swap_dir)
                                 for name, shape in _workloads(ns.workloads).items()}}
     print(report(result))
-    if ns.out:
-        with open(ns.out, "w") as f:
-            json.dump(result, f, indent=2)
+    save(result, ns.out, None)
     return 0
 
 

@@ -16,13 +16,13 @@ the run's span, from the first arrival to the last batch job's end), preemptions
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Any
 
 import numpy as np
 
 from minivllm.bench.perplexity import evaluation_data
+from minivllm.bench.results import save
 from minivllm.config import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.sampling_params import SamplingParams
@@ -135,9 +135,7 @@ def run_slo(ns: argparse.Namespace) -> int:
               "token_budget": engines["fcfs"].scheduler_config.max_num_batched_tokens,
               "kv_cache_memory": ns.kv_cache_memory, "runs": runs}
     print(report(result))
-    if ns.out:
-        with open(ns.out, "w") as f:
-            json.dump(result, f, indent=2)
+    save(result, ns.out, None)
     return 0
 
 
