@@ -7,7 +7,8 @@ import json
 import logging
 import sys
 
-from minivllm.config import QUANTIZATION_METHODS, EngineArgs
+from minivllm.config import EngineArgs
+from minivllm.quant_config import QUANTIZATION_METHODS
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
@@ -53,9 +54,10 @@ def _cmd_make_model(ns: argparse.Namespace) -> int:
 def _cmd_quantize(ns: argparse.Namespace) -> int:
     import torch
 
-    from minivllm.config import _DTYPES, ModelConfig, QuantConfig
+    from minivllm.config import _DTYPES, ModelConfig
     from minivllm.model.loader import load_model
     from minivllm.model.quantized_checkpoint import save_quantized
+    from minivllm.quant_config import QuantConfig
 
     mc = ModelConfig.from_pretrained(ns.model)
     if "quantization_config" in mc.hf_config:

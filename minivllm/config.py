@@ -12,6 +12,8 @@ from typing import Any
 import torch
 
 from minivllm.model_config import ModelConfig
+from minivllm.quant_config import QUANTIZATION_KERNELS, QuantConfig
+from minivllm.sampling_params import MAX_LOGPROBS
 from minivllm.slo import TtftSlo
 from minivllm.spec_config import parse_speculative_config
 
@@ -71,55 +73,6 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 KV_EVICTION_MODES = ("none", "sink-window")
 
 
-QUANTIZATION_METHODS = ("int8", "int4", "w8a8", "w4a8")
-GROUPED_METHODS = ("int4", "w4a8")  # int4 weights, group-wise scale and min
-GROUP_SIZES = (32, 64, 128, 256)
-QUANTIZATION_KERNELS = ("auto", "native", "reference", "int_mm")
-
-
-@dataclass(frozen=True)
-class QuantConfig:
-    """How a model's weights are quantized; recorded in a saved checkpoint's config.json."""
-
-    method: str
-    group_size: int = 32  # int4 and w4a8 only
-    quantize_lm_head: bool = True
-
-    def __post_init__(self) -> None:
-        if self.method not in QUANTIZATION_METHODS:
-            raise ValueError(f"quantization: unknown method {self.method!r}; choose one of "
-                             f"{', '.join(QUANTIZATION_METHODS)}")
-        if self.group_size not in GROUP_SIZES:
-            raise ValueError(f"quantization_group_size: {self.group_size} does not divide into the int4 kernel's "
-                             f"32-weight blocks as a power of two; choose one of {', '.join(map(str, GROUP_SIZES))}")
-
-    def as_hf_dict(self) -> dict[str, object]:
-        """The `quantization_config` entry of a saved checkpoint's config.json."""
-        return {"quant_method": "minivllm", "mode": self.method, "group_size": self.group_size,
-                "lm_head": self.quantize_lm_head, "format_version": 1}
-
-    @staticmethod
-    def resolve(method: str | None, group_size: int, quantize_lm_head: bool, mc: ModelConfig
-                ) -> QuantConfig | None:
-        """The quantization to run: the checkpoint's own (a saved quantized model), else the requested one."""
-        saved = mc.hf_config.get("quantization_config")
-        if saved is None:
-            return None if method is None else QuantConfig(method, group_size, quantize_lm_head)
-        cfg = QuantConfig.from_hf_dict(saved, f"{mc.path}/config.json")
-        if method is not None and method != cfg.method:
-            raise ValueError(f"quantization: {mc.path} is a checkpoint quantized as {cfg.method}; it cannot be "
-                             f"loaded as {method} (omit --quantization, or quantize the original model)")
-        return cfg
-
-    @staticmethod
-    def from_hf_dict(d: dict[str, object], where: str) -> QuantConfig:
-        """Parse a checkpoint's `quantization_config`; anything we did not write is a clear error."""
-        if d.get("quant_method") != "minivllm" or d.get("format_version") != 1:
-            raise ValueError(f"{where}: quantization_config {d!r} is not a minivllm quantized checkpoint "
-                             "(format_version 1); only checkpoints saved by `minivllm quantize` load quantized")
-        return QuantConfig(str(d.get("mode")), int(d.get("group_size", 32)), bool(d.get("lm_head", True)))
-
-
 def _arg(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
@@ -173,6 +126,14 @@ class EngineArgs:
         0.0, "serving: when the engine is idle, coalesce arrivals for up to this many ms before the first prefill "
         "step (0: continuous batching already merges arrivals)")
     max_waiting: int = _arg(512, "serving: most requests queued before new ones get 429 with Retry-After")
+    client_stall_timeout: float = _arg(
+        30.0, "serving: a client that reads nothing of its stream for this many seconds while outputs pile up is "
+        "dropped (its request aborted, its KV freed)")
+    # Per-request bounds a client cannot raise (input_processor.RequestLimits): safe defaults for a shared server.
+    max_prompt_tokens: int | None = _arg(None, "longest prompt accepted, in tokens (default: max_model_len)")
+    max_n: int = _arg(16, "most samples (n) or beams (beam_width) one request may ask for")
+    max_logprobs: int = _arg(20, "most top logprobs (logprobs, prompt_logprobs) one request may ask for (vLLM's "
+                                 "default)")
     ttft_slo_ms: str | float | None = _arg(
         None, "default time-to-first-token SLO per priority class, e.g. interactive=500,batch=30000 (a class not "
         "named has no deadline; one number is interactive's). A request's deadline is its arrival plus its own "
@@ -232,8 +193,15 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.batch_wait_ms < 0:
             raise ValueError(f"batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
+        if not self.client_stall_timeout > 0:
+            raise ValueError(f"client_stall_timeout must be > 0 seconds, got {self.client_stall_timeout}")
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+        for name in ("max_prompt_tokens", "max_n"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}")
         TtftSlo.parse(self.ttft_slo_ms)  # ValueError naming what is wrong, at start-up rather than per request
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching must be one of {', '.join(BATCHING_MODES)}, got {self.batching!r}")

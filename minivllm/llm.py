@@ -82,8 +82,9 @@ class LLM:
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         wanted = set(ids)
         out_tokens = 0
+        failed: dict[str, str] = {}
         with bar:
-            while len(done) < len(ids):
+            while len(done) + len(failed) < len(ids):
                 for out in engine.step():
                     if out.finished and out.request_id in wanted:
                         done[out.request_id] = out
@@ -91,6 +92,10 @@ class LLM:
                         bar.update(1)
                         elapsed = bar.format_dict["elapsed"] or 1e-9
                         bar.set_postfix_str(f"output {out_tokens / elapsed:.1f} tok/s", refresh=False)
+                failed.update((rid, why) for rid, why in engine.take_failed_requests().items() if rid in wanted)
+        if failed:  # the others ran to the end; a fault (engine/step_guard.py) failed only these
+            raise RuntimeError(f"{len(failed)} of {len(ids)} requests failed: " + "; ".join(
+                f"{rid}: {why}" for rid, why in list(failed.items())[:4]))
         return [done[i] for i in ids]
 
 

@@ -9,11 +9,12 @@ import torch
 from conftest import PROMPTS
 
 from minivllm import LLM, SamplingParams
-from minivllm.config import ModelConfig, QuantConfig
+from minivllm.config import ModelConfig
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.model import cpu_kernels
 from minivllm.model.decode_stack import DecodeStack
 from minivllm.model.runner import ModelRunner, SequenceInput
+from minivllm.quant_config import QuantConfig
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="native CPU kernels did not build here")
 

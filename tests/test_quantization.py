@@ -13,7 +13,7 @@ from conftest import PROMPTS, TINY_FAMILIES
 
 from minivllm import LLM, SamplingParams
 from minivllm.cli import main as cli_main
-from minivllm.config import EngineArgs, ModelConfig, QuantConfig
+from minivllm.config import EngineArgs, ModelConfig
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.model.layers import Linear
 from minivllm.model.quantization import (
@@ -25,6 +25,7 @@ from minivllm.model.quantization import (
     unpack_int4,
 )
 from minivllm.model.runner import ModelRunner, SequenceInput
+from minivllm.quant_config import QuantConfig
 
 METHODS = ["int8", "int4", "w8a8", "w4a8"]
 GROUPED = ("int4", "w4a8")  # int4 weights

@@ -8,8 +8,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from minivllm.config import ModelConfig, QuantConfig
+from minivllm.config import ModelConfig
 from minivllm.model.runner import ModelRunner, SequenceInput
+from minivllm.quant_config import QuantConfig
 
 MODES = ("fp32", "bf16", "int8", "int4", "w8a8", "w4a8")
 

@@ -113,9 +113,9 @@ def measure_speed(path: str, modes: list[str], ns: argparse.Namespace, prompt: l
 def load_times(path: str, modes: list[str], group_size: int, tmp: str) -> dict[str, float]:
     """Seconds to load the model: as float32, quantized at load, and from a checkpoint saved by `minivllm
     quantize` (no quantization work: it should load as fast as float32), for each quantized mode."""
-    from minivllm.config import QuantConfig
     from minivllm.model.loader import load_model
     from minivllm.model.quantized_checkpoint import save_quantized
+    from minivllm.quant_config import QuantConfig
 
     mc = ModelConfig.from_pretrained(path)
     cpu = torch.device("cpu")

@@ -30,8 +30,17 @@ from typing import Any
 import torch
 
 from minivllm.config import EngineArgs, cpu_count
+from minivllm.engine.async_stream import (
+    AsyncStream,
+    ClientStalledError,
+    EngineDeadError,
+    QueueFullError,
+    RequestFailedError,
+    RequestTimeoutError,
+)
 from minivllm.engine.input_processor import EngineRequest, Prompt
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.request_lifecycle import TIMEOUT_REASON
 from minivllm.engine.stats import IterationStats, LoggingStatLogger, SchedulerSnapshot, StatLogger
 from minivllm.engine.step_trace import StepTracer
 from minivllm.outputs import RequestOutput
@@ -40,59 +49,26 @@ from minivllm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped; no request can be served."""
-
-
-class QueueFullError(RuntimeError):
-    """Too many requests are waiting; retry later."""
-
-    def __init__(self, message: str, retry_after_s: int = 1) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class RequestFailedError(RuntimeError):
-    """A step that included this request raised; the request was aborted, the engine keeps serving."""
-
-
 @dataclass
 class _Abort:
     request_id: str
 
 
-class AsyncStream:
-    """The outputs of one request, consumed with `async for` on the event loop."""
-
-    def __init__(self, request_id: str, prompt_token_ids: list[int]) -> None:
-        self.request_id = request_id
-        self.prompt_token_ids = prompt_token_ids
-        self.finished = False
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        """Deliver an output (or the error that ends the request); event-loop thread only."""
-        self._queue.put_nowait(item)
-
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        while not self.finished:
-            item = await self._queue.get()
-            if isinstance(item, BaseException):
-                self.finished = True
-                raise item
-            self.finished = item.finished
-            yield item
-
-
 class AsyncLLMEngine:
     """Serves an LLMEngine to asyncio code: add requests, stream their outputs, abort them."""
 
+    # A stream whose consumer has not taken an output for client_stall_timeout_s while more than this many wait
+    # is dropped: its client stopped reading (the transport's buffers are full), and outputs would pile up.
+    MAX_UNREAD = 16
+
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], stat_loggers: Sequence[StatLogger] = (),
                  batch_wait_ms: float = 0.0, max_waiting: int = 512, num_threads: int | None = None,
-                 idle_tick_s: float = 1.0) -> None:
+                 idle_tick_s: float = 1.0, client_stall_timeout_s: float = 30.0) -> None:
         """engine: an LLMEngine, or a factory that builds one on the engine thread (see the module doc);
         a factory runs now, and its errors are raised here."""
         self.stat_loggers = list(stat_loggers)
+        self.client_stall_timeout_s = client_stall_timeout_s
+        self.death_callbacks: list[Callable[[], None]] = []  # run on the event loop once the engine loop died
         self.batch_wait_s = batch_wait_ms / 1000.0
         self.max_waiting = max_waiting
         self.num_threads = num_threads or cpu_count()
@@ -127,7 +103,7 @@ class AsyncLLMEngine:
         """Build the engine on its own thread from EngineArgs (the periodic log line is on by default)."""
         loggers = [LoggingStatLogger()] if stat_loggers is None else list(stat_loggers)
         return cls(lambda: LLMEngine(args, log_stats=True), loggers, args.batch_wait_ms, args.max_waiting,
-                   args.num_threads)
+                   args.num_threads, client_stall_timeout_s=args.client_stall_timeout)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -188,10 +164,11 @@ class AsyncLLMEngine:
     # ---- requests (event-loop thread) -----------------------------------------------------------
     def process_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int | str = 0,
                         arrival_time: float | None = None, fit_context: bool = False,
-                        default_max_tokens: int | None = None, ttft_slo_ms: float | None = None) -> EngineRequest:
+                        default_max_tokens: int | None = None, ttft_slo_ms: float | None = None,
+                        timeout_s: float | None = None) -> EngineRequest:
         """Tokenize and validate (ValueError names the problem) without queueing; see InputProcessor.process."""
         return self.engine.process_request(request_id, prompt, params, priority, arrival_time, fit_context,
-                                           default_max_tokens, ttft_slo_ms)
+                                           default_max_tokens, ttft_slo_ms, timeout_s)
 
     def add_requests(self, requests: Sequence[EngineRequest]) -> list[AsyncStream]:
         """Queue requests together (they reach the engine in the same step); one stream each."""
@@ -253,31 +230,47 @@ class AsyncLLMEngine:
             self.abort(request_id)
 
     # ---- event-loop side of the engine thread -----------------------------------------------------
-    def _deliver(self, outputs: list[RequestOutput], failed: list[str], error: BaseException | None) -> None:
+    def _deliver(self, outputs: list[RequestOutput], failed: list[tuple[str, BaseException]]) -> None:
+        now = time.monotonic()
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.put(out)
                 if out.finished:
                     del self._streams[out.request_id]
-        for rid in failed:
+                elif stream.num_unread > self.MAX_UNREAD and now - stream.last_read > self.client_stall_timeout_s:
+                    del self._streams[out.request_id]
+                    with self._cv:  # abort it: its KV blocks are freed before the next step
+                        self._inbox.append(_Abort(out.request_id))
+                        self._cv.notify()
+                    stream.fail(ClientStalledError(
+                        f"the client did not read its stream for {now - stream.last_read:.0f} s "
+                        f"({stream.num_unread} outputs unread; client_stall_timeout={self.client_stall_timeout_s:g} "
+                        "s); the request was aborted"))
+        for rid, error in failed:
             stream = self._streams.pop(rid, None)
             if stream is not None:
-                stream.put(error if error is not None else RequestFailedError(rid))
+                stream.put(error)
 
     def _fail_all(self, error: BaseException) -> None:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream.put(error)
 
-    def _post(self, outputs: list[RequestOutput], failed: list[str] = (), error: BaseException | None = None
-              ) -> None:
+    def _post(self, outputs: list[RequestOutput], failed: Sequence[tuple[str, BaseException]] = ()) -> None:
         assert self._loop is not None
         if outputs or failed:
             try:
-                self._loop.call_soon_threadsafe(self._deliver, outputs, list(failed), error)
+                self._loop.call_soon_threadsafe(self._deliver, outputs, list(failed))
             except RuntimeError:  # the event loop closed under us (server shutdown)
                 pass
+
+    def _post_failed(self) -> None:
+        """The requests a fault failed in the last step (step_guard.py, timeouts): each stream gets its error."""
+        failed = self.engine.take_failed_requests()
+        if failed:
+            self._post([], [(rid, (RequestTimeoutError if why.startswith(TIMEOUT_REASON) else RequestFailedError)(why))
+                            for rid, why in failed.items()])
 
     # ---- the engine thread -------------------------------------------------------------------------
     def _take_inbox(self, block: bool) -> list[EngineRequest | _Abort]:
@@ -298,7 +291,7 @@ class AsyncLLMEngine:
                 try:
                     eng.add_engine_request(item)
                 except ValueError as e:  # validated already; only a duplicate id can get here
-                    self._post([], [item.request_id], e)
+                    self._post([], [(item.request_id, e)])
 
     def _coalesce(self) -> None:
         """--batch-wait-ms: an idle engine (with static batching: one between batches) waits up to that long
@@ -373,12 +366,15 @@ class AsyncLLMEngine:
                     continue
                 self._record(eng.take_stats())
                 self._post(outputs)
+                self._post_failed()
         except BaseException as e:
             logger.exception("engine loop died")
             self.dead_error = e
             loop = self._loop
             if loop is not None and not loop.is_closed():
                 loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"the engine loop died: {e!r}"))
+                for callback in self.death_callbacks:
+                    loop.call_soon_threadsafe(callback)
 
     def _fail_step(self, error: Exception) -> None:
         """A step raised: abort the requests it held, fail their streams, keep serving the rest."""
@@ -389,4 +385,5 @@ class AsyncLLMEngine:
         for rid in failed:
             self.engine.abort_request(rid)  # if this raises too, the engine state is broken: the loop dies
         self._record(self.engine.take_stats())
-        self._post([], failed, RequestFailedError(f"internal error in an engine step: {error!r}"))
+        err = RequestFailedError(f"internal error in an engine step: {error!r}")
+        self._post([], [(rid, err) for rid in failed])

@@ -20,6 +20,37 @@ from minivllm.slo import TtftSlo, resolve_priority
 Prompt = str | list[int] | dict[str, Any]
 
 
+def check_timeout(value: object) -> float:
+    """A request's `timeout` (seconds to start): a positive, finite number; ValueError naming it otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ValueError(f"timeout: must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+@dataclass(slots=True, frozen=True)
+class RequestLimits:
+    """What one request may ask for (--max-prompt-tokens, --max-n, --max-logprobs): bounds a client cannot
+    raise, so one request cannot take the server's memory or time from everyone else."""
+
+    max_prompt_tokens: int | None = None  # None: max_model_len bounds it
+    max_n: int = 16
+    max_logprobs: int = 20
+
+    def check(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """ValueError naming the field and the flag when a request asks for more than the limits allow."""
+        if self.max_prompt_tokens is not None and num_prompt_tokens > self.max_prompt_tokens:
+            raise ValueError(f"prompt: {num_prompt_tokens} tokens exceed the server's limit of "
+                             f"{self.max_prompt_tokens} (--max-prompt-tokens); shorten the prompt")
+        width = params.beam_width if params.use_beam_search else params.n
+        if width > self.max_n:
+            name = "beam_width" if params.use_beam_search else "n"
+            raise ValueError(f"{name}: {width} exceeds the server's limit of {self.max_n} (--max-n)")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.max_logprobs:
+                raise ValueError(f"{name}: {k} exceeds the server's limit of {self.max_logprobs} (--max-logprobs)")
+
+
 @dataclass
 class EngineRequest:
     """A tokenized, validated request, ready to be queued (built off the engine thread)."""
@@ -31,6 +62,7 @@ class EngineRequest:
     arrival_time: float
     priority: int = 0
     ttft_deadline: float = math.inf  # arrival_time + its TTFT SLO (slo.py); inf: none
+    start_deadline: float = math.inf  # arrival_time + its timeout: not started by then, it is dropped unprefilled
 
 
 class InputProcessor:
@@ -38,13 +70,15 @@ class InputProcessor:
 
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, kv_cache_mode: str,
                  blocks_needed: Callable[[int], int], num_blocks: int, pool: str,
-                 ttft_slo_ms: str | float | None = None, seq_block_cap: int | None = None) -> None:
+                 ttft_slo_ms: str | float | None = None, seq_block_cap: int | None = None,
+                 limits: RequestLimits | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.kv_cache_mode = kv_cache_mode
         self.blocks_needed, self.num_blocks, self.pool = blocks_needed, num_blocks, pool
         self.seq_block_cap = seq_block_cap  # sink-window eviction: the most blocks a sequence ever holds at once
         self.ttft_slo = TtftSlo.parse(ttft_slo_ms)  # the classes' default deadlines (--ttft-slo-ms)
+        self.limits = limits or RequestLimits()
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """A prompt (text, token ids, or {"prompt_token_ids": [...]}) → (text, token ids)."""
@@ -65,9 +99,11 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, priority: int | str = 0,
                 arrival_time: float | None = None, fit_context: bool = False,
-                default_max_tokens: int | None = None, ttft_slo_ms: float | None = None) -> EngineRequest:
+                default_max_tokens: int | None = None, ttft_slo_ms: float | None = None,
+                timeout_s: float | None = None) -> EngineRequest:
         """Tokenize, validate and fill in max_tokens; ValueError naming the problem if the request can never run.
-        `priority` is an int or a class name, `ttft_slo_ms` overrides its class's TTFT SLO (slo.py).
+        `priority` is an int or a class name, `ttft_slo_ms` overrides its class's TTFT SLO (slo.py), `timeout_s`
+        the longest it may wait to start (past it, it is dropped before any prefill).
 
         A missing max_tokens is `default_max_tokens` clipped to the room the prompt leaves, or without one
         runs to the end of the context. With `fit_context` (the servers, vLLM's rule) the prompt must leave
@@ -76,6 +112,7 @@ class InputProcessor:
         priority = resolve_priority(priority)
         arrival_time = arrival_time or time.time()
         deadline = self.ttft_slo.deadline(priority, arrival_time, ttft_slo_ms)
+        start_deadline = arrival_time + check_timeout(timeout_s) if timeout_s is not None else math.inf
         text, ids = self.tokenize(prompt)
         room = self.max_model_len - len(ids)
         if fit_context:
@@ -90,7 +127,7 @@ class InputProcessor:
         if params.max_tokens is None:
             fill = max(1, room) if default_max_tokens is None else min(default_max_tokens, room)
             params = params.clone(max_tokens=fill)
-        return EngineRequest(request_id, text, ids, params, arrival_time, priority, deadline)
+        return EngineRequest(request_id, text, ids, params, arrival_time, priority, deadline, start_deadline)
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -105,6 +142,7 @@ class InputProcessor:
                 raise ValueError(f"prompt: token ids must be integers in [0, {vocab}); position {i} holds {t!r}")
         if len(ids) > self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens exceed max_model_len {self.max_model_len}; shorten the prompt")
+        self.limits.check(len(ids), params)
         bad_stop = [t for t in params.stop_token_ids if t >= vocab]
         if bad_stop:
             raise ValueError(f"stop_token_ids: {bad_stop} are not below the vocabulary size {vocab}")

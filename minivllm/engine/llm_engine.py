@@ -12,7 +12,6 @@ from minivllm.config import (
     CacheConfig,
     EngineArgs,
     ModelConfig,
-    QuantConfig,
     SchedulerConfig,
     cpu_count,
     default_batched_tokens,
@@ -22,21 +21,24 @@ from minivllm.config import (
 )
 from minivllm.engine.beam_search import BeamSearcher
 from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.input_processor import EngineRequest, InputProcessor, Prompt
+from minivllm.engine.fault_injection import FaultInjector
+from minivllm.engine.input_processor import InputProcessor, RequestLimits
 from minivllm.engine.introspection import EngineIntrospection
 from minivllm.engine.output_processor import OutputProcessor
+from minivllm.engine.request_lifecycle import TIMEOUT_REASON, RequestLifecycle
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput
-from minivllm.engine.sequence import BeamState, Sequence, SequenceGroup, SequenceStatus
+from minivllm.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from minivllm.engine.spec_decode import verify_rows
 from minivllm.engine.spec_factory import build_speculator
 from minivllm.engine.stats import StatsRecorder, StepTimings
+from minivllm.engine.step_guard import StepGuard
 from minivllm.engine.swap_manager import build_swap_manager
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.model.input_batch import InputBatch, SlotParams
 from minivllm.model.runner import ModelRunner, SequenceInput
-from minivllm.model.sampler import Sampler
+from minivllm.model.sampler import Sampler, TokenLogprobs
 from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.quant_config import QuantConfig
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +60,7 @@ def _eviction_block_cap(args: EngineArgs, block_size: int, token_budget: int) ->
     return -(-sinks // block_size) + -(-(window - 1 + token_budget) // block_size) + 1
 
 
-class LLMEngine(EngineIntrospection):
+class LLMEngine(RequestLifecycle, EngineIntrospection):
     """The synchronous engine core: one `step()` = schedule, one forward, sample, update."""
 
     def __init__(self, args: EngineArgs, log_stats: bool = False) -> None:
@@ -110,7 +112,12 @@ class LLMEngine(EngineIntrospection):
         pool = f"num_kv_blocks={n}" if (n := args.num_kv_blocks) else f"kv_cache_memory={args.kv_cache_memory}"
         self.input_processor = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len, args.kv_cache_mode,
                                               self.block_manager.blocks_needed, cc.num_blocks, pool, args.ttft_slo_ms,
-                                              _eviction_block_cap(args, cc.block_size, token_budget))
+                                              _eviction_block_cap(args, cc.block_size, token_budget),
+                                              RequestLimits(args.max_prompt_tokens, args.max_n, args.max_logprobs))
+        self.faults = FaultInjector.from_env()  # None unless the test-only hook is armed
+        self.guard = StepGuard(self.runner, self.faults, isolate=args.tensor_parallel_size == 1)
+        self.failed_requests: dict[str, str] = {}
+        self._failures: dict[str, str] = {}  # this step's: request id → reason (failed once the step is done)
         self.speculator = build_speculator(args, self) if args.speculative_model else None
         self.groups: dict[str, SequenceGroup] = {}
         self.timings = StepTimings()
@@ -131,77 +138,6 @@ class LLMEngine(EngineIntrospection):
         """Build an engine from EngineArgs."""
         return cls(args, log_stats)
 
-    # ---- requests ----------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                    priority: int | str = 0, arrival_time: float | None = None, ttft_slo_ms: float | None = None
-                    ) -> None:
-        """Validate and queue a request; raise ValueError naming the problem if it can never run."""
-        self.add_engine_request(self.process_request(request_id, prompt, sampling_params, priority, arrival_time,
-                                                     ttft_slo_ms=ttft_slo_ms))
-
-    def process_request(self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                        priority: int | str = 0, arrival_time: float | None = None, fit_context: bool = False,
-                        default_max_tokens: int | None = None, ttft_slo_ms: float | None = None) -> EngineRequest:
-        """Tokenize and validate without touching engine state (safe off the engine thread): InputProcessor.process."""
-        return self.input_processor.process(request_id, prompt, sampling_params, priority, arrival_time,
-                                            fit_context, default_max_tokens, ttft_slo_ms)
-
-    def add_engine_request(self, req: EngineRequest) -> None:
-        """Queue a request that process_request() built."""
-        if req.request_id in self.groups:
-            raise ValueError(f"request_id {req.request_id!r} is already in use")
-        request_id, ids, params = req.request_id, req.prompt_token_ids, req.params
-        group = SequenceGroup(request_id, req.prompt, ids, params, req.arrival_time, ttft_deadline=req.ttft_deadline)
-        seq = Sequence(request_id, ids, params, next(self._arrivals), req.priority, group, 0)
-        group.seqs.append(seq)
-        if params.prompt_logprobs is not None:
-            group.prompt_logprobs = [None]
-        if params.use_beam_search:
-            group.beam = BeamState(params.beam_width, params.length_penalty, params.early_stopping,
-                                   params.max_tokens, [seq], [0.0])
-        self._init_sequence(seq)
-        self.groups[request_id] = group
-        self.scheduler.add(seq)
-
-    def _init_sequence(self, seq: Sequence) -> None:
-        p = seq.sampling_params
-        if p.seed is not None and not p.greedy:
-            # Sample i of a request draws from its own stream, so n > 1 stays reproducible.
-            seq.generator = torch.Generator(device=self.device).manual_seed(p.seed + seq.index)
-        assert seq.group is not None
-        self.output_processor.init_sequence(seq, seq.group.prompt_token_ids)
-
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its blocks; returns its final output (None if unknown or done)."""
-        group = self.groups.pop(request_id, None)
-        if group is None:
-            return None
-        group.aborted = True
-        live = group.beam.live if group.beam is not None else group.seqs
-        for seq in live:
-            if not seq.status.finished:
-                self._finish(seq, SequenceStatus.FINISHED_ABORTED)
-        if group.beam is not None:
-            group.beam.live = []
-        if self.log_stats:
-            self.recorder.finished(group, self.scheduler.clock())
-        return self.output_processor.make_output(group)
-
-    abort = abort_request
-
-    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """Retire a sequence: its blocks go back to the pool, its sampling slot to the input batch."""
-        self.scheduler.finish(seq, status)
-        if self.speculator is not None:
-            self.speculator.release(seq)
-        if seq.slot >= 0:
-            self.input_batch.remove(seq.slot)
-            seq.slot = -1
-
-    def has_unfinished_requests(self) -> bool:
-        """Whether any request is waiting or running."""
-        return bool(self.groups)
-
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; return the outputs it produced (per each request's output kind)."""
@@ -212,6 +148,11 @@ class LLMEngine(EngineIntrospection):
         if self.speculator is not None:
             for seq in sched.preempted:  # its draft K/V goes too: recomputed with it
                 self.speculator.release(seq)
+        for seq in sched.expired:  # not started within its timeout: dropped before any prefill
+            assert seq.group is not None
+            self.fail_request(seq.request_id, f"{TIMEOUT_REASON}: not started within its timeout of "
+                                              f"{seq.group.start_deadline - seq.group.arrival_time:.3g} s (the "
+                                              "server is busy); dropped before prefill, retry later")
         t1 = time.perf_counter()
         # Swaps, then copy-on-write copies; before an empty return too: a step may swap out all it had.
         swap_time = self.runner.move_blocks(sched.swap_out, sched.swap_in, sched.block_copies)
@@ -223,12 +164,14 @@ class LLMEngine(EngineIntrospection):
         if self.args.check_invariants:
             for seq, n in sched.scheduled:
                 self.block_manager.check_writable(seq, n)
-        inputs = self._runner_inputs(sched.scheduled)
-        logits = self.runner.execute(inputs)
-        if self.swap is not None:
+        guarded = self.guard.forward(sched.scheduled, self._runner_inputs(sched.scheduled))
+        sched.scheduled, inputs, logits = guarded.scheduled, guarded.inputs, guarded.logits
+        self._failures = failures = guarded.failed  # request id → reason: no outputs, aborted after the step
+        measured = not failures  # a bisected step's time is not the batch's
+        if self.swap is not None and measured:
             self.swap.costs.observe(swap_time, len(sched.swap_out) + len(sched.swap_in), self.runner.last_forward_time,
                                     sched.num_batched_tokens, len(sched.scheduled))
-        if self.speculator is not None:
+        if self.speculator is not None and measured:
             self.speculator.observe(sched.scheduled, self.runner.last_forward_time)
         t2 = time.perf_counter()
         self._sample_time = 0.0
@@ -239,9 +182,15 @@ class LLMEngine(EngineIntrospection):
         now = self.scheduler.clock()  # time.time() but for tests, which script it (deadlines in steps)
         outputs = []
         for group in touched:
+            if group.request_id in failures:
+                continue
             if self.log_stats:
                 self.recorder.token_times(group, now)
-            out = self.output_processor.make_output(group)
+            try:
+                out = self.output_processor.make_output(group)
+            except Exception as e:  # e.g. detokenizing: fails this request only
+                failures[group.request_id] = f"internal error building this request's output: {e!r}"
+                continue
             if out is not None:
                 outputs.append(out)
             if group.finished:
@@ -250,6 +199,8 @@ class LLMEngine(EngineIntrospection):
                     self.recorder.finished(group, now)
         self.recorder.produced.clear()
         self.last_schedule, self._in_flight = sched, None
+        for rid, reason in failures.items():
+            self.fail_request(rid, reason)
         t4 = time.perf_counter()
         tm, forward = self.timings, self.runner.last_forward_time
         tm.steps += 1
@@ -353,7 +304,7 @@ class LLMEngine(EngineIntrospection):
         self._sample_time += time.perf_counter() - t0
         for (seq, _), tok, lp in zip(targets, out.token_ids, out.logprobs, strict=True):
             self.recorder.generated(seq.request_id, 1)
-            status = self.output_processor.append_token(seq, tok, lp)
+            status = self._append_token(seq, tok, lp)
             if status is not None:
                 self._finish(seq, status)
             assert seq.group is not None
@@ -370,7 +321,7 @@ class LLMEngine(EngineIntrospection):
             self._sample_time += time.perf_counter() - t0
             for tok in tokens:
                 self.recorder.generated(seq.request_id, 1)
-                status = self.output_processor.append_token(seq, tok, None)
+                status = self._append_token(seq, tok, None)
                 if status is not None:
                     self._finish(seq, status)
                     break
@@ -382,6 +333,14 @@ class LLMEngine(EngineIntrospection):
                 self.block_manager.cache_blocks(seq)
             assert seq.group is not None
             touched.setdefault(seq.group.request_id, seq.group)
+
+    def _append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> SequenceStatus | None:
+        """output_processor.append_token; an error there (detokenizing) fails seq's request, not the step."""
+        try:
+            return self.output_processor.append_token(seq, token, lp)
+        except Exception as e:
+            self._failures.setdefault(seq.request_id, f"internal error detokenizing this request: {e!r}")
+            return None
 
     def _slot_params(self, seq: Sequence) -> SlotParams:
         p = seq.sampling_params

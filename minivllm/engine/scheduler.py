@@ -15,6 +15,7 @@ request is interactive and none of this fires: the order is vLLM v1's.
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 import time
 from collections.abc import Callable
@@ -42,6 +43,7 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     now: float = 0.0  # the scheduler's clock when it decided (deadlines and slack were judged against it)
+    expired: list[Sequence] = field(default_factory=list)  # dropped unstarted: their timeout passed while waiting
 
     @property
     def is_empty(self) -> bool:
@@ -101,11 +103,16 @@ class Scheduler:
         self.stats = SchedulerStats()
         # Deadlines are arrival_time + SLO on time.time()'s scale; tests swap in a scripted clock (slack in steps).
         self.clock: Callable[[], float] = time.time
+        # (start deadline, seq_id, seq) of waiting requests that have a timeout; stale entries are skipped when due.
+        self._deadlines: list[tuple[float, int, Sequence]] = []
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence."""
         seq.status = SequenceStatus.WAITING
         bisect.insort_left(self.waiting, seq, key=_reversed_order)  # equal keys: first come, first served
+        group = seq.group
+        if group is not None and group.start_deadline != math.inf and seq.num_preemptions == 0:
+            heapq.heappush(self._deadlines, (group.start_deadline, seq.seq_id, seq))
 
     @property
     def num_unfinished(self) -> int:
@@ -117,6 +124,8 @@ class Scheduler:
         of a better class than running ones goes ahead of those (`_admit_ahead`)."""
         now = self.clock()
         out = SchedulerOutput(now=now)
+        if self._deadlines and self._deadlines[0][0] <= now:
+            self._expire(out, now)
         budget = self.config.max_num_batched_tokens
         head_rank = self._head_rank()
         i = 0
@@ -168,6 +177,16 @@ class Scheduler:
             self.stats.swap_out_bytes += len(out.swap_out) * self.swap.block_bytes
             self.stats.swap_in_bytes += len(out.swap_in) * self.swap.block_bytes
         return out
+
+    def _expire(self, out: SchedulerOutput, now: float) -> None:
+        """Drop the waiting requests whose timeout passed before they started: they cost no prefill, and their
+        clients (who gave up by now) get an error rather than a late answer."""
+        while self._deadlines and self._deadlines[0][0] <= now:
+            seq = heapq.heappop(self._deadlines)[2]
+            if seq.status == SequenceStatus.WAITING and seq.num_computed_tokens == 0 and seq.num_preemptions == 0:
+                _remove_sorted(self.waiting, seq, _reversed_order)
+                seq.status = SequenceStatus.FINISHED_ABORTED
+                out.expired.append(seq)
 
     def _resume_then_admit(self, out: SchedulerOutput, budget: int,
                            admit: Callable[[SchedulerOutput, int], int]) -> int:

@@ -148,6 +148,8 @@ class SequenceGroup:
     first_token_time: float | None = None
     last_token_time: float | None = None
     ttft_deadline: float = math.inf  # when the first token is due (arrival_time's clock; slo.py)
+    start_deadline: float = math.inf  # its timeout: not started by then, it is dropped before any prefill
+    faults: frozenset[str] = frozenset()  # test-only injected faults (fault_injection.py)
 
     @property
     def finished(self) -> bool:

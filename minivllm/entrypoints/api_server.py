@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -34,6 +35,7 @@ from minivllm.entrypoints.serving import (
 logger = logging.getLogger(__name__)
 
 _LAG_PROBE_S = 0.01
+_DEATH_EXIT_DELAY_S = 1.0
 # Routes that need no API key: monitoring stays open, as Prometheus scrapes without one, and so does the
 # live view (a browser cannot put a header on a WebSocket; it shows request ids and counts, no text).
 _OPEN_PATHS = frozenset({"/health", "/metrics", "/docs", "/openapi.json", "/dashboard", "/ws/events"})
@@ -148,6 +150,10 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs, metrics: ServerMetrics |
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        # A dead engine loop cannot come back: /health answers 503 at once, and after a moment (for in-flight
+        # clients to get their 503s) the server stops, and run_server exits non-zero for a supervisor to restart it.
+        engine.death_callbacks.append(
+            lambda: asyncio.get_running_loop().call_later(_DEATH_EXIT_DELAY_S, app.state.request_exit))
         probe = asyncio.ensure_future(_lag_probe(metrics))
         grpc_server = None
         try:
@@ -165,6 +171,7 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs, metrics: ServerMetrics |
 
     app = FastAPI(title="Mini-vLLM", lifespan=lifespan)
     app.state.server = ServerState(engine, metrics, args)
+    app.state.request_exit = lambda: None  # run_server: stop serving (a test's in-process server: keep answering 503)
     _install_error_handlers(app)
 
     @app.get("/health")
@@ -183,6 +190,9 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs, metrics: ServerMetrics |
     app.include_router(openai_routes.router)
     app.add_middleware(GuardMiddleware, api_key=args.api_key,
                        max_body_bytes=parse_size(args.max_body_size, "max_body_size"))
+    if args.allowed_origins:  # CORS is off unless asked for: browsers then refuse other origins' scripts
+        app.add_middleware(CORSMiddleware, allow_origins=args.origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
     return app
 
 
@@ -197,6 +207,11 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
 
     engine = AsyncLLMEngine.from_engine_args(engine_args)
     app = build_app(engine, server_args)
+    server = uvicorn.Server(uvicorn.Config(app, host=server_args.host, port=server_args.port,
+                                           log_level=server_args.log_level, timeout_graceful_shutdown=5))
+    app.state.request_exit = lambda: setattr(server, "should_exit", True)
     logger.info("serving %s on http://%s:%d", app.state.server.model_name, server_args.host, server_args.port)
-    uvicorn.run(app, host=server_args.host, port=server_args.port, log_level=server_args.log_level,
-                timeout_graceful_shutdown=5)
+    server.run()
+    if engine.dead_error is not None:
+        raise SystemExit(f"minivllm serve: the engine loop died ({engine.dead_error!r}); exiting with status 1 so "
+                         "a supervisor restarts the server")

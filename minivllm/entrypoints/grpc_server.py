@@ -48,7 +48,7 @@ METHODS = ("Generate", "BatchGenerate", "GenerateStream")
 ENDPOINTS = tuple(f"/{SERVICE_NAME}/{m}" for m in METHODS)  # the metrics' endpoint label: the gRPC method path
 _DEFAULT_MAX_TOKENS = 128  # as /generate
 _HEALTH_POLL_S = 0.25  # how often Watch subscribers learn of a change (Check is exact)
-_SAMPLING_FIELDS = frozenset(SamplingFields.model_fields) - {"priority", "ttft_slo_ms"}
+_SAMPLING_FIELDS = frozenset(SamplingFields.model_fields) - {"priority", "ttft_slo_ms", "timeout"}
 _STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
                  413: grpc.StatusCode.INVALID_ARGUMENT, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
                  503: grpc.StatusCode.UNAVAILABLE}
@@ -144,19 +144,27 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             self.state.count(f"/{SERVICE_NAME}/{method}", status, t0)
 
     async def _prepare(self, msg: pb.GenerateRequest | pb.BatchGenerateRequest, kind: RequestOutputKind,
-                       prompts: list[Any], request_id: str = "") -> list:
+                       prompts: list[Any], request_id: str = "", context: grpc.aio.ServicerContext | None = None
+                       ) -> list:
         params = sampling_params(msg, kind)
         rid = request_id or new_request_id("grpc")
         # proto3 cannot tell an unset int from 0, so a class name comes in a field of its own.
         if msg.priority_class and msg.priority:
             raise APIError(400, "priority_class: give priority or priority_class, not both", "priority_class")
+        # The call's own deadline bounds how long it may wait to start, as the `timeout` field does (the sooner).
+        timeout = _opt(msg, "timeout")
+        left = context.time_remaining() if context is not None else None
+        if left is not None and (timeout is None or 0 < left < timeout):
+            timeout = max(left, 1e-3)
         return await self.state.prepare(rid, prompts, params, msg.priority_class or msg.priority,
-                                        default_max_tokens=_DEFAULT_MAX_TOKENS, ttft_slo_ms=_opt(msg, "ttft_slo_ms"))
+                                        default_max_tokens=_DEFAULT_MAX_TOKENS, ttft_slo_ms=_opt(msg, "ttft_slo_ms"),
+                                        timeout_s=timeout)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         """One prompt, answered once finished."""
         async def work(t0: float) -> pb.GenerateResponse:
-            reqs = await self._prepare(request, RequestOutputKind.FINAL_ONLY, [_prompt(request)], request.request_id)
+            reqs = await self._prepare(request, RequestOutputKind.FINAL_ONLY, [_prompt(request)], request.request_id,
+                                       context)
             (out,) = await self.state.wait_finals(None, await self.state.submit(reqs))
             return _response(out, t0, _opt(request, "logprobs"), request.HasField("beam_width"))
 
@@ -168,7 +176,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         async def work(t0: float) -> pb.BatchGenerateResponse:
             if not request.prompts:
                 raise APIError(400, "prompts: give at least one prompt", "prompts")
-            reqs = await self._prepare(request, RequestOutputKind.FINAL_ONLY, list(request.prompts))
+            reqs = await self._prepare(request, RequestOutputKind.FINAL_ONLY, list(request.prompts), "", context)
             outs = await self.state.wait_finals(None, await self.state.submit(reqs))
             results = [_response(o, t0, _opt(request, "logprobs")) for o in outs]
             latency = 1000.0 * (time.monotonic() - t0)
@@ -189,7 +197,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         t0 = time.monotonic()
         status, stream = "aborted", None  # stays "aborted" when the client cancels or its deadline passes
         try:
-            reqs = await self._prepare(request, RequestOutputKind.DELTA, [_prompt(request)], request.request_id)
+            reqs = await self._prepare(request, RequestOutputKind.DELTA, [_prompt(request)], request.request_id,
+                                       context)
             (stream,) = await self.state.submit(reqs)
             k, n = _opt(request, "logprobs"), 0
             async for out in stream:
@@ -245,7 +254,9 @@ async def _abort(context: grpc.aio.ServicerContext, err: APIError) -> None:
     if "Retry-After" in err.headers:
         context.set_trailing_metadata((("retry-after", err.headers["Retry-After"]),))
     # The engine's messages name SamplingParams' max_tokens; the proto's field is max_new_tokens.
-    await context.abort(status_code(err.status), re.sub(r"\bmax_tokens\b", "max_new_tokens", err.message))
+    timed_out = err.param == "timeout" and err.status == 503  # dropped unstarted: its deadline passed
+    code = grpc.StatusCode.DEADLINE_EXCEEDED if timed_out else status_code(err.status)
+    await context.abort(code, re.sub(r"\bmax_tokens\b", "max_new_tokens", err.message))
 
 
 class EngineHealthServicer(health.aio.HealthServicer):

@@ -100,7 +100,8 @@ def _chat_logprobs(c: CompletionOutput, k: int) -> dict[str, Any]:
 async def _submit(st: ServerState, prompts: list[Prompt], params: SamplingParams,
                   body: CompletionRequest | ChatCompletionRequest, prefix: str) -> tuple[str, list[AsyncStream]]:
     rid = new_request_id(prefix)
-    return rid, await st.submit(await st.prepare(rid, prompts, params, body.priority, ttft_slo_ms=body.ttft_slo_ms))
+    return rid, await st.submit(await st.prepare(rid, prompts, params, body.priority, ttft_slo_ms=body.ttft_slo_ms,
+                                                      timeout_s=body.timeout))
 
 
 # ---- /v1/completions -----------------------------------------------------------------------------------

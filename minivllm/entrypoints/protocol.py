@@ -30,6 +30,8 @@ class SamplingFields(BaseModel):
     # and a TTFT SLO overriding the class's (slo.py; values are checked where every API's are, InputProcessor).
     priority: StrictInt | StrictStr = 0
     ttft_slo_ms: StrictFloat | None = None
+    # Seconds the request may wait to start; past it, it is dropped before any prefill (503 with Retry-After).
+    timeout: StrictFloat | None = None
 
     def sampling_params(self, max_tokens: int | None, kind: RequestOutputKind, **extra: Any) -> SamplingParams:
         """Build SamplingParams (raises ValueError naming a bad value)."""

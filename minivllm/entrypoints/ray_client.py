@@ -20,7 +20,7 @@ from typing import Any
 import ray
 
 from minivllm.engine.async_engine import AsyncStream, EngineDeadError, QueueFullError, RequestFailedError
-from minivllm.engine.input_processor import EngineRequest, InputProcessor, Prompt
+from minivllm.engine.input_processor import EngineRequest, InputProcessor, Prompt, RequestLimits
 from minivllm.engine.stats import SchedulerSnapshot
 from minivllm.entrypoints.ray_router import set_unhealthy
 from minivllm.entrypoints.router_metrics import ReplicaCollector, RouterMetrics
@@ -63,7 +63,7 @@ class RayEngineClient:
         bs = info["block_size"]
         self.input_processor = InputProcessor(tokenizer, info["vocab_size"], self.max_model_len, info["kv_cache_mode"],
                                               lambda n: -(-n // bs), info["num_blocks"], info["pool"],
-                                              info.get("ttft_slo_ms"))
+                                              info.get("ttft_slo_ms"), limits=RequestLimits(*info["limits"]))
         self.stat_loggers: list[Any] = []  # build_app adds the server's metrics; the replicas feed their own
         self.dead_error: BaseException | None = None
         self.reports: dict[str, dict[str, Any]] = {}
@@ -85,11 +85,12 @@ class RayEngineClient:
 
     def process_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int | str = 0,
                         arrival_time: float | None = None, fit_context: bool = False,
-                        default_max_tokens: int | None = None, ttft_slo_ms: float | None = None) -> EngineRequest:
+                        default_max_tokens: int | None = None, ttft_slo_ms: float | None = None,
+                        timeout_s: float | None = None) -> EngineRequest:
         """Tokenize and validate as a replica would (ValueError names the problem); the front sets deadlines
-        (with the replicas' --ttft-slo-ms), as requests arrive here."""
+        (with the replicas' --ttft-slo-ms, and the request's timeout), as requests arrive here."""
         return self.input_processor.process(request_id, prompt, params, priority, arrival_time, fit_context,
-                                            default_max_tokens, ttft_slo_ms)
+                                            default_max_tokens, ttft_slo_ms, timeout_s)
 
     def start(self) -> None:
         """Start reading the board (call on the server's event loop)."""

@@ -15,6 +15,7 @@ pid and engine state every PUSH_PERIOD_S instead, and the front reads all of the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import socket
@@ -98,7 +99,7 @@ class EngineReplica:
                 "num_speculative_tokens": self.engine.num_speculative_tokens,
                 "vocab_size": eng.model_config.vocab_size, "kv_cache_mode": eng.args.kv_cache_mode,
                 "block_size": cc.block_size, "num_blocks": cc.num_blocks, "pool": eng.input_processor.pool,
-                "ttft_slo_ms": eng.args.ttft_slo_ms,
+                "ttft_slo_ms": eng.args.ttft_slo_ms, "limits": dataclasses.astuple(eng.input_processor.limits),
                 "replica": self.replica_id, "pid": self.pid}
 
     def _report(self) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
@@ -17,6 +18,7 @@ from minivllm.engine.async_engine import AsyncStream
 from minivllm.entrypoints.protocol import BatchGenerateRequest, GenerateRequest, beam_search_fields
 from minivllm.entrypoints.serving import (
     APIError,
+    ClientDisconnected,
     ServerState,
     bad_request,
     engine_error,
@@ -52,7 +54,8 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     t0 = request.state.t0
     params = _params(body, RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY)
     (req,) = await state.prepare(new_request_id("gen"), [body.prompt], params, body.priority,
-                                 default_max_tokens=_DEFAULT_MAX_TOKENS, ttft_slo_ms=body.ttft_slo_ms)
+                                 default_max_tokens=_DEFAULT_MAX_TOKENS, ttft_slo_ms=body.ttft_slo_ms,
+                                     timeout_s=body.timeout)
     streams = await state.submit([req])
     if body.stream:
         return state.stream_response("/generate", t0, _deltas(streams[0]), streams)
@@ -90,7 +93,8 @@ async def batch_generate(body: BatchGenerateRequest, request: Request) -> Respon
     t0 = request.state.t0
     params = _params(body, RequestOutputKind.FINAL_ONLY)
     reqs = await state.prepare(new_request_id("batch"), list(body.prompts), params, body.priority,
-                               default_max_tokens=_DEFAULT_MAX_TOKENS, ttft_slo_ms=body.ttft_slo_ms)
+                               default_max_tokens=_DEFAULT_MAX_TOKENS, ttft_slo_ms=body.ttft_slo_ms,
+                                     timeout_s=body.timeout)
     streams = await state.submit(reqs)  # one inbox entry: the engine sees them together and batches them
     outs = await state.wait_finals(request, streams)
     state.count("/batch_generate", "success", t0)
@@ -127,8 +131,8 @@ async def _serve_websocket(state: ServerState, ws: WebSocket) -> None:
                 getting.cancel()
                 return
             await _ws_request(state, ws, getting.result(), reading)
-    except (WebSocketDisconnect, RuntimeError):
-        pass
+    except (WebSocketDisconnect, RuntimeError, ClientDisconnected):
+        pass  # returning ends the connection
     finally:
         reading.cancel()
 
@@ -139,7 +143,8 @@ async def _ws_request(state: ServerState, ws: WebSocket, text: str, reading: asy
         body = GenerateRequest.model_validate_json(text)
         params = _params(body, RequestOutputKind.DELTA)
         (req,) = await state.prepare(new_request_id("ws"), [body.prompt], params, body.priority,
-                                     default_max_tokens=_DEFAULT_MAX_TOKENS, ttft_slo_ms=body.ttft_slo_ms)
+                                     default_max_tokens=_DEFAULT_MAX_TOKENS, ttft_slo_ms=body.ttft_slo_ms,
+                                     timeout_s=body.timeout)
         if reading.done():
             return
         (stream,) = await state.submit([req])
@@ -153,7 +158,7 @@ async def _ws_request(state: ServerState, ws: WebSocket, text: str, reading: asy
         state.count("/ws/generate", "client_error" if e.status < 500 else "server_error", t0)
         return
     outcome = ["aborted"]
-    pump = asyncio.ensure_future(_ws_stream(ws, stream, t0, outcome))
+    pump = asyncio.ensure_future(_ws_stream(ws, stream, t0, outcome, state.stall_timeout_s))
     try:
         await asyncio.wait({pump, reading}, return_when=asyncio.FIRST_COMPLETED)  # the client may leave
     finally:
@@ -162,9 +167,18 @@ async def _ws_request(state: ServerState, ws: WebSocket, text: str, reading: asy
         await asyncio.gather(pump, return_exceptions=True)
         state.abort([stream])
         state.count("/ws/generate", outcome[0], t0)
+    if pump.done() and not pump.cancelled() and isinstance(pump.exception(), TimeoutError):
+        raise ClientDisconnected("the client stopped reading its WebSocket")
 
 
-async def _ws_stream(ws: WebSocket, stream: AsyncStream, t0: float, outcome: list[str]) -> None:
+async def _ws_stream(ws: WebSocket, stream: AsyncStream, t0: float, outcome: list[str], stall_timeout_s: float
+                     ) -> None:
+    async def send(message: dict[str, Any]) -> None:
+        # A client that stopped reading fills the transport's buffers and the send waits: give up after a while
+        # (TimeoutError ends the connection; the stream is aborted).
+        async with asyncio.timeout(stall_timeout_s):
+            await ws.send_json(message)
+
     n, text, finish = 0, [], None
     try:
         async for out in stream:
@@ -173,15 +187,15 @@ async def _ws_stream(ws: WebSocket, stream: AsyncStream, t0: float, outcome: lis
                 text.append(c.text)
                 finish = c.finish_reason or finish
                 if c.token_ids:  # one message per step with new tokens, as /generate's events
-                    await ws.send_json({"text": c.text, "tokens_generated": n})
+                    await send({"text": c.text, "tokens_generated": n})
     except (WebSocketDisconnect, RuntimeError, asyncio.CancelledError):
         raise
     except Exception as e:
         outcome[0] = "server_error"
-        await ws.send_json(engine_error(e).body())
+        await send(engine_error(e).body())
         return
     prompt_tokens = len(stream.prompt_token_ids)
-    await ws.send_json({"text": "", "finish_reason": finish, "generated_text": "".join(text),
+    await send({"text": "", "finish_reason": finish, "generated_text": "".join(text),
                         "latency_ms": 1000.0 * (time.monotonic() - t0),
                         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
                                   "total_tokens": prompt_tokens + n}})

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from minivllm.config import parse_size
 from minivllm.engine.async_engine import (
@@ -23,6 +23,7 @@ from minivllm.engine.async_engine import (
     EngineDeadError,
     QueueFullError,
     RequestFailedError,
+    RequestTimeoutError,
 )
 from minivllm.engine.input_processor import EngineRequest, Prompt
 from minivllm.entrypoints.metrics import ServerMetrics
@@ -45,7 +46,11 @@ class ServerArgs:
     port: int = _arg(8000, "HTTP port")
     grpc_port: int | None = _arg(None, "also serve gRPC (InferenceService, grpc.health.v1, reflection) on this port, "
                                        "on the same engine (0: any free port)")
-    api_key: str | None = _arg(None, "when set, generation endpoints need 'Authorization: Bearer <key>'")
+    api_key: str | None = field(default=None, repr=False, metadata={"help": (
+        "when set, generation endpoints need 'Authorization: Bearer <key>' (default: $MINIVLLM_API_KEY, which keeps "
+        "the key out of the process list); the key is never logged")})
+    allowed_origins: str | None = _arg(None, "CORS: comma-separated origins whose browser scripts may call the API, "
+                                             "or *; off by default")
     served_model_name: str | None = _arg(None, "model name in the OpenAI API (default: the model directory's name)")
     max_body_size: str = _arg("4MiB", "largest request body accepted (413 beyond)")
     log_level: str = _arg("info", "log level of the server and engine")
@@ -55,6 +60,8 @@ class ServerArgs:
                                          "instead of starting a local one")
 
     def __post_init__(self) -> None:
+        if self.api_key is None:
+            self.api_key = os.environ.get("MINIVLLM_API_KEY") or None
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.grpc_port is not None and not 0 <= self.grpc_port < 65536:
@@ -67,6 +74,11 @@ class ServerArgs:
             raise ValueError("ray_address needs replicas: give --replicas N to deploy on that cluster")
         if parse_size(self.max_body_size, "max_body_size") <= 0:
             raise ValueError(f"max_body_size must be positive, got {self.max_body_size!r}")
+
+    @property
+    def origins(self) -> list[str]:
+        """--allowed-origins as a list (empty: CORS off)."""
+        return [o.strip() for o in (self.allowed_origins or "").split(",") if o.strip()]
 
 
 class APIError(Exception):
@@ -149,6 +161,9 @@ class ServerState:
         self.max_num_seqs = engine.max_num_seqs
         self.tokenizer = engine.tokenizer
         self.created = int(time.time())
+        # A write the client does not take within this long (its buffers are full: it stopped reading) ends the
+        # response; the engine side drops such a request's stream alike (AsyncLLMEngine.MAX_UNREAD).
+        self.stall_timeout_s: float = getattr(engine, "client_stall_timeout_s", 30.0)
 
     def check_model(self, model: str | None) -> None:
         """404 for a model name this server does not serve."""
@@ -157,7 +172,8 @@ class ServerState:
                            "model")
 
     async def prepare(self, request_id: str, prompts: list[Prompt], params: SamplingParams, priority: int | str = 0,
-                      default_max_tokens: int | None = None, ttft_slo_ms: float | None = None) -> list[EngineRequest]:
+                      default_max_tokens: int | None = None, ttft_slo_ms: float | None = None,
+                      timeout_s: float | None = None) -> list[EngineRequest]:
         """Tokenize and validate the requests of one call (ids request_id-0, -1, ...); APIError(400)
         naming the problem. Large inputs are tokenized on a worker thread, off the event loop. `priority` is
         an int or a class name, `ttft_slo_ms` the requests' TTFT SLO (slo.py).
@@ -173,7 +189,8 @@ class ServerState:
 
         def build() -> list[EngineRequest]:
             return [self.engine.process_request(f"{request_id}-{i}", p, params, priority, arrival, fit_context=True,
-                                                default_max_tokens=default_max_tokens, ttft_slo_ms=ttft_slo_ms)
+                                                default_max_tokens=default_max_tokens, ttft_slo_ms=ttft_slo_ms,
+                                                timeout_s=timeout_s)
                     for i, p in enumerate(prompts)]
 
         size = sum(len(p) if isinstance(p, str) else 64 for p in prompts)
@@ -225,7 +242,8 @@ class ServerState:
             finally:
                 self.count(endpoint, status, t0)
 
-        return EngineStreamingResponse(body(), lambda: self.abort(streams), media_type="text/event-stream")
+        return EngineStreamingResponse(body(), lambda: self.abort(streams), self.stall_timeout_s,
+                                       media_type="text/event-stream")
 
     def abort(self, streams: Iterable[AsyncStream]) -> None:
         """Abort every stream that has not finished (no-op for finished ones)."""
@@ -242,6 +260,8 @@ def engine_error(e: BaseException) -> APIError:
     """An engine-side failure of a request → 500 / 503."""
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e))
+    if isinstance(e, RequestTimeoutError):  # the server was too busy to start it in time: try again later
+        return APIError(503, str(e), "timeout", {"Retry-After": "1"})
     if isinstance(e, RequestFailedError):
         return APIError(500, str(e))
     return APIError(500, f"internal error: {e!r}")
@@ -330,16 +350,24 @@ class EngineStreamingResponse(StreamingResponse):
     request still queued (no tokens to write yet) is aborted too, and it always closes the generator
     and calls on_close (which aborts, even if the generator never started)."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kw: Any) -> None:
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], stall_timeout_s: float = 30.0,
+                 **kw: Any) -> None:
         super().__init__(content, **kw)
         self.on_close = on_close
+        self.stall_timeout_s = stall_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def listen() -> None:
             while (await receive())["type"] != "http.disconnect":
                 pass
 
-        streamer = asyncio.ensure_future(self.stream_response(send))
+        async def timed_send(message: Message) -> None:
+            # uvicorn's send waits while the transport's buffer is full: a client that stopped reading would hold
+            # this response (and its engine request) forever.
+            async with asyncio.timeout(self.stall_timeout_s):
+                await send(message)
+
+        streamer = asyncio.ensure_future(self.stream_response(timed_send))
         listener = asyncio.ensure_future(listen())
         try:
             await asyncio.wait({streamer, listener}, return_when=asyncio.FIRST_COMPLETED)

@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.config import GROUPED_METHODS, QuantConfig
 from minivllm.model import cpu_kernels
 from minivllm.model.kernel_plan import SHAPE_CLASSES, Kernel, PlannedLinear
 from minivllm.model.layers import Linear
+from minivllm.quant_config import GROUPED_METHODS, QuantConfig
 
 
 # ---- packing (torch, any device) -------------------------------------------------------------------------------

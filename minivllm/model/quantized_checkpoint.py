@@ -17,7 +17,8 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import nn
 
-from minivllm.config import ModelConfig, QuantConfig
+from minivllm.config import ModelConfig
+from minivllm.quant_config import QuantConfig
 
 WEIGHTS_FILE = "model.safetensors"
 

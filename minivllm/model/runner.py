@@ -12,7 +12,7 @@ import numpy as np
 import psutil
 import torch
 
-from minivllm.config import ModelConfig, QuantConfig
+from minivllm.config import ModelConfig
 from minivllm.model.attention import Attention, AttentionMetadata, PrefillSpan, forward_context, get_backend
 from minivllm.model.decode_stack import DecodeStack
 from minivllm.model.kernel_plan import PlannedLinear, best_time, plan_kernels
@@ -23,6 +23,7 @@ from minivllm.model.loader import load_model
 from minivllm.model.parallel import ParallelConfig, check_tensor_parallel, intermediate_size
 from minivllm.model.quantization import QuantizedLinear, check_device
 from minivllm.model.tp_worker import TensorParallelGroup
+from minivllm.quant_config import QuantConfig
 
 logger = logging.getLogger(__name__)
 

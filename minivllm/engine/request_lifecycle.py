@@ -1,0 +1,132 @@
+"""LLMEngine's request lifecycle: add (validated), abort, finish, and fail (a request a fault touched is
+aborted and its reason kept for the front end), a base class of LLMEngine so llm_engine.py keeps to the
+step itself."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from minivllm.engine.fault_injection import EngineLoopKilled, FailingDetokenizer, FaultInjector
+from minivllm.engine.input_processor import EngineRequest, InputProcessor, Prompt
+from minivllm.engine.sequence import BeamState, Sequence, SequenceGroup, SequenceStatus
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from minivllm.engine.output_processor import OutputProcessor
+    from minivllm.engine.scheduler import Scheduler
+    from minivllm.engine.spec_decode import Speculator
+    from minivllm.engine.stats import StatsRecorder
+    from minivllm.model.input_batch import InputBatch
+
+TIMEOUT_REASON = "request timed out"  # how the reason of a request dropped for its timeout begins
+
+
+class RequestLifecycle:
+    """Requests in and out of the engine (set up by LLMEngine.__init__)."""
+
+    device: torch.device
+    scheduler: Scheduler
+    speculator: Speculator | None
+    recorder: StatsRecorder
+    input_batch: InputBatch
+    input_processor: InputProcessor
+    output_processor: OutputProcessor
+    groups: dict[str, SequenceGroup]
+    log_stats: bool
+    faults: FaultInjector | None  # the test-only fault hook (fault_injection.py); None unless armed
+    # request id → why it failed, for requests a fault touched (aborted; see fail_request)
+    failed_requests: dict[str, str]
+
+    def add_request(self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                    priority: int | str = 0, arrival_time: float | None = None, ttft_slo_ms: float | None = None,
+                    timeout_s: float | None = None) -> None:
+        """Validate and queue a request; raise ValueError naming the problem if it can never run."""
+        self.add_engine_request(self.process_request(request_id, prompt, sampling_params, priority, arrival_time,
+                                                     ttft_slo_ms=ttft_slo_ms, timeout_s=timeout_s))
+
+    def process_request(self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                        priority: int | str = 0, arrival_time: float | None = None, fit_context: bool = False,
+                        default_max_tokens: int | None = None, ttft_slo_ms: float | None = None,
+                        timeout_s: float | None = None) -> EngineRequest:
+        """Tokenize and validate without touching engine state (safe off the engine thread): InputProcessor.process."""
+        return self.input_processor.process(request_id, prompt, sampling_params, priority, arrival_time,
+                                            fit_context, default_max_tokens, ttft_slo_ms, timeout_s)
+
+    def add_engine_request(self, req: EngineRequest) -> None:
+        """Queue a request that process_request() built."""
+        if req.request_id in self.groups:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        request_id, ids, params = req.request_id, req.prompt_token_ids, req.params
+        group = SequenceGroup(request_id, req.prompt, ids, params, req.arrival_time, ttft_deadline=req.ttft_deadline,
+                              start_deadline=req.start_deadline)
+        if self.faults is not None:
+            group.faults = self.faults.faults_for(req.prompt, lambda: self.input_processor.tokenizer.decode(ids))
+            if "kill_loop" in group.faults:
+                raise EngineLoopKilled(f"injected fault: request {request_id!r} killed the engine loop (kill_loop)")
+        seq = Sequence(request_id, ids, params, next(self._arrivals), req.priority, group, 0)
+        group.seqs.append(seq)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]
+        if params.use_beam_search:
+            group.beam = BeamState(params.beam_width, params.length_penalty, params.early_stopping,
+                                   params.max_tokens, [seq], [0.0])
+        self._init_sequence(seq)
+        self.groups[request_id] = group
+        self.scheduler.add(seq)
+
+    def _init_sequence(self, seq: Sequence) -> None:
+        p = seq.sampling_params
+        if p.seed is not None and not p.greedy:
+            # Sample i of a request draws from its own stream, so n > 1 stays reproducible.
+            seq.generator = torch.Generator(device=self.device).manual_seed(p.seed + seq.index)
+        assert seq.group is not None
+        self.output_processor.init_sequence(seq, seq.group.prompt_token_ids)
+        if "detokenize" in seq.group.faults and seq.detokenizer is not None:
+            seq.detokenizer = FailingDetokenizer(seq.detokenizer)  # type: ignore[assignment]
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output (None if unknown or done)."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return None
+        group.aborted = True
+        live = group.beam.live if group.beam is not None else group.seqs
+        for seq in live:
+            if not seq.status.finished:
+                self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+        if group.beam is not None:
+            group.beam.live = []
+        if self.log_stats:
+            self.recorder.finished(group, self.scheduler.clock())
+        return self.output_processor.make_output(group)
+
+    abort = abort_request
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Retire a sequence: its blocks go back to the pool, its sampling slot to the input batch."""
+        self.scheduler.finish(seq, status)
+        if self.speculator is not None:
+            self.speculator.release(seq)
+        if seq.slot >= 0:
+            self.input_batch.remove(seq.slot)
+            seq.slot = -1
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self.groups)
+
+
+    def fail_request(self, request_id: str, reason: str) -> None:
+        """Abort a request a fault touched (its blocks freed now) and keep why, for take_failed_requests."""
+        if request_id in self.groups:
+            self.abort_request(request_id)
+            self.failed_requests[request_id] = reason
+
+    def take_failed_requests(self) -> dict[str, str]:
+        """Requests failed since the last call (request id → reason); they produce no further outputs."""
+        failed, self.failed_requests = self.failed_requests, {}
+        return failed
+

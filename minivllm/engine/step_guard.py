@@ -1,0 +1,163 @@
+"""Keeps a step's failures to the requests that caused them.
+
+A forward that raises is retried on halves of the batch until the entries that fail alone are found
+(bisection: about 2·log2(N) extra forwards, paid only when a step fails). Retrying is safe because a
+forward only writes the K/V of its own tokens at their slots (a retry writes the same values again) and the
+engine advances nothing before the forward returns. A speculating sequence's rows stay in one entry, as
+its verification needs all of them in one forward.
+
+Logits that are not finite (NaN, +Inf: a numerical blow-up, or a bad weight reached by one prompt) would
+be sampled as garbage or make the sampler raise for the whole batch; the rows are checked (one sum per
+row, ~0.1% of the lm_head's FLOPs) and their requests failed instead.
+
+The entries of failed requests are dropped from the step with their logits rows and inputs; the engine
+aborts those requests after the step and reports why (LLMEngine.take_failed_requests)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from minivllm.engine.fault_injection import FaultInjector, InjectedFault
+from minivllm.engine.sequence import Sequence
+from minivllm.model.runner import SequenceInput
+
+logger = logging.getLogger(__name__)
+
+Entry = tuple[Sequence, int]
+
+
+class Runner(Protocol):
+    """What the guard runs: ModelRunner.execute (looked up per call, so a test may wrap it)."""
+
+    def execute(self, seqs: list[SequenceInput]) -> torch.Tensor: ...
+
+
+@dataclass(slots=True)
+class GuardedForward:
+    """What a guarded forward left to process: the entries that ran, their inputs and logits rows, and
+    request id → why each failed request failed."""
+
+    scheduled: list[Entry]
+    inputs: list[SequenceInput]
+    logits: torch.Tensor
+    failed: dict[str, str]
+
+
+def _spans(scheduled: list[Entry], inputs: list[SequenceInput]) -> list[tuple[int, int, int, int]]:
+    """Per scheduled entry: its inputs [i0, i1) and logits rows [r0, r1) (a verification has one input and
+    row per token; a prompt-logprobs chunk a row per token; a sampling input one row; a mid-prompt chunk none)."""
+    spans, i, r = [], 0, 0
+    for seq, n in scheduled:
+        if seq.spec_token_ids:
+            spans.append((i, i + n, r, r + n))
+            i, r = i + n, r + n
+            continue
+        inp = inputs[i]
+        rows = len(inp.token_ids) if inp.all_logits else int(inp.sample)
+        spans.append((i, i + 1, r, r + rows))
+        i, r = i + 1, r + rows
+    return spans
+
+
+class StepGuard:
+    """Runs a step's forward so that one request's failure fails only that request."""
+
+    def __init__(self, runner: Runner, faults: FaultInjector | None, isolate: bool = True) -> None:
+        self.runner = runner
+        self.faults = faults
+        # Off under tensor parallelism: the workers run each forward rank 0 sends them, and one that raised on
+        # rank 0 mid-command would leave them out of step; the whole step fails there, as before.
+        self.isolate = isolate
+
+    def _run(self, scheduled: list[Entry], inputs: list[SequenceInput]) -> torch.Tensor:
+        if self.faults is not None and any(seq.group is not None and "step_raise" in seq.group.faults
+                                           for seq, _ in scheduled):
+            raise InjectedFault("injected fault: the forward pass raised (step_raise)")
+        return self.runner.execute(inputs)
+
+    def forward(self, scheduled: list[Entry], inputs: list[SequenceInput]) -> GuardedForward:
+        """The step's logits; entries whose requests failed (forward error, non-finite logits) dropped."""
+        failed: dict[str, str] = {}
+        try:
+            logits = self._run(scheduled, inputs)
+        except Exception as error:
+            groups = {seq.request_id for seq, _ in scheduled}
+            if not self.isolate or len(groups) < 2:
+                raise
+            logger.warning("a step of %d requests raised (%r); isolating the request(s) that cause it",
+                           len(groups), error)
+            logits = self._bisect(scheduled, inputs, _spans(scheduled, inputs), failed)
+        else:
+            if self.faults is not None:
+                self._poison(scheduled, inputs, logits)
+        spans = _spans(scheduled, inputs)
+        if logits.numel():
+            sums = logits.sum(dim=-1)
+            bad = torch.isnan(sums) | torch.isposinf(sums)
+            if bool(bad.any()):
+                rows = bad.nonzero().flatten().tolist()
+                for (seq, _), (_, _, r0, r1) in zip(scheduled, spans, strict=True):
+                    if any(r0 <= r < r1 for r in rows):
+                        failed.setdefault(seq.request_id, "the model produced non-finite logits (NaN or Inf) for "
+                                                          "this request; it was aborted")
+        if not failed:
+            return GuardedForward(scheduled, inputs, logits, failed)
+        return self._drop(scheduled, inputs, logits, spans, failed)
+
+    def _bisect(self, scheduled: list[Entry], inputs: list[SequenceInput],
+                spans: list[tuple[int, int, int, int]], failed: dict[str, str]) -> torch.Tensor:
+        """Logits of every entry whose forward succeeds, run in halves; an entry failing alone fails its request.
+        Rows of failed entries are left as NaN (dropped with their entries afterwards)."""
+        total = spans[-1][3] if spans else 0
+        parts: list[torch.Tensor] = []
+
+        def run(lo: int, hi: int) -> None:
+            sub = scheduled[lo:hi]
+            sub_inputs = inputs[spans[lo][0]:spans[hi - 1][1]]
+            try:
+                parts.append(self._run(sub, sub_inputs))
+            except Exception as e:
+                if hi - lo == 1:
+                    failed.setdefault(sub[0][0].request_id, f"internal error in an engine step: {e!r}")
+                    rows = spans[lo][3] - spans[lo][2]
+                    parts.append(torch.full((rows, 0), float("nan")))  # width fixed below
+                    return
+                mid = (lo + hi) // 2
+                run(lo, mid)
+                run(mid, hi)
+
+        run(0, len(scheduled))
+        width = max((p.shape[1] for p in parts if p.shape[1]), default=0)
+        ref = next((p for p in parts if p.shape[1]), None)
+        parts = [p if p.shape[1] else torch.full((p.shape[0], width), float("nan"),
+                                                  dtype=ref.dtype if ref is not None else torch.float32,
+                                                  device=ref.device if ref is not None else None)
+                 for p in parts]
+        logits = torch.cat(parts) if parts else torch.empty(0, 0)
+        assert logits.shape[0] == total, (logits.shape, total)
+        return logits
+
+    @torch.inference_mode()
+    def _poison(self, scheduled: list[Entry], inputs: list[SequenceInput], logits: torch.Tensor) -> None:
+        """Fault nan_logits: the marked requests' rows become NaN."""
+        for (seq, _), (_, _, r0, r1) in zip(scheduled, _spans(scheduled, inputs), strict=True):
+            if seq.group is not None and "nan_logits" in seq.group.faults and r1 > r0:
+                logits[r0:r1] = float("nan")
+
+    @staticmethod
+    def _drop(scheduled: list[Entry], inputs: list[SequenceInput], logits: torch.Tensor,
+              spans: list[tuple[int, int, int, int]], failed: dict[str, str]) -> GuardedForward:
+        """The step without the failed requests' entries (all of a request's sequences go together)."""
+        kept, kept_inputs, rows = [], [], []
+        for entry, (i0, i1, r0, r1) in zip(scheduled, spans, strict=True):
+            if entry[0].request_id in failed:
+                continue
+            kept.append(entry)
+            kept_inputs += inputs[i0:i1]
+            rows += range(r0, r1)
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        return GuardedForward(kept, kept_inputs, logits.index_select(0, index) if logits.numel() else logits, failed)

@@ -1,0 +1,55 @@
+"""QuantConfig: how a model's weights are quantized (--quantization), as recorded in a saved checkpoint."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minivllm.model_config import ModelConfig
+
+QUANTIZATION_METHODS = ("int8", "int4", "w8a8", "w4a8")
+GROUPED_METHODS = ("int4", "w4a8")  # int4 weights, group-wise scale and min
+GROUP_SIZES = (32, 64, 128, 256)
+QUANTIZATION_KERNELS = ("auto", "native", "reference", "int_mm")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How a model's weights are quantized; recorded in a saved checkpoint's config.json."""
+
+    method: str
+    group_size: int = 32  # int4 and w4a8 only
+    quantize_lm_head: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization: unknown method {self.method!r}; choose one of "
+                             f"{', '.join(QUANTIZATION_METHODS)}")
+        if self.group_size not in GROUP_SIZES:
+            raise ValueError(f"quantization_group_size: {self.group_size} does not divide into the int4 kernel's "
+                             f"32-weight blocks as a power of two; choose one of {', '.join(map(str, GROUP_SIZES))}")
+
+    def as_hf_dict(self) -> dict[str, object]:
+        """The `quantization_config` entry of a saved checkpoint's config.json."""
+        return {"quant_method": "minivllm", "mode": self.method, "group_size": self.group_size,
+                "lm_head": self.quantize_lm_head, "format_version": 1}
+
+    @staticmethod
+    def resolve(method: str | None, group_size: int, quantize_lm_head: bool, mc: ModelConfig
+                ) -> QuantConfig | None:
+        """The quantization to run: the checkpoint's own (a saved quantized model), else the requested one."""
+        saved = mc.hf_config.get("quantization_config")
+        if saved is None:
+            return None if method is None else QuantConfig(method, group_size, quantize_lm_head)
+        cfg = QuantConfig.from_hf_dict(saved, f"{mc.path}/config.json")
+        if method is not None and method != cfg.method:
+            raise ValueError(f"quantization: {mc.path} is a checkpoint quantized as {cfg.method}; it cannot be "
+                             f"loaded as {method} (omit --quantization, or quantize the original model)")
+        return cfg
+
+    @staticmethod
+    def from_hf_dict(d: dict[str, object], where: str) -> QuantConfig:
+        """Parse a checkpoint's `quantization_config`; anything we did not write is a clear error."""
+        if d.get("quant_method") != "minivllm" or d.get("format_version") != 1:
+            raise ValueError(f"{where}: quantization_config {d!r} is not a minivllm quantized checkpoint "
+                             "(format_version 1); only checkpoints saved by `minivllm quantize` load quantized")
+        return QuantConfig(str(d.get("mode")), int(d.get("group_size", 32)), bool(d.get("lm_head", True)))
