@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -187,6 +188,33 @@ def test_server_faults_fail_only_their_requests(model, faulty_server):
         assert solo["choices"][0]["text"] == text
     m = wait_idle(url)
     assert m["minivllm:kv_cache_usage_perc"] == 0 and httpx.get(url + "/health").status_code == 200
+
+
+def test_server_drops_a_client_that_stops_reading(faulty_server):
+    """A real socket that never reads (small receive buffer) on a big stream: once the transport's buffers are full
+    the server's write waits; after --client-stall-timeout (2 s) the request is aborted and its KV freed while the
+    socket is still open, and everyone else is served."""
+    url = faulty_server.url
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", faulty_server.port))
+    body = json.dumps({"prompt": "hello", "max_tokens": 1000, "ignore_eos": True, "stream": True, "logprobs": 20,
+                       "n": 16}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    try:
+        deadline = time.time() + 60
+        while metrics(url).get('minivllm:request_success_total{finished_reason="abort"}', 0) < 1:
+            assert time.time() < deadline, "the stalled request was not dropped"
+            time.sleep(0.2)
+        m = wait_idle(url)
+        assert m["minivllm:kv_cache_usage_perc"] == 0
+        assert m["minivllm:generation_tokens_total"] < 16 * 1000  # stopped well before the end
+        ok = httpx.post(url + "/generate", json={"prompt": "hi", "max_new_tokens": 4}, timeout=60)
+        assert ok.status_code == 200
+        assert "read nothing of its stream" in faulty_server.log_text()
+    finally:
+        sock.close()
 
 
 def test_killed_engine_loop_answers_503_and_exits_nonzero(faulty_server):

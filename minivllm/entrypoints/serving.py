@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import time
 import uuid
@@ -31,6 +32,7 @@ from minivllm.outputs import PositionLogprobs, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 _INLINE_TOKENIZE_CHARS = 4096  # longer prompts are tokenized on a worker thread
 
 
@@ -371,6 +373,9 @@ class EngineStreamingResponse(StreamingResponse):
         listener = asyncio.ensure_future(listen())
         try:
             await asyncio.wait({streamer, listener}, return_when=asyncio.FIRST_COMPLETED)
+            if streamer.done() and not streamer.cancelled() and isinstance(streamer.exception(), TimeoutError):
+                logger.warning("a client read nothing of its stream for %g s: response dropped, its request "
+                               "aborted (--client-stall-timeout)", self.stall_timeout_s)
         finally:
             streamer.cancel()
             listener.cancel()

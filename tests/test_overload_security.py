@@ -1,0 +1,173 @@
+"""Overload and security basics on the real server: 429 + Retry-After past --max-waiting without waiting for the
+engine; a request whose timeout (the `timeout` field, the client's own timeout, a gRPC deadline) passes while it
+waits is dropped before any prefill; per-request limits with clear errors; the API key never logged; 127.0.0.1
+by default; CORS off unless asked for; a model name is never a path."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import httpx
+import openai
+import psutil
+import pytest
+from server_utils import ServerProcess, free_port, metrics, wait_idle
+
+from minivllm.entrypoints.proto import inference_pb2 as pb
+from minivllm.entrypoints.proto import inference_pb2_grpc as pb_grpc
+from minivllm.entrypoints.serving import ServerArgs
+
+LONG = {"prompt": "count", "max_new_tokens": 1000, "ignore_eos": True}
+SECRET = "sk-test-9f8e7d6c5b4a"
+
+
+@pytest.fixture(scope="module")
+def busy_server(model_factory):
+    """One sequence at a time, two may wait: easy to saturate."""
+    grpc_port = free_port()
+    server = ServerProcess(model_factory("tiny-llama"), "--num-threads", "1", "--max-num-seqs", "1",
+                           "--max-waiting", "2", "--kv-cache-memory", "64MiB", "--grpc-port", str(grpc_port))
+    server.grpc_target = f"127.0.0.1:{grpc_port}"
+    yield server
+    server.stop()
+
+
+async def _while_busy(url: str, work):
+    """Run work() while a long request occupies the only running seat."""
+    async with httpx.AsyncClient(timeout=300) as http:
+        first = asyncio.ensure_future(http.post(url + "/generate", json=LONG))
+        while metrics(url)["minivllm:num_requests_running"] < 1:
+            await asyncio.sleep(0.02)
+        try:
+            return await work(http)
+        finally:
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+
+
+def test_429_comes_at_once_with_retry_after(busy_server):
+    url = busy_server.url
+
+    async def work(http: httpx.AsyncClient):
+        waiting = [asyncio.ensure_future(http.post(url + "/generate", json=LONG)) for _ in range(2)]
+        while metrics(url)["minivllm:num_requests_waiting"] < 2:
+            await asyncio.sleep(0.02)
+        times, responses = [], []
+        for _ in range(20):
+            t = time.perf_counter()
+            responses.append(await http.post(url + "/generate", json=LONG))
+            times.append(time.perf_counter() - t)
+        running = metrics(url)["minivllm:num_requests_running"]
+        for w in waiting:
+            w.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        return responses, times, running
+
+    responses, times, running = asyncio.run(_while_busy(url, work))
+    assert all(r.status_code == 429 and r.headers["Retry-After"] == "1" for r in responses)
+    assert "max_waiting" in responses[0].json()["error"]["message"]
+    assert running == 1  # answered while the long request still ran: nobody waited for the engine
+    times.sort()
+    print(f"429 round trip over loopback: p50 {1000 * times[len(times) // 2]:.1f} ms, max {1000 * times[-1]:.1f} ms")
+    assert wait_idle(url)["minivllm:kv_cache_usage_perc"] == 0
+
+
+def test_timeouts_drop_waiting_requests_before_prefill(busy_server):
+    url = busy_server.url
+    before = metrics(url)
+
+    async def field(http: httpx.AsyncClient) -> httpx.Response:
+        # The `timeout` field: 503 with Retry-After once it passes, never prefilled.
+        return await http.post(url + "/generate", json={"prompt": "a b c d e f g", "max_new_tokens": 4,
+                                                        "timeout": 0.3})
+
+    async def client_side(http: httpx.AsyncClient) -> None:
+        # The client's own timeout: it gives up and disconnects; the server drops the waiting request.
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.APITimeoutError):
+            await client.completions.create(model="tiny-llama0", prompt="h i j k", max_tokens=4, timeout=0.3)
+
+    async def grpc_deadline(http: httpx.AsyncClient) -> grpc.aio.AioRpcError:
+        async with grpc.aio.insecure_channel(busy_server.grpc_target) as channel:
+            stub = pb_grpc.InferenceServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Generate(pb.GenerateRequest(prompt="l m n", max_new_tokens=4), timeout=0.3)
+        return err.value
+
+    r = asyncio.run(_while_busy(url, field))
+    asyncio.run(_while_busy(url, client_side))
+    grpc_err = asyncio.run(_while_busy(url, grpc_deadline))
+    assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+    assert "timed out" in r.json()["error"]["message"] and r.json()["error"]["param"] == "timeout"
+    assert grpc_err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    after = wait_idle(url)
+    # Only the three long requests were prefilled: the three that timed out cost no prompt tokens.
+    usage = httpx.post(url + "/v1/completions", json={"prompt": LONG["prompt"], "max_tokens": 1}).json()["usage"]
+    prefilled = after["minivllm:prompt_tokens_total"] - before["minivllm:prompt_tokens_total"]
+    assert prefilled == 3 * usage["prompt_tokens"], (prefilled, usage)
+    assert after["minivllm:kv_cache_usage_perc"] == 0
+    bad = httpx.post(url + "/generate", json={"prompt": "x", "timeout": -1})
+    assert bad.status_code == 400 and "timeout" in bad.json()["error"]["message"]
+
+
+def test_request_limits_name_their_flag(model_factory):
+    server = ServerProcess(model_factory("tiny-llama"), "--num-threads", "1", "--kv-cache-memory", "64MiB",
+                           "--max-prompt-tokens", "8", "--max-n", "2", "--max-logprobs", "3")
+    try:
+        url = server.url
+        cases = [({"prompt": "one two three four five six seven eight nine ten eleven twelve"}, "--max-prompt-tokens"),
+                 ({"prompt": "hi", "n": 3}, "--max-n"),
+                 ({"prompt": "hi", "logprobs": 4}, "--max-logprobs"),
+                 ({"prompt": "hi", "prompt_logprobs": 4}, "--max-logprobs")]
+        for body, flag in cases:
+            r = httpx.post(url + "/v1/completions", json={**body, "max_tokens": 2}, timeout=30)
+            assert r.status_code == 400 and flag in r.json()["error"]["message"], r.text
+        ok = httpx.post(url + "/v1/completions", json={"prompt": "hi", "n": 2, "logprobs": 3, "max_tokens": 2})
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+        for model in ("/etc/passwd", "../../tiny-llama0", "tiny-llama0/../../x"):  # a name, never a path to load
+            r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 404 and "does not exist" in r.json()["error"]["message"]
+    finally:
+        server.stop()
+
+
+def test_api_key_never_logged_and_defaults_are_safe(model_factory, monkeypatch):
+    assert ServerArgs().host == "127.0.0.1" and SECRET not in repr(ServerArgs(api_key=SECRET))
+    monkeypatch.setenv("MINIVLLM_API_KEY", SECRET)  # from the environment: not in the process list either
+    server = ServerProcess(model_factory("tiny-llama"), "--num-threads", "1", "--kv-cache-memory", "64MiB",
+                           "--log-level", "debug")
+    try:
+        url = server.url
+        assert httpx.post(url + "/generate", json={"prompt": "hi", "max_new_tokens": 2}).status_code == 401
+        wrong = httpx.post(url + "/generate", json={"prompt": "hi", "max_new_tokens": 2},
+                           headers={"Authorization": f"Bearer {SECRET[:-1]}"})
+        assert wrong.status_code == 401
+        good = httpx.post(url + "/generate", json={"prompt": "hi", "max_new_tokens": 2},
+                          headers={"Authorization": f"Bearer {SECRET}"})
+        assert good.status_code == 200
+        assert SECRET not in server.log_text() and SECRET[:-1] not in server.log_text()
+        proc = psutil.Process(server.proc.pid)
+        assert SECRET not in " ".join(proc.cmdline())
+        listening = {c.laddr.ip for c in proc.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+        assert listening == {"127.0.0.1"}, listening
+        # CORS is off: a browser's preflight gets no Access-Control-Allow-Origin.
+        pre = httpx.options(url + "/v1/completions", headers={"Origin": "http://evil.example",
+                                                              "Access-Control-Request-Method": "POST"})
+        assert "access-control-allow-origin" not in pre.headers
+    finally:
+        server.stop()
+
+
+def test_cors_when_asked_for(model_factory):
+    server = ServerProcess(model_factory("tiny-llama"), "--num-threads", "1", "--kv-cache-memory", "64MiB",
+                           "--allowed-origins", "http://app.example")
+    try:
+        ask = {"Access-Control-Request-Method": "POST"}
+        ok = httpx.options(server.url + "/v1/completions", headers={"Origin": "http://app.example", **ask})
+        assert ok.headers.get("access-control-allow-origin") == "http://app.example"
+        other = httpx.options(server.url + "/v1/completions", headers={"Origin": "http://evil.example", **ask})
+        assert "access-control-allow-origin" not in other.headers
+    finally:
+        server.stop()
