@@ -75,6 +75,8 @@ def _argv(quick: bool, model: str | None) -> dict[str, list[str]]:
             "slo": ["slo", *m, "--duration", "2", "--interactive-shape", "8x4", "--batch-shape", "32x8",
                     "--interactive-rate", "4", "--batch-rate", "4",
                     "--rounds", "1", "--kv-cache-memory", "8MiB"],
+            "soak": ["soak", *m, "--minutes", "0.1", "--warmup-minutes", "0.02", "--request-rate", "10",
+                     "--output-len", "2-6", "--sample-every", "1", "--num-kv-blocks", "256"],
         }
     return {
         # The seed's workload: 50 clients, 500 requests, 30 new tokens, GPT-2 (124M) in float32, the seed's
@@ -98,11 +100,12 @@ def _argv(quick: bool, model: str | None) -> dict[str, list[str]]:
         "kvcache": ["kvcache"],
         "preemption": ["preemption"],
         "slo": ["slo"],
+        "soak": ["soak", "--minutes", "10"],
     }
 
 
 BENCHES = ("seed", "throughput", "latency", "transports", "perplexity", "quantization", "step", "beam",
-           "speculative", "parallel", "replicas", "liveview", "kvcache", "preemption", "slo")
+           "speculative", "parallel", "replicas", "liveview", "kvcache", "preemption", "slo", "soak")
 
 
 def machine_info() -> dict[str, Any]:
@@ -185,6 +188,7 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
         replicas,
         serve_report,
         slo,
+        soak,
         speculative,
         step_overhead,
         throughput_report,
@@ -266,6 +270,9 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
                            f"`{os.path.basename(r['model'].rstrip('/'))}`, an open-loop driver over the engine "
                            "(each request added at its arrival time, the engine stepped in between).", "",
                            slo.report(r)]),
+        ("soak", lambda r: ["## Soak: a real server under constant load with hang-ups (`bench soak`)", "",
+                            f"`{os.path.basename(r['model'].rstrip('/'))}`, served by `minivllm serve` in a "
+                            "subprocess (HTTP, WebSocket and gRPC on one engine).", "", soak.report(r)]),
     ]
     for name, section in sections:
         r = _load(out_dir, name)

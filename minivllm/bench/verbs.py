@@ -52,6 +52,9 @@ VERBS: dict[str, tuple[str, str, str, str]] = {
                    "the reverse"),
     "slo": ("slo", "add_slo_args", "run_slo",
             "interactive TTFT and batch throughput under a mixed open-loop load, FCFS vs SLO-aware scheduling"),
+    "soak": ("soak", "add_soak_args", "run_soak",
+             "a real server under constant open-loop load with random hang-ups: RSS over time, leaked KV blocks, "
+             "errors by cause, latency per minute"),
     "all": ("all", "add_all_args", "run_all", "every bench in turn, then BENCHMARKS.md regenerated from their results"),
 }
 
