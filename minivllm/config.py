@@ -128,7 +128,8 @@ class EngineArgs:
     max_waiting: int = _arg(512, "serving: most requests queued before new ones get 429 with Retry-After")
     client_stall_timeout: float = _arg(
         30.0, "serving: a client that reads nothing of its stream for this many seconds while outputs pile up is "
-        "dropped (its request aborted, its KV freed)")
+        "dropped (its request aborted, its KV freed); one that sends nothing more of its request body for as long "
+        "gets 408 and is disconnected")
     # Per-request bounds a client cannot raise (input_processor.RequestLimits): safe defaults for a shared server.
     max_prompt_tokens: int | None = _arg(None, "longest prompt accepted, in tokens (default: max_model_len)")
     max_n: int = _arg(16, "most samples (n) or beams (beam_width) one request may ask for")

@@ -38,8 +38,8 @@ def resolve_priority(value: int | str) -> int:
         name = value.strip().lower()
         if name in PRIORITY_CLASSES:
             return PRIORITY_CLASSES[name]
-        if _INT_RE.match(name):  # a number sent as a JSON string: the HTTP API took those before classes
-            return int(name)
+        if _INT_RE.match(name) and len(name) <= 20:  # a number sent as a JSON string: the HTTP API took those before
+            return int(name)                        # classes (int() refuses over 4300 digits, unnamed: capped here)
     raise ValueError(f"priority: {value!r} is neither an integer (lower is served sooner) nor a priority class "
                      f"({', '.join(CLASS_NAMES)})")
 

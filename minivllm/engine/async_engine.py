@@ -387,3 +387,4 @@ class AsyncLLMEngine:
         self._record(self.engine.take_stats())
         err = RequestFailedError(f"internal error in an engine step: {error!r}")
         self._post([], [(rid, err) for rid in failed])
+        self._post_failed()

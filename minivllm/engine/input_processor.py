@@ -20,6 +20,16 @@ from minivllm.slo import TtftSlo, resolve_priority
 Prompt = str | list[int] | dict[str, Any]
 
 
+def check_unicode(text: str, what: str = "prompt") -> None:
+    """ValueError naming `what` if the text holds a lone surrogate (JSON's "\\ud800", or bytes that encode one
+    slip through json.loads): such a string is not Unicode text, and the tokenizer cannot take it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what}: not valid Unicode text: a lone surrogate {text[e.start]!r} at character "
+                         f"{e.start}") from None
+
+
 def check_timeout(value: object) -> float:
     """A request's `timeout` (seconds to start): a positive, finite number; ValueError naming it otherwise."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
@@ -92,6 +102,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: the prompt is empty")
+            check_unicode(prompt)
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, list):
             return None, list(prompt)

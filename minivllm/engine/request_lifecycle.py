@@ -4,6 +4,7 @@ step itself."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from minivllm.engine.stats import StatsRecorder
     from minivllm.model.input_batch import InputBatch
 
+logger = logging.getLogger(__name__)
 TIMEOUT_REASON = "request timed out"  # how the reason of a request dropped for its timeout begins
 
 
@@ -122,8 +124,11 @@ class RequestLifecycle:
     def fail_request(self, request_id: str, reason: str) -> None:
         """Abort a request a fault touched (its blocks freed now) and keep why, for take_failed_requests."""
         if request_id in self.groups:
-            self.abort_request(request_id)
             self.failed_requests[request_id] = reason
+            try:
+                self.abort_request(request_id)
+            except Exception:  # building its last output failed again; its blocks and slot were released first
+                logger.exception("request %s: its final output could not be built", request_id)
 
     def take_failed_requests(self) -> dict[str, str]:
         """Requests failed since the last call (request id → reason); they produce no further outputs."""

@@ -30,5 +30,9 @@ def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any
                                              chat_template=chat_template)
     except Exception as e:  # no template, or the template rejects the conversation (raise_exception in jinja)
         raise ValueError(f"messages: cannot apply the chat template: {e}") from None
+    try:  # a lone surrogate (JSON's "\\ud800") is no text the tokenizer can take (TypeError)
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"messages: not valid Unicode text: a lone surrogate {text[e.start]!r}") from None
     # The template already holds any BOS it wants: do not add special tokens again.
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}

@@ -16,12 +16,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from minivllm.config import EngineArgs, parse_size
 from minivllm.engine.async_engine import AsyncLLMEngine
 from minivllm.entrypoints import dashboard, openai_routes, seed_routes
+from minivllm.entrypoints.api_schema import HealthResponse
 from minivllm.entrypoints.metrics import HTTP_ENDPOINTS, ServerMetrics
 from minivllm.entrypoints.serving import (
     APIError,
@@ -45,13 +46,18 @@ class BodyTooLarge(StarletteHTTPException):
     """The request body is over --max-body-size."""
 
 
+class BodyStalled(StarletteHTTPException):
+    """The client sent nothing of the rest of its request body for --client-stall-timeout (slow loris)."""
+
+
 class GuardMiddleware:
     """API key and body-size checks before any route runs (pure ASGI, so streaming is untouched)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, stall_timeout_s: float = 30.0) -> None:
         self.app = app
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.stall_timeout_s = stall_timeout_s
 
     def _authorized(self, scope: Scope) -> bool:
         if not self.api_key or scope["path"] in _OPEN_PATHS or scope["path"].startswith("/dashboard/"):
@@ -78,12 +84,24 @@ class GuardMiddleware:
             err = APIError(413, f"request body of {int(length)} bytes exceeds the limit of {limit} bytes "
                                 "(--max-body-size)")
             return await err.response()(scope, receive, send)
-        seen = 0
+        seen, body_done = 0, False
 
         async def counting_receive() -> Message:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, body_done
+            if body_done:  # after the body, receive() only waits for the disconnect: no time limit
+                return await receive()
+            # uvicorn has no timeout of its own on a request body: a client that stops sending mid-body (slow
+            # loris) would hold its connection and handler forever. Like nginx's client_body_timeout, this bounds
+            # the wait for each next piece, not the whole upload.
+            try:
+                async with asyncio.timeout(self.stall_timeout_s):
+                    message = await receive()
+            except TimeoutError:
+                raise BodyStalled(408, f"the client sent nothing of the rest of its request body for "
+                                       f"{self.stall_timeout_s:g} s (--client-stall-timeout)",
+                                  headers={"Connection": "close"}) from None
             if message["type"] == "http.request":
+                body_done = not message.get("more_body", False)
                 seen += len(message.get("body", b""))
                 if seen > limit:  # a chunked body with no Content-Length
                     raise BodyTooLarge(413, f"request body exceeds the limit of {limit} bytes (--max-body-size)")
@@ -114,11 +132,16 @@ def _install_error_handlers(app: FastAPI) -> None:
         detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's generic "error parsing the body"
             detail = f"the request body is not valid UTF-8 JSON ({exc.__cause__.reason} at byte {exc.__cause__.start})"
+        elif isinstance(exc.__cause__, RecursionError):  # json.loads gives up past ~1000 levels of [ or {
+            detail = "invalid JSON body: nested too deeply"
+        elif isinstance(exc.__cause__, ValueError):  # e.g. an integer of over 4300 digits (no server-side advice)
+            detail = f"invalid JSON body: {str(exc.__cause__).split('; use sys.')[0]}"
         if exc.status_code == 404 and detail == "Not Found":
             detail = f"no route {request.method} {request.url.path}"
         elif exc.status_code == 405:
             detail = f"method {request.method} is not allowed on {request.url.path}"
-        return counted(request, APIError(exc.status_code, detail))
+        # Keep the exception's headers: a 405 must say which methods are allowed (Allow, RFC 9110).
+        return counted(request, APIError(exc.status_code, detail, headers=dict(exc.headers or {})))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -174,14 +197,15 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs, metrics: ServerMetrics |
     app.state.request_exit = lambda: None  # run_server: stop serving (a test's in-process server: keep answering 503)
     _install_error_handlers(app)
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"model": HealthResponse},
+                                   503: {"model": HealthResponse, "description": "the engine loop is not running"}})
     async def health() -> JSONResponse:
         if engine.is_running:
             return JSONResponse({"status": "ok"})
         err = APIError(503, f"engine loop is not running ({engine.dead_error!r})")
         return JSONResponse({"status": "error", **err.body()}, status_code=503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)  # the OpenAPI schema: text, not JSON
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -189,7 +213,8 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs, metrics: ServerMetrics |
     app.include_router(seed_routes.router)
     app.include_router(openai_routes.router)
     app.add_middleware(GuardMiddleware, api_key=args.api_key,
-                       max_body_bytes=parse_size(args.max_body_size, "max_body_size"))
+                       max_body_bytes=parse_size(args.max_body_size, "max_body_size"),
+                       stall_timeout_s=getattr(engine, "client_stall_timeout_s", 30.0))
     if args.allowed_origins:  # CORS is off unless asked for: browsers then refuse other origins' scripts
         app.add_middleware(CORSMiddleware, allow_origins=args.origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])

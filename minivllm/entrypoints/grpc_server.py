@@ -12,7 +12,6 @@ abort their engine requests on the way out, so the KV blocks are freed before th
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import re
 import time
@@ -26,6 +25,8 @@ from pydantic import ValidationError
 
 from minivllm.config import parse_size
 from minivllm.engine.async_engine import EngineDeadError, RequestFailedError
+from minivllm.engine.input_processor import check_timeout
+from minivllm.entrypoints.grpc_interceptors import SERVICE_NAME, ApiKeyInterceptor, RequestDecodingInterceptor
 from minivllm.entrypoints.proto import inference_pb2 as pb
 from minivllm.entrypoints.proto import inference_pb2_grpc as pb_grpc
 from minivllm.entrypoints.protocol import SamplingFields, beam_search_fields
@@ -43,7 +44,6 @@ from minivllm.sampling_params import RequestOutputKind, SamplingParams
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name  # "minivllm.v1.InferenceService"
 METHODS = ("Generate", "BatchGenerate", "GenerateStream")
 ENDPOINTS = tuple(f"/{SERVICE_NAME}/{m}" for m in METHODS)  # the metrics' endpoint label: the gRPC method path
 _DEFAULT_MAX_TOKENS = 128  # as /generate
@@ -147,12 +147,19 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                        prompts: list[Any], request_id: str = "", context: grpc.aio.ServicerContext | None = None
                        ) -> list:
         params = sampling_params(msg, kind)
+        if len(request_id) > 256 or not request_id.isprintable():  # it reaches logs and metrics' exemplars
+            raise APIError(400, "request_id: at most 256 printable characters", "request_id")
         rid = request_id or new_request_id("grpc")
         # proto3 cannot tell an unset int from 0, so a class name comes in a field of its own.
         if msg.priority_class and msg.priority:
             raise APIError(400, "priority_class: give priority or priority_class, not both", "priority_class")
         # The call's own deadline bounds how long it may wait to start, as the `timeout` field does (the sooner).
         timeout = _opt(msg, "timeout")
+        if timeout is not None:  # checked before the deadline may replace it, as HTTP checks it (inf: refused)
+            try:
+                check_timeout(timeout)
+            except ValueError as e:
+                raise bad_request(e) from None
         left = context.time_remaining() if context is not None else None
         if left is not None and (timeout is None or 0 < left < timeout):
             timeout = max(left, 1e-3)
@@ -289,45 +296,6 @@ class EngineHealthServicer(health.aio.HealthServicer):
             await asyncio.sleep(_HEALTH_POLL_S)
 
 
-# Calls that need no API key, as /health and /metrics over HTTP: health checks and reflection.
-_OPEN_METHODS = (f"/{SERVICE_NAME}/Health", "/grpc.health.v1.Health/", "/grpc.reflection.")
-
-
-class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """--api-key for gRPC: generation calls need metadata `authorization: Bearer <key>` (UNAUTHENTICATED
-    otherwise)."""
-
-    def __init__(self, api_key: str) -> None:
-        self._expected = f"Bearer {api_key}".encode()
-
-    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]],
-                                details: grpc.HandlerCallDetails) -> Any:
-        handler = await continuation(details)
-        if handler is None or details.method.startswith(_OPEN_METHODS):
-            return handler
-        auth = next((v for k, v in details.invocation_metadata or () if k == "authorization"), "")
-        if hmac.compare_digest(auth.encode() if isinstance(auth, str) else auth, self._expected):
-            return handler
-        return _denied(handler)
-
-
-def _denied(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same kind that ends the call with UNAUTHENTICATED."""
-    message = "invalid or missing API key: send metadata 'authorization: Bearer <key>'"
-
-    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        yield  # an async generator, as the streaming handler it replaces
-
-    kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(streaming, **kw)
-    return grpc.unary_unary_rpc_method_handler(unary, **kw)
-
-
 class GrpcServer:
     """The running gRPC server and its health servicer."""
 
@@ -351,6 +319,7 @@ async def start_grpc_server(state: ServerState) -> GrpcServer:
     options = [("grpc.so_reuseport", 0),  # gRPC's default on Linux would let a second server share the port
                ("grpc.max_receive_message_length", parse_size(args.max_body_size, "max_body_size"))]
     interceptors = [ApiKeyInterceptor(args.api_key)] if args.api_key else []
+    interceptors.append(RequestDecodingInterceptor())  # after the key check: a caller without one parses nothing
     server = grpc.aio.server(options=options, interceptors=interceptors)
     pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(state), server)
     health_servicer = EngineHealthServicer(state)

@@ -15,16 +15,16 @@ from starlette.responses import JSONResponse, Response
 from minivllm.engine.async_engine import AsyncStream
 from minivllm.engine.input_processor import Prompt
 from minivllm.engine.tokenizer import chat_prompt
+from minivllm.entrypoints.api_schema import OPENAI_GENERATION_ERRORS, ChatCompletion, Completion, ModelList, responses
 from minivllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, beam_search_fields
 from minivllm.entrypoints.serving import (
     APIError,
     ServerState,
     bad_request,
-    merge,
     new_request_id,
     prompt_logprobs_json,
-    sse,
 )
+from minivllm.entrypoints.streaming import merge, sse
 from minivllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -35,7 +35,7 @@ def _state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=responses(ModelList, 401))
 async def list_models(request: Request) -> JSONResponse:
     """The one model this server serves."""
     st = _state(request)
@@ -105,7 +105,7 @@ async def _submit(st: ServerState, prompts: list[Prompt], params: SamplingParams
 
 
 # ---- /v1/completions -----------------------------------------------------------------------------------
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses=responses(Completion, *OPENAI_GENERATION_ERRORS, stream=True))
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     """Text completion for one prompt or a list of prompts."""
     st = _state(request)
@@ -227,7 +227,8 @@ async def _completion_events(st: ServerState, body: CompletionRequest, chunk: _C
 
 
 # ---- /v1/chat/completions ------------------------------------------------------------------------------
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions",
+             responses=responses(ChatCompletion, *OPENAI_GENERATION_ERRORS, stream=True))
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     """A reply to a conversation, through the tokenizer's chat template."""
     st = _state(request)

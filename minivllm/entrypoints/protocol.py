@@ -12,6 +12,10 @@ from minivllm.sampling_params import RequestOutputKind, SamplingParams
 class SamplingFields(BaseModel):
     """Sampling fields shared by every endpoint (None: SamplingParams' default)."""
 
+    # Types are strict (SPEC §4): `false` is not a number, `0` is not a boolean, "2" is not an integer. Lax
+    # coercion would run a request the client did not mean (max_tokens=true as 1); subclasses inherit this.
+    model_config = ConfigDict(strict=True)
+
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -84,6 +88,8 @@ class BatchGenerateRequest(_SeedRequest):
 class StreamOptions(BaseModel):
     """stream_options of a streaming request."""
 
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
@@ -118,6 +124,8 @@ class CompletionRequest(_OpenAIRequest):
 class ContentPart(BaseModel):
     """One part of a message's content (text only)."""
 
+    model_config = ConfigDict(strict=True)
+
     type: Literal["text"]
     text: str
 
@@ -125,7 +133,7 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     """One chat message."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
     content: str | list[ContentPart] | None = None

@@ -19,7 +19,13 @@ from typing import Any
 
 import ray
 
-from minivllm.engine.async_engine import AsyncStream, EngineDeadError, QueueFullError, RequestFailedError
+from minivllm.engine.async_stream import (
+    AsyncStream,
+    EngineDeadError,
+    QueueFullError,
+    RequestFailedError,
+    RequestTimeoutError,
+)
 from minivllm.engine.input_processor import EngineRequest, InputProcessor, Prompt, RequestLimits
 from minivllm.engine.stats import SchedulerSnapshot
 from minivllm.entrypoints.ray_router import set_unhealthy
@@ -65,6 +71,8 @@ class RayEngineClient:
                                               lambda n: -(-n // bs), info["num_blocks"], info["pool"],
                                               info.get("ttft_slo_ms"), limits=RequestLimits(*info["limits"]))
         self.stat_loggers: list[Any] = []  # build_app adds the server's metrics; the replicas feed their own
+        # The front never exits for a replica: Serve restarts a dead one, and routing goes around it meanwhile.
+        self.death_callbacks: list[Any] = []
         self.dead_error: BaseException | None = None
         self.reports: dict[str, dict[str, Any]] = {}
         self._snapshot = SchedulerSnapshot(0, 0, 0.0)
@@ -224,7 +232,8 @@ class RayEngineClient:
                 call.done[i] = msg[2].finished
             else:  # ("failed", i, status, message)
                 call.done[i] = True
-                call.streams[i].put(EngineDeadError(msg[3]) if msg[2] == 503 else RequestFailedError(msg[3]))
+                error = {503: EngineDeadError, 504: RequestTimeoutError}.get(msg[2], RequestFailedError)
+                call.streams[i].put(error(msg[3]))
 
     def _fail(self, call: _Call, error: BaseException) -> None:
         for i, s in enumerate(call.streams):

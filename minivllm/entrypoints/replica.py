@@ -28,6 +28,7 @@ from ray import serve
 
 from minivllm.config import EngineArgs
 from minivllm.engine.async_engine import AsyncLLMEngine, AsyncStream, EngineDeadError, QueueFullError
+from minivllm.engine.async_stream import RequestTimeoutError
 from minivllm.engine.input_processor import EngineRequest
 from minivllm.engine.stats import LoggingStatLogger
 from minivllm.entrypoints.metrics import FRONT_FAMILIES, ServerMetrics
@@ -167,6 +168,8 @@ async def _tagged(streams: list[AsyncStream]) -> AsyncIterator[list[tuple[Any, .
                 queue.put_nowait(("out", i, out))
         except EngineDeadError as e:
             queue.put_nowait(("failed", i, 503, str(e)))
+        except RequestTimeoutError as e:  # dropped unstarted (504 only tags it across Ray; the front answers 503)
+            queue.put_nowait(("failed", i, 504, str(e)))
         except Exception as e:  # noqa: BLE001 - a failed step: this request only
             queue.put_nowait(("failed", i, 500, str(e)))
         queue.put_nowait(None)

@@ -15,6 +15,12 @@ from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response
 
 from minivllm.engine.async_engine import AsyncStream
+from minivllm.entrypoints.api_schema import (
+    GENERATION_ERRORS,
+    BatchGenerateResponse,
+    GenerateResponse,
+    responses,
+)
 from minivllm.entrypoints.protocol import BatchGenerateRequest, GenerateRequest, beam_search_fields
 from minivllm.entrypoints.serving import (
     APIError,
@@ -24,9 +30,9 @@ from minivllm.entrypoints.serving import (
     engine_error,
     new_request_id,
     prompt_logprobs_json,
-    sse,
     validation_message,
 )
+from minivllm.entrypoints.streaming import sse
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 router = APIRouter()
@@ -47,7 +53,7 @@ def _params(body: GenerateRequest | BatchGenerateRequest, kind: RequestOutputKin
         raise bad_request(e) from None
 
 
-@router.post("/generate")
+@router.post("/generate", responses=responses(GenerateResponse, *GENERATION_ERRORS, stream=True))
 async def generate(body: GenerateRequest, request: Request) -> Response:
     """One prompt: JSON, or SSE with stream=true."""
     state: ServerState = request.app.state.server
@@ -86,7 +92,7 @@ async def _deltas(stream: AsyncStream) -> AsyncIterator[str]:
                                      ensure_ascii=False))
 
 
-@router.post("/batch_generate")
+@router.post("/batch_generate", responses=responses(BatchGenerateResponse, *GENERATION_ERRORS))
 async def batch_generate(body: BatchGenerateRequest, request: Request) -> Response:
     """Several prompts, run as one batch."""
     state: ServerState = request.app.state.server
@@ -115,12 +121,17 @@ async def _serve_websocket(state: ServerState, ws: WebSocket) -> None:
     """WS /ws/generate: each JSON request gets one message per delta, then a final one with usage.
     Requests on one connection run one after another; closing the socket aborts the current one and
     drops any still queued."""
-    inbox: asyncio.Queue[str] = asyncio.Queue()
+    inbox: asyncio.Queue[str | bytes] = asyncio.Queue()
 
     async def reader() -> None:  # ends when the client goes away
         with contextlib.suppress(WebSocketDisconnect, RuntimeError, KeyError):
             while True:
-                await inbox.put(await ws.receive_text())
+                message = await ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    return
+                # A binary frame gets a 400 (in _ws_request), not a silently dropped connection.
+                text = message.get("text")
+                await inbox.put(text if text is not None else message.get("bytes") or b"")
 
     reading = asyncio.ensure_future(reader())
     try:
@@ -137,9 +148,11 @@ async def _serve_websocket(state: ServerState, ws: WebSocket) -> None:
         reading.cancel()
 
 
-async def _ws_request(state: ServerState, ws: WebSocket, text: str, reading: asyncio.Future[None]) -> None:
+async def _ws_request(state: ServerState, ws: WebSocket, text: str | bytes, reading: asyncio.Future[None]) -> None:
     t0 = time.monotonic()
     try:
+        if isinstance(text, bytes):
+            raise APIError(400, f"a binary frame ({len(text)} bytes): send each request as one JSON text frame")
         body = GenerateRequest.model_validate_json(text)
         params = _params(body, RequestOutputKind.DELTA)
         (req,) = await state.prepare(new_request_id("ws"), [body.prompt], params, body.priority,

@@ -1,0 +1,160 @@
+"""What the routes answer, for the OpenAPI schema at /openapi.json (documentation only: the routes build their
+JSONResponses themselves, nothing here validates them at run time).
+
+Every error is in OpenAI's shape {"error": {"message", "type", "param", "code"}}, with the statuses the server
+really sends (a validation error is a 400, so FastAPI's default 422 with its own shape would be wrong; the 422
+kept here is OpenAI's shape too). Fuzzed by tests/test_fuzz_schema.py (schemathesis checks each response's status,
+content type and body against these declarations)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+
+class ErrorDetail(BaseModel):
+    """An error: what is wrong, its OpenAI type, the request field at fault (if one is) and the HTTP status."""
+
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx/5xx answer."""
+
+    error: ErrorDetail
+
+
+class HealthResponse(BaseModel):
+    """GET /health: "ok" (200), or "error" with why (503)."""
+
+    status: str
+    error: ErrorDetail | None = None
+
+
+class GenerateResponse(BaseModel):
+    """POST /generate (stream=false)."""
+
+    generated_text: str
+    tokens_generated: int
+    latency_ms: float
+    finish_reason: str | None
+    prompt_tokens: int
+    beams: list[dict[str, Any]] | None = None  # with beam_width
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # with prompt_logprobs
+
+
+class BatchGenerateResponse(BaseModel):
+    """POST /batch_generate."""
+
+    generated_texts: list[str]
+    tokens_generated: list[int]
+    finish_reasons: list[str | None]
+    latency_ms: float
+
+
+class ModelCard(BaseModel):
+    """One served model."""
+
+    id: str
+    object: str
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    """GET /v1/models."""
+
+    object: str
+    data: list[ModelCard]
+
+
+class Usage(BaseModel):
+    """Token counts of a response."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    """One choice of a completion."""
+
+    index: int
+    text: str
+    finish_reason: str | None
+    stop_reason: str | int | None
+    logprobs: dict[str, Any] | None
+
+
+class Completion(BaseModel):
+    """POST /v1/completions (stream=false)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatMessageOut(BaseModel):
+    """The assistant's reply."""
+
+    role: str
+    content: str | None
+
+
+class ChatChoice(BaseModel):
+    """One choice of a chat completion."""
+
+    index: int
+    message: ChatMessageOut
+    finish_reason: str | None
+    stop_reason: str | int | None
+    logprobs: dict[str, Any] | None
+
+
+class ChatCompletion(BaseModel):
+    """POST /v1/chat/completions (stream=false)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+# A stream's schema describes one Server-Sent Event (as schemathesis reads text/event-stream): its data is a JSON
+# chunk, or [DONE] at the end.
+_SSE = {"text/event-stream": {"schema": {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "description": "a JSON chunk of the response, or [DONE] after the last"}}}}}
+_ERROR_TEXT = {
+    400: "Invalid request: wrong types, bad values, a prompt longer than the context, invalid JSON or UTF-8",
+    401: "Missing or wrong API key (--api-key)",
+    404: "Unknown model name",
+    413: "Request body over --max-body-size",
+    422: "Unprocessable request",
+    429: "The waiting queue is full (Retry-After)",
+    503: "The engine is not running, or the request timed out before it started (Retry-After)",
+}
+
+
+def responses(ok: type[BaseModel] | None, *errors: int, stream: bool = False) -> dict[int | str, dict[str, Any]]:
+    """FastAPI `responses=` of a route: its 200 (JSON `ok`, and SSE when it can stream) and its error statuses."""
+    out: dict[int | str, dict[str, Any]] = {}
+    if ok is not None:
+        out[200] = {"model": ok, **({"content": _SSE} if stream else {})}
+    for status in errors:
+        out[status] = {"model": ErrorResponse, "description": _ERROR_TEXT[status]}
+    return out
+
+
+GENERATION_ERRORS = (400, 401, 413, 422, 429, 503)  # every route that takes a request body
+OPENAI_GENERATION_ERRORS = (*GENERATION_ERRORS, 404)  # ... and names a model
