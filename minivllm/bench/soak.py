@@ -88,7 +88,8 @@ class Soak:
             outcome = HUNG_UP if hang else "timeout"
         except Exception as e:  # noqa: BLE001 - recorded by cause
             outcome = f"{type(e).__name__}: {str(e)[:120]}"
-        self.results.append({"kind": kind, "t": t_start, "latency": time.monotonic() - t_start, "outcome": outcome})
+        self.results.append({"kind": kind, "t": t_start, "latency": time.monotonic() - t_start, "outcome": outcome,
+                             "tokens": max_tokens})
 
     async def _call(self, http: httpx.AsyncClient, stub: Any, kind: str, prompt: str, n: int, cut: int | None
                     ) -> None:
@@ -99,6 +100,7 @@ class Soak:
                 "batch": ("/batch_generate", {**body, "prompts": [prompt, prompt[::-1] or "x"], "prompt": None}),
                 "completions": ("/v1/completions", {**body, "model": self.model_name}),
                 "chat": ("/v1/chat/completions", {"model": self.model_name, "max_tokens": n, "temperature": 0.8,
+                                                  "ignore_eos": True,
                                                   "messages": [{"role": "user", "content": prompt}]}),
             }[kind]
             payload = {k: v for k, v in payload.items() if v is not None}
@@ -111,7 +113,7 @@ class Soak:
             if kind == "completions-stream":
                 payload["model"] = self.model_name
             elif kind == "chat-stream":
-                payload = {"model": self.model_name, "max_tokens": n, "stream": True,
+                payload = {"model": self.model_name, "max_tokens": n, "stream": True, "ignore_eos": True,
                            "messages": [{"role": "user", "content": prompt}]}
             async with http.stream("POST", self.url + route, json=payload) as r:
                 _check(r.status_code, (await r.aread()).decode() if r.status_code != 200 else "")
@@ -237,13 +239,24 @@ def _summarize(results: list[dict[str, Any]], samples: list[dict[str, Any]], fin
     steady = [m["p99_s"] for m in minutes if m["minute"] > ns.warmup_minutes]
     med = statistics.median(steady) if steady else 0.0
     spread = max((abs(x - med) / med for x in steady), default=0.0) if med else 0.0
+    # A minute's p99 is its ~2nd-slowest request: sampling noise alone moves it by tens of percent. Drift (what a
+    # leak or a growing cache would cause) shows in the p99 of each half of the steady part (~1,000 requests
+    # each), and in the p99 per output token (outputs are 8-64 tokens: the slowest requests are the longest).
+    done = sorted((r for r in results if r["outcome"] == "ok" and r["t"] >= 60 * ns.warmup_minutes),
+                  key=lambda r: r["t"])
+    halves = [done[:len(done) // 2], done[len(done) // 2:]]
+    halves_p99 = [percentile([r["latency"] for r in h], 99) if h else 0.0 for h in halves]
+    per_token = [[1000 * r["latency"] / r["tokens"] for r in h] for h in halves]
+    halves_tok = [percentile(x, 99) if x else 0.0 for x in per_token]
     leaked = round(final["minivllm:kv_cache_usage_perc"] * ns.num_kv_blocks)
     return {"requests": len(results), "completed": sum(r["outcome"] == "ok" for r in results), "hung_up": hung,
             "errors": dict(causes), "rss_warm_mib": rss0, "rss_end_mib": rss1,
             "rss_growth": (rss1 - rss0) / rss0, "rss_max_mib": max(s["rss_mib"] for s in samples),
             "leaked_blocks": leaked, "left_running": final[RUNNING], "left_waiting": final[WAITING],
-            "minutes": minutes, "p99_median_s": med,
-            "p99_max_deviation": spread}
+            "minutes": minutes, "p99_median_s": med, "p99_max_deviation": spread,
+            "halves_p99_s": halves_p99, "halves_p99_ms_per_token": halves_tok,
+            "halves_change": halves_p99[1] / halves_p99[0] - 1 if halves_p99[0] else 0.0,
+            "halves_change_per_token": halves_tok[1] / halves_tok[0] - 1 if halves_tok[0] else 0.0}
 
 
 def run_soak(ns: argparse.Namespace) -> int:
@@ -291,7 +304,7 @@ def run_soak(ns: argparse.Namespace) -> int:
     result = {"bench": "soak", "model": ns.model, "minutes": ns.minutes, "request_rate": ns.request_rate,
               "hang_up": ns.hang_up, "input_len": ns.input_len, "output_len": ns.output_len,
               "num_kv_blocks": ns.num_kv_blocks, "command": ["soak", *sys.argv[3:]], "summary": summary,
-              "samples": samples}
+              "samples": samples, "requests": soak.results}
     print(report(result))
     save(result, ns.out, plot)
     return 0
@@ -317,7 +330,11 @@ def report(r: dict[str, Any]) -> str:
         f"waiting {s['left_waiting']:g}) |",
         f"| unexplained errors | 0 | {sum(s['errors'].values())} ({errors}) |",
         f"| per-minute p99 latency vs the median minute | within 20% | max deviation "
-        f"{100 * s['p99_max_deviation']:.1f}% (median p99 {s['p99_median_s']:.2f} s) |", "",
+        f"{100 * s['p99_max_deviation']:.1f}% (median p99 {s['p99_median_s']:.2f} s) |",
+        f"| p99 latency, second half of the steady part vs the first | within 20% | "
+        f"{100 * s['halves_change']:+.1f}% ({s['halves_p99_s'][0]:.3f} → {s['halves_p99_s'][1]:.3f} s); per output "
+        f"token {100 * s['halves_change_per_token']:+.1f}% ({s['halves_p99_ms_per_token'][0]:.1f} → "
+        f"{s['halves_p99_ms_per_token'][1]:.1f} ms) |", "",
         f"{s['requests']} requests: {s['completed']} completed, {s['hung_up']} hung up on purpose; /health after: "
         f"{'ok' if s['healthy_after'] else 'NOT ok'}.", "",
         "| minute | completed | p50 (s) | p99 (s) |", "|---|---|---|---|",
