@@ -64,7 +64,7 @@ def test_the_proto_ships_in_the_package():
 def test_sampling_fields_mirror_sampling_params():
     single = {f.name: (f.number, f.type, f.has_presence) for f in pb.GenerateRequest.DESCRIPTOR.fields}
     batch = {f.name: (f.number, f.type, f.has_presence) for f in pb.BatchGenerateRequest.DESCRIPTOR.fields}
-    scheduling = {"priority", "priority_class", "ttft_slo_ms"}  # not sampling: the scheduler's (slo.py)
+    scheduling = {"priority", "priority_class", "ttft_slo_ms", "timeout"}  # not sampling: the scheduler's
     own = {"prompt", "prompt_token_ids", "request_id", "prompts", "max_new_tokens"} | scheduling
     # Generate alone takes beam search (its answer carries the beams) and the prompt's logprobs.
     single_only = {"beam_width", "length_penalty", "early_stopping", "prompt_logprobs"}
