@@ -331,10 +331,10 @@ def report(r: dict[str, Any]) -> str:
         f"| unexplained errors | 0 | {sum(s['errors'].values())} ({errors}) |",
         f"| per-minute p99 latency vs the median minute | within 20% | max deviation "
         f"{100 * s['p99_max_deviation']:.1f}% (median p99 {s['p99_median_s']:.2f} s) |",
-        f"| p99 latency, second half of the steady part vs the first | within 20% | "
-        f"{100 * s['halves_change']:+.1f}% ({s['halves_p99_s'][0]:.3f} → {s['halves_p99_s'][1]:.3f} s); per output "
-        f"token {100 * s['halves_change_per_token']:+.1f}% ({s['halves_p99_ms_per_token'][0]:.1f} → "
-        f"{s['halves_p99_ms_per_token'][1]:.1f} ms) |", "",
+        *([f"| p99 latency, second half of the steady part vs the first | within 20% | "
+           f"{100 * s['halves_change']:+.1f}% ({s['halves_p99_s'][0]:.3f} → {s['halves_p99_s'][1]:.3f} s); per "
+           f"output token {100 * s['halves_change_per_token']:+.1f}% ({s['halves_p99_ms_per_token'][0]:.1f} → "
+           f"{s['halves_p99_ms_per_token'][1]:.1f} ms) |"] if "halves_change" in s else []), "",
         f"{s['requests']} requests: {s['completed']} completed, {s['hung_up']} hung up on purpose; /health after: "
         f"{'ok' if s['healthy_after'] else 'NOT ok'}.", "",
         "| minute | completed | p50 (s) | p99 (s) |", "|---|---|---|---|",
