@@ -8,6 +8,8 @@ from typing import Any
 import torch._dynamo  # noqa: F401
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from minivllm.engine.input_processor import check_unicode
+
 # torch._dynamo imported here, at module import, rather than lazily by the first AutoTokenizer load (via
 # transformers' torch.compiler.disable): its import runs torch.fx.wrap, whose frame holds itself, so every
 # frame on the stack at that moment stays alive in a reference cycle. Reached lazily, those frames
@@ -30,9 +32,6 @@ def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any
                                              chat_template=chat_template)
     except Exception as e:  # no template, or the template rejects the conversation (raise_exception in jinja)
         raise ValueError(f"messages: cannot apply the chat template: {e}") from None
-    try:  # a lone surrogate (JSON's "\\ud800") is no text the tokenizer can take (TypeError)
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"messages: not valid Unicode text: a lone surrogate {text[e.start]!r}") from None
+    check_unicode(text, "messages")  # a lone surrogate is no text the tokenizer can take
     # The template already holds any BOS it wants: do not add special tokens again.
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
