@@ -3,8 +3,8 @@
 from minivllm.config import EngineArgs
 from minivllm.llm import LLM
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
-from minivllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from minivllm.sampling_params import BeamSearchParams, GuidedDecodingParams, RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "EngineArgs", "SamplingParams", "BeamSearchParams", "RequestOutputKind", "RequestOutput",
-           "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "EngineArgs", "SamplingParams", "BeamSearchParams", "GuidedDecodingParams", "RequestOutputKind",
+           "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"

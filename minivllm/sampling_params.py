@@ -37,6 +37,49 @@ def _float(name: str, value: object, low: float, high: float, low_open: bool = F
         raise ValueError(f"{name} must be a number in {bracket}{low}, {high}], got {value!r}")
 
 
+@dataclass(frozen=True)
+class GuidedDecodingParams:
+    """Constrain a request's output (vLLM's guided decoding): exactly one of a JSON schema, any JSON object, a
+    regex, a list of choices or a grammar (Lark, or llama.cpp's GBNF). Compiled and checked when the request
+    is added (engine/structured_output.py): an invalid one is a ValueError naming the field."""
+
+    json: str | dict[str, Any] | None = None  # a JSON schema (a dict, or its JSON text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None  # any JSON object (OpenAI's response_format json_object)
+    whitespace_pattern: str | None = None  # JSON only: the whitespace allowed between tokens (default: none)
+
+    def __post_init__(self) -> None:
+        kinds = self.kinds()
+        if len(kinds) != 1:
+            found = ", ".join(kinds) if kinds else "none"
+            raise ValueError(f"guided_decoding: give exactly one of json, regex, choice, grammar, json_object "
+                             f"(got {found})")
+        checks = (("json", str | dict), ("regex", str), ("grammar", str), ("whitespace_pattern", str))
+        for name, types in checks:
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, types) or v == ""):
+                what = "object or string" if name == "json" else "string"
+                raise ValueError(f"guided_{name}: expected a non-empty {what}, got {v!r}")
+        if self.choice is not None and (not isinstance(self.choice, list | tuple) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"guided_choice: expected a non-empty list of non-empty strings, got {self.choice!r}")
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"guided_json_object: expected true, got {self.json_object!r}")
+        if self.whitespace_pattern is not None and self.json is None and not self.json_object:
+            raise ValueError("guided_whitespace_pattern: applies to a JSON schema or json_object only")
+
+    def kinds(self) -> list[str]:
+        """The constraint fields that are set."""
+        return [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) is not None]
+
+    @property
+    def kind(self) -> str:
+        """json, regex, choice, grammar or json_object."""
+        return self.kinds()[0]
+
+
 @dataclass
 class SamplingParams:
     """Decoding settings of one request, with vLLM's names, defaults and meanings.
@@ -68,6 +111,7 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # beam search: True, False or "never" (HF's meanings)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    guided_decoding: GuidedDecodingParams | None = None
 
     def __post_init__(self) -> None:
         _int("n", self.n, 1, 64)
@@ -108,12 +152,15 @@ class SamplingParams:
             raise ValueError(f"early_stopping must be true, false or 'never', got {self.early_stopping!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
+            raise ValueError(f"guided_decoding must be a GuidedDecodingParams, got {self.guided_decoding!r}")
         if self.top_k == 0:
             self.top_k = -1
         if self.use_beam_search:
             # Beam search here is deterministic (HF's num_beams without sampling): temperature and the
             # sampling filters do not apply; these options would be silently ignored, so they are refused.
-            for name, off in (("n", 1), ("stop", []), ("min_tokens", 0), ("logprobs", None)):
+            for name, off in (("n", 1), ("stop", []), ("min_tokens", 0), ("logprobs", None),
+                              ("guided_decoding", None)):
                 if getattr(self, name) != off:
                     raise ValueError(f"{name} is not supported with use_beam_search (got {getattr(self, name)!r})")
 

@@ -73,6 +73,10 @@ def test_sampling_fields_mirror_sampling_params():
     for name in sampling - single_only | {"max_new_tokens"} | scheduling:
         assert single[name] == batch[name], name  # same number and type in both messages
     params = {f.name for f in dataclasses.fields(SamplingParams)}
+    # Guided decoding: one SamplingParams field (a GuidedDecodingParams), spelt as vLLM's guided_* fields.
+    guided = {f"guided_{k}" for k in ("json", "regex", "choice", "grammar", "json_object")}
+    assert guided <= sampling
+    sampling = sampling - guided | {"guided_decoding"}
     assert sampling <= params, sampling - params
     # What a single-sequence request can set: everything but n (beam_width turns beam search on).
     left_out = params - sampling - {"max_tokens"}

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from minivllm.engine.structured_output import StructuredOutputManager
 from minivllm.sampling_params import SamplingParams
 from minivllm.slo import TtftSlo, resolve_priority
 
@@ -73,6 +74,7 @@ class EngineRequest:
     priority: int = 0
     ttft_deadline: float = math.inf  # arrival_time + its TTFT SLO (slo.py); inf: none
     start_deadline: float = math.inf  # arrival_time + its timeout: not started by then, it is dropped unprefilled
+    grammar: str | None = None  # guided decoding: the compiled constraint (structured_output.py)
 
 
 class InputProcessor:
@@ -81,7 +83,7 @@ class InputProcessor:
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, kv_cache_mode: str,
                  blocks_needed: Callable[[int], int], num_blocks: int, pool: str,
                  ttft_slo_ms: str | float | None = None, seq_block_cap: int | None = None,
-                 limits: RequestLimits | None = None) -> None:
+                 limits: RequestLimits | None = None, structured: StructuredOutputManager | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.kv_cache_mode = kv_cache_mode
@@ -89,6 +91,7 @@ class InputProcessor:
         self.seq_block_cap = seq_block_cap  # sink-window eviction: the most blocks a sequence ever holds at once
         self.ttft_slo = TtftSlo.parse(ttft_slo_ms)  # the classes' default deadlines (--ttft-slo-ms)
         self.limits = limits or RequestLimits()
+        self.structured = structured  # compiles guided-decoding constraints (None: guided requests refused)
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """A prompt (text, token ids, or {"prompt_token_ids": [...]}) → (text, token ids)."""
@@ -135,10 +138,15 @@ class InputProcessor:
                                  f"{params.max_tokens}, together over max_model_len {self.max_model_len}; lower "
                                  "max_tokens")
         self._validate(ids, params)
+        grammar = None
+        if params.guided_decoding is not None:
+            if self.structured is None:
+                raise ValueError("guided decoding is not available on this engine")
+            grammar = self.structured.compile(params.guided_decoding)  # ValueError naming the field if invalid
         if params.max_tokens is None:
             fill = max(1, room) if default_max_tokens is None else min(default_max_tokens, room)
             params = params.clone(max_tokens=fill)
-        return EngineRequest(request_id, text, ids, params, arrival_time, priority, deadline, start_deadline)
+        return EngineRequest(request_id, text, ids, params, arrival_time, priority, deadline, start_deadline, grammar)
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:

@@ -32,11 +32,12 @@ from minivllm.engine.spec_decode import verify_rows
 from minivllm.engine.spec_factory import build_speculator
 from minivllm.engine.stats import StatsRecorder, StepTimings
 from minivllm.engine.step_guard import StepGuard
+from minivllm.engine.structured_output import StepMasks, StructuredOutputManager
 from minivllm.engine.swap_manager import build_swap_manager
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.model.input_batch import InputBatch, SlotParams
 from minivllm.model.runner import ModelRunner, SequenceInput
-from minivllm.model.sampler import Sampler, TokenLogprobs
+from minivllm.model.sampler import Sampler, TokenLogprobs, apply_token_bitmask
 from minivllm.outputs import RequestOutput
 from minivllm.quant_config import QuantConfig
 
@@ -109,11 +110,13 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self.structured = StructuredOutputManager(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         pool = f"num_kv_blocks={n}" if (n := args.num_kv_blocks) else f"kv_cache_memory={args.kv_cache_memory}"
         self.input_processor = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len, args.kv_cache_mode,
                                               self.block_manager.blocks_needed, cc.num_blocks, pool, args.ttft_slo_ms,
                                               _eviction_block_cap(args, cc.block_size, token_budget),
-                                              RequestLimits(args.max_prompt_tokens, args.max_n, args.max_logprobs))
+                                              RequestLimits(args.max_prompt_tokens, args.max_n, args.max_logprobs),
+                                              self.structured)
         self.faults = FaultInjector.from_env()  # None unless the test-only hook is armed
         self.guard = StepGuard(self.runner, self.faults, isolate=args.tensor_parallel_size == 1)
         self.failed_requests: dict[str, str] = {}
@@ -123,6 +126,7 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         self.timings = StepTimings()
         self._arrivals = itertools.count()
         self._sample_time = 0.0  # sampler seconds within the current step
+        self._masks: StepMasks | None = None  # the current step's guided-decoding masks
         self.log_stats = log_stats  # gather IterationStats (the server's metrics); off for offline use
         self.recorder = StatsRecorder(self.eos_token_ids)  # IterationStats since the last take_stats()
         self.beams = BeamSearcher(self.scheduler, self.recorder, self.eos_token_ids, self.max_model_len)
@@ -143,7 +147,9 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         """Run one scheduling step; return the outputs it produced (per each request's output kind)."""
         t0 = time.perf_counter()
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running, bool(self.scheduler.waiting))
+            proposing = self.speculator.propose(self.scheduler.running, bool(self.scheduler.waiting))
+            if self.structured.num_live:
+                self.structured.check_proposals(proposing)
         sched = self.scheduler.schedule()
         if self.speculator is not None:
             for seq in sched.preempted:  # its draft K/V goes too: recomputed with it
@@ -164,6 +170,8 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         if self.args.check_invariants:
             for seq, n in sched.scheduled:
                 self.block_manager.check_writable(seq, n)
+        # Guided rows' token masks are filled on a worker thread while the forward runs.
+        self._masks = self.structured.start_step(sched.scheduled)
         guarded = self.guard.forward(sched.scheduled, self._runner_inputs(sched.scheduled))
         sched.scheduled, inputs, logits = guarded.scheduled, guarded.inputs, guarded.logits
         self._failures = failures = guarded.failed  # request id → reason: no outputs, aborted after the step
@@ -290,6 +298,8 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
                     self._init_sequence(child)
                     group.seqs.append(child)
                     targets.append((child, r))
+        if self._masks is not None:
+            self._apply_masks(logits, rows)
         batch = self.input_batch
         for seq, _ in targets:
             if seq.slot < 0:  # first sample (or first since a fork): the settings are written once
@@ -305,6 +315,8 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         for (seq, _), tok, lp in zip(targets, out.token_ids, out.logprobs, strict=True):
             self.recorder.generated(seq.request_id, 1)
             status = self._append_token(seq, tok, lp)
+            if seq.matcher is not None and status is None:
+                status = self._advance_grammar(seq, tok)
             if status is not None:
                 self._finish(seq, status)
             assert seq.group is not None
@@ -317,11 +329,16 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         assert self.speculator is not None
         for seq, n, row in jobs:
             t0 = time.perf_counter()
+            if self._masks is not None and seq.seq_id in self._masks.rows:
+                first = self._masks.rows[seq.seq_id]
+                apply_token_bitmask(logits, list(range(row, row + n)), self._masks.mask()[first:first + n])
             tokens = self.speculator.verify(seq, logits[row:row + n], n)
             self._sample_time += time.perf_counter() - t0
             for tok in tokens:
                 self.recorder.generated(seq.request_id, 1)
                 status = self._append_token(seq, tok, None)
+                if seq.matcher is not None and status is None:
+                    status = self._advance_grammar(seq, tok)
                 if status is not None:
                     self._finish(seq, status)
                     break
@@ -333,6 +350,27 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
                 self.block_manager.cache_blocks(seq)
             assert seq.group is not None
             touched.setdefault(seq.group.request_id, seq.group)
+
+    def _apply_masks(self, logits: torch.Tensor, rows: list[tuple[Sequence, int]]) -> None:
+        """Guided rows: the tokens their grammar forbids get -inf before sampling (logprobs then report the
+        constrained distribution, as vLLM's do)."""
+        assert self._masks is not None
+        t0 = time.perf_counter()
+        at = [(r, self._masks.rows[s.seq_id]) for s, r in rows if s.seq_id in self._masks.rows]
+        if at:
+            mask = self._masks.mask()
+            apply_token_bitmask(logits, [r for r, _ in at], mask[[m for _, m in at]])
+        self._sample_time += time.perf_counter() - t0
+
+    def _advance_grammar(self, seq: Sequence, token: int) -> SequenceStatus | None:
+        """A guided sequence's new token through its grammar: FINISHED_STOPPED once the grammar is complete (it
+        would take nothing but EOS). A token the grammar refuses fails the request (masking makes it a bug)."""
+        accepted, done = self.structured.accept(seq, token)
+        if not accepted:
+            self._failures.setdefault(seq.request_id, f"internal error: guided decoding refused token {token}: "
+                                                      f"{seq.matcher.get_error()}")
+            return None
+        return SequenceStatus.FINISHED_STOPPED if done else None
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> SequenceStatus | None:
         """output_processor.append_token; an error there (detokenizing) fails seq's request, not the step."""

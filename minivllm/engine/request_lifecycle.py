@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from minivllm.engine.scheduler import Scheduler
     from minivllm.engine.spec_decode import Speculator
     from minivllm.engine.stats import StatsRecorder
+    from minivllm.engine.structured_output import StructuredOutputManager
     from minivllm.model.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ class RequestLifecycle:
     recorder: StatsRecorder
     input_batch: InputBatch
     input_processor: InputProcessor
+    structured: StructuredOutputManager
     output_processor: OutputProcessor
     groups: dict[str, SequenceGroup]
     log_stats: bool
@@ -63,7 +65,7 @@ class RequestLifecycle:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         request_id, ids, params = req.request_id, req.prompt_token_ids, req.params
         group = SequenceGroup(request_id, req.prompt, ids, params, req.arrival_time, ttft_deadline=req.ttft_deadline,
-                              start_deadline=req.start_deadline)
+                              start_deadline=req.start_deadline, grammar=req.grammar)
         if self.faults is not None:
             group.faults = self.faults.faults_for(req.prompt, lambda: self.input_processor.tokenizer.decode(ids))
             if "kill_loop" in group.faults:
@@ -88,6 +90,8 @@ class RequestLifecycle:
         self.output_processor.init_sequence(seq, seq.group.prompt_token_ids)
         if "detokenize" in seq.group.faults and seq.detokenizer is not None:
             seq.detokenizer = FailingDetokenizer(seq.detokenizer)  # type: ignore[assignment]
+        if seq.group.grammar is not None:  # children of n > 1 fork before their first token: a fresh matcher
+            self.structured.attach(seq, seq.group.grammar)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output (None if unknown or done)."""
@@ -115,6 +119,7 @@ class RequestLifecycle:
         if seq.slot >= 0:
             self.input_batch.remove(seq.slot)
             seq.slot = -1
+        self.structured.detach(seq)
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting or running."""

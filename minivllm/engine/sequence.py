@@ -6,7 +6,7 @@ import enum
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,7 +45,7 @@ class Sequence:
                  "priority", "arrival_index", "status", "num_computed_tokens", "block_table", "block_hashes",
                  "num_preemptions", "generator", "detokenizer", "logprobs", "cumulative_logprob", "stop_reason",
                  "num_emitted_tokens", "finish_reported", "slot", "spec_token_ids", "spec_drafts", "spec_accepted",
-                 "spec_expected", "ttft_deadline")
+                 "spec_expected", "ttft_deadline", "matcher")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  arrival_index: int, priority: int = 0, group: SequenceGroup | None = None, index: int = 0) -> None:
@@ -78,6 +78,7 @@ class Sequence:
         self.spec_accepted = self.spec_expected = 0.0
         # Its request's (samples and beams inherit it through the group); a copy, so sort keys read one slot.
         self.ttft_deadline = group.ttft_deadline if group is not None else math.inf
+        self.matcher: Any = None  # guided decoding: its grammar's state (engine/structured_output.py)
 
     @property
     def num_tokens(self) -> int:
@@ -150,6 +151,7 @@ class SequenceGroup:
     ttft_deadline: float = math.inf  # when the first token is due (arrival_time's clock; slo.py)
     start_deadline: float = math.inf  # its timeout: not started by then, it is dropped before any prefill
     faults: frozenset[str] = frozenset()  # test-only injected faults (fault_injection.py)
+    grammar: str | None = None  # guided decoding: the compiled constraint each of its sequences follows
 
     @property
     def finished(self) -> bool:

@@ -104,10 +104,11 @@ class Completion(BaseModel):
 
 
 class ChatMessageOut(BaseModel):
-    """The assistant's reply."""
+    """The assistant's reply (with tools: its content and the calls it makes, OpenAI's tool_calls shape)."""
 
     role: str
     content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):

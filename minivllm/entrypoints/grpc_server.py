@@ -64,6 +64,8 @@ def sampling_params(msg: pb.GenerateRequest | pb.BatchGenerateRequest, kind: Req
     400 naming the field). An unset optional field keeps SamplingParams' default."""
     fields = {fd.name: v if isinstance(v, int | float | str) else list(v)
               for fd, v in msg.ListFields() if fd.name in _SAMPLING_FIELDS}
+    if msg.guided_json_object:
+        fields["structured_outputs"] = {"json_object": True}
     extra: dict[str, Any] = {"logprobs": _opt(msg, "logprobs")}
     if isinstance(msg, pb.GenerateRequest):
         extra["prompt_logprobs"] = _opt(msg, "prompt_logprobs")

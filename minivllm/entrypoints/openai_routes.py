@@ -25,8 +25,9 @@ from minivllm.entrypoints.serving import (
     prompt_logprobs_json,
 )
 from minivllm.entrypoints.streaming import merge, sse
+from minivllm.entrypoints.tool_calls import ToolPlan, ToolStream, parse_reply, plan_tools, template_messages
 from minivllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from minivllm.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
 
 router = APIRouter()
 
@@ -55,13 +56,14 @@ def _check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
 
 
 def _params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None,
-            prompt_logprobs: int | None = None) -> SamplingParams:
+            prompt_logprobs: int | None = None, constraint: GuidedDecodingParams | None = None) -> SamplingParams:
     kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
     try:
         if req.use_beam_search:  # vLLM's meaning: n beams, all returned, best first
             return req.sampling_params(max_tokens, kind, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                                        **beam_search_fields(req.n, req.length_penalty, req.early_stopping))
-        return req.sampling_params(max_tokens, kind, n=req.n, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        return req.sampling_params(max_tokens, kind, n=req.n, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                   guided_decoding=constraint)
     except ValueError as e:
         raise bad_request(e) from None
 
@@ -239,13 +241,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = _params(body, max_tokens, logprobs, body.prompt_logprobs)
+    plan = _tool_plan(st, body)
+    params = _params(body, max_tokens, logprobs, body.prompt_logprobs, plan.constraint)
     if body.chat_template is not None:  # untrusted Jinja from a client: refused, as vLLM does by default
         raise APIError(400, "chat_template: a request may not carry its own chat template", "chat_template")
-    messages = [m.as_template_dict() for m in body.messages]
     try:
+        messages = template_messages([m.as_template_dict() for m in body.messages])
         # Rendering and tokenizing a long conversation would stall every stream: do it off the loop.
-        prompt = await asyncio.to_thread(chat_prompt, st.tokenizer, messages, body.add_generation_prompt)
+        prompt = await asyncio.to_thread(chat_prompt, st.tokenizer, messages, body.add_generation_prompt, None,
+                                         plan.tools)
     except ValueError as e:
         raise bad_request(e) from None
     rid, streams = await _submit(st, [prompt], params, body, "chatcmpl")
@@ -253,12 +257,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     k = body.top_logprobs or 0
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _chat_events(body, _Chunker(st, rid, "chat.completion.chunk", created, include_usage), streams[0], k)
+        events = _chat_events(body, _Chunker(st, rid, "chat.completion.chunk", created, include_usage), streams[0], k,
+                              plan)
         return st.stream_response("/v1/chat/completions", t0, events, streams)
     (out,) = await st.wait_finals(request, streams)
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": _chat_logprobs(c, k) if body.logprobs else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+    choices = []
+    for c in out.outputs:
+        message = _message(plan, c.text)
+        finish = ("tool_calls" if message.get("tool_calls") and plan.mode in ("auto", "required")
+                  and c.finish_reason == "stop" else c.finish_reason)  # a named call keeps "stop", as OpenAI's
+        choices.append({"index": c.index, "message": message, "logprobs": _chat_logprobs(c, k) if body.logprobs
+                        else None, "finish_reason": finish, "stop_reason": c.stop_reason})
     st.count("/v1/chat/completions", "success", t0)
     response = {"id": rid, "object": "chat.completion", "created": created, "model": st.model_name,
                 "choices": choices,
@@ -268,17 +277,48 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     return JSONResponse(response)
 
 
-async def _chat_events(body: ChatCompletionRequest, chunk: _Chunker, stream: AsyncStream, k: int
+def _tool_plan(st: ServerState, body: ChatCompletionRequest) -> ToolPlan:
+    """How the request uses tools (400 naming the field when tools, tool_choice and the server do not fit)."""
+    try:
+        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, st.args.auto_tool_parser)
+        if plan.constraint is not None and body.guided_decoding() is not None:
+            raise ValueError("tool_choice: a required or named tool call is already constrained; drop "
+                             "response_format / guided_* from this request")
+    except ValueError as e:
+        raise bad_request(e) from None
+    return plan
+
+
+def _message(plan: ToolPlan, text: str) -> dict[str, Any]:
+    """The assistant's message: its text, or (with tools) its content and tool_calls."""
+    if not plan.calls_tools:
+        return {"role": "assistant", "content": text}
+    content, calls = parse_reply(plan, text)
+    return {"role": "assistant", "content": content, "tool_calls": calls}
+
+
+async def _chat_events(body: ChatCompletionRequest, chunk: _Chunker, stream: AsyncStream, k: int, plan: ToolPlan
                        ) -> AsyncIterator[str]:
     completion_tokens = 0
+    tools = [ToolStream(plan) for _ in range(body.n)]
     for i in range(body.n):  # OpenAI opens every choice with the role
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None}])
     async for out in stream:
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
-            yield chunk([{"index": c.index, "delta": {"content": c.text} if c.text else {},
-                          "logprobs": _chat_logprobs(c, k) if body.logprobs else None,
-                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+            ts = tools[c.index]
+            deltas = ts.feed(c.text) if plan.calls_tools else ([{"content": c.text}] if c.text else [])
+            if c.finish_reason is not None and plan.calls_tools:
+                deltas += ts.finish()
+            lps = _chat_logprobs(c, k) if body.logprobs else None
+            # Several deltas (content, then a call) go out as consecutive chunks; the last one carries the logprobs
+            # and the finish reason.
+            for d in deltas[:-1]:
+                yield chunk([{"index": c.index, "delta": d, "logprobs": None, "finish_reason": None}])
+            if not deltas and c.finish_reason is None and lps is None:
+                continue  # text held back (a tool call being read): nothing to send yet
+            yield chunk([{"index": c.index, "delta": deltas[-1] if deltas else {}, "logprobs": lps,
+                          "finish_reason": ts.finish_reason(c.finish_reason), "stop_reason": c.stop_reason}])
     if chunk.include_usage:
         yield chunk([], _usage(len(stream.prompt_token_ids), completion_tokens))

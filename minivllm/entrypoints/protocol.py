@@ -6,7 +6,53 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr
 
-from minivllm.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.entrypoints.tool_calls import ChatTool, ToolChoice
+from minivllm.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs` object: one of its constraint fields."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    # `json` is a BaseModel method's name: the attribute is json_, the field "json".
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_pattern: str | None = None
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's response_format.json_schema."""
+
+    model_config = ConfigDict(strict=True)
+
+    name: str
+    description: str | None = None
+    # `schema` is pydantic's own attribute name: kept under an alias.
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), json_object (any JSON object) or json_schema."""
+
+    model_config = ConfigDict(strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> dict[str, Any]:
+        """GuidedDecodingParams fields of a json_object / json_schema format."""
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.json_schema is None:
+            raise ValueError("response_format: type json_schema needs a json_schema object")
+        # OpenAI's strict mode is what guided decoding always gives (the output follows the schema); a schema-less
+        # json_schema means any JSON value.
+        return {"json": self.json_schema.json_schema if self.json_schema.json_schema is not None else {}}
 
 
 class SamplingFields(BaseModel):
@@ -36,6 +82,44 @@ class SamplingFields(BaseModel):
     ttft_slo_ms: StrictFloat | None = None
     # Seconds the request may wait to start; past it, it is dropped before any prefill (503 with Retry-After).
     timeout: StrictFloat | None = None
+    # Guided decoding, vLLM's fields (engine/structured_output.py): one constraint per request.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
+    structured_outputs: StructuredOutputsField | None = None  # vLLM's newer spelling of the same
+
+    def guided_decoding(self, response_format: ResponseFormat | None = None) -> GuidedDecodingParams | None:
+        """The request's constraint from whichever spelling it used; ValueError naming the field when several
+        are given or the backend is not ours."""
+        found: list[tuple[str, dict[str, Any]]] = []
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                found.append((name, {key: getattr(self, name)}))
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", self.structured_outputs.model_dump(exclude_none=True, by_alias=True)))
+        if response_format is not None and response_format.type != "text":
+            found.append(("response_format", response_format.constraint()))
+        if self.guided_decoding_backend not in (None, "auto", "guidance", "llguidance"):
+            raise ValueError(f"guided_decoding_backend: {self.guided_decoding_backend!r} is not available; this "
+                             "server's guided decoding runs on llguidance ('guidance')")
+        if not found:
+            if self.guided_whitespace_pattern is not None:
+                raise ValueError("guided_whitespace_pattern: applies only together with a JSON constraint")
+            return None
+        if len(found) > 1:
+            raise ValueError(f"{found[1][0]}: give one guided-decoding constraint per request (also got "
+                             f"{found[0][0]})")
+        name, fields = found[0]
+        if self.guided_whitespace_pattern is not None:
+            fields.setdefault("whitespace_pattern", self.guided_whitespace_pattern)
+        try:
+            return GuidedDecodingParams(**fields)
+        except ValueError as e:
+            raise ValueError(str(e) if str(e).startswith(name) else f"{name}: {e}") from None
 
     def sampling_params(self, max_tokens: int | None, kind: RequestOutputKind, **extra: Any) -> SamplingParams:
         """Build SamplingParams (raises ValueError naming a bad value)."""
@@ -47,6 +131,8 @@ class SamplingFields(BaseModel):
         if self.stop is not None:
             fields["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         fields.update({k: v for k, v in extra.items() if v is not None})
+        if "guided_decoding" not in fields:
+            fields["guided_decoding"] = self.guided_decoding()
         return SamplingParams(max_tokens=max_tokens, output_kind=kind, **fields)
 
 
@@ -108,6 +194,11 @@ class _OpenAIRequest(SamplingFields):
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
     prompt_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+
+    def guided_decoding(self, response_format: ResponseFormat | None = None) -> GuidedDecodingParams | None:
+        """As SamplingFields', with OpenAI's response_format too."""
+        return super().guided_decoding(response_format or self.response_format)
 
 
 class CompletionRequest(_OpenAIRequest):
@@ -156,3 +247,6 @@ class ChatCompletionRequest(_OpenAIRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None

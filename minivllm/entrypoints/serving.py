@@ -28,6 +28,7 @@ from minivllm.engine.async_engine import (
 from minivllm.engine.input_processor import EngineRequest, Prompt
 from minivllm.entrypoints.metrics import ServerMetrics
 from minivllm.entrypoints.streaming import EngineStreamingResponse, sse
+from minivllm.entrypoints.tool_calls import TOOL_CALL_PARSERS
 from minivllm.outputs import PositionLogprobs, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -60,6 +61,11 @@ class ServerArgs:
                                       "needs the [ray] extra); engine flags apply to each replica")
     ray_address: str | None = _arg(None, "with --replicas: join the Ray cluster at HOST:PORT (or ray://..., auto) "
                                          "instead of starting a local one")
+    enable_auto_tool_choice: bool = _arg(False, 'allow tool_choice "auto" (the model decides whether to call a tool; '
+                                                "needs --tool-call-parser)")
+    tool_call_parser: str | None = _arg(None, "how tool calls are read from a reply under tool_choice auto: hermes "
+                                              "(<tool_call>{...}</tool_call>, the format of the chat templates of "
+                                              "Hermes, Qwen2.5 and the embedded model)")
 
     def __post_init__(self) -> None:
         if self.api_key is None:
@@ -74,8 +80,18 @@ class ServerArgs:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         if self.ray_address is not None and self.replicas is None:
             raise ValueError("ray_address needs replicas: give --replicas N to deploy on that cluster")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
+                             f"{self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs --tool-call-parser (hermes)")
         if parse_size(self.max_body_size, "max_body_size") <= 0:
             raise ValueError(f"max_body_size must be positive, got {self.max_body_size!r}")
+
+    @property
+    def auto_tool_parser(self) -> str | None:
+        """The parser of tool_choice auto replies, None when auto is off."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
 
     @property
     def origins(self) -> list[str]:
@@ -196,8 +212,10 @@ class ServerState:
                     for i, p in enumerate(prompts)]
 
         size = sum(len(p) if isinstance(p, str) else 64 for p in prompts)
+        # A guided request compiles its grammar (ms; the first one also indexes the vocabulary): off the loop too.
+        inline = size <= _INLINE_TOKENIZE_CHARS and params.guided_decoding is None
         try:
-            return await asyncio.to_thread(build) if size > _INLINE_TOKENIZE_CHARS else build()
+            return build() if inline else await asyncio.to_thread(build)
         except ValueError as e:
             raise bad_request(e) from None
 

@@ -130,6 +130,22 @@ class Sampler:
                               [ranks_l[j], *range(1, n + 1)]) for j, n in enumerate(num)]
 
 
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+@torch.inference_mode()
+def apply_token_bitmask(x: torch.Tensor, rows: list[int], mask: torch.Tensor) -> None:
+    """Guided decoding: in place, set to -inf the logits of x's `rows` [R, V] that their bitmask rows forbid
+    (mask [len(rows), ceil(V / 32)] int32; bit t % 32 of word t // 32 set = token t allowed)."""
+    vocab = x.shape[1]
+    forbidden = ((mask.unsqueeze(-1) >> _BITS) & 1).view(mask.shape[0], -1)[:, :vocab] == 0
+    if rows == list(range(x.shape[0])):
+        x.masked_fill_(forbidden.to(x.device), float("-inf"))
+    else:
+        idx = torch.tensor(rows, device=x.device)
+        x[idx] = x[idx].masked_fill(forbidden.to(x.device), float("-inf"))
+
+
 def penalize_dense(x: torch.Tensor, counts: torch.Tensor, prompt_seen: torch.Tensor, repetition: float,
                    frequency: float, presence: float) -> torch.Tensor:
     """The input batch's penalties (InputBatch.apply_penalties: repetition over prompt and output tokens,

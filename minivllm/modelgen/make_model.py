@@ -15,9 +15,29 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from minivllm.config import parse_size
 from minivllm.modelgen.presets import PRESETS, Preset
 
+# ChatML, with tools in the Hermes / Qwen2.5 format when a request has them (a system block listing the functions;
+# calls as <tool_call>{"name", "arguments"}</tool_call>, results as <tool_response> turns): the format
+# `--tool-call-parser hermes` reads. Without tools it renders exactly plain ChatML.
 CHATML_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
-    "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- if tools %}{{ '<|im_start|>system\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{%- endif %}"
+    "{{ '# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
+    "function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{%- for tool in tools %}{{ '\n' + (tool | tojson) }}{%- endfor %}"
+    "{{ '\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\n</tool_call><|im_end|>\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{ '<|im_start|>assistant\n' + (message['content'] + '\n' if message['content'] else '') }}"
+    "{%- for call in message['tool_calls'] %}{{ '<tool_call>\n{\"name\": \"' + call['function']['name'] + "
+    "'\", \"arguments\": ' + (call['function']['arguments'] | tojson) + '}\n</tool_call>' }}"
+    "{%- if not loop.last %}{{ '\n' }}{%- endif %}{%- endfor %}{{ '<|im_end|>\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{%- else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}"
 )
 PLAIN_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\n' }}{% endfor %}"
