@@ -77,6 +77,7 @@ def _argv(quick: bool, model: str | None) -> dict[str, list[str]]:
                     "--rounds", "1", "--kv-cache-memory", "8MiB"],
             "soak": ["soak", *m, "--minutes", "0.1", "--warmup-minutes", "0.02", "--request-rate", "10",
                      "--output-len", "2-6", "--sample-every", "1", "--num-kv-blocks", "256"],
+            "guided": ["guided", *m, "--requests", "4", "--max-num-seqs", "4", "--max-tokens", "24", "--rounds", "1"],
         }
     return {
         # The seed's workload: 50 clients, 500 requests, 30 new tokens, GPT-2 (124M) in float32, the seed's
@@ -101,11 +102,12 @@ def _argv(quick: bool, model: str | None) -> dict[str, list[str]]:
         "preemption": ["preemption"],
         "slo": ["slo"],
         "soak": ["soak", "--minutes", "10"],
+        "guided": ["guided"],
     }
 
 
 BENCHES = ("seed", "throughput", "latency", "transports", "perplexity", "quantization", "step", "beam",
-           "speculative", "parallel", "replicas", "liveview", "kvcache", "preemption", "slo", "soak")
+           "speculative", "parallel", "replicas", "liveview", "kvcache", "preemption", "slo", "soak", "guided")
 
 
 def machine_info() -> dict[str, Any]:
@@ -178,6 +180,7 @@ def _load(out_dir: str, name: str) -> dict[str, Any] | None:
 def render(out_dir: str, argv: dict[str, list[str]]) -> str:
     """BENCHMARKS.md from the JSON files in out_dir (a section per bench found)."""
     from minivllm.bench import (
+        guided,
         kv_cache,
         latency,
         live_view,
@@ -273,6 +276,10 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
         ("soak", lambda r: ["## Soak: a real server under constant load with hang-ups (`bench soak`)", "",
                             f"`{os.path.basename(r['model'].rstrip('/'))}`, served by `minivllm serve` in a "
                             "subprocess (HTTP, WebSocket and gRPC on one engine).", "", soak.report(r)]),
+        ("guided", lambda r: ["## Guided decoding: JSON schema vs unguided (`bench guided`)", "",
+                              f"`{os.path.basename(r['model'].rstrip('/'))}` in {r['dtype']}, offline engine; the "
+                              "unguided twin of each request generates exactly as many tokens as the guided one did.",
+                              "", guided.report(r)]),
     ]
     for name, section in sections:
         r = _load(out_dir, name)

@@ -110,7 +110,8 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
-        self.structured = StructuredOutputManager(self.tokenizer, mc.vocab_size, self.eos_token_ids)
+        spare_core = self.device.type != "cpu" or cpu_count() > torch.get_num_threads()
+        self.structured = StructuredOutputManager(self.tokenizer, mc.vocab_size, self.eos_token_ids, spare_core)
         pool = f"num_kv_blocks={n}" if (n := args.num_kv_blocks) else f"kv_cache_memory={args.kv_cache_memory}"
         self.input_processor = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len, args.kv_cache_mode,
                                               self.block_manager.blocks_needed, cc.num_blocks, pool, args.ttft_slo_ms,

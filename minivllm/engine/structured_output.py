@@ -10,16 +10,19 @@ decoding, has no dependencies and is MIT-licensed.
 
 The flow: InputProcessor compiles and validates a request's constraint (off the engine thread; an invalid one is
 a ValueError naming the field: HTTP 400); each of its sequences gets a matcher (children of n > 1 fork before
-their first token, so a fresh one each). Before the forward, `start_masks` hands the rows to be sampled to a
-worker thread, which fills their bitmask while the forward runs (llguidance drops the GIL); the sampler applies
-it to those rows only; each sampled or accepted token then advances the sequence's matcher, and a matcher that
-can take nothing more finishes its sequence (finish_reason "stop").
+their first token, so a fresh one each). Each step, `start_step` fills the bitmask rows of the sequences about
+to be sampled (one per verified position for a speculating one): on a worker thread during the forward where a
+core is free (llguidance drops the GIL), else just before the forward (on 2 cores with both in the forward's
+OpenMP team, a competing thread stretched the forward by more than the masks cost: `bench guided`). The
+sampler's input gets -inf at the forbidden tokens of those rows only; each sampled or accepted token then
+advances the sequence's matcher, and a matcher that can take nothing more finishes its sequence ("stop").
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,12 +46,15 @@ class StepMasks:
 
     future: Future[torch.Tensor]
     rows: dict[int, int]  # seq_id → its first row in the mask (a speculating sequence has 1 + drafts rows)
+    manager: StructuredOutputManager
     _mask: torch.Tensor | None = None
 
     def mask(self) -> torch.Tensor:
-        """[rows, words] int32 (waits for the worker)."""
+        """[rows, words] int32 (waits for the worker; the wait is what the forward did not hide)."""
         if self._mask is None:
+            t0 = time.perf_counter()
             self._mask = self.future.result()
+            self.manager.wait_time += time.perf_counter() - t0
         return self._mask
 
 
@@ -57,19 +63,24 @@ class StructuredOutputManager:
 
     CACHE_SIZE = 256  # compiled grammars kept (text only: cheap), keyed by the constraint
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int], overlap: bool = True) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the model's: mask rows cover it (ids past the tokenizer's stay masked)
         self.eos_token_ids = sorted(eos_token_ids)
         self._lock = threading.Lock()  # compile runs on request threads, matchers on the engine thread
         self._ll_tokenizer: Any = None
-        self._executor: Any = None
         self._cache: OrderedDict[str, str] = OrderedDict()
         self._pool: ThreadPoolExecutor | None = None
         self.words = (vocab_size + 31) // 32  # int32 words per mask row
         self.mask_time = 0.0  # seconds spent filling masks (the worker's), for the step split and benchmarks
         self.num_masks = 0
         self.num_live = 0  # sequences holding a matcher: 0 → a step pays nothing for guided decoding
+        self.wait_time = 0.0  # seconds the engine waited for masks after the forward
+        self.num_steps = 0  # steps with guided rows
+        # Fill masks on a worker during the forward, or before it on the engine thread: overlap pays only where a
+        # core is free while the forward runs (a GPU forward, or fewer torch threads than cores). With every core in
+        # the forward's OpenMP team, a busy worker stretched the forward by more than the masks cost (bench guided).
+        self.overlap = overlap
 
     # ---- compiling (any thread) ------------------------------------------------------------------
     def _tokenizer(self) -> Any:
@@ -81,7 +92,6 @@ class StructuredOutputManager:
                 # ~0.1 s for a 32k vocabulary: once per engine, on the first guided request.
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
                                                                   eos_token=self.eos_token_ids or None)
-                self._executor = llguidance.LLExecutor()
             return self._ll_tokenizer
 
     def compile(self, params: GuidedDecodingParams) -> str:
@@ -195,25 +205,32 @@ class StructuredOutputManager:
             r += 1 + len(drafts)
         if not jobs:
             return None
+        self.num_steps += 1
+        if not self.overlap:
+            done: Future[torch.Tensor] = Future()
+            done.set_result(self._fill(jobs))
+            return StepMasks(done, rows, self)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="minivllm-grammar")
-        return StepMasks(self._pool.submit(self._fill, jobs), rows)
+        return StepMasks(self._pool.submit(self._fill, jobs), rows, self)
 
     def _fill(self, jobs: list[tuple[Any, list[int]]]) -> torch.Tensor:
-        import time
-
+        # One matcher after another on this thread (each call drops the GIL): llguidance's parallel executor was
+        # 3.5x slower than this loop on 2 cores (its thread handoffs cost more than a ~30 us mask).
         t0 = time.perf_counter()
         rows = sum(1 + len(d) for _, d in jobs)
         mask = torch.zeros(rows, self.words, dtype=torch.int32)
-        plain, drafted, r = [], [], 0
-        for m, drafts in jobs:
-            (drafted.append((m, r, drafts)) if drafts else plain.append((m, r)))
-            r += 1 + len(drafts)
         ptr, width = mask.data_ptr(), self.words * 4
-        if plain:
-            self._executor.unsafe_compute_mask_ptr(plain, ptr, width, rows)
-        if drafted:
-            self._executor.unsafe_compute_mask_ptr_with_draft_token(drafted, ptr, width, rows)
+        r = 0
+        for m, drafts in jobs:
+            for tok in drafts:  # the mask at each proposal's position, then the proposals are taken back
+                m.unsafe_compute_mask_ptr(ptr + r * width, width)
+                m.consume_token(tok)
+                r += 1
+            m.unsafe_compute_mask_ptr(ptr + r * width, width)
+            r += 1
+            if drafts:
+                m.rollback(len(drafts))
         self.mask_time += time.perf_counter() - t0
         self.num_masks += rows
         return mask

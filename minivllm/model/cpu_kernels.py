@@ -98,6 +98,8 @@ def load_library() -> ctypes.CDLL | None:
         fn.restype = None
     lib.decode_stack_f32.argtypes = [p, i64, p, p, p, p]
     lib.decode_stack_f32.restype = None
+    lib.apply_token_bitmask_f32.argtypes = [p, i64, p, i64, p, i64, i64]
+    lib.apply_token_bitmask_f32.restype = None
     lib.stream_read_f32.argtypes = [p, i64, c_int]
     lib.stream_read_f32.restype = ctypes.c_double
     return lib
@@ -171,6 +173,16 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     lib.sample_rows_f32(logits.data_ptr(), rows, vocab, *(a.data_ptr() for a in args), out.data_ptr(),
                         scratch.data_ptr(), threads)
     return out
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> None:
+    """In place: -inf where mask [len(rows), words] (int32, one bit per token) forbids a token of logits[rows]."""
+    lib = load_library()
+    assert lib is not None and logits.dtype == torch.float32 and logits.stride(1) == 1
+    idx = torch.tensor(rows, dtype=torch.int64)
+    m = mask.contiguous()
+    lib.apply_token_bitmask_f32(logits.data_ptr(), logits.stride(0), idx.data_ptr(), len(rows), m.data_ptr(),
+                                m.shape[1], logits.shape[1])
 
 
 def logprobs_rows(logits: torch.Tensor, rows: torch.Tensor, chosen: torch.Tensor, num_top: torch.Tensor

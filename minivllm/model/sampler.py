@@ -138,6 +138,9 @@ def apply_token_bitmask(x: torch.Tensor, rows: list[int], mask: torch.Tensor) ->
     """Guided decoding: in place, set to -inf the logits of x's `rows` [R, V] that their bitmask rows forbid
     (mask [len(rows), ceil(V / 32)] int32; bit t % 32 of word t // 32 set = token t allowed)."""
     vocab = x.shape[1]
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(1) == 1 and cpu_kernels.available():
+        cpu_kernels.apply_token_bitmask(x, rows, mask)  # one pass over the set bits' words, no [R, V] temporaries
+        return
     forbidden = ((mask.unsqueeze(-1) >> _BITS) & 1).view(mask.shape[0], -1)[:, :vocab] == 0
     if rows == list(range(x.shape[0])):
         x.masked_fill_(forbidden.to(x.device), float("-inf"))

@@ -319,3 +319,21 @@ void logprobs_rows_f32(const float *logits, int64_t row_stride, const int64_t *r
         for (int64_t j = 0; j < k; j++) vals[j] -= lse;
     }
 }
+
+/* Guided decoding: set to -inf the logits a row's bitmask forbids (bit t % 32 of word t / 32 clear). Row r of
+   the mask belongs to logits row rows[r]; vocab may end mid-word, and ids past the mask's words are forbidden. */
+void apply_token_bitmask_f32(float *logits, int64_t ld, const int64_t *rows, int64_t nrows, const int32_t *mask,
+                             int64_t words, int64_t vocab) {
+    for (int64_t r = 0; r < nrows; r++) {
+        float *x = logits + rows[r] * ld;
+        const uint32_t *m = (const uint32_t *)(mask + r * words);
+        for (int64_t w = 0; w < words && w * 32 < vocab; w++) {
+            uint32_t bits = m[w];
+            if (bits == 0xffffffffu) continue;
+            int64_t base = w * 32, end = base + 32 < vocab ? base + 32 : vocab;
+            for (int64_t t = base; t < end; t++)
+                if (!((bits >> (t - base)) & 1u)) x[t] = -INFINITY;
+        }
+        for (int64_t t = words * 32; t < vocab; t++) x[t] = -INFINITY;
+    }
+}
