@@ -233,8 +233,9 @@ def test_auto_needs_the_server_flags(model_factory, serve):
     url = serve(model_factory("tiny-llama"))  # no --enable-auto-tool-choice
     r = httpx.post(url + "/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS}, timeout=60)
     assert r.status_code == 400 and "--enable-auto-tool-choice" in r.json()["error"]["message"]
-    ok = httpx.post(url + "/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS, "max_tokens": 60,
-                                                        "tool_choice": "required"}, timeout=60)
+    ok = httpx.post(url + "/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS, "max_tokens": 150,
+                                                        "tool_choice": "required", "parallel_tool_calls": False},
+                    timeout=60)
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["tool_calls"]
 
 

@@ -16,7 +16,10 @@ from minivllm.model.kernel_plan import SHAPE_CLASSES, Kernel, PlannedLinear
 
 def onednn_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether oneDNN's prepacked linear can run here (CPU, fp32 or bf16)."""
-    return device.type == "cpu" and torch.backends.mkldnn.is_available() and dtype in (torch.float32, torch.bfloat16)
+    # bf16 needs AVX512-BW/VL/DQ or AVX-NE-CONVERT: without them oneDNN's reorder raises (an AMD EPYC without AVX512).
+    bf16_ok = dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return device.type == "cpu" and torch.backends.mkldnn.is_available() and dtype in (torch.float32, torch.bfloat16) \
+        and bf16_ok
 
 
 def bucket_rows(m: int) -> int:
