@@ -1,4 +1,4 @@
-"""The `minivllm` command: serve | generate | make-model | quantize | monitor | profile | bench."""
+"""The `minivllm` command: serve | generate | make-model | make-lora | quantize | monitor | profile | bench."""
 
 from __future__ import annotations
 
@@ -48,6 +48,15 @@ def _cmd_make_model(ns: argparse.Namespace) -> int:
 
     path = make_model(ns.preset, ns.out, dtype=ns.dtype, seed=ns.seed, max_shard_size=ns.max_shard_size)
     print(f"wrote {ns.preset} to {path}")
+    return 0
+
+
+def _cmd_make_lora(ns: argparse.Namespace) -> int:
+    from minivllm.modelgen.make_lora import make_lora
+
+    targets = tuple(t.strip() for t in ns.targets.split(",") if t.strip())
+    path = make_lora(ns.base, ns.out, rank=ns.rank, alpha=ns.alpha, targets=targets, seed=ns.seed, std=ns.std)
+    print(f"wrote a rank-{ns.rank} LoRA adapter for {ns.base} to {path}")
     return 0
 
 
@@ -111,6 +120,17 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--seed", type=int, default=0, help="weight seed")
     mk.add_argument("--max-shard-size", default=None, help="write sharded safetensors, e.g. 200MB")
     mk.set_defaults(func=_cmd_make_model)
+
+    ml = sub.add_parser("make-lora", help="write a PEFT LoRA adapter with random weights for a model (needs peft)")
+    ml.add_argument("base", help="the base model's directory")
+    ml.add_argument("--out", required=True, help="output directory")
+    ml.add_argument("--rank", type=int, default=8)
+    ml.add_argument("--alpha", type=float, default=16.0)
+    ml.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                    help="comma-separated modules to adapt")
+    ml.add_argument("--seed", type=int, default=0)
+    ml.add_argument("--std", type=float, default=0.05, help="std of the random A and B weights")
+    ml.set_defaults(func=_cmd_make_lora)
 
     qz = sub.add_parser("quantize", help="save a quantized copy of a model that loads without re-quantizing")
     qz.add_argument("model", help="Hugging Face-format model directory")

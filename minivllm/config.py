@@ -180,6 +180,13 @@ class EngineArgs:
         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 3} or {\"model\": \"DIR|default-draft\", "
         "\"num_speculative_tokens\": 3} (also \"prompt_lookup_min\", \"adaptive\")")
 
+    enable_lora: bool = _arg(False, "serve LoRA adapters (PEFT format, Llama family) next to the base model")
+    lora_modules: list[str] | None = _arg(
+        None, "adapters to load at start-up, each NAME=DIR (PEFT: adapter_config.json + adapter_model.safetensors); "
+        "a request picks one by naming it as its model")
+    max_loras: int = _arg(4, "most LoRA adapters loaded at once (each takes a slot in every adapted projection)")
+    max_lora_rank: int = _arg(16, "highest LoRA rank accepted (slots are sized for it)")
+
     def __post_init__(self) -> None:
         if self.model is None:
             from minivllm.default_model import default_model_path
@@ -212,6 +219,14 @@ class EngineArgs:
             raise ValueError(f"kv_cache_mode must be one of {', '.join(KV_CACHE_MODES)}, got {self.kv_cache_mode!r}")
         self._check_eviction()
         self._check_swap()
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora (--enable-lora)")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras}, {self.max_lora_rank}")
+        for spec in self.lora_modules or []:
+            name, sep, path = spec.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"lora_modules: expected NAME=DIR, got {spec!r}")
         if self.quantization is not None:
             QuantConfig(self.quantization, self.quantization_group_size, self.quantize_lm_head)
         if self.quantization_kernel not in QUANTIZATION_KERNELS:
@@ -298,6 +313,8 @@ def add_dataclass_args(cls: type, parser: argparse.ArgumentParser, positional: s
         flag = "--" + f.name.replace("_", "-")
         if f.name == positional:
             parser.add_argument(f.name, nargs="?", default=f.default, help=f.metadata["help"])
+        elif str(f.type) == "list[str] | None":
+            parser.add_argument(flag, nargs="+", default=f.default, help=f.metadata["help"])
         elif f.type in ("bool", bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                                 help=f.metadata["help"])

@@ -12,6 +12,7 @@ from minivllm.config import EngineArgs
 from minivllm.engine.input_processor import Prompt
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.tokenizer import chat_prompt
+from minivllm.lora_request import LoRARequest
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -30,10 +31,12 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: int | str | Sequence[int | str] | None = None,
-                 ttft_slo_ms: float | Sequence[float | None] | None = None) -> list[RequestOutput]:
+                 ttft_slo_ms: float | Sequence[float | None] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of the prompts. `priority` (an int, lower
-        is sooner, or a class name: interactive, batch, background) and `ttft_slo_ms` (a TTFT deadline after
-        arrival) apply to every prompt, or come one per prompt."""
+        is sooner, or a class name: interactive, batch, background), `ttft_slo_ms` (a TTFT deadline after
+        arrival) and `lora_request` (the adapter, with LLM(enable_lora=True)) apply to every prompt, or come one
+        per prompt."""
         if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -48,12 +51,13 @@ class LLM:
         params = [final[id(p)] for p in params]
         priorities = _per_prompt(priority, 0, len(prompts), "priority")
         slos = _per_prompt(ttft_slo_ms, None, len(prompts), "ttft_slo_ms")
+        loras = _per_prompt(lora_request, None, len(prompts), "lora_request")
         engine = self.llm_engine
         ids = [str(next(self._ids)) for _ in prompts]
         added = []
         try:
             for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
-                engine.add_request(rid, prompt, p, priority=priorities[i], ttft_slo_ms=slos[i])
+                engine.add_request(rid, prompt, p, priority=priorities[i], ttft_slo_ms=slos[i], lora_request=loras[i])
                 added.append(rid)
         except Exception:
             for rid in added:
@@ -101,7 +105,7 @@ class LLM:
 
 def _per_prompt(value: Any, default: Any, n: int, name: str) -> list[Any]:
     """One value for all n prompts (a scalar, or None for the default), or a sequence of exactly n."""
-    if value is None or isinstance(value, int | float | str):
+    if value is None or isinstance(value, int | float | str | LoRARequest):
         return [default if value is None else value] * n
     values = list(value)
     if len(values) != n:

@@ -121,7 +121,7 @@ def _near_valid(case: Any, draw: st.DrawFn, model: str) -> None:
     body = case.body
     for key in _DROPPED:
         body.pop(key, None)
-    for key, strategy in _REQUIRED[case.operation.label].items():
+    for key, strategy in _REQUIRED.get(case.operation.label, {}).items():
         body[key] = draw(strategy)
     for key, strategy in _IN_RANGE.items():
         if body.get(key) is not None:
@@ -144,12 +144,19 @@ def _strategy(op: Any, kind: str, model: str) -> st.SearchStrategy[Any]:
     return near_valid()
 
 
+def _own_timeout(response: Any) -> bool:
+    try:
+        return response.json()["error"]["param"] == "timeout"
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
 class _Run:
     """Counts and failures of a fuzzing run."""
 
     def __init__(self) -> None:
         self.counts: collections.Counter[tuple[str, str]] = collections.Counter()
-        self.statuses: collections.Counter[int] = collections.Counter()
+        self.statuses: collections.Counter[int | str] = collections.Counter()
         self.failures: list[str] = []
         self.session = requests.Session()
 
@@ -167,9 +174,15 @@ class _Run:
             except requests.RequestException as e:  # a timeout (hang) or a dropped connection
                 self.failures.append(f"{op.label} [{kind}] {case.body!r:.300}: no response: {e!r}")
                 return
-            self.statuses[response.status_code] += 1
+            status = response.status_code
+            here = checks
+            if status == 503 and _own_timeout(response):
+                # The request's own `timeout` (any positive float: schemathesis draws ~1e-11 s) expired before it
+                # started: the declared 503 of that field, not a server fault; the other checks still apply.
+                status, here = "503 (its own timeout)", [c for c in checks if c is not not_a_server_error]
+            self.statuses[status] += 1
             try:
-                case.validate_response(response, checks=checks)
+                case.validate_response(response, checks=here)
             except FailureGroup as e:
                 self.failures.append(f"{op.label} [{kind}]: {e}"[:3000])
 
@@ -194,12 +207,12 @@ def test_schemathesis_fuzz(url, capsys):
     total = sum(counts.values())
     with capsys.disabled():
         print(f"\nschemathesis: {total} cases in {time.monotonic() - t0:.1f} s; "
-              f"statuses {dict(sorted(statuses.items()))}")
+              f"statuses {dict(sorted(statuses.items(), key=str))}")
         for (label, kind), n in sorted(counts.items()):
             print(f"  {label:28} {kind:10} {n}")
     assert not failures, f"{len(failures)} failing cases; the first ones:\n\n" + "\n\n".join(failures[:5])
     assert total >= MIN_CASES, counts
-    assert not any(s >= 500 for s in statuses), statuses
+    assert not any(isinstance(s, int) and s >= 500 for s in statuses), statuses
     assert statuses[200] >= 100, statuses  # the near-valid cases do reach the engine
     assert_server_whole(url, expected)
 

@@ -125,6 +125,12 @@ def test_every_route_through_the_front(replicated):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     r = httpx.post(url + "/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=60)
     assert r.status_code == 404
+    # Guided decoding: the front compiles the constraint (400 when invalid), the replica's matcher applies it.
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 8, "temperature": 1.0,
+                                                  "guided_choice": ["alpha", "beta"]}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("alpha", "beta")
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x", "guided_regex": "(x"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex"
     from websockets.sync.client import connect
 
     with connect(url.replace("http", "ws") + "/ws/generate") as ws:

@@ -271,3 +271,12 @@ def test_bad_constraints_are_400_naming_the_field(server, path, body, param, mes
     err = r.json()["error"]
     assert err["param"] == param and message in err["message"], err
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_logprobs_of_masked_tokens_are_finite(client, model):
+    """A choice of one token leaves every alternative masked (-inf): reported as -9999.0, vLLM's floor, since JSON
+    has no infinity (the fuzzer found this as a 500)."""
+    r = client.completions.create(model=model, prompt="x", max_tokens=5, logprobs=3, temperature=1.0,
+                                  extra_body={"guided_choice": ["a"]})
+    top = r.choices[0].logprobs.top_logprobs[0]
+    assert r.choices[0].text == "a" and len(top) == 3 and min(top.values()) == -9999.0

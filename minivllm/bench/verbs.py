@@ -58,6 +58,8 @@ VERBS: dict[str, tuple[str, str, str, str]] = {
     "guided": ("guided", "add_guided_args", "run_guided",
                "guided JSON decoding vs the same requests unguided (16 sequences), mask time per step, and what "
                "overlapping the masks with the forward hides"),
+    "lora": ("lora", "add_lora_args", "run_lora",
+             "a batch mixing three LoRA adapters and the base model vs the base model alone (ABBA)"),
     "all": ("all", "add_all_args", "run_all", "every bench in turn, then BENCHMARKS.md regenerated from their results"),
 }
 

@@ -22,9 +22,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,8 +36,10 @@ from minivllm.engine.async_stream import (
     RequestFailedError,
     RequestTimeoutError,
 )
+from minivllm.engine.engine_inbox import Abort, Call, EngineInbox, Item, settle
 from minivllm.engine.input_processor import EngineRequest, Prompt
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.lora_registry import LoadedLoRA
 from minivllm.engine.request_lifecycle import TIMEOUT_REASON
 from minivllm.engine.stats import IterationStats, LoggingStatLogger, SchedulerSnapshot, StatLogger
 from minivllm.engine.step_trace import StepTracer
@@ -49,9 +49,6 @@ from minivllm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _Abort:
-    request_id: str
 
 
 class AsyncLLMEngine:
@@ -73,14 +70,11 @@ class AsyncLLMEngine:
         self.max_waiting = max_waiting
         self.num_threads = num_threads or cpu_count()
         self.idle_tick_s = idle_tick_s
-        self._cv = threading.Condition()
-        self._inbox: deque[EngineRequest | _Abort] = deque()
-        self._inbox_adds = 0  # adds in the inbox (for the waiting count)
+        self._inbox = EngineInbox()
         self._snapshot = SchedulerSnapshot(0, 0, 0.0)
         self._streams: dict[str, AsyncStream] = {}  # event-loop thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_ready = threading.Event()
-        self._stop = False
         self.dead_error: BaseException | None = None
         self.tracer = StepTracer()  # the live view's feed; costs nothing while nobody subscribes
         self._thread = threading.Thread(target=self._thread_main, args=(engine,), name="minivllm-engine",
@@ -117,9 +111,7 @@ class AsyncLLMEngine:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread after its current step."""
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
+        self._inbox.stop()
         self._loop_ready.set()
         if self._thread.ident is not None:
             self._thread.join(timeout)
@@ -165,10 +157,19 @@ class AsyncLLMEngine:
     def process_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int | str = 0,
                         arrival_time: float | None = None, fit_context: bool = False,
                         default_max_tokens: int | None = None, ttft_slo_ms: float | None = None,
-                        timeout_s: float | None = None) -> EngineRequest:
+                        timeout_s: float | None = None, lora: LoadedLoRA | None = None) -> EngineRequest:
         """Tokenize and validate (ValueError names the problem) without queueing; see InputProcessor.process."""
         return self.engine.process_request(request_id, prompt, params, priority, arrival_time, fit_context,
-                                           default_max_tokens, ttft_slo_ms, timeout_s)
+                                           default_max_tokens, ttft_slo_ms, timeout_s, lora)
+
+    async def call_engine(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """fn(engine) on the engine thread between two steps (state such as LoRA slots belongs to that thread):
+        its result, or its exception raised here."""
+        if not self.is_running:
+            raise EngineDeadError(f"the engine loop is not running ({self.dead_error!r})")
+        future = asyncio.get_running_loop().create_future()
+        self._inbox.put([Call(fn, future)])
+        return await future
 
     def add_requests(self, requests: Sequence[EngineRequest]) -> list[AsyncStream]:
         """Queue requests together (they reach the engine in the same step); one stream each."""
@@ -188,10 +189,7 @@ class AsyncLLMEngine:
         streams = [AsyncStream(r.request_id, r.prompt_token_ids) for r in requests]
         for s in streams:
             self._streams[s.request_id] = s
-        with self._cv:
-            self._inbox.extend(requests)
-            self._inbox_adds += len(requests)
-            self._cv.notify()
+        self._inbox.put(requests)
         return streams
 
     async def submit(self, requests: Sequence[EngineRequest]) -> list[AsyncStream]:
@@ -210,9 +208,7 @@ class AsyncLLMEngine:
         if stream is None or stream.finished:
             return
         stream.finished = True
-        with self._cv:
-            self._inbox.append(_Abort(request_id))
-            self._cv.notify()
+        self._inbox.put([Abort(request_id)])
 
     def abort_stream(self, stream: AsyncStream) -> None:
         """Abort the request of this stream, unless it finished (its id may already serve a newer request)."""
@@ -240,9 +236,7 @@ class AsyncLLMEngine:
                     del self._streams[out.request_id]
                 elif stream.num_unread > self.MAX_UNREAD and now - stream.last_read > self.client_stall_timeout_s:
                     del self._streams[out.request_id]
-                    with self._cv:  # abort it: its KV blocks are freed before the next step
-                        self._inbox.append(_Abort(out.request_id))
-                        self._cv.notify()
+                    self._inbox.put([Abort(out.request_id)])  # its KV blocks are freed before the next step
                     stream.fail(ClientStalledError(
                         f"the client did not read its stream for {now - stream.last_read:.0f} s "
                         f"({stream.num_unread} outputs unread; client_stall_timeout={self.client_stall_timeout_s:g} "
@@ -273,20 +267,17 @@ class AsyncLLMEngine:
                             for rid, why in failed.items()])
 
     # ---- the engine thread -------------------------------------------------------------------------
-    def _take_inbox(self, block: bool) -> list[EngineRequest | _Abort]:
-        with self._cv:
-            if block and not self._inbox and not self._stop:
-                self._cv.wait(self.idle_tick_s)
-            items = list(self._inbox)
-            self._inbox.clear()
-            self._inbox_adds = 0
-        return items
-
-    def _apply(self, items: list[EngineRequest | _Abort]) -> None:
+    def _apply(self, items: list[Item]) -> None:
         eng = self.engine
         for item in items:
-            if isinstance(item, _Abort):
+            if isinstance(item, Abort):
                 eng.abort_request(item.request_id)
+            elif isinstance(item, Call):
+                try:
+                    result, error = item.fn(eng), None
+                except Exception as e:
+                    result, error = None, e
+                self._loop.call_soon_threadsafe(settle, item.future, result, error)
             else:
                 try:
                     eng.add_engine_request(item)
@@ -300,20 +291,14 @@ class AsyncLLMEngine:
         if sched.running or not sched.waiting:
             return
         deadline = min(s.group.arrival_time for s in sched.waiting if s.group is not None) + self.batch_wait_s
-        while ((left := deadline - time.time()) > 0 and not self._stop
+        while ((left := deadline - time.time()) > 0 and not self._inbox.stopped
                and len(sched.waiting) < sched.config.max_num_seqs):
-            with self._cv:
-                if not self._inbox:
-                    self._cv.wait(left)
-                more = list(self._inbox)
-                self._inbox.clear()
-                self._inbox_adds = 0
-            self._apply(more)
+            self._apply(self._inbox.take(left))
 
     def _record(self, stats: IterationStats | None) -> None:
         """Hand the step's stats to the event loop, where the front end's loggers record them: the engine
         thread produces stats objects and never calls into the server's metrics (vLLM v1's direction)."""
-        self._snapshot = snap = self.engine.snapshot(self._inbox_adds)
+        self._snapshot = snap = self.engine.snapshot(self._inbox.adds)
         if self._loop is None:
             return
         try:
@@ -345,14 +330,14 @@ class AsyncLLMEngine:
             finally:
                 self._built.set()
         self._loop_ready.wait()
-        if not self._stop:
+        if not self._inbox.stopped:
             self._run()
 
     def _run(self) -> None:
         eng = self.engine
         try:
-            while not self._stop:
-                items = self._take_inbox(block=not eng.has_unfinished_requests())
+            while not self._inbox.stopped:
+                items = self._inbox.take(None if eng.has_unfinished_requests() else self.idle_tick_s)
                 self._apply(items)
                 if self.batch_wait_s > 0:
                     self._coalesce()
@@ -388,3 +373,4 @@ class AsyncLLMEngine:
         err = RequestFailedError(f"internal error in an engine step: {error!r}")
         self._post([], [(rid, err) for rid in failed])
         self._post_failed()
+

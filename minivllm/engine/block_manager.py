@@ -63,7 +63,7 @@ class BlockManager:
         bs = self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else b"", seq.token_ids[i * bs:(i + 1) * bs]))
+            hashes.append(hash_block(hashes[-1] if hashes else seq.cache_salt, seq.token_ids[i * bs:(i + 1) * bs]))
         return hashes
 
     def get_computed_blocks(self, seq: Sequence) -> list[int]:

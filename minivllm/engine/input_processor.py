@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from minivllm.engine.lora_registry import LoadedLoRA
 from minivllm.engine.structured_output import StructuredOutputManager
 from minivllm.sampling_params import SamplingParams
 from minivllm.slo import TtftSlo, resolve_priority
@@ -75,6 +76,7 @@ class EngineRequest:
     ttft_deadline: float = math.inf  # arrival_time + its TTFT SLO (slo.py); inf: none
     start_deadline: float = math.inf  # arrival_time + its timeout: not started by then, it is dropped unprefilled
     grammar: str | None = None  # guided decoding: the compiled constraint (structured_output.py)
+    lora: LoadedLoRA | None = None  # the adapter it runs with (None: the base model)
 
 
 class InputProcessor:
@@ -114,7 +116,7 @@ class InputProcessor:
     def process(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, priority: int | str = 0,
                 arrival_time: float | None = None, fit_context: bool = False,
                 default_max_tokens: int | None = None, ttft_slo_ms: float | None = None,
-                timeout_s: float | None = None) -> EngineRequest:
+                timeout_s: float | None = None, lora: LoadedLoRA | None = None) -> EngineRequest:
         """Tokenize, validate and fill in max_tokens; ValueError naming the problem if the request can never run.
         `priority` is an int or a class name, `ttft_slo_ms` overrides its class's TTFT SLO (slo.py), `timeout_s`
         the longest it may wait to start (past it, it is dropped before any prefill).
@@ -146,7 +148,8 @@ class InputProcessor:
         if params.max_tokens is None:
             fill = max(1, room) if default_max_tokens is None else min(default_max_tokens, room)
             params = params.clone(max_tokens=fill)
-        return EngineRequest(request_id, text, ids, params, arrival_time, priority, deadline, start_deadline, grammar)
+        return EngineRequest(request_id, text, ids, params, arrival_time, priority, deadline, start_deadline, grammar,
+                             lora)
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:

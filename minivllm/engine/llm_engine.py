@@ -24,6 +24,7 @@ from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.fault_injection import FaultInjector
 from minivllm.engine.input_processor import InputProcessor, RequestLimits
 from minivllm.engine.introspection import EngineIntrospection
+from minivllm.engine.lora_registry import LoRARegistry
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.engine.request_lifecycle import TIMEOUT_REASON, RequestLifecycle
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput
@@ -118,6 +119,11 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
                                               _eviction_block_cap(args, cc.block_size, token_budget),
                                               RequestLimits(args.max_prompt_tokens, args.max_n, args.max_logprobs),
                                               self.structured)
+        self.loras = LoRARegistry(self.runner.init_lora(args.max_loras, args.max_lora_rank) if args.enable_lora
+                                  else None)
+        for spec in args.lora_modules or []:
+            name, _, path = spec.partition("=")
+            self.loras.add(name, path)
         self.faults = FaultInjector.from_env()  # None unless the test-only hook is armed
         self.guard = StepGuard(self.runner, self.faults, isolate=args.tensor_parallel_size == 1)
         self.failed_requests: dict[str, str] = {}
@@ -236,7 +242,8 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
             wants_prompt_lp = (lps is not None and seq.index == 0 and len(lps) < seq.num_prompt_tokens
                                and start < seq.num_prompt_tokens - 1)
             inputs.append(SequenceInput(seq.token_ids[start:start + n], start, seq.block_table,
-                                        start + n == seq.num_tokens, wants_prompt_lp))
+                                        start + n == seq.num_tokens, wants_prompt_lp,
+                                        group.lora.slot if group.lora is not None else -1))
         return inputs
 
     def _process(self, sched: SchedulerOutput, inputs: list[SequenceInput], logits: torch.Tensor

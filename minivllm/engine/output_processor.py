@@ -12,6 +12,8 @@ from minivllm.model.sampler import Sampler, TokenLogprobs
 from minivllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from minivllm.sampling_params import RequestOutputKind
 
+LOGPROB_FLOOR = -9999.0
+
 
 class OutputProcessor:
     """Per-token bookkeeping after sampling, and output assembly per RequestOutputKind."""
@@ -39,9 +41,11 @@ class OutputProcessor:
         return text
 
     def position_logprobs(self, lp: TokenLogprobs) -> PositionLogprobs:
-        """token id → Logprob for one position (the chosen token first, then the top-N)."""
-        return {t: Logprob(v, r, self.token_text(t)) for t, v, r in zip(lp.token_ids, lp.logprobs, lp.ranks,
-                                                                          strict=True)}
+        """token id → Logprob for one position (the chosen token first, then the top-N). A token that cannot be
+        drawn (masked by guided decoding or min_tokens) has logprob -inf, reported as -9999.0 as vLLM does: JSON
+        has no infinity."""
+        return {t: Logprob(max(v, LOGPROB_FLOOR), r, self.token_text(t))
+                for t, v, r in zip(lp.token_ids, lp.logprobs, lp.ranks, strict=True)}
 
     def append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> SequenceStatus | None:
         """Record a sampled token; return the finishing status if it ends the sequence."""

@@ -11,11 +11,14 @@ import torch
 
 from minivllm.engine.fault_injection import EngineLoopKilled, FailingDetokenizer, FaultInjector
 from minivllm.engine.input_processor import EngineRequest, InputProcessor, Prompt
+from minivllm.engine.lora_registry import LoadedLoRA
 from minivllm.engine.sequence import BeamState, Sequence, SequenceGroup, SequenceStatus
+from minivllm.lora_request import LoRARequest
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from minivllm.engine.lora_registry import LoRARegistry
     from minivllm.engine.output_processor import OutputProcessor
     from minivllm.engine.scheduler import Scheduler
     from minivllm.engine.spec_decode import Speculator
@@ -37,6 +40,7 @@ class RequestLifecycle:
     input_batch: InputBatch
     input_processor: InputProcessor
     structured: StructuredOutputManager
+    loras: LoRARegistry
     output_processor: OutputProcessor
     groups: dict[str, SequenceGroup]
     log_stats: bool
@@ -46,18 +50,20 @@ class RequestLifecycle:
 
     def add_request(self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None = None,
                     priority: int | str = 0, arrival_time: float | None = None, ttft_slo_ms: float | None = None,
-                    timeout_s: float | None = None) -> None:
-        """Validate and queue a request; raise ValueError naming the problem if it can never run."""
+                    timeout_s: float | None = None, lora_request: LoRARequest | None = None) -> None:
+        """Validate and queue a request (with `lora_request`, under that adapter, loaded on first use); raise
+        ValueError naming the problem if it can never run."""
+        lora = self.loras.resolve(lora_request)
         self.add_engine_request(self.process_request(request_id, prompt, sampling_params, priority, arrival_time,
-                                                     ttft_slo_ms=ttft_slo_ms, timeout_s=timeout_s))
+                                                     ttft_slo_ms=ttft_slo_ms, timeout_s=timeout_s, lora=lora))
 
     def process_request(self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None = None,
                         priority: int | str = 0, arrival_time: float | None = None, fit_context: bool = False,
                         default_max_tokens: int | None = None, ttft_slo_ms: float | None = None,
-                        timeout_s: float | None = None) -> EngineRequest:
+                        timeout_s: float | None = None, lora: LoadedLoRA | None = None) -> EngineRequest:
         """Tokenize and validate without touching engine state (safe off the engine thread): InputProcessor.process."""
         return self.input_processor.process(request_id, prompt, sampling_params, priority, arrival_time,
-                                            fit_context, default_max_tokens, ttft_slo_ms, timeout_s)
+                                            fit_context, default_max_tokens, ttft_slo_ms, timeout_s, lora)
 
     def add_engine_request(self, req: EngineRequest) -> None:
         """Queue a request that process_request() built."""
@@ -65,7 +71,7 @@ class RequestLifecycle:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         request_id, ids, params = req.request_id, req.prompt_token_ids, req.params
         group = SequenceGroup(request_id, req.prompt, ids, params, req.arrival_time, ttft_deadline=req.ttft_deadline,
-                              start_deadline=req.start_deadline, grammar=req.grammar)
+                              start_deadline=req.start_deadline, grammar=req.grammar, lora=req.lora)
         if self.faults is not None:
             group.faults = self.faults.faults_for(req.prompt, lambda: self.input_processor.tokenizer.decode(ids))
             if "kill_loop" in group.faults:
@@ -120,6 +126,18 @@ class RequestLifecycle:
             self.input_batch.remove(seq.slot)
             seq.slot = -1
         self.structured.detach(seq)
+
+    def lora_in_use(self, name: str) -> int:
+        """Requests running or waiting with the named adapter."""
+        return sum(1 for g in self.groups.values() if g.lora is not None and g.lora.name == name)
+
+    def add_lora(self, name: str, path: str) -> LoadedLoRA:
+        """Load a PEFT adapter under a name (vLLM's /v1/load_lora_adapter); ValueError naming the problem."""
+        return self.loras.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter (KeyError if unknown; ValueError while requests use it)."""
+        self.loras.remove(name, self.lora_in_use(name))
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting or running."""

@@ -35,7 +35,8 @@ def verify_rows(seq: Sequence, n: int) -> list[SequenceInput]:
     rather than the module path that multi-token chunks take)."""
     start = seq.num_computed_tokens
     toks = (seq.token_ids[start:] + seq.spec_token_ids)[:n]
-    return [SequenceInput([t], start + i, seq.block_table, True) for i, t in enumerate(toks)]
+    lora = seq.group.lora.slot if seq.group is not None and seq.group.lora is not None else -1
+    return [SequenceInput([t], start + i, seq.block_table, True, lora=lora) for i, t in enumerate(toks)]
 
 
 class Proposer(Protocol):

@@ -64,6 +64,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     root: str
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int
 
 

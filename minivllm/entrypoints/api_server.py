@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from minivllm.config import EngineArgs, parse_size
 from minivllm.engine.async_engine import AsyncLLMEngine
-from minivllm.entrypoints import dashboard, openai_routes, seed_routes
+from minivllm.entrypoints import dashboard, lora_routes, openai_routes, seed_routes
 from minivllm.entrypoints.api_schema import HealthResponse
 from minivllm.entrypoints.metrics import HTTP_ENDPOINTS, ServerMetrics
 from minivllm.entrypoints.serving import (
@@ -212,6 +212,7 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs, metrics: ServerMetrics |
     app.include_router(dashboard.router)
     app.include_router(seed_routes.router)
     app.include_router(openai_routes.router)
+    app.include_router(lora_routes.router)
     app.add_middleware(GuardMiddleware, api_key=args.api_key,
                        max_body_bytes=parse_size(args.max_body_size, "max_body_size"),
                        stall_timeout_s=getattr(engine, "client_stall_timeout_s", 30.0))

@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, Response
 
 from minivllm.engine.async_engine import AsyncStream
 from minivllm.engine.input_processor import Prompt
+from minivllm.engine.lora_registry import LoadedLoRA
 from minivllm.engine.tokenizer import chat_prompt
 from minivllm.entrypoints.api_schema import OPENAI_GENERATION_ERRORS, ChatCompletion, Completion, ModelList, responses
 from minivllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, beam_search_fields
@@ -38,11 +39,12 @@ def _state(request: Request) -> ServerState:
 
 @router.get("/v1/models", responses=responses(ModelList, 401))
 async def list_models(request: Request) -> JSONResponse:
-    """The one model this server serves."""
+    """The model this server serves, then its LoRA adapters (each with the base model as parent)."""
     st = _state(request)
-    return JSONResponse({"object": "list", "data": [{
-        "id": st.model_name, "object": "model", "created": st.created, "owned_by": "minivllm",
-        "root": st.model_path, "max_model_len": st.max_model_len}]})
+    card = {"object": "model", "created": st.created, "owned_by": "minivllm", "max_model_len": st.max_model_len}
+    return JSONResponse({"object": "list", "data": [
+        {"id": st.model_name, "root": st.model_path, "parent": None, **card},
+        *({"id": name, "root": lora.path, "parent": st.model_name, **card} for name, lora in st.loras.items())]})
 
 
 def _check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
@@ -100,10 +102,11 @@ def _chat_logprobs(c: CompletionOutput, k: int) -> dict[str, Any]:
 
 
 async def _submit(st: ServerState, prompts: list[Prompt], params: SamplingParams,
-                  body: CompletionRequest | ChatCompletionRequest, prefix: str) -> tuple[str, list[AsyncStream]]:
+                  body: CompletionRequest | ChatCompletionRequest, prefix: str, lora: LoadedLoRA | None
+                  ) -> tuple[str, list[AsyncStream]]:
     rid = new_request_id(prefix)
     return rid, await st.submit(await st.prepare(rid, prompts, params, body.priority, ttft_slo_ms=body.ttft_slo_ms,
-                                                      timeout_s=body.timeout))
+                                                      timeout_s=body.timeout, lora=lora))
 
 
 # ---- /v1/completions -----------------------------------------------------------------------------------
@@ -112,7 +115,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     """Text completion for one prompt or a list of prompts."""
     st = _state(request)
     t0 = request.state.t0
-    st.check_model(body.model)
+    lora = st.check_model(body.model)
+    model = lora.name if lora is not None else st.model_name
     _check_unsupported(body)
     if body.suffix is not None:
         raise APIError(400, "suffix is not supported by this server", "suffix")
@@ -125,11 +129,12 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     # echo with logprobs scores the prompt too (OpenAI's legacy behaviour): through prompt_logprobs.
     prompt_lp = max(body.prompt_logprobs or 0, body.logprobs or 0) if echo_logprobs else body.prompt_logprobs
     params = _params(body, body.max_tokens, body.logprobs, prompt_lp)
-    rid, streams = await _submit(st, prompts, params, body, "cmpl")
+    rid, streams = await _submit(st, prompts, params, body, "cmpl", lora)
     created = int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _completion_events(st, body, _Chunker(st, rid, "text_completion", created, include_usage), streams)
+        events = _completion_events(st, body, _Chunker(st, rid, "text_completion", created, include_usage, model),
+                                    streams)
         return st.stream_response("/v1/completions", t0, events, streams)
     outs = await st.wait_finals(request, streams)
     choices, completion_tokens = [], 0
@@ -153,7 +158,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
                 choice["cumulative_logprob"] = c.cumulative_logprob
             choices.append(choice)
     st.count("/v1/completions", "success", t0)
-    return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
+    return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
                          "choices": choices,
                          "usage": _usage(sum(len(o.prompt_token_ids) for o in outs), completion_tokens)})
 
@@ -196,10 +201,11 @@ class _Chunker:
     object: str
     created: int
     include_usage: bool
+    model: str  # the served name the request asked for (the base model's, or a LoRA adapter's)
 
     def __call__(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
         data: dict[str, Any] = {"id": self.rid, "object": self.object, "created": self.created,
-                                "model": self.st.model_name, "choices": choices}
+                                "model": self.model, "choices": choices}
         if self.include_usage:  # OpenAI: usage null on every chunk but the last
             data["usage"] = usage
         return sse(json.dumps(data, ensure_ascii=False))
@@ -235,7 +241,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     """A reply to a conversation, through the tokenizer's chat template."""
     st = _state(request)
     t0 = request.state.t0
-    st.check_model(body.model)
+    lora = st.check_model(body.model)
+    model = lora.name if lora is not None else st.model_name
     _check_unsupported(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
@@ -252,13 +259,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                                          plan.tools)
     except ValueError as e:
         raise bad_request(e) from None
-    rid, streams = await _submit(st, [prompt], params, body, "chatcmpl")
+    rid, streams = await _submit(st, [prompt], params, body, "chatcmpl", lora)
     created = int(time.time())
     k = body.top_logprobs or 0
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _chat_events(body, _Chunker(st, rid, "chat.completion.chunk", created, include_usage), streams[0], k,
-                              plan)
+        events = _chat_events(body, _Chunker(st, rid, "chat.completion.chunk", created, include_usage, model),
+                              streams[0], k, plan)
         return st.stream_response("/v1/chat/completions", t0, events, streams)
     (out,) = await st.wait_finals(request, streams)
     choices = []
@@ -269,7 +276,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         choices.append({"index": c.index, "message": message, "logprobs": _chat_logprobs(c, k) if body.logprobs
                         else None, "finish_reason": finish, "stop_reason": c.stop_reason})
     st.count("/v1/chat/completions", "success", t0)
-    response = {"id": rid, "object": "chat.completion", "created": created, "model": st.model_name,
+    response = {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": choices,
                 "usage": _usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))}
     if body.prompt_logprobs is not None:  # vLLM puts the chat's prompt logprobs beside the choices

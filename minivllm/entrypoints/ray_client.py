@@ -27,7 +27,9 @@ from minivllm.engine.async_stream import (
     RequestTimeoutError,
 )
 from minivllm.engine.input_processor import EngineRequest, InputProcessor, Prompt, RequestLimits
+from minivllm.engine.lora_registry import LoadedLoRA
 from minivllm.engine.stats import SchedulerSnapshot
+from minivllm.engine.structured_output import StructuredOutputManager
 from minivllm.entrypoints.ray_router import set_unhealthy
 from minivllm.entrypoints.router_metrics import ReplicaCollector, RouterMetrics
 from minivllm.sampling_params import SamplingParams
@@ -69,7 +71,10 @@ class RayEngineClient:
         bs = info["block_size"]
         self.input_processor = InputProcessor(tokenizer, info["vocab_size"], self.max_model_len, info["kv_cache_mode"],
                                               lambda n: -(-n // bs), info["num_blocks"], info["pool"],
-                                              info.get("ttft_slo_ms"), limits=RequestLimits(*info["limits"]))
+                                              info.get("ttft_slo_ms"), limits=RequestLimits(*info["limits"]),
+                                              # Guided requests compile here; each replica attaches the matchers.
+                                              structured=StructuredOutputManager(tokenizer, info["vocab_size"],
+                                                                                 frozenset(info["eos_token_ids"])))
         self.stat_loggers: list[Any] = []  # build_app adds the server's metrics; the replicas feed their own
         # The front never exits for a replica: Serve restarts a dead one, and routing goes around it meanwhile.
         self.death_callbacks: list[Any] = []
@@ -94,11 +99,12 @@ class RayEngineClient:
     def process_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int | str = 0,
                         arrival_time: float | None = None, fit_context: bool = False,
                         default_max_tokens: int | None = None, ttft_slo_ms: float | None = None,
-                        timeout_s: float | None = None) -> EngineRequest:
+                        timeout_s: float | None = None, lora: LoadedLoRA | None = None) -> EngineRequest:
         """Tokenize and validate as a replica would (ValueError names the problem); the front sets deadlines
-        (with the replicas' --ttft-slo-ms, and the request's timeout), as requests arrive here."""
+        (with the replicas' --ttft-slo-ms, and the request's timeout), as requests arrive here. Replicas serve no
+        LoRA adapters (the front lists none, so `lora` is always None here)."""
         return self.input_processor.process(request_id, prompt, params, priority, arrival_time, fit_context,
-                                            default_max_tokens, ttft_slo_ms, timeout_s)
+                                            default_max_tokens, ttft_slo_ms, timeout_s, lora)
 
     def start(self) -> None:
         """Start reading the board (call on the server's event loop)."""

@@ -26,6 +26,7 @@ from minivllm.engine.async_engine import (
     RequestTimeoutError,
 )
 from minivllm.engine.input_processor import EngineRequest, Prompt
+from minivllm.engine.lora_registry import LoadedLoRA, LoRARegistry
 from minivllm.entrypoints.metrics import ServerMetrics
 from minivllm.entrypoints.streaming import EngineStreamingResponse, sse
 from minivllm.entrypoints.tool_calls import TOOL_CALL_PARSERS
@@ -61,6 +62,9 @@ class ServerArgs:
                                       "needs the [ray] extra); engine flags apply to each replica")
     ray_address: str | None = _arg(None, "with --replicas: join the Ray cluster at HOST:PORT (or ray://..., auto) "
                                          "instead of starting a local one")
+    allow_runtime_lora_updating: bool = _arg(False, "with --enable-lora: allow POST /v1/load_lora_adapter and "
+                                                    "/v1/unload_lora_adapter (loading opens a server-side directory "
+                                                    "a client names)")
     enable_auto_tool_choice: bool = _arg(False, 'allow tool_choice "auto" (the model decides whether to call a tool; '
                                                 "needs --tool-call-parser)")
     tool_call_parser: str | None = _arg(None, "how tool calls are read from a reply under tool_choice auto: hermes "
@@ -183,15 +187,32 @@ class ServerState:
         # response; the engine side drops such a request's stream alike (AsyncLLMEngine.MAX_UNREAD).
         self.stall_timeout_s: float = getattr(engine, "client_stall_timeout_s", 30.0)
 
-    def check_model(self, model: str | None) -> None:
-        """404 for a model name this server does not serve."""
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
-                           "model")
+    @property
+    def engine_loras(self) -> LoRARegistry | None:
+        """The engine's LoRA registry, None unless --enable-lora (or over Ray replicas, which do not serve LoRA)."""
+        registry = getattr(getattr(self.engine, "engine", None), "loras", None)
+        return registry if registry is not None and registry.manager is not None else None
+
+    @property
+    def loras(self) -> dict[str, LoadedLoRA]:
+        """The LoRA adapters served, by name."""
+        registry = self.engine_loras
+        return registry.loaded if registry is not None else {}
+
+    def check_model(self, model: str | None) -> LoadedLoRA | None:
+        """The adapter a request's model names (None: the base model); 404 for a name this server does not
+        serve."""
+        if model is None or model == self.model_name:
+            return None
+        lora = self.loras.get(model)
+        if lora is None:
+            served = ", ".join([self.model_name, *self.loras])
+            raise APIError(404, f"The model `{model}` does not exist; this server serves: {served}.", "model")
+        return lora
 
     async def prepare(self, request_id: str, prompts: list[Prompt], params: SamplingParams, priority: int | str = 0,
                       default_max_tokens: int | None = None, ttft_slo_ms: float | None = None,
-                      timeout_s: float | None = None) -> list[EngineRequest]:
+                      timeout_s: float | None = None, lora: LoadedLoRA | None = None) -> list[EngineRequest]:
         """Tokenize and validate the requests of one call (ids request_id-0, -1, ...); APIError(400)
         naming the problem. Large inputs are tokenized on a worker thread, off the event loop. `priority` is
         an int or a class name, `ttft_slo_ms` the requests' TTFT SLO (slo.py).
@@ -208,7 +229,7 @@ class ServerState:
         def build() -> list[EngineRequest]:
             return [self.engine.process_request(f"{request_id}-{i}", p, params, priority, arrival, fit_context=True,
                                                 default_max_tokens=default_max_tokens, ttft_slo_ms=ttft_slo_ms,
-                                                timeout_s=timeout_s)
+                                                timeout_s=timeout_s, lora=lora)
                     for i, p in enumerate(prompts)]
 
         size = sum(len(p) if isinstance(p, str) else 64 for p in prompts)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,9 @@ from torch import nn
 
 from minivllm.model import cpu_kernels
 from minivllm.model.kv_quant import dequantize_kv, quantize_kv
+
+if TYPE_CHECKING:
+    from minivllm.model.lora import LoRAMapping
 
 
 @dataclass(slots=True)
@@ -43,6 +47,7 @@ class AttentionMetadata:
     sliding_window: int | None  # the model's window, or --kv-eviction sink-window's
     prefills: list[PrefillSpan]
     sink_tokens: int = 0  # with a window: the first positions every token still attends to (attention sinks)
+    lora: LoRAMapping | None = None  # which tokens use which LoRA slot (model/lora.py); None: no adapter this step
 
 
 _metadata: AttentionMetadata | None = None

@@ -125,8 +125,8 @@ class DecodeStack:
     def accepts(self, num_tokens: int) -> bool:
         """Whether this step is all decodes and its shape class runs native kernels throughout."""
         md = get_metadata()
-        if md.num_decodes != num_tokens or md.prefills:
-            return False
+        if md.num_decodes != num_tokens or md.prefills or md.lora is not None:
+            return False  # (LoRA deltas are added by the projections' Python path)
         return self.native_classes[shape_class(num_tokens)]
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -39,13 +39,15 @@ class PlannedLinear(nn.Module):
     cyclic garbage collector happens to run."""
 
     kernels: tuple[Callable[..., torch.Tensor], ...]
+    lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # LoRA slots (model/lora.py), if on
 
     def candidates(self) -> dict[str, Kernel]:
         """Kernel name → bound method, for every kernel that computes this layer's math here."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels[shape_class(x.shape[0])](self, x)
+        out = self.kernels[shape_class(x.shape[0])](self, x)
+        return out if self.lora is None else self.lora(x, out)
 
 
 def best_time(fn: Callable[[], object], reps: int = 3) -> float:

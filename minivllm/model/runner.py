@@ -20,6 +20,7 @@ from minivllm.model.kv_quant import is_quantized, kv_storage_dtype
 from minivllm.model.kv_swap import HostKVTier, block_bytes, check_capacity, uses_pinned_memory
 from minivllm.model.layers import Linear, onednn_linear_available
 from minivllm.model.loader import load_model
+from minivllm.model.lora import LoRAModelManager, build_mapping
 from minivllm.model.parallel import ParallelConfig, check_tensor_parallel, intermediate_size
 from minivllm.model.quantization import QuantizedLinear, check_device
 from minivllm.model.tp_worker import TensorParallelGroup
@@ -54,6 +55,7 @@ class SequenceInput:
     block_table: list[int]  # covers start_pos + len(token_ids) tokens
     sample: bool  # whether the logits of the last token are wanted
     all_logits: bool = False  # logits of every token of the chunk (prompt logprobs), not just the last
+    lora: int = -1  # LoRA slot of its adapter (-1: the base model)
 
 
 class ModelRunner:
@@ -131,8 +133,19 @@ class ModelRunner:
         if self.decode_stack is not None:
             self.model.decode_stack = self.decode_stack
         self.last_forward_time = 0.0  # seconds in the model (forward + logits) during the last execute
+        self.lora: LoRAModelManager | None = None  # adapter slots, when the engine enables LoRA (init_lora)
         self.host_tier: HostKVTier | None = None  # preemption by swap's host tier (init_swap)
         self._plan_handful_with_stack()
+
+    def init_lora(self, max_loras: int, max_rank: int) -> LoRAModelManager:
+        """Give every adaptable projection max_loras LoRA slots of rank max_rank (--enable-lora)."""
+        if self.parallel.size > 1:
+            raise ValueError("enable_lora: LoRA adapters are not supported with tensor parallelism")
+        if not hasattr(self.model, "layers") or not hasattr(self.model.layers[0], "self_attn"):
+            raise ValueError(f"enable_lora: LoRA adapters are supported for the Llama family, not "
+                             f"{self.mc.architecture}")
+        self.lora = LoRAModelManager(self.model, max_loras, max_rank, self.dtype, self.device)
+        return self.lora
 
     def _plan_handful_with_stack(self) -> None:
         """The projections' timing cannot see that native kernels in every layer let the decode stack run a
@@ -297,6 +310,8 @@ class ModelRunner:
             slot_mapping=torch.from_numpy(slot_mapping).to(dev), num_decodes=nd, decode_block_tables=None,
             decode_positions=None, decode_mask=None, max_decode_seq_len=0, sliding_window=self.sliding_window,
             prefills=[], sink_tokens=self.sink_tokens)
+        if self.lora is not None:
+            md.lora = build_mapping(np.repeat(np.fromiter((s.lora for s in seqs_o), np.int64, n), q_lens), dev)
         if nd:
             dec_blocks = int(n_blocks[:nd].max())
             md.decode_block_tables = torch.from_numpy(tables[:nd, :dec_blocks]).to(dev)
