@@ -24,12 +24,14 @@ def base(model_factory):
 
 
 @pytest.fixture(scope="module")
-def adapters(base, tmp_path_factory):
+def adapters(base, model_factory, tmp_path_factory):
     root = tmp_path_factory.mktemp("server-loras")
     return {"qv": make_lora(base, str(root / "qv"), rank=4, targets=("q_proj", "v_proj"), seed=1, std=0.1),
             "all": make_lora(base, str(root / "all"), rank=8, seed=2, std=0.1),
             "late": make_lora(base, str(root / "late"), rank=2, targets=("down_proj",), seed=3, std=0.1),
-            "big": make_lora(base, str(root / "big"), rank=16, targets=("q_proj",), seed=4, std=0.1)}
+            "big": make_lora(base, str(root / "big"), rank=16, targets=("q_proj",), seed=4, std=0.1),
+            # For another model: the qwen2 test preset's shapes differ (one KV head), so its k/v do not fit.
+            "other": make_lora(model_factory("tiny-qwen2"), str(root / "other"), rank=4, seed=5, std=0.1)}
 
 
 @pytest.fixture(scope="module")
@@ -97,12 +99,14 @@ def test_load_and_unload_at_runtime(server, adapters, offline):
 
 @pytest.mark.parametrize("body, status, param, message", [
     ({"lora_name": "big", "lora_path": "BIG"}, 400, "lora_path", "rank 16, above --max-lora-rank 8"),
+    ({"lora_name": "other", "lora_path": "OTHER"}, 400, "lora_path", "made for another model"),
     ({"lora_name": "gone", "lora_path": "/nonexistent/adapter"}, 400, "lora_path", "no adapter_config.json"),
     ({"lora_name": "qv", "lora_path": "QV"}, 400, "lora_name", "already loaded"),
     ({"lora_name": "x"}, 400, "lora_path", "lora_path"),
 ])
 def test_bad_loads_are_400_naming_the_problem(server, adapters, body, status, param, message):
-    body = {k: adapters["big"] if v == "BIG" else adapters["qv"] if v == "QV" else v for k, v in body.items()}
+    named = {"BIG": adapters["big"], "QV": adapters["qv"], "OTHER": adapters["other"]}
+    body = {k: named.get(v, v) for k, v in body.items()}
     r = httpx.post(server.url + "/v1/load_lora_adapter", json=body, timeout=60)
     assert r.status_code == status, r.text
     err = r.json()["error"]

@@ -1,11 +1,13 @@
 """LoRA adapters on the Llama family: PEFT checkpoints loaded into fixed slots, applied to a mixed batch in one
-forward (vLLM's punica idea, as plain grouped matmuls).
+forward (punica's SGMV idea in plain torch: two matmuls per adapter run per projection).
 
-Every projection a LoRA may target (q/k/v/o, gate/up/down) holds, per slot, A [in, R] and B [R, out] (R =
---max-lora-rank; a smaller rank is zero-padded, B pre-scaled by alpha / r). q/k/v and gate/up land in their slice
-of our fused qkv_proj / gate_up_proj. A step's tokens carry their sequence's slot (LoRAMapping, in the attention
-metadata): each projection adds, per slot present in the step, (x[tokens] @ A) @ B to its output — one forward
-for every adapter in the batch, the base rows untouched. The model sees only slots and tensors, never requests.
+Every projection a LoRA may target (q/k/v/o, gate/up/down) holds room for max_loras slots of rank up to
+--max-lora-rank per module it computes: an adapter's A [in, r] and B [r, out] (pre-scaled by alpha / r) of each
+module it targets are packed at its slot's start, q/k/v and gate/up into their column slices of our fused qkv_proj /
+gate_up_proj. The runner orders a step's sequences so each adapter's tokens are contiguous (LoRAMapping, in the
+attention metadata): each projection adds (x[run] @ A) @ B to the output rows of each run whose adapter targets it
+— one forward for every adapter in the batch, the base rows untouched. The model sees slots and tensors, never
+requests.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ _KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(
 
 @dataclass(slots=True)
 class LoRAMapping:
-    """Which tokens of a step use which slot: (slot, token indices), or (slot, None) when every token does."""
+    """A step's adapter tokens as contiguous runs (slot, start, end): the runner orders sequences by slot within
+    the decodes and within the prefills, so each adapter's tokens are one or two slices of the batch (base-model
+    tokens belong to no run)."""
 
-    groups: list[tuple[int, torch.Tensor | None]]
+    runs: list[tuple[int, int, int]]
 
 
 @dataclass(slots=True)
@@ -94,37 +98,64 @@ def _load_tensors(path: str) -> dict[str, torch.Tensor]:
 
 
 class LoRAWeights:
-    """One projection's slots: A [S, in, R] and B [S, R, out], zero where a slot does not adapt it."""
+    """One projection's slots side by side: A [in, S * W] and B [S * W, out] (W = its rank width), zero where a
+    slot does not adapt it. Per run of tokens on one adapter, two matmuls on views (punica's SGMV as plain torch):
+    no gather, no scatter, no flops for other slots; the delta accumulates into the output by addmm."""
 
-    def __init__(self, in_features: int, out_features: int, slots: int, rank: int, dtype: torch.dtype,
+    def __init__(self, in_features: int, out_features: int, slots: int, width: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        self.a = torch.zeros(slots, in_features, rank, dtype=dtype, device=device)
-        self.b = torch.zeros(slots, rank, out_features, dtype=dtype, device=device)
+        self.slots, self.width = slots, width
+        self.a = torch.zeros(in_features, slots * width, dtype=dtype, device=device)
+        self.b = torch.zeros(slots * width, out_features, dtype=dtype, device=device)
+        # Per slot, the views of the columns its adapter fills (its modules' rank blocks packed at the slot's
+        # start), None when it does not adapt this projection: a run on such a slot costs nothing here.
+        self.views: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * slots
+
+    def fill(self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor, int, int]]) -> None:
+        """Write a slot: per adapted module, A [in, r], scaled B [r, size] and its output columns (start, size)."""
+        lo = col = slot * self.width
+        for a, b, start, size in parts:
+            r = a.shape[1]
+            self.a[:, col:col + r] = a
+            self.b[col:col + r, start:start + size] = b
+            col += r
+        self.views[slot] = (self.a[:, lo:col], self.b[lo:col]) if parts else None
+
+    def clear(self, slot: int) -> None:
+        """Zero a slot."""
+        self.a[:, slot * self.width:(slot + 1) * self.width].zero_()
+        self.b[slot * self.width:(slot + 1) * self.width].zero_()
+        self.views[slot] = None
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out + this step's LoRA deltas (out is the projection's fresh output: updated in place)."""
         mapping = current_mapping()
         if mapping is None:
             return out
-        for slot, idx in mapping.groups:
-            xs = x if idx is None else x.index_select(0, idx)
-            delta = (xs.to(self.a.dtype) @ self.a[slot]) @ self.b[slot]
-            if idx is None:
-                out += delta.to(out.dtype)
+        xs = x if x.dtype == self.a.dtype else x.to(self.a.dtype)
+        for slot, start, end in mapping.runs:
+            views = self.views[slot]
+            if views is None:
+                continue
+            a, b = views
+            h = xs[start:end] @ a
+            if out.dtype == b.dtype:
+                out[start:end].addmm_(h, b)
             else:
-                out.index_add_(0, idx, delta.to(out.dtype))
+                out[start:end] += (h @ b).to(out.dtype)
         return out
 
 
-def build_mapping(token_slots: np.ndarray, device: torch.device) -> LoRAMapping | None:
-    """A step's LoRAMapping from each token's slot (-1: the base model); None when no token uses an adapter."""
-    used = np.unique(token_slots)
-    used = used[used >= 0]
-    if not len(used):
+def build_mapping(token_slots: np.ndarray) -> LoRAMapping | None:
+    """A step's LoRAMapping from each token's slot in batch order (-1: the base model); None when no token uses an
+    adapter."""
+    if not (token_slots >= 0).any():
         return None
-    if len(used) == 1 and token_slots[0] == used[0] and (token_slots == used[0]).all():
-        return LoRAMapping([(int(used[0]), None)])
-    return LoRAMapping([(int(s), torch.from_numpy(np.flatnonzero(token_slots == s)).to(device)) for s in used])
+    edges = np.flatnonzero(np.diff(token_slots)) + 1
+    starts = np.concatenate(([0], edges))
+    ends = np.concatenate((edges, [len(token_slots)]))
+    return LoRAMapping([(int(token_slots[s]), int(s), int(e)) for s, e in zip(starts, ends, strict=True)
+                        if token_slots[s] >= 0])
 
 
 def current_mapping() -> LoRAMapping | None:
@@ -141,22 +172,21 @@ class LoRAModelManager:
                  ) -> None:
         self.max_loras, self.max_rank = max_loras, max_rank
         self.num_layers = len(model.layers)
-        # (layer, PEFT module) → (our projection, first output column, columns, its rank block in the projection)
-        self.targets: dict[tuple[int, str], tuple[Any, int, int, int]] = {}
+        # (layer, PEFT module) → (our projection, first output column, columns)
+        self.targets: dict[tuple[int, str], tuple[Any, int, int]] = {}
         self.weights: dict[int, LoRAWeights] = {}  # id(projection) → its slots
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             q, kv, inter = attn.q_size, attn.kv_size, mlp.down_proj.in_features
-            # A fused projection gives each of its modules its own rank block: A [in, parts * R] side by side, B
-            # block-diagonal [parts * R, out] (q's A must not meet v's B).
-            spans = {"q_proj": (attn.qkv_proj, 0, q, 0), "k_proj": (attn.qkv_proj, q, kv, 1),
-                     "v_proj": (attn.qkv_proj, q + kv, kv, 2),
-                     "o_proj": (attn.o_proj, 0, attn.o_proj.out_features, 0),
-                     "gate_proj": (mlp.gate_up_proj, 0, inter, 0), "up_proj": (mlp.gate_up_proj, inter, inter, 1),
-                     "down_proj": (mlp.down_proj, 0, mlp.down_proj.out_features, 0)}
+            spans = {"q_proj": (attn.qkv_proj, 0, q), "k_proj": (attn.qkv_proj, q, kv),
+                     "v_proj": (attn.qkv_proj, q + kv, kv), "o_proj": (attn.o_proj, 0, attn.o_proj.out_features),
+                     "gate_proj": (mlp.gate_up_proj, 0, inter), "up_proj": (mlp.gate_up_proj, inter, inter),
+                     "down_proj": (mlp.down_proj, 0, mlp.down_proj.out_features)}
+            # A fused projection gives each module it holds a rank block of its own: A [in, parts * R] side by side,
+            # B block-diagonal (q's A must not meet v's B).
             parts = {id(attn.qkv_proj): 3, id(mlp.gate_up_proj): 2}
-            for name, (proj, start, size, block) in spans.items():
-                self.targets[(i, name)] = (proj, start, size, block)
+            for name, (proj, start, size) in spans.items():
+                self.targets[(i, name)] = (proj, start, size)
                 if id(proj) not in self.weights:
                     rank = max_rank * parts.get(id(proj), 1)
                     w = LoRAWeights(proj.in_features, proj.out_features, max_loras, rank, torch.float32, device)
@@ -173,7 +203,7 @@ class LoRAModelManager:
             if layer >= self.num_layers:
                 raise ValueError(f"lora_path: adapter {name!r} adapts layer {layer} but the model has "
                                  f"{self.num_layers} layers (made for another model?)")
-            proj, _, size, _ = self.targets[(layer, module)]
+            proj, _, size = self.targets[(layer, module)]
             if a.shape != (adapter.rank, proj.in_features) or b.shape != (size, adapter.rank):
                 raise ValueError(f"lora_path: adapter {name!r}: {module} of layer {layer} is A {tuple(a.shape)}, B "
                                  f"{tuple(b.shape)}, but this model needs A ({adapter.rank}, {proj.in_features}), B "
@@ -186,18 +216,16 @@ class LoRAModelManager:
             raise ValueError(f"lora_name: all {self.max_loras} adapter slots are in use (--max-loras); unload one "
                              "first")
         slot = self.free.pop()
-        r, base = adapter.rank, self.max_rank
-        for (layer, module), (a, b) in adapter.weights.items():
-            proj, start, size, block = self.targets[(layer, module)]
-            w = self.weights[id(proj)]
-            lo = block * base
-            w.a[slot, :, lo:lo + r] = a.t().to(w.a)
-            w.b[slot, lo:lo + r, start:start + size] = (b.t() * adapter.scaling).to(w.b)
+        parts: dict[int, list[tuple[torch.Tensor, torch.Tensor, int, int]]] = {k: [] for k in self.weights}
+        for (layer, module), (a, b) in sorted(adapter.weights.items()):
+            proj, start, size = self.targets[(layer, module)]
+            parts[id(proj)].append((a.t(), b.t() * adapter.scaling, start, size))
+        for key, w in self.weights.items():
+            w.fill(slot, parts[key])
         return slot
 
     def unload(self, slot: int) -> None:
         """Zero a slot and free it."""
         for w in self.weights.values():
-            w.a[slot].zero_()
-            w.b[slot].zero_()
+            w.clear(slot)
         self.free.append(slot)

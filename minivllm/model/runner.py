@@ -283,8 +283,11 @@ class ModelRunner:
         """Pack every scheduled token flat (decodes first, then prefill chunks) and build the metadata."""
         n = len(seqs)
         q_lens = np.fromiter((len(s.token_ids) for s in seqs), np.int64, n)
-        # Stable order: one-token queries first so they share one batched decode attention call.
-        order = np.argsort(q_lens != 1, kind="stable")
+        # Stable order: one-token queries first so they share one batched decode attention call; with LoRA, each
+        # adapter's sequences next to each other within those (its tokens in one run: model/lora.py).
+        lora_slots = np.fromiter((s.lora for s in seqs), np.int64, n) if self.lora is not None else None
+        order = (np.argsort(q_lens != 1, kind="stable") if lora_slots is None
+                 else np.lexsort((lora_slots, q_lens != 1)))
         seqs_o = [seqs[i] for i in order]
         q_lens = q_lens[order]
         starts = np.fromiter((s.start_pos for s in seqs_o), np.int64, n)
@@ -310,8 +313,8 @@ class ModelRunner:
             slot_mapping=torch.from_numpy(slot_mapping).to(dev), num_decodes=nd, decode_block_tables=None,
             decode_positions=None, decode_mask=None, max_decode_seq_len=0, sliding_window=self.sliding_window,
             prefills=[], sink_tokens=self.sink_tokens)
-        if self.lora is not None:
-            md.lora = build_mapping(np.repeat(np.fromiter((s.lora for s in seqs_o), np.int64, n), q_lens), dev)
+        if lora_slots is not None:
+            md.lora = build_mapping(np.repeat(lora_slots[order], q_lens))
         if nd:
             dec_blocks = int(n_blocks[:nd].max())
             md.decode_block_tables = torch.from_numpy(tables[:nd, :dec_blocks]).to(dev)
