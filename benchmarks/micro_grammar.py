@@ -23,20 +23,9 @@ from typing import Any
 
 import torch
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 24},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "role": {"enum": ["admin", "user", "guest"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
-        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                    "required": ["city", "zip"], "additionalProperties": False},
-    },
-    "required": ["name", "age", "role", "tags", "address"],
-    "additionalProperties": False,
-}
+from minivllm.bench.guided import SCHEMA
+
+# A document valid under SCHEMA (bench guided's: nested objects, arrays, enums, required fields).
 DOC = json.dumps({"name": "Ada Lovelace", "age": 36, "role": "admin", "tags": ["math", "engines"],
                   "address": {"city": "London", "zip": "12345"}})
 REGEX = r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01]) [a-z]{1,12}@[a-z]{1,12}\.(com|org)"

@@ -79,7 +79,8 @@ def run_lora(ns: argparse.Namespace) -> int:
             starts = g.integers(0, len(held) - ns.prompt_len, ns.requests)
             return [held[s:s + ns.prompt_len].tolist() for s in starts]
 
-        _run(eng, prompts_of(999)[:8], [cycle[i % 4] for i in range(8)], 8, "warm")
+        warm = prompts_of(999)[:8]
+        _run(eng, warm, [cycle[i % 4] for i in range(len(warm))], 8, "warm")
         runs: dict[str, list[tuple[float, dict[str, float]]]] = {m: [] for m in MODES}
         for r in range(ns.rounds):
             prompts = prompts_of(r)
