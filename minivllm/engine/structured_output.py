@@ -2,9 +2,9 @@
 token bitmask for the rows that need one (vLLM v1's StructuredOutputManager, on llguidance).
 
 Why llguidance (benchmarks/micro_grammar.py on our vocabularies, one core): a mask costs ~40 us (8k vocabulary)
-to ~110 us (32k) and a JSON schema compiles in ~1-3 ms, where xgrammar compiled the same schema in 100-400 ms
+to ~110 us (32k) and a JSON schema compiles in ~1-3 ms, where xgrammar compiled the same schema in 150-360 ms
 (paid on the request path when every request brings its own schema) and outlines-core, the fastest masks (a
-precomputed DFA), in 100-440 ms and with no context-free grammars at all (no guided_grammar, no recursive
+precomputed DFA), in 145-405 ms, with no context-free grammars at all (no guided_grammar, no recursive
 schemas). llguidance takes JSON schema, regex, Lark and GBNF grammars, checks draft tokens for speculative
 decoding, has no dependencies and is MIT-licensed.
 
