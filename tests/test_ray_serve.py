@@ -250,6 +250,7 @@ def test_killed_replica_fails_only_its_requests_and_is_replaced(replicated):
     (["--replicas", "1", "--ray-address", "127.0.0.1:{port}"], "no Ray cluster reachable at 127.0.0.1:"),
     (["--replicas", "1", "--ray-address", "nohost"], "expected HOST:PORT"),
     (["--replicas", "2", "--tensor-parallel-size", "2"], "tensor_parallel_size > 1 with replicas"),
+    (["--replicas", "2", "--enable-lora"], "enable_lora with replicas is not supported"),
 ])
 def test_bad_replica_flags_fail_fast_with_a_clear_error(args, message):
     args = [a.format(port=free_port()) for a in args]

@@ -84,6 +84,9 @@ def run_replicated_server(engine_args: EngineArgs, server_args: ServerArgs) -> N
     if engine_args.tensor_parallel_size > 1:
         raise ValueError("tensor_parallel_size > 1 with replicas is not supported: each replica would spawn its "
                          "own process group; serve tensor-parallel replicas one server each instead")
+    if engine_args.enable_lora:
+        raise ValueError("enable_lora with replicas is not supported yet: the front routes by load, not by adapter, "
+                         "and cannot load adapters into the replicas; serve LoRA adapters from one server")
     # What the replicas would fail on, checked here in a second rather than after the cluster starts.
     ModelConfig.from_pretrained(engine_args.model)
     tokenizer = get_tokenizer(engine_args.model)
