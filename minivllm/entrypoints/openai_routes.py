@@ -26,7 +26,14 @@ from minivllm.entrypoints.serving import (
     prompt_logprobs_json,
 )
 from minivllm.entrypoints.streaming import merge, sse
-from minivllm.entrypoints.tool_calls import ToolPlan, ToolStream, parse_reply, plan_tools, template_messages
+from minivllm.entrypoints.tool_calls import (
+    ToolPlan,
+    ToolStream,
+    finish_reason,
+    parse_reply,
+    plan_tools,
+    template_messages,
+)
 from minivllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from minivllm.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
 
@@ -271,8 +278,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     choices = []
     for c in out.outputs:
         message = _message(plan, c.text)
-        finish = ("tool_calls" if message.get("tool_calls") and plan.mode in ("auto", "required")
-                  and c.finish_reason == "stop" else c.finish_reason)  # a named call keeps "stop", as OpenAI's
+        finish = finish_reason(plan, c.finish_reason, len(message.get("tool_calls") or []))
         choices.append({"index": c.index, "message": message, "logprobs": _chat_logprobs(c, k) if body.logprobs
                         else None, "finish_reason": finish, "stop_reason": c.stop_reason})
     st.count("/v1/chat/completions", "success", t0)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -202,7 +202,6 @@ class ToolStream:
     text: str = ""  # what came so far (auto: what has not gone out as content yet)
     calls: int = 0  # tool calls sent
     _named_open: bool = False
-    _sent: list[str] = field(default_factory=list)
 
     def feed(self, delta: str) -> list[dict[str, Any]]:
         """The chunk deltas a piece of generated text makes ({"content": ...} or {"tool_calls": [...]})."""
@@ -255,10 +254,13 @@ class ToolStream:
         return [{"content": text}] if text else []
 
     def finish_reason(self, reason: str | None) -> str | None:
-        """OpenAI's: "tool_calls" when the reply made calls (a named choice keeps "stop", as OpenAI's does)."""
-        if reason == "stop" and self.calls and self.plan.mode in ("auto", "required"):
-            return "tool_calls"
-        return reason
+        """The stream's finish reason (see finish_reason)."""
+        return finish_reason(self.plan, reason, self.calls)
+
+
+def finish_reason(plan: ToolPlan, reason: str | None, num_calls: int) -> str | None:
+    """OpenAI's: "tool_calls" when the reply made calls (a named choice keeps "stop", as OpenAI's does)."""
+    return "tool_calls" if reason == "stop" and num_calls and plan.mode in ("auto", "required") else reason
 
 
 def _partial_suffix(text: str, tag: str) -> int:
