@@ -177,7 +177,7 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         if self.args.check_invariants:
             for seq, n in sched.scheduled:
                 self.block_manager.check_writable(seq, n)
-        # Guided rows' token masks are filled on a worker thread while the forward runs.
+        # Guided rows' token masks: filled during the forward where a core is free, else now (structured_output.py).
         self._masks = self.structured.start_step(sched.scheduled)
         guarded = self.guard.forward(sched.scheduled, self._runner_inputs(sched.scheduled))
         sched.scheduled, inputs, logits = guarded.scheduled, guarded.inputs, guarded.logits
