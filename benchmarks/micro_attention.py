@@ -36,11 +36,9 @@ def main() -> None:
     for i in range(b):
         tables[i, :nblocks[i]] = perm[off:off + nblocks[i]]
         off += int(nblocks[i])
-    key_pos = torch.arange(tables.shape[1] * bs)
     md = AttentionMetadata(
         slot_mapping=torch.zeros(b, dtype=torch.int64), num_decodes=b, decode_block_tables=tables,
-        decode_positions=lens - 1, decode_mask=(key_pos[None, :] < lens[:, None])[:, None, None, :],
-        max_decode_seq_len=int(lens.max()), sliding_window=None, prefills=[])
+        decode_positions=lens - 1, max_decode_seq_len=int(lens.max()), prefills=[])
     layers = []
     for _ in range(args.layers):
         layer = Attention(heads, head_dim, kv_heads, head_dim**-0.5)

@@ -29,6 +29,10 @@ def _read_json(path: str) -> dict[str, Any]:
     return data
 
 
+# Multimodal checkpoints whose language model serves text on its own: their text_config is the model's config.
+TEXT_MODEL_WRAPPERS = ("Gemma3ForConditionalGeneration",)
+
+
 def _as_id_list(value: Any) -> list[int]:
     if value is None:
         return []
@@ -64,6 +68,12 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         if not archs:
             raise ValueError(f"model: config.json in {path!r} names no 'architectures'")
+        if archs[0] in TEXT_MODEL_WRAPPERS and isinstance(cfg.get("text_config"), dict):
+            top = cfg
+            cfg = {**cfg["text_config"], "architectures": archs}
+            for key in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype", "tie_word_embeddings"):
+                if key in top and key not in cfg:
+                    cfg[key] = top[key]
         gen_path = os.path.join(path, "generation_config.json")
         gen = _read_json(gen_path) if os.path.isfile(gen_path) else {}
 

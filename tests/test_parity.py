@@ -10,6 +10,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.config import ModelConfig
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.model.runner import ModelRunner, SequenceInput
+from minivllm.modelgen.presets import NEW_FAMILIES
 
 LAYER_ATTR = {"tiny-gpt2": ("transformer", "h")}
 
@@ -19,7 +20,7 @@ def _hf_layers(model, preset: str):
     return getattr(getattr(model, outer), inner)
 
 
-@pytest.mark.parametrize("preset", TINY_FAMILIES + ["tiny-llama3", "tiny-qwen2-yarn"])
+@pytest.mark.parametrize("preset", TINY_FAMILIES + ["tiny-llama3", "tiny-qwen2-yarn", *NEW_FAMILIES])
 def test_hidden_states_and_logits_match_hf(model_factory, preset):
     path = model_factory(preset)
     mc = ModelConfig.from_pretrained(path)
@@ -36,7 +37,7 @@ def test_hidden_states_and_logits_match_hf(model_factory, preset):
 
     runner = ModelRunner(mc, torch.float32, torch.device("cpu"), num_blocks=16, block_size=16, max_model_len=256)
     ours = []
-    decoder_layers = [m for m in runner.model.modules() if type(m).__name__ in ("LlamaDecoderLayer", "GPT2Block")]
+    decoder_layers = [m for m in runner.model.modules() if type(m).__name__ in ("DecoderLayer", "GPT2Block")]
     assert len(decoder_layers) == mc.num_layers
     for layer in decoder_layers:
         # A Llama layer returns (output, residual): the hidden state is their sum (summed now: the next
@@ -60,14 +61,16 @@ def test_hidden_states_and_logits_match_hf(model_factory, preset):
 
 
 @pytest.mark.parametrize("backends", [("auto", "auto"), ("torch", "torch")], ids=["native", "portable"])
-@pytest.mark.parametrize("preset", TINY_FAMILIES)
+@pytest.mark.parametrize("preset", TINY_FAMILIES + list(NEW_FAMILIES))
 def test_greedy_32_tokens_match_hf_generate(model_factory, preset, backends):
     """Both the CPU fast paths (compiled attention, oneDNN GEMMs) and the portable torch paths (what CUDA
     runs) reproduce HF; tiny-mistral's 8-token sliding window is exercised in decode."""
     path = model_factory(preset)
     llm = LLM(path, check_invariants=True, num_kv_blocks=256, attention_backend=backends[0],
               linear_backend=backends[1])
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    # min_tokens: HF's min_new_tokens masks EOS until then (the reference), and so does ours.
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=32, min_tokens=32),
+                        use_tqdm=False)
     hf = hf_model(path)
     for out in outs:
         assert len(out.outputs[0].token_ids) == 32

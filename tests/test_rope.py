@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from minivllm.model.layers import compute_inv_freq
+from minivllm.model.rotary import compute_inv_freq
 
 BASE = {"hidden_size": 2048, "num_attention_heads": 32, "max_position_embeddings": 131072}
 CASES = {
@@ -34,5 +34,5 @@ def test_inv_freq_and_scale_match_hf(name):
 
 
 def test_unsupported_rope_type_is_named():
-    with pytest.raises(ValueError, match="unsupported rope type 'longrope'"):
-        compute_inv_freq({**BASE, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, 64)
+    with pytest.raises(ValueError, match="unsupported rope type 'dynamic'"):
+        compute_inv_freq({**BASE, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, 64)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,7 +31,9 @@ class PrefillSpan:
     end: int
     num_cached: int
     block_table: torch.Tensor | None  # blocks covering cached + new tokens; None when num_cached == 0
-    mask: torch.Tensor | None  # [q, ctx] bool; None means plain causal over the chunk itself
+    # Attention window → [q, ctx] bool mask (None: plain causal over the chunk itself), built on first use: a
+    # model whose layers have different windows (Gemma's local and global layers) needs one per window.
+    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -42,12 +44,12 @@ class AttentionMetadata:
     num_decodes: int  # tokens [0, num_decodes) are one-token queries, one sequence each
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]; row i is decode token i's sequence
     decode_positions: torch.Tensor | None  # [num_decodes] int64, position of each decode token
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool, if the backend wants it
     max_decode_seq_len: int
-    sliding_window: int | None  # the model's window, or --kv-eviction sink-window's
     prefills: list[PrefillSpan]
     sink_tokens: int = 0  # with a window: the first positions every token still attends to (attention sinks)
     lora: LoRAMapping | None = None  # which tokens use which LoRA slot (model/lora.py); None: no adapter this step
+    # The torch backend's decode key masks [num_decodes, 1, 1, max_blocks * block_size] per window, on first use.
+    decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
 
 _metadata: AttentionMetadata | None = None
@@ -71,12 +73,18 @@ def get_metadata() -> AttentionMetadata:
 
 
 class Attention(nn.Module):
-    """Multi-head / grouped-query attention over the paged KV cache of one layer."""
+    """Multi-head / grouped-query attention over the paged KV cache of one layer.
 
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+    sliding_window: the layer's window (each token sees its last `sliding_window` positions; None: all), set
+    per layer (Gemma alternates local and global layers) and by --kv-eviction sink-window for every layer.
+    softcap: Gemma 2's attention logit soft-capping, softcap * tanh(score / softcap)."""
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
+                 sliding_window: int | None = None, softcap: float | None = None) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
+        self.sliding_window, self.softcap = sliding_window, softcap
         # Bound by the model runner once the pool exists: [num_blocks, block_size, kv_heads, head_dim] each, and
         # for a quantized cache (--kv-cache-dtype int8) float16 scales [num_blocks, block_size, kv_heads].
         self.k_cache = torch.empty(0)
@@ -99,17 +107,17 @@ class Attention(nn.Module):
         if md.num_decodes:
             self.backend.decode(self, q[:md.num_decodes], md, out[:md.num_decodes])
         for p in md.prefills:
-            out[p.start:p.end] = prefill_sdpa(self, q, k, v, p)
+            out[p.start:p.end] = prefill_sdpa(self, q, k, v, p, md.sink_tokens)
         return out.view(t, self.num_heads * self.head_dim)
-
 
     def can_fuse_rope(self, qkv: torch.Tensor) -> bool:
         """Whether rope_and_cache can take this fused qkv output (float32 on the CPU, native kernels)."""
         return (qkv.dtype == torch.float32 and self.k_cache.dtype in (torch.float32, torch.int8)
                 and qkv.device.type == "cpu" and qkv.stride(-1) == 1 and cpu_kernels.available())
 
-    def rope_and_cache(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
-        """Rotate the q and k heads of qkv in place and store k and v in their cache slots, in one pass."""
+    def rope_and_cache(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor | None) -> None:
+        """Rotate the q and k heads of qkv in place (not without a table: a NoPE layer) and store k and v in their
+        cache slots, in one pass."""
         cpu_kernels.rope_kv_write(qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions, cos_sin_cache,
                                   self.k_cache, self.v_cache, get_metadata().slot_mapping, self.k_scale, self.v_scale)
 
@@ -136,11 +144,60 @@ def write_kv(layer: Attention, k: torch.Tensor, v: torch.Tensor, slot_mapping: t
             scales.view(-1, kvh).index_copy_(0, slot_mapping, s)
 
 
-def prefill_sdpa(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: PrefillSpan
-                 ) -> torch.Tensor:
+def prefill_mask(p: PrefillSpan, window: int | None, sinks: int, device: torch.device) -> torch.Tensor | None:
+    """The [q, ctx] key mask of a prefill chunk under a window (None: plain causal suffices), built once per
+    window per step."""
+    if window in p.masks:
+        return p.masks[window]
+    q = p.end - p.start
+    mask = None
+    if p.num_cached or (window is not None and q > window):
+        ctx = p.num_cached + q
+        q_pos = torch.arange(p.num_cached, ctx, device=device)[:, None]
+        k_pos = torch.arange(ctx, device=device)[None, :]
+        mask = k_pos <= q_pos
+        if window is not None:
+            mask &= (k_pos > q_pos - window) | (k_pos < sinks)
+    p.masks[window] = mask
+    return mask
+
+
+def decode_mask(md: AttentionMetadata, window: int | None, block_size: int) -> torch.Tensor:
+    """The torch backend's key mask of the step's one-token queries under a window, built once per window."""
+    mask = md.decode_masks.get(window)
+    if mask is None:
+        assert md.decode_positions is not None and md.decode_block_tables is not None
+        lens = md.decode_positions[:, None] + 1
+        key_pos = torch.arange(md.decode_block_tables.shape[1] * block_size, device=lens.device)[None, :]
+        mask = key_pos < lens
+        if window is not None:
+            mask &= (key_pos >= lens - window) | (key_pos < md.sink_tokens)
+        mask = md.decode_masks[window] = mask[:, None, None, :]
+    return mask
+
+
+def attention_softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                         scale: float, softcap: float) -> torch.Tensor:
+    """Attention with soft-capped scores (SDPA has no cap): q [B, H, Lq, D], k/v [B, KVH, Lk, D] → [B, H, Lq, D];
+    mask [.., Lq, Lk] bool (None: causal over the last Lq keys)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        lq, lk = q.shape[2], k.shape[2]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+
+
+def prefill_sdpa(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: PrefillSpan,
+                 sinks: int = 0) -> torch.Tensor:
     """One prefill chunk through SDPA (GEMM-bound, so both backends share it): a chunk without cached
     context attends to its own K/V directly; otherwise its context is gathered from the pool."""
     gqa = layer.num_kv_heads != layer.num_heads
+    mask = prefill_mask(p, layer.sliding_window, sinks, q.device)
     qi = q[p.start:p.end].transpose(0, 1).unsqueeze(0)
     if p.block_table is None:
         ki = k[p.start:p.end].transpose(0, 1).unsqueeze(0)
@@ -150,15 +207,16 @@ def prefill_sdpa(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         kc, vc = layer.cached_kv(p.block_table, q.dtype)
         ki = kc.flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0)
         vi = vc.flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0)
-    oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=p.mask, is_causal=p.mask is None, scale=layer.scale,
-                                        enable_gqa=gqa)
+    if layer.softcap:
+        oi = attention_softcapped(qi, ki, vi, mask, layer.scale, layer.softcap)
+    else:
+        oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=layer.scale,
+                                            enable_gqa=gqa)
     return oi.squeeze(0).transpose(0, 1)
 
 
 class AttentionBackend:
     """How decode tokens attend to their paged context."""
-
-    needs_decode_mask = False
 
     def decode(self, layer: Attention, q: torch.Tensor, md: AttentionMetadata, out: torch.Tensor) -> None:
         """Write attention outputs for the md.num_decodes one-token queries q [Bd, H, D] into out."""
@@ -169,17 +227,19 @@ class TorchPagedAttention(AttentionBackend):
     """Portable backend in plain PyTorch ops (CPU and CUDA alike): decodes gather their blocks into one
     padded batch and make a single SDPA call per layer."""
 
-    needs_decode_mask = True
-
     def decode(self, layer: Attention, q: torch.Tensor, md: AttentionMetadata, out: torch.Tensor) -> None:
         bt = md.decode_block_tables
-        assert bt is not None and md.decode_mask is not None
+        assert bt is not None
         b, kvh, d = bt.shape[0], layer.num_kv_heads, layer.head_dim
+        mask = decode_mask(md, layer.sliding_window, layer.k_cache.shape[1])
         kc, vc = layer.cached_kv(bt, q.dtype)
         kc = kc.view(b, -1, kvh, d).transpose(1, 2)
         vc = vc.view(b, -1, kvh, d).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), kc, vc, attn_mask=md.decode_mask, scale=layer.scale,
-                                           enable_gqa=kvh != layer.num_heads)
+        if layer.softcap:
+            o = attention_softcapped(q.unsqueeze(2), kc, vc, mask, layer.scale, layer.softcap)
+        else:
+            o = F.scaled_dot_product_attention(q.unsqueeze(2), kc, vc, attn_mask=mask, scale=layer.scale,
+                                               enable_gqa=kvh != layer.num_heads)
         out.copy_(o.squeeze(2))
 
 
@@ -191,8 +251,9 @@ class CpuNativePagedAttention(AttentionBackend):
         assert md.decode_block_tables is not None and md.decode_positions is not None
         out32 = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32)
         cpu_kernels.paged_attention(out32, q if q.dtype == torch.float32 else q.float(), layer.k_cache, layer.v_cache,
-                                    md.decode_block_tables, md.decode_positions, layer.scale, md.sliding_window or 0,
-                                    md.max_decode_seq_len, layer.k_scale, layer.v_scale, md.sink_tokens)
+                                    md.decode_block_tables, md.decode_positions, layer.scale, layer.sliding_window or 0,
+                                    md.max_decode_seq_len, layer.k_scale, layer.v_scale, md.sink_tokens,
+                                    layer.softcap or 0.0)
         if out32 is not out:
             out.copy_(out32)
 

@@ -80,7 +80,7 @@ def load_library() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(lib_path)
     i64, p, c_int, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.paged_attention_f32.argtypes = [p, p, i64, p, p, c_int, p, p, p, i64, p, i64, c_int, c_int, c_int, c_int,
-                                        c_float, i64, i64, i64, p, c_int]
+                                        c_float, c_float, i64, i64, i64, p, c_int]
     lib.paged_attention_f32.restype = None
     lib.sample_rows_f32.argtypes = [p, i64, i64, p, p, p, p, p, p, p, c_int]
     lib.sample_rows_f32.restype = None
@@ -91,10 +91,13 @@ def load_library() -> ctypes.CDLL | None:
     lib.quantize_rows_s8.argtypes = [p, i64, i64, i64, p, p, c_int]
     lib.rescale_i32.argtypes = [p, i64, i64, p, p, p, p, c_int]
     lib.quantize_rows_s8.restype = lib.rescale_i32.restype = None
-    lib.add_rmsnorm_f32.argtypes = [p, p, i64, p, c_float, p, i64, i64, c_int]
+    lib.add_rmsnorm_f32.argtypes = [p, p, i64, c_float, p, c_float, p, i64, i64, c_int]
+    lib.rmsnorm_groups_f32.argtypes = [p, i64, i64, i64, i64, p, c_float, c_int]
     lib.silu_mul_f32.argtypes = [p, i64, p, i64, i64, c_int]
-    lib.rope_kv_write_f32.argtypes = [p, i64, i64, c_int, c_int, c_int, p, p, p, p, c_int, p, p, p, c_int]
-    for fn in (lib.add_rmsnorm_f32, lib.silu_mul_f32, lib.rope_kv_write_f32):
+    lib.gelu_tanh_mul_f32.argtypes = [p, i64, p, i64, i64, c_int]
+    lib.rope_kv_write_f32.argtypes = [p, i64, i64, c_int, c_int, c_int, c_int, p, p, p, p, c_int, p, p, p, c_int]
+    for fn in (lib.add_rmsnorm_f32, lib.rmsnorm_groups_f32, lib.silu_mul_f32, lib.gelu_tanh_mul_f32,
+               lib.rope_kv_write_f32):
         fn.restype = None
     lib.decode_stack_f32.argtypes = [p, i64, p, p, p, p]
     lib.decode_stack_f32.restype = None
@@ -127,11 +130,12 @@ KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # csrc's kv_f
 def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, positions: torch.Tensor, scale: float, window: int,
                     max_ctx: int, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                    sinks: int = 0) -> None:
+                    sinks: int = 0, softcap: float = 0.0) -> None:
     """Decode attention: out[t] = softmax(q[t] K^T * scale) V over the context of token t (row t of
     block_tables), read in place from the block pool (float32, bfloat16, or int8 with float16 scales per
-    slot and kv head). The context is the last `window` positions (0: all) and the first `sinks`. q [T, H, D]
-    and out are float32; q may have any row stride."""
+    slot and kv head). The context is the last `window` positions (0: all) and the first `sinks`; softcap > 0
+    caps each score as softcap * tanh(score / softcap). q [T, H, D] and out are float32; q may have any row
+    stride."""
     lib = load_library()
     assert lib is not None
     num_tokens, num_heads, head_dim = q.shape
@@ -146,7 +150,7 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v
         out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         KV_FORMATS[k_cache.dtype], _ptr(k_scale), _ptr(v_scale), block_tables.data_ptr(),
         block_tables.stride(0), positions.data_ptr(), num_tokens, num_heads, num_kv_heads, head_dim, block_size,
-        scale, window, sinks, max_ctx, scratch.data_ptr(), threads)
+        scale, softcap, window, sinks, max_ctx, scratch.data_ptr(), threads)
 
 
 def _scratch_for(numel: int) -> torch.Tensor:
@@ -271,21 +275,31 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     else:
         x_ptr, ldx = x.data_ptr(), x.stride(0)
     out = torch.empty(m, h, dtype=torch.float32)
-    lib.add_rmsnorm_f32(residual.data_ptr(), x_ptr, ldx, weight.data_ptr(), eps, out.data_ptr(), m, h,
+    lib.add_rmsnorm_f32(residual.data_ptr(), x_ptr, ldx, 1.0, weight.data_ptr(), eps, out.data_ptr(), m, h,
                         torch.get_num_threads())
     return out, residual
 
 
+def rmsnorm_groups(x: torch.Tensor, size: int, weight: torch.Tensor, eps: float) -> None:
+    """In place: RMSNorm of each group of `size` columns of x [M, n * size] (float32, unit column stride, any
+    row stride), every group scaled by weight [size]."""
+    m, cols = x.shape
+    load_library().rmsnorm_groups_f32(x.data_ptr(), x.stride(0), m, cols // size, size, weight.data_ptr(), eps,
+                                      torch.get_num_threads())
+
+
 def rope_kv_write(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int, positions: torch.Tensor,
-                  cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  cos_sin_cache: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
                   v_scale: torch.Tensor | None = None) -> None:
     """Rotary embedding in place on the q and k heads of a fused qkv [M, (H + 2 KVH) * D] (float32, unit
-    column stride), then k and v written to their cache slots (an int8 cache with its scales): one pass
-    instead of rope + two scatters."""
+    column stride; the first R dimensions of each head for a table cos_sin_cache [positions, R], none without
+    a table), then k and v written to their cache slots (an int8 cache with its scales): one pass instead of
+    rope + two scatters."""
     lib = load_library()
-    lib.rope_kv_write_f32(qkv.data_ptr(), qkv.stride(0), qkv.shape[0], num_q_heads, num_kv_heads, head_dim,
-                          positions.data_ptr(), cos_sin_cache.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+    rot = 0 if cos_sin_cache is None else cos_sin_cache.shape[1]
+    lib.rope_kv_write_f32(qkv.data_ptr(), qkv.stride(0), qkv.shape[0], num_q_heads, num_kv_heads, head_dim, rot,
+                          positions.data_ptr(), _ptr(cos_sin_cache), k_cache.data_ptr(), v_cache.data_ptr(),
                           KV_FORMATS[k_cache.dtype], _ptr(k_scale), _ptr(v_scale), slot_mapping.data_ptr(),
                           torch.get_num_threads())
 
@@ -296,6 +310,15 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     m, two_i = x.shape
     out = torch.empty(m, two_i // 2, dtype=torch.float32)
     lib.silu_mul_f32(x.data_ptr(), x.stride(0), out.data_ptr(), m, two_i // 2, torch.get_num_threads())
+    return out
+
+
+def gelu_tanh_mul(x: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up of a fused [M, 2I] float32 projection (rows any stride) → [M, I]."""
+    lib = load_library()
+    m, two_i = x.shape
+    out = torch.empty(m, two_i // 2, dtype=torch.float32)
+    lib.gelu_tanh_mul_f32(x.data_ptr(), x.stride(0), out.data_ptr(), m, two_i // 2, torch.get_num_threads())
     return out
 
 

@@ -1,4 +1,5 @@
-"""DecodeStack: a Llama-family model's decoder layers run by one native call for all-decode steps.
+"""DecodeStack: a decoder model's layers (model/models/decoder.py, every family but GPT-2) run by one native call
+for all-decode steps.
 
 A batch-1 decode step is ~30 layers of nine small native kernels; dispatching them one by one from
 Python (module calls, views, ctypes marshalling) cost ~90 us a layer, a tenth of an fp32 step and a
@@ -32,16 +33,20 @@ class _Proj(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _p), ("post_norm", _p), ("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj),
-                ("down", _Proj), ("k_cache", _p), ("v_cache", _p), ("k_scale", _p), ("v_scale", _p)]
+    _fields_ = [("attn_norm", _p), ("attn_out_norm", _p), ("mlp_norm", _p), ("mlp_out_norm", _p), ("q_norm", _p),
+                ("k_norm", _p), ("q_norm_size", _i64), ("k_norm_size", _i64), ("cos_sin", _p), ("rot", _i64),
+                ("window", _i64), ("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj), ("down", _Proj),
+                ("k_cache", _p), ("v_cache", _p), ("k_scale", _p), ("v_scale", _p)]
 
 
 class _Step(ctypes.Structure):
     _fields_ = [("M", _i64), ("H", _i64), ("I", _i64), ("nq", _i64), ("nkv", _i64), ("D", _i64),
-                ("block_size", _i64), ("eps", _f), ("scale", _f), ("positions", _p), ("slot_mapping", _p),
-                ("block_tables", _p), ("bt_stride", _i64), ("window", _i64), ("sinks", _i64), ("max_ctx", _i64),
-                ("cos_sin", _p), ("gemv_scratch", _p), ("attn_scratch", _p), ("work", _p), ("num_threads", _i64),
+                ("block_size", _i64), ("eps", _f), ("scale", _f), ("softcap", _f), ("res_scale", _f), ("act", _i64),
+                ("positions", _p), ("slot_mapping", _p), ("block_tables", _p), ("bt_stride", _i64), ("sinks", _i64),
+                ("max_ctx", _i64), ("gemv_scratch", _p), ("attn_scratch", _p), ("work", _p), ("num_threads", _i64),
                 ("kv_fmt", _i64)]
+
+_ACTS = {"SiluAndMul": 0, "GeluTanhAndMul": 1}
 
 
 def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:
@@ -79,9 +84,22 @@ class DecodeStack:
             keep.append(t)
             return t
 
+        def ptr(module: nn.Module | None) -> int | None:
+            return None if module is None else f32(module.weight).data_ptr()
+
+        tables: dict[int, torch.Tensor] = {}  # one float32 copy per rope table the layers share
         for layer, row in zip(model.layers, self.layers, strict=True):
-            row.input_norm = f32(layer.input_layernorm.weight).data_ptr()
-            row.post_norm = f32(layer.post_attention_layernorm.weight).data_ptr()
+            row.attn_norm, row.attn_out_norm, row.mlp_norm, row.mlp_out_norm = (ptr(n) for n in layer.norms)
+            sa = layer.self_attn
+            row.q_norm, row.k_norm = ptr(sa.q_norm), ptr(sa.k_norm)
+            row.q_norm_size = sa.q_norm.size if sa.q_norm is not None else 0
+            row.k_norm_size = sa.k_norm.size if sa.k_norm is not None else 0
+            if sa.rotary is not None:
+                if id(sa.rotary) not in tables:
+                    tables[id(sa.rotary)] = f32(sa.rotary.cos_sin_cache)
+                table = tables[id(sa.rotary)]
+                row.cos_sin, row.rot = table.data_ptr(), sa.rotary.rot_dim
+            row.window = sa.attn.sliding_window or 0
             for name, proj in zip(("qkv", "o", "gate_up", "down"), _projections(layer), strict=True):
                 g = proj.gemv_weights()
                 keep.append(g)
@@ -94,13 +112,13 @@ class DecodeStack:
                 row.k_scale, row.v_scale = a.k_scale.data_ptr(), a.v_scale.data_ptr()
                 keep += [a.k_scale, a.v_scale]
         self.final_norm = f32(model.norm.weight)
-        self.cos_sin = f32(model.rotary.cos_sin_cache)
         self._keep = keep
         self.gemv_scratch = torch.empty(max(g.scratch_numel for g in keep if isinstance(g, cpu_kernels.GemvWeights)))
         self.block_size = first.self_attn.attn.k_cache.shape[1]
         self.step = _Step(H=self.hidden, I=self.inter, nq=self.num_heads, nkv=self.num_kv_heads, D=self.head_dim,
                           block_size=self.block_size, eps=model.norm.eps, scale=attn.scale,
-                          cos_sin=self.cos_sin.data_ptr(), gemv_scratch=self.gemv_scratch.data_ptr(),
+                          softcap=attn.softcap or 0.0, res_scale=first.residual_scale,
+                          act=_ACTS[type(first.mlp.act).__name__], gemv_scratch=self.gemv_scratch.data_ptr(),
                           kv_fmt=cpu_kernels.KV_FORMATS[attn.k_cache.dtype])
         self.n_layers = len(model.layers)
         self._layers_ptr, self._step_ptr = ctypes.addressof(self.layers), ctypes.addressof(self.step)
@@ -111,11 +129,10 @@ class DecodeStack:
     @staticmethod
     def build(model: nn.Module) -> DecodeStack | None:
         """The stack for this model, or None where it would not run the same kernels as the module path."""
-        if not cpu_kernels.available() or not hasattr(model, "layers") or not hasattr(model, "rotary"):
-            return None
+        if not cpu_kernels.available() or not isinstance(getattr(model, "layers", None), nn.ModuleList) \
+                or not hasattr(model.layers[0], "norms"):
+            return None  # GPT-2's blocks are another shape
         first = model.layers[0]
-        if not all(hasattr(first, n) for n in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")):
-            return None
         attn = first.self_attn.attn
         if not isinstance(attn.backend, CpuNativePagedAttention) or attn.k_cache.dtype not in cpu_kernels.KV_FORMATS:
             return None
@@ -147,8 +164,7 @@ class DecodeStack:
         bt = md.decode_block_tables
         s = self.step
         s.M, s.positions, s.slot_mapping = m, positions.data_ptr(), md.slot_mapping.data_ptr()
-        s.block_tables, s.bt_stride, s.window = bt.data_ptr(), bt.stride(0), md.sliding_window or 0
-        s.sinks = md.sink_tokens
+        s.block_tables, s.bt_stride, s.sinks = bt.data_ptr(), bt.stride(0), md.sink_tokens
         s.max_ctx, s.attn_scratch, s.work = md.max_decode_seq_len, self.attn_scratch.data_ptr(), self.work.data_ptr()
         s.num_threads = threads
         self._fn(self._layers_ptr, self.n_layers, self.final_norm.data_ptr(), self._step_ptr, h.data_ptr(),

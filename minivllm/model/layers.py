@@ -1,10 +1,6 @@
-"""Building blocks shared by the model families: norms, rotary embedding, activations."""
+"""Building blocks shared by the model families: linear layers, norms, activations (rotary: model/rotary.py)."""
 
 from __future__ import annotations
-
-import math
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -118,16 +114,19 @@ def fused_ok(x: torch.Tensor) -> bool:
 
 
 class RMSNorm(nn.Module):
-    """Llama's RMSNorm, computed in float32 like the reference, cast back to the input dtype.
+    """RMSNorm computed in float32 like the reference, cast back to the input dtype.
 
     With `residual` (vLLM's convention) it first adds x into the residual stream and returns (normed,
     residual): one fused pass on the CPU instead of a separate add and eight small ops per norm.
+    unit_offset (Gemma): the checkpoint stores w and the norm scales by 1 + w; the weight here holds 1 + w in
+    float32 (the loader adds the 1), as HF computes it, so every kernel is the plain RMSNorm.
     """
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
+        dtype = torch.float32 if unit_offset else None
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.eps, self.unit_offset = eps, unit_offset
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -143,7 +142,27 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        # Llama's reference casts before the weight; Gemma's multiplies in float32 and casts after.
+        return (xf * self.weight).to(dtype) if self.unit_offset else self.weight * xf.to(dtype)
+
+
+class GroupRMSNorm(RMSNorm):
+    """RMSNorm over consecutive groups of `size` columns of a row slice, in place, one weight [size] for every
+    group: q/k norm per head (Qwen3, Gemma 3: size = head_dim) or over the whole projection (OLMo 2: size =
+    heads * head_dim, one group)."""
+
+    def __init__(self, size: int, eps: float, unit_offset: bool = False) -> None:
+        super().__init__(size, eps, unit_offset)
+        self.size = size
+
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor:  # type: ignore[override]
+        """Normalise x [T, n * size] (a view with any row stride, unit column stride) in place; returns x."""
+        if fused_ok(x) and x.stride(-1) == 1 and self.weight.dtype == torch.float32:
+            cpu_kernels.rmsnorm_groups(x, self.size, self.weight, self.eps)
+        else:
+            t = x.shape[0]
+            x.copy_(self._norm(x.reshape(t, -1, self.size)).reshape(t, -1))
+        return x
 
 
 class SiluAndMul(nn.Module):
@@ -156,126 +175,16 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
-def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Rope settings from either checkpoint style: rope_theta + rope_scaling, or rope_parameters."""
-    params = dict(cfg.get("rope_parameters") or {})
-    scaling = cfg.get("rope_scaling") or {}
-    params.update(scaling)
-    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    params["rope_type"] = rope_type
-    return params
+class GeluTanhAndMul(nn.Module):
+    """GeGLU with the tanh approximation of GELU (Gemma's gelu_pytorch_tanh) on a fused [gate | up] projection."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_ok(x) and x.stride(-1) == 1:
+            return cpu_kernels.gelu_tanh_mul(x)
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
 
-def compute_inv_freq(cfg: dict[str, Any], head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and cos/sin scale for the rope types real Llama-3.x / Qwen2.5 configs use."""
-    p = _rope_params(cfg)
-    base = float(p["rope_theta"])
-    rope_type = p["rope_type"]
-    dim = head_dim
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    if rope_type == "default":
-        return inv_freq, 1.0
-    if rope_type == "linear":
-        return inv_freq / float(p["factor"]), 1.0
-    if rope_type == "llama3":
-        factor = float(p["factor"])
-        low, high = float(p["low_freq_factor"]), float(p["high_freq_factor"])
-        old_len = float(p["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
-        return torch.where(medium, smoothed, scaled), 1.0
-    if rope_type == "yarn":
-        return _yarn_inv_freq(p, dim, base, cfg)
-    raise ValueError(
-        f"rope_scaling: unsupported rope type {rope_type!r}; supported: default, linear, llama3, yarn")
-
-
-def _yarn_inv_freq(p: dict[str, Any], dim: int, base: float, cfg: dict[str, Any]) -> tuple[torch.Tensor, float]:
-    orig = float(p.get("original_max_position_embeddings") or cfg["max_position_embeddings"])
-    factor = p.get("factor") or cfg["max_position_embeddings"] / orig
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    attn_factor = p.get("attention_factor")
-    if attn_factor is None:
-        if p.get("mscale") and p.get("mscale_all_dim"):
-            attn_factor = mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"])
-        else:
-            attn_factor = mscale(factor)
-
-    def correction_dim(rotations: float) -> float:
-        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
-
-    lo, hi = correction_dim(p.get("beta_fast") or 32), correction_dim(p.get("beta_slow") or 1)
-    if p.get("truncate", True):
-        lo, hi = math.floor(lo), math.ceil(hi)
-    lo, hi = max(lo, 0), min(hi, dim - 1)
-    if lo == hi:
-        hi += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
-    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
-    extrapolation = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    return inv_freq, float(attn_factor)
-
-
-@dataclass(slots=True)
-class RopeInput:
-    """One step's rotary inputs, shared by every layer."""
-
-    positions: torch.Tensor  # [T] int64
-    cos: torch.Tensor | None  # [T, 1, D/2], None when the fused kernel reads the table itself
-    sin: torch.Tensor | None
-
-
-class RotaryEmbedding(nn.Module):
-    """Neox-style (rotate-half) rotary embedding with a cos/sin table precomputed for every position."""
-
-    def __init__(self, cfg: dict[str, Any], head_dim: int, max_positions: int) -> None:
-        super().__init__()
-        self.cfg, self.head_dim, self.max_positions = cfg, head_dim, max_positions
-        self.half = head_dim // 2
-        self.register_buffer("cos_sin_cache", torch.empty(max_positions, head_dim), persistent=False)
-        self.reset_buffers()
-
-    def reset_buffers(self) -> None:
-        """(Re)compute the table; the loader calls this after materialising a meta-device model."""
-        if self.cos_sin_cache.is_meta:
-            return
-        inv_freq, scale = compute_inv_freq(self.cfg, self.head_dim)
-        freqs = torch.arange(self.max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        # [max_positions, head_dim]: cos for the first half then sin, so one gather per step serves both.
-        cache = torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)
-        self.cos_sin_cache = cache.to(self.cos_sin_cache.device)
-
-    def lookup(self, positions: torch.Tensor) -> RopeInput:
-        """What every layer's rotation needs for the step's positions, computed once per forward: the
-        positions for the fused kernel, else cos and sin [T, 1, D/2] gathered for the torch ops."""
-        if self.cos_sin_cache.device.type == "cpu" and self.cos_sin_cache.dtype == torch.float32 \
-                and cpu_kernels.available():
-            return RopeInput(positions, None, None)
-        cs = self.cos_sin_cache[positions].view(-1, 1, 2, self.half)
-        return RopeInput(positions, cs[:, :, 0], cs[:, :, 1])
-
-    def forward(self, x: torch.Tensor, rope: RopeInput) -> torch.Tensor:
-        """Rotate x [T, heads, D]; q and k heads go through in one call (half the ops of rotating them
-        separately: this runs once per layer per step). Float32 Llama layers on the CPU rotate inside
-        Attention.rope_and_cache instead; a step whose lookup left cos/sin to the kernel gathers them here."""
-        if rope.cos is None:
-            cs = self.cos_sin_cache[rope.positions].view(-1, 1, 2, self.half)
-            rope = RopeInput(rope.positions, cs[:, :, 0], cs[:, :, 1])
-        cos, sin = rope.cos, rope.sin
-        xf = x.float()
-        x1, x2 = xf[..., :self.half], xf[..., self.half:]
-        out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        o1, o2 = out[..., :self.half], out[..., self.half:]
-        torch.mul(x1, cos, out=o1)
-        o1.addcmul_(x2, sin, value=-1)
-        torch.mul(x2, cos, out=o2)
-        o2.addcmul_(x1, sin)
-        return out.to(x.dtype)
+ACTIVATIONS: dict[str, type[nn.Module]] = {
+    "silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul, "gelu_tanh": GeluTanhAndMul,
+}

@@ -1,5 +1,5 @@
-"""LoRA adapters on the Llama family: PEFT checkpoints loaded into fixed slots, applied to a mixed batch in one
-forward (punica's SGMV idea in plain torch: two matmuls per adapter run per projection).
+"""LoRA adapters on the decoder families (model/models/decoder.py): PEFT checkpoints loaded into fixed slots,
+applied to a mixed batch in one forward (punica's SGMV idea in plain torch: two matmuls per adapter run per projection).
 
 Every projection a LoRA may target (q/k/v/o, gate/up/down) holds room for max_loras slots of rank up to
 --max-lora-rank per module it computes: an adapter's A [in, r] and B [r, out] (pre-scaled by alpha / r) of each
@@ -23,8 +23,9 @@ import numpy as np
 import torch
 from torch import nn
 
-# PEFT module name → (our projection, which slice of it): q/k/v are slices of qkv_proj, gate/up of gate_up_proj.
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# PEFT module name → (our projection, which slice of it): q/k/v are slices of qkv_proj, gate/up of gate_up_proj;
+# Phi-3's checkpoints (and so its adapters) have qkv_proj and gate_up_proj fused already.
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
 _KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 
 
@@ -181,7 +182,8 @@ class LoRAModelManager:
             spans = {"q_proj": (attn.qkv_proj, 0, q), "k_proj": (attn.qkv_proj, q, kv),
                      "v_proj": (attn.qkv_proj, q + kv, kv), "o_proj": (attn.o_proj, 0, attn.o_proj.out_features),
                      "gate_proj": (mlp.gate_up_proj, 0, inter), "up_proj": (mlp.gate_up_proj, inter, inter),
-                     "down_proj": (mlp.down_proj, 0, mlp.down_proj.out_features)}
+                     "down_proj": (mlp.down_proj, 0, mlp.down_proj.out_features),
+                     "qkv_proj": (attn.qkv_proj, 0, q + 2 * kv), "gate_up_proj": (mlp.gate_up_proj, 0, 2 * inter)}
             # A fused projection gives each module it holds a rank block of its own: A [in, parts * R] side by side,
             # B block-diagonal (q's A must not meet v's B).
             parts = {id(attn.qkv_proj): 3, id(mlp.gate_up_proj): 2}

@@ -21,6 +21,7 @@ from minivllm.model.kv_swap import HostKVTier, block_bytes, check_capacity, uses
 from minivllm.model.layers import Linear, onednn_linear_available
 from minivllm.model.loader import load_model
 from minivllm.model.lora import LoRAModelManager, build_mapping
+from minivllm.model.models import get_model_class
 from minivllm.model.parallel import ParallelConfig, check_tensor_parallel, intermediate_size
 from minivllm.model.quantization import QuantizedLinear, check_device
 from minivllm.model.tp_worker import TensorParallelGroup
@@ -75,6 +76,9 @@ class ModelRunner:
         # runner with the same arguments and `parallel` set; each loads the model and keeps its shard.
         self.group: TensorParallelGroup | None = None
         if parallel is None:
+            refusal = getattr(get_model_class(mc), "tensor_parallel_refusal", None)
+            if tensor_parallel_size > 1 and refusal:
+                raise ValueError(f"tensor_parallel_size: {mc.architecture} cannot be split across ranks: {refusal}")
             check_tensor_parallel(mc, tensor_parallel_size, intermediate_size(mc))
             parallel = ParallelConfig(0, tensor_parallel_size)
             if tensor_parallel_size > 1:
@@ -99,15 +103,22 @@ class ModelRunner:
         quantized = [m for m in self.model.modules() if isinstance(m, QuantizedLinear)]
         self.quant_kernels = plan_kernels(quantized, quantization_kernel, f"quantization {quant and quant.method}",
                                           dtype)
-        self.sliding_window: int | None = getattr(self.model, "sliding_window", None)
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        assert len(layers) == mc.num_layers
+        # Each layer's attention window (None: full attention); Gemma's local and global layers differ.
+        self.layer_windows: tuple[int | None, ...] = tuple(layer.sliding_window for layer in layers)
         # --kv-eviction sink-window (StreamingLLM): every token attends to the first sink_tokens positions and
         # the last window_tokens; the engine frees the blocks in between.
         self.sink_tokens = 0
         if sink_window is not None:
-            if self.sliding_window is not None:
+            if any(w is not None for w in self.layer_windows):
+                window = next(w for w in self.layer_windows if w is not None)
                 raise ValueError(f"kv_eviction: {mc.architecture} already attends through a sliding window of "
-                                 f"{self.sliding_window} tokens; sink-window eviction is for full-attention models")
-            self.sink_tokens, self.sliding_window = sink_window
+                                 f"{window} tokens; sink-window eviction is for full-attention models")
+            self.sink_tokens = sink_window[0]
+            self.layer_windows = (sink_window[1],) * len(layers)
+            for layer in layers:
+                layer.sliding_window = sink_window[1]
         # One allocation for the whole pool: [2, layers, blocks, block_size, kv_heads, head_dim]; a quantized
         # cache adds float16 scales [2, layers, blocks, block_size, kv_heads] (model/kv_quant.py).
         self.kv_cache_dtype = kv_dtype = kv_storage_dtype(kv_cache_dtype, dtype, device)
@@ -116,8 +127,6 @@ class ModelRunner:
                                     device=device)
         self.kv_scales = (torch.zeros(2, mc.num_layers, num_blocks, block_size, kv_heads, dtype=torch.float16,
                                       device=device) if is_quantized(kv_dtype) else None)
-        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        assert len(layers) == mc.num_layers
         self.attention_backend = backend = get_backend(attention_backend, device, dtype)
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
@@ -252,17 +261,6 @@ class ModelRunner:
         self.last_forward_time = time.perf_counter() - t0
         return logits
 
-    def _decode_mask(self, positions: torch.Tensor, num_blocks: int) -> torch.Tensor | None:
-        """The torch backend's key mask of one-token queries at `positions` over num_blocks blocks."""
-        if not self.attention_backend.needs_decode_mask:
-            return None
-        lens = positions[:, None] + 1
-        key_pos = torch.arange(num_blocks * self.block_size, device=self.device)[None, :]
-        mask = key_pos < lens
-        if self.sliding_window is not None:
-            mask &= (key_pos >= lens - self.sliding_window) | (key_pos < self.sink_tokens)
-        return mask[:, None, None, :]
-
     @torch.inference_mode()
     def execute_decodes(self, token_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor
                         ) -> torch.Tensor:
@@ -272,9 +270,7 @@ class ModelRunner:
         bs = self.block_size
         slots = block_tables.gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs
         md = AttentionMetadata(slot_mapping=slots, num_decodes=token_ids.shape[0], decode_block_tables=block_tables,
-                               decode_positions=positions, decode_mask=self._decode_mask(positions,
-                                                                                         block_tables.shape[1]),
-                               max_decode_seq_len=int(positions.max()) + 1, sliding_window=self.sliding_window,
+                               decode_positions=positions, max_decode_seq_len=int(positions.max()) + 1,
                                prefills=[], sink_tokens=self.sink_tokens)
         return self._forward(token_ids, positions, md, None)
 
@@ -311,8 +307,7 @@ class ModelRunner:
         seq_lens = starts + q_lens
         md = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping).to(dev), num_decodes=nd, decode_block_tables=None,
-            decode_positions=None, decode_mask=None, max_decode_seq_len=0, sliding_window=self.sliding_window,
-            prefills=[], sink_tokens=self.sink_tokens)
+            decode_positions=None, max_decode_seq_len=0, prefills=[], sink_tokens=self.sink_tokens)
         if lora_slots is not None:
             md.lora = build_mapping(np.repeat(lora_slots[order], q_lens))
         if nd:
@@ -320,7 +315,6 @@ class ModelRunner:
             md.decode_block_tables = torch.from_numpy(tables[:nd, :dec_blocks]).to(dev)
             md.decode_positions = torch.from_numpy(positions[:nd]).to(dev)
             md.max_decode_seq_len = int(seq_lens[:nd].max())
-            md.decode_mask = self._decode_mask(md.decode_positions, dec_blocks)
         for i in range(nd, n):
             md.prefills.append(self._prefill_span(int(first[i]), int(cu[i]), int(starts[i]), seqs_o[i]))
 
@@ -339,16 +333,9 @@ class ModelRunner:
                 torch.from_numpy(logits_indices).to(dev))
 
     def _prefill_span(self, start: int, end: int, num_cached: int, s: SequenceInput) -> PrefillSpan:
-        dev, q = self.device, end - start
-        window = self.sliding_window
-        if num_cached == 0 and (window is None or q <= window):
-            return PrefillSpan(start, end, 0, None, None)
-        ctx = num_cached + q
-        q_pos = torch.arange(num_cached, ctx, device=dev)[:, None]
-        k_pos = torch.arange(ctx, device=dev)[None, :]
-        mask = k_pos <= q_pos
-        if window is not None:
-            mask &= (k_pos > q_pos - window) | (k_pos < self.sink_tokens)
-        nblocks = -(-ctx // self.block_size)
-        table = torch.tensor(s.block_table[:nblocks], device=dev)
-        return PrefillSpan(start, end, num_cached, table, mask)
+        """A chunk without cached context attends to its own K/V; one with context reads its blocks (masks per
+        window are built by the attention layers that need them)."""
+        if num_cached == 0:
+            return PrefillSpan(start, end, 0, None)
+        nblocks = -(-(num_cached + end - start) // self.block_size)
+        return PrefillSpan(start, end, num_cached, torch.tensor(s.block_table[:nblocks], device=self.device))

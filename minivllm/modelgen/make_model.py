@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
 import sysconfig
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -115,29 +117,50 @@ def _gpt2_shapes(cfg: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
     yield "ln_f.bias", (d,)
 
 
+def _hf_shapes(cfg: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """The checkpoint names and shapes of transformers' own implementation of the architecture (built on the
+    meta device: no memory, no init), so every family's files are exactly what HF would save."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**{"pad_token_id": None, "bos_token_id": None, "eos_token_id": None, **cfg})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    for name, p in model.named_parameters():  # a tied head appears once, as the embedding
+        yield name, tuple(p.shape)
+
+
+_HAND_WRITTEN = {"GPT2LMHeadModel": _gpt2_shapes, "LlamaForCausalLM": _llama_shapes,
+                 "MistralForCausalLM": _llama_shapes, "Qwen2ForCausalLM": _llama_shapes}
+
+
 def random_weights(preset: Preset, seed: int, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Normal(0, std) matrices and biases; norm weights near 1 so a dropped norm is caught by tests."""
+    """Normal(0, std) matrices and biases; norm weights near 1 so a dropped norm is caught by tests (Gemma's
+    norms scale by 1 + w: their w near 0)."""
     cfg = preset.config
     gen = torch.Generator().manual_seed(seed)
-    shapes = _gpt2_shapes(cfg) if cfg["architectures"][0] == "GPT2LMHeadModel" else _llama_shapes(cfg)
+    shapes = _HAND_WRITTEN.get(cfg["architectures"][0], _hf_shapes)(cfg)
+    offset_norms = cfg.get("model_type", "").startswith("gemma")
     for name, shape in shapes:
         t = torch.randn(shape, generator=gen)
         if "norm" in name or name.split(".")[-2] in ("ln_1", "ln_2", "ln_f"):
-            t = (1.0 + 0.1 * t) if name.endswith("weight") else 0.1 * t
+            t = ((0.0 if offset_norms else 1.0) + 0.1 * t) if name.endswith("weight") else 0.1 * t
         else:
             t = t * preset.init_std
         yield name, t.to(dtype)
 
 
 def make_model(preset_name: str, out: str, dtype: str = "float32", seed: int = 0,
-               max_shard_size: str | None = None) -> str:
-    """Write an HF-format model directory for a preset; returns its path."""
+               max_shard_size: str | None = None, overrides: tuple[tuple[str, Any], ...] = ()) -> str:
+    """Write an HF-format model directory for a preset (config fields replaced by `overrides`: tests flip a
+    tie or cut a real shape to fewer layers); returns its path."""
     if preset_name not in PRESETS:
         raise ValueError(f"make-model: unknown preset {preset_name!r}; available: {', '.join(PRESETS)}")
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
     if torch_dtype is None:
         raise ValueError(f"make-model: dtype {dtype!r} not one of float32, bfloat16, float16")
     preset = PRESETS[preset_name]
+    if overrides:
+        preset = dataclasses.replace(preset, config={**preset.config, **dict(overrides)})
     os.makedirs(out, exist_ok=True)
     tok = train_tokenizer(preset)
     tok.save(os.path.join(out, "tokenizer.json"))
@@ -145,6 +168,10 @@ def make_model(preset_name: str, out: str, dtype: str = "float32", seed: int = 0
     bos_id = tok.token_to_id(preset.bos) if preset.bos else eos_id
     extra = [tok.token_to_id(t) for t in preset.extra_eos]
     cfg = dict(preset.config, bos_token_id=bos_id, eos_token_id=eos_id, torch_dtype=dtype)
+    if "pad_token_id" in cfg or cfg["architectures"][0] not in _HAND_WRITTEN:
+        # The family's default pad id belongs to its real vocabulary: point it at our pad token (or none).
+        pad = next((t for t in ("<pad>", "<|pad|>") if t in preset.specials), None)
+        cfg["pad_token_id"] = tok.token_to_id(pad) if pad else None
     _write_json(out, "config.json", cfg)
     _write_json(out, "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": [eos_id, *extra]
                                                 if extra else eos_id})

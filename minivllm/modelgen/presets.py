@@ -8,6 +8,14 @@ from typing import Any
 LLAMA_SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 GPT2_SPECIALS = ["<|endoftext|>"]
+QWEN3_SPECIALS = [*CHATML_SPECIALS, "<tool_call>", "</tool_call>", "<think>", "</think>"]
+GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+PHI_SPECIALS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|tool|>", "<|/tool|>",
+                "<|tool_call|>", "<|/tool_call|>"]
+SMOLLM3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
+                    "<tool_call>", "</tool_call>"]
+OLMO_SPECIALS = ["<|endoftext|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>"]
+GRANITE_SPECIALS = ["<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>", "<|tool_call|>"]
 
 
 @dataclass(frozen=True)
@@ -21,6 +29,7 @@ class Preset:
     tokenizer_vocab: int  # BPE vocabulary trained locally (<= the model's vocab_size)
     init_std: float = 0.02
     extra_eos: list[str] = field(default_factory=list)
+    chat_format: str | None = None  # modelgen/chat_templates.py's name (None: ChatML when the specials have it)
 
 
 def _llama(**kw: Any) -> dict[str, Any]:
@@ -50,6 +59,68 @@ def _gpt2(**kw: Any) -> dict[str, Any]:
     }
     cfg.update(kw)
     return cfg
+
+
+def _family(arch: str, model_type: str, defaults: dict[str, Any], kw: dict[str, Any]) -> dict[str, Any]:
+    cfg = {"architectures": [arch], "model_type": model_type, "attention_bias": False, "attention_dropout": 0.0,
+           "hidden_act": "silu", "torch_dtype": "bfloat16", "use_cache": True}
+    cfg.update(defaults)
+    cfg.update(kw)
+    return cfg
+
+
+def _qwen3(**kw: Any) -> dict[str, Any]:
+    return _family("Qwen3ForCausalLM", "qwen3", dict(
+        rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=None, use_sliding_window=False, sliding_window=None,
+        max_window_layers=28, tie_word_embeddings=True), kw)
+
+
+def _gemma(arch: str, model_type: str, **kw: Any) -> dict[str, Any]:
+    cfg = _family(arch, model_type, dict(hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, pad_token_id=0,
+                                         query_pre_attn_scalar=256), kw)
+    del cfg["hidden_act"]
+    return cfg
+
+
+def _gemma2(**kw: Any) -> dict[str, Any]:
+    return _gemma("Gemma2ForCausalLM", "gemma2", **{**dict(
+        rope_theta=10000.0, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, cache_implementation="hybrid"),
+        **kw})
+
+
+def _gemma3(**kw: Any) -> dict[str, Any]:
+    # As gemma-3-1b's config.json ships it (no tie_word_embeddings: Gemma3TextConfig's default True applies).
+    return _gemma("Gemma3ForCausalLM", "gemma3_text", **{**dict(
+        rope_theta=1000000.0, rope_local_base_freq=10000.0, rope_scaling=None, attn_logit_softcapping=None,
+        final_logit_softcapping=None, cache_implementation="hybrid"), **kw})
+
+
+def _phi3(**kw: Any) -> dict[str, Any]:
+    return _family("Phi3ForCausalLM", "phi3", dict(
+        rms_norm_eps=1e-5, rope_theta=10000.0, resid_pdrop=0.0, embd_pdrop=0.0, sliding_window=None), kw)
+
+
+def _longrope(n: int, orig: int) -> dict[str, Any]:
+    """LongRoPE scaling of the shape Phi-4-mini ships (the factor values are made up: random weights anyway)."""
+    return {"type": "longrope", "short_factor": [1.0 + 0.02 * i for i in range(n)],
+            "long_factor": [1.0 + 1.5 * i for i in range(n)], "original_max_position_embeddings": orig}
+
+
+def _smollm3(**kw: Any) -> dict[str, Any]:
+    return _family("SmolLM3ForCausalLM", "smollm3", dict(
+        rms_norm_eps=1e-6, rope_theta=5000000.0, rope_scaling=None, mlp_bias=False, use_sliding_window=False,
+        sliding_window=None, no_rope_layer_interval=4, tie_word_embeddings=True), kw)
+
+
+def _olmo2(**kw: Any) -> dict[str, Any]:
+    return _family("Olmo2ForCausalLM", "olmo2", dict(
+        rms_norm_eps=1e-6, rope_theta=500000.0, rope_scaling=None, tie_word_embeddings=False), kw)
+
+
+def _granite(**kw: Any) -> dict[str, Any]:
+    return _family("GraniteForCausalLM", "granite", dict(
+        rms_norm_eps=1e-5, rope_theta=5000000.0, rope_scaling=None, mlp_bias=False, tie_word_embeddings=True,
+        embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625, logits_scaling=8.0), kw)
 
 
 _TINY = {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 3, "num_attention_heads": 4,
@@ -104,4 +175,72 @@ PRESETS: dict[str, Preset] = {
                            LLAMA_SPECIALS, "<s>", "</s>", 1024, init_std=0.1),
     "tiny-gpt2": Preset(_gpt2(n_embd=64, n_layer=3, n_head=4, n_positions=1024, n_ctx=1024, vocab_size=1024,
                               initializer_range=0.1), GPT2_SPECIALS, None, "<|endoftext|>", 1024, init_std=0.1),
+    # Today's small models (shapes of Qwen/Qwen3-0.6B, google/gemma-2-2b, google/gemma-3-1b-pt,
+    # microsoft/Phi-4-mini-instruct, HuggingFaceTB/SmolLM3-3B, allenai/OLMo-2-0425-1B,
+    # ibm-granite/granite-3.1-2b-instruct), random weights.
+    "qwen3-0.6b": Preset(_qwen3(
+        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+        initializer_range=0.02), QWEN3_SPECIALS, None, "<|endoftext|>", 8192, extra_eos=["<|im_end|>"],
+        chat_format="qwen3"),
+    "gemma2-2b": Preset(_gemma2(
+        hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, vocab_size=256000, max_position_embeddings=8192, sliding_window=4096,
+        tie_word_embeddings=True, initializer_range=0.02), GEMMA_SPECIALS, "<bos>", "<eos>", 8192,
+        extra_eos=["<end_of_turn>"], chat_format="gemma"),
+    "gemma3-1b": Preset(_gemma3(
+        hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, vocab_size=262144, max_position_embeddings=32768, sliding_window=512,
+        sliding_window_pattern=6, initializer_range=0.02), GEMMA_SPECIALS, "<bos>", "<eos>", 8192,
+        extra_eos=["<end_of_turn>"], chat_format="gemma"),
+    "phi4-mini": Preset(_phi3(
+        hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=24,
+        num_key_value_heads=8, vocab_size=200064, max_position_embeddings=131072,
+        original_max_position_embeddings=4096, partial_rotary_factor=0.75, rope_scaling=_longrope(48, 4096),
+        tie_word_embeddings=True, initializer_range=0.02), PHI_SPECIALS, None, "<|endoftext|>", 8192,
+        extra_eos=["<|end|>"], chat_format="phi4"),
+    "smollm3-3b": Preset(_smollm3(
+        hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+        num_key_value_heads=4, vocab_size=128256, max_position_embeddings=65536, initializer_range=0.02),
+        SMOLLM3_SPECIALS, None, "<|im_end|>", 8192, extra_eos=["<|end_of_text|>"], chat_format="smollm3"),
+    "olmo2-1b": Preset(_olmo2(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=16, vocab_size=100352, max_position_embeddings=4096, initializer_range=0.02),
+        OLMO_SPECIALS, None, "<|endoftext|>", 8192, chat_format="olmo2"),
+    "granite-3-2b": Preset(_granite(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=40, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=49155, max_position_embeddings=131072, initializer_range=0.02),
+        GRANITE_SPECIALS, None, "<|end_of_text|>", 8192, chat_format="granite"),
+    # Tiny variants of each: the same code paths in milliseconds, with the features that set a family apart
+    # made to matter at tiny sizes (small windows and caps, a head_dim unlike hidden / heads, NoPE and
+    # local/global layers within four layers).
+    "tiny-qwen3": Preset(_qwen3(**{**_TINY, "head_dim": 32}, initializer_range=0.1, tie_word_embeddings=False),
+                         QWEN3_SPECIALS, None, "<|endoftext|>", 1024, init_std=0.1, extra_eos=["<|im_end|>"],
+                         chat_format="qwen3"),
+    "tiny-gemma2": Preset(_gemma2(**{**_TINY, "head_dim": 32, "num_hidden_layers": 4}, sliding_window=8,
+                                  query_pre_attn_scalar=24, attn_logit_softcapping=3.0, final_logit_softcapping=5.0,
+                                  tie_word_embeddings=True, initializer_range=0.1),
+                          GEMMA_SPECIALS, "<bos>", "<eos>", 1024, init_std=0.1, extra_eos=["<end_of_turn>"],
+                          chat_format="gemma"),
+    "tiny-gemma3": Preset(_gemma3(**{**_TINY, "head_dim": 32, "num_hidden_layers": 4}, sliding_window=8,
+                                  sliding_window_pattern=3, query_pre_attn_scalar=24, initializer_range=0.1),
+                          GEMMA_SPECIALS, "<bos>", "<eos>", 1024, init_std=0.1, extra_eos=["<end_of_turn>"],
+                          chat_format="gemma"),
+    "tiny-phi3": Preset(_phi3(**_TINY, original_max_position_embeddings=256, partial_rotary_factor=0.5,
+                              rope_scaling=_longrope(4, 256), tie_word_embeddings=False, initializer_range=0.1),
+                        PHI_SPECIALS, None, "<|endoftext|>", 1024, init_std=0.1, extra_eos=["<|end|>"],
+                        chat_format="phi4"),
+    "tiny-smollm3": Preset(_smollm3(**{**_TINY, "num_hidden_layers": 4}, tie_word_embeddings=False,
+                                    initializer_range=0.1),
+                           SMOLLM3_SPECIALS, None, "<|im_end|>", 1024, init_std=0.1, extra_eos=["<|end_of_text|>"],
+                           chat_format="smollm3"),
+    "tiny-olmo2": Preset(_olmo2(**_TINY, initializer_range=0.1), OLMO_SPECIALS, None, "<|endoftext|>", 1024,
+                         init_std=0.1, chat_format="olmo2"),
+    "tiny-granite": Preset(_granite(**_TINY, attention_multiplier=0.0625, initializer_range=0.1),
+                           GRANITE_SPECIALS, None, "<|end_of_text|>", 1024, init_std=0.1, chat_format="granite"),
 }
+
+# The families of issue 31, tiny and real-size preset of each.
+NEW_FAMILIES = {"tiny-qwen3": "qwen3-0.6b", "tiny-gemma2": "gemma2-2b", "tiny-gemma3": "gemma3-1b",
+                "tiny-phi3": "phi4-mini", "tiny-smollm3": "smollm3-3b", "tiny-olmo2": "olmo2-1b",
+                "tiny-granite": "granite-3-2b"}

@@ -1,11 +1,15 @@
 /*
- * A Llama-family decoder stack for a step whose every token is a decode, in one call.
+ * A decoder stack for a step whose every token is a decode, in one call, for every family of
+ * model/models/decoder.py.
  *
- * Each layer's work at one token is nine small kernels (norm, qkv, rope + KV write, attention, o_proj,
- * norm, gate_up, SwiGLU, down) that already run natively; called one by one from Python, their
- * dispatch (module calls, views, ctypes marshalling: ~90 us a layer) was a tenth to a third of a
- * batch-1 step. Here the same kernels run back to back from C, with every activation in one buffer
- * the caller owns, so a step costs one foreign call however many layers the model has.
+ * Each layer's work at one token is a dozen small kernels (norms, qkv, q/k norm, rope + KV write, attention,
+ * o_proj, gate_up, the gated activation, down) that already run natively; called one by one from Python,
+ * their dispatch (module calls, views, ctypes marshalling: ~90 us a layer) was a tenth to a third of a
+ * batch-1 step. Here the same kernels run back to back from C, with every activation in one buffer the
+ * caller owns, so a step costs one foreign call however many layers the model has.
+ * A layer's variants are data, not code: norms before and/or after each sublayer (NULL where the family has
+ * none), q/k norms per head or over the projection, the layer's rope table (NULL: NoPE) and window, the
+ * residual multiplier, attention soft-capping and the MLP's activation.
  * float32 activations; KV cache float32, bfloat16 or int8 (+ float16 scales); weights in any format of
  * csrc/gemv.c.
  */
@@ -15,17 +19,20 @@
 void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, int fmt,
                  const void *w, const void *scale, const void *mins, int64_t G, const float *bias, float *scratch,
                  int num_threads);
-void add_rmsnorm_f32(float *residual, const float *x, int64_t ldx, const float *w, float eps, float *out,
-                     int64_t M, int64_t H, int num_threads);
-void rope_kv_write_f32(float *qkv, int64_t ldx, int64_t M, int nq, int nkv, int D, const int64_t *pos,
+void add_rmsnorm_f32(float *residual, const float *x, int64_t ldx, float xscale, const float *w, float eps,
+                     float *out, int64_t M, int64_t H, int num_threads);
+void rmsnorm_groups_f32(float *x, int64_t ldx, int64_t M, int64_t n, int64_t size, const float *w, float eps,
+                        int num_threads);
+void rope_kv_write_f32(float *qkv, int64_t ldx, int64_t M, int nq, int nkv, int D, int rot, const int64_t *pos,
                        const float *cos_sin, void *k_cache, void *v_cache, int kv_fmt, _Float16 *k_scale,
                        _Float16 *v_scale, const int64_t *slot_mapping, int num_threads);
 void silu_mul_f32(const float *gu, int64_t ldg, float *out, int64_t M, int64_t I, int num_threads);
+void gelu_tanh_mul_f32(const float *gu, int64_t ldg, float *out, int64_t M, int64_t I, int num_threads);
 void paged_attention_f32(float *out, const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                         int kv_fmt, const _Float16 *k_scale, const _Float16 *v_scale, const int64_t *block_tables, int64_t bt_stride, const int64_t *positions,
-                         int64_t num_tokens, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                         float scale, int64_t window, int64_t sinks, int64_t max_ctx, float *scratch,
-                         int num_threads);
+                         int kv_fmt, const _Float16 *k_scale, const _Float16 *v_scale, const int64_t *block_tables,
+                         int64_t bt_stride, const int64_t *positions, int64_t num_tokens, int num_heads,
+                         int num_kv_heads, int head_dim, int block_size, float scale, float softcap, int64_t window,
+                         int64_t sinks, int64_t max_ctx, float *scratch, int num_threads);
 
 /* One projection as csrc/gemv.c takes it (the fields of cpu_kernels.GemvWeights). */
 typedef struct {
@@ -36,7 +43,12 @@ typedef struct {
 } proj_t;
 
 typedef struct {
-    const float *input_norm, *post_norm;
+    /* Norms before attention, after attention, before the MLP, after the MLP (NULL: the family has none). */
+    const float *attn_norm, *attn_out_norm, *mlp_norm, *mlp_out_norm;
+    const float *q_norm, *k_norm; /* NULL: none; else one weight per group of q_norm_size / k_norm_size */
+    int64_t q_norm_size, k_norm_size;
+    const float *cos_sin; /* [positions, rot]; NULL: no rotary (NoPE layer) */
+    int64_t rot, window;  /* window <= 0: full attention */
     proj_t qkv, o, gate_up, down;
     void *k_cache, *v_cache;
     _Float16 *k_scale, *v_scale; /* int8 caches only */
@@ -46,10 +58,10 @@ typedef struct {
 typedef struct {
     int64_t M, H, I;
     int64_t nq, nkv, D, block_size;
-    float eps, scale;
+    float eps, scale, softcap, res_scale;
+    int64_t act; /* 0: SiLU, 1: GeLU-tanh */
     const int64_t *positions, *slot_mapping, *block_tables;
-    int64_t bt_stride, window, sinks, max_ctx;
-    const float *cos_sin;
+    int64_t bt_stride, sinks, max_ctx;
     float *gemv_scratch, *attn_scratch, *work;
     int64_t num_threads, kv_fmt;
 } step_t;
@@ -59,13 +71,27 @@ static void project(float *out, const float *x, const proj_t *p, const step_t *s
                 s->gemv_scratch, (int)s->num_threads);
 }
 
+/* The input of a sublayer: `pending` (the previous sublayer's output, NULL for the first) joins the residual
+ * stream, scaled; then the stream is normed into `normed` (returned) or, without a norm, read as it is. */
+static const float *sublayer_input(float *residual, const float *pending, const float *norm, float *normed,
+                                   const step_t *s) {
+    const int64_t M = s->M, H = s->H;
+    if (norm) {
+        add_rmsnorm_f32(residual, pending, H, s->res_scale, norm, s->eps, normed, M, H, (int)s->num_threads);
+        return normed;
+    }
+    if (pending)
+        for (int64_t i = 0; i < M * H; i++) residual[i] += s->res_scale * pending[i];
+    return residual;
+}
+
 /*
  * h [M, H]: the token embeddings in, the final-normed hidden states out. residual [M, H] is work space.
  * s->work holds the activations: M * (H + QKV + nq*D + H + 2I + I) floats.
  */
 void decode_stack_f32(const layer_t *layers, int64_t n_layers, const float *final_norm, const step_t *s, float *h,
                       float *residual) {
-    const int64_t M = s->M, H = s->H, I = s->I, qd = s->nq * s->D, qkv_n = qd + 2 * s->nkv * s->D;
+    const int64_t M = s->M, H = s->H, I = s->I, qd = s->nq * s->D, kvd = s->nkv * s->D, qkv_n = qd + 2 * kvd;
     const int nt = (int)s->num_threads;
     float *normed = s->work, *qkv = normed + M * H, *attn = qkv + M * qkv_n, *proj = attn + M * qd;
     float *gu = proj + M * H, *act = gu + M * 2 * I;
@@ -73,20 +99,28 @@ void decode_stack_f32(const layer_t *layers, int64_t n_layers, const float *fina
     memcpy(residual, h, (size_t)(M * H) * sizeof(float));
     for (int64_t l = 0; l < n_layers; l++) {
         const layer_t *L = layers + l;
-        /* The first layer norms the embeddings; later ones first add the previous MLP's output. */
-        add_rmsnorm_f32(residual, l ? proj : NULL, H, L->input_norm, s->eps, normed, M, H, nt);
-        project(qkv, normed, &L->qkv, s);
-        rope_kv_write_f32(qkv, qkv_n, M, (int)s->nq, (int)s->nkv, (int)s->D, s->positions, s->cos_sin, L->k_cache,
-                          L->v_cache, (int)s->kv_fmt, L->k_scale, L->v_scale, s->slot_mapping, nt);
+        /* The first layer reads the embeddings; later ones first add the previous MLP's output. */
+        const float *x = sublayer_input(residual, l ? proj : NULL, L->attn_norm, normed, s);
+        project(qkv, x, &L->qkv, s);
+        if (L->q_norm) rmsnorm_groups_f32(qkv, qkv_n, M, qd / L->q_norm_size, L->q_norm_size, L->q_norm, s->eps, nt);
+        if (L->k_norm)
+            rmsnorm_groups_f32(qkv + qd, qkv_n, M, kvd / L->k_norm_size, L->k_norm_size, L->k_norm, s->eps, nt);
+        rope_kv_write_f32(qkv, qkv_n, M, (int)s->nq, (int)s->nkv, (int)s->D, (int)L->rot, s->positions, L->cos_sin,
+                          L->k_cache, L->v_cache, (int)s->kv_fmt, L->k_scale, L->v_scale, s->slot_mapping, nt);
         paged_attention_f32(attn, qkv, qkv_n, L->k_cache, L->v_cache, (int)s->kv_fmt, L->k_scale, L->v_scale,
-                            s->block_tables, s->bt_stride, s->positions,
-                            M, (int)s->nq, (int)s->nkv, (int)s->D, (int)s->block_size, s->scale, s->window,
-                            s->sinks, s->max_ctx, s->attn_scratch, nt);
+                            s->block_tables, s->bt_stride, s->positions, M, (int)s->nq, (int)s->nkv, (int)s->D,
+                            (int)s->block_size, s->scale, s->softcap, L->window, s->sinks, s->max_ctx,
+                            s->attn_scratch, nt);
         project(proj, attn, &L->o, s);
-        add_rmsnorm_f32(residual, proj, H, L->post_norm, s->eps, normed, M, H, nt);
-        project(gu, normed, &L->gate_up, s);
-        silu_mul_f32(gu, 2 * I, act, M, I, nt);
+        if (L->attn_out_norm) add_rmsnorm_f32(proj, NULL, H, 1.f, L->attn_out_norm, s->eps, proj, M, H, nt);
+        x = sublayer_input(residual, proj, L->mlp_norm, normed, s);
+        project(gu, x, &L->gate_up, s);
+        if (s->act == 1)
+            gelu_tanh_mul_f32(gu, 2 * I, act, M, I, nt);
+        else
+            silu_mul_f32(gu, 2 * I, act, M, I, nt);
         project(proj, act, &L->down, s);
+        if (L->mlp_out_norm) add_rmsnorm_f32(proj, NULL, H, 1.f, L->mlp_out_norm, s->eps, proj, M, H, nt);
     }
-    add_rmsnorm_f32(residual, n_layers ? proj : NULL, H, final_norm, s->eps, h, M, H, nt);
+    add_rmsnorm_f32(residual, n_layers ? proj : NULL, H, s->res_scale, final_norm, s->eps, h, M, H, nt);
 }

@@ -3,12 +3,17 @@
  * layers of a dozen tiny torch ops each (float casts, views, reductions), and their dispatch cost,
  * not their arithmetic, is what a decode step spends besides reading the weights. float32 only.
  *
- *   add_rmsnorm   residual += x (when x is given); out = residual * rsqrt(mean(residual^2) + eps) * w
- *   rope_kv_write neox-style rotary embedding in place on the q and k heads of a fused qkv row, then its
+ *   add_rmsnorm   residual += xscale * x (when x is given); out = residual * rsqrt(mean(residual^2) + eps) * w
+ *                 (xscale: Granite's residual_multiplier, 1 elsewhere)
+ *   rmsnorm_groups in place over consecutive groups of a row's columns, one weight for every group (q/k norm
+ *                 per head, or over a whole projection)
+ *   rope_kv_write neox-style rotary embedding in place on the first `rot` dimensions of the q and k heads of a
+ *                 fused qkv row (none when cos_sin is NULL: a NoPE layer), then its
  *                 k and v heads copied into their KV-cache slot (float32, bfloat16 rounded to nearest
  *                 even as torch's conversion does, or int8 with a float16 scale per slot and head:
  *                 kv_quantize_rows, the same arithmetic as attention.quantize_kv)
  *   silu_mul      out = silu(gate) * up for a fused [gate | up] row
+ *   gelu_tanh_mul out = gelu_tanh(gate) * up (Gemma's GeGLU)
  */
 #include <math.h>
 #include <omp.h>
@@ -18,15 +23,20 @@
 /* Rows split over threads only when there are enough of them to pay for the fork. */
 #define PAR_ROWS 8
 
-void add_rmsnorm_f32(float *residual, const float *x, int64_t ldx, const float *w, float eps, float *out,
-                     int64_t M, int64_t H, int num_threads) {
+void add_rmsnorm_f32(float *residual, const float *x, int64_t ldx, float xscale, const float *w, float eps,
+                     float *out, int64_t M, int64_t H, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (M >= PAR_ROWS) schedule(static)
     for (int64_t m = 0; m < M; m++) {
         float *r = residual + m * H;
         if (x) {
             const float *xr = x + m * ldx;
+            if (xscale == 1.f) {
 #pragma omp simd
-            for (int64_t i = 0; i < H; i++) r[i] += xr[i];
+                for (int64_t i = 0; i < H; i++) r[i] += xr[i];
+            } else {
+#pragma omp simd
+                for (int64_t i = 0; i < H; i++) r[i] += xscale * xr[i];
+            }
         }
         float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
@@ -35,6 +45,23 @@ void add_rmsnorm_f32(float *residual, const float *x, int64_t ldx, const float *
         float *o = out + m * H;
 #pragma omp simd
         for (int64_t i = 0; i < H; i++) o[i] = w[i] * (r[i] * inv);
+    }
+}
+
+/* x: M rows ldx floats apart; columns [0, n * size) normalised in place, group by group, each by w [size]. */
+void rmsnorm_groups_f32(float *x, int64_t ldx, int64_t M, int64_t n, int64_t size, const float *w, float eps,
+                        int num_threads) {
+#pragma omp parallel for collapse(2) num_threads(num_threads) if (M * n >= PAR_ROWS) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t g = 0; g < n; g++) {
+            float *r = x + m * ldx + g * size;
+            float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+            for (int64_t i = 0; i < size; i++) ss += r[i] * r[i];
+            const float inv = 1.f / sqrtf(ss / (float)size + eps);
+#pragma omp simd
+            for (int64_t i = 0; i < size; i++) r[i] = w[i] * (r[i] * inv);
+        }
     }
 }
 
@@ -62,18 +89,19 @@ static inline void kv_quantize_rows(const float *x, int n, int D, int8_t *q, _Fl
 }
 
 /* qkv: M rows ldx floats apart, [q (nq heads) | k (nkv heads) | v (nkv heads)] of D floats each. Rotates
- * q and k in place, then writes k and v into slot slot_mapping[m] of the caches ([slots, nkv, D]: float32
- * (kv_fmt 0), bfloat16 (1) or int8 (2) with scales [slots, nkv] in k_scale / v_scale). */
-void rope_kv_write_f32(float *qkv, int64_t ldx, int64_t M, int nq, int nkv, int D, const int64_t *pos,
+ * the first rot dimensions of q and k in place (cos_sin [positions, rot]: cos then sin; NULL: no rotation),
+ * then writes k and v into slot slot_mapping[m] of the caches ([slots, nkv, D]: float32 (kv_fmt 0), bfloat16
+ * (1) or int8 (2) with scales [slots, nkv] in k_scale / v_scale). */
+void rope_kv_write_f32(float *qkv, int64_t ldx, int64_t M, int nq, int nkv, int D, int rot, const int64_t *pos,
                        const float *cos_sin, void *k_cache, void *v_cache, int kv_fmt, _Float16 *k_scale,
                        _Float16 *v_scale, const int64_t *slot_mapping, int num_threads) {
-    int half = D / 2;
+    int half = rot / 2;
     int64_t kv = (int64_t)nkv * D;
 #pragma omp parallel for num_threads(num_threads) if (M >= PAR_ROWS) schedule(static)
     for (int64_t m = 0; m < M; m++) {
-        const float *c = cos_sin + pos[m] * D, *s = c + half;
         float *row = qkv + m * ldx;
-        for (int h = 0; h < nq + nkv; h++) {
+        const float *c = cos_sin ? cos_sin + pos[m] * rot : NULL, *s = c ? c + half : NULL;
+        for (int h = 0; c && h < nq + nkv; h++) {
             float *x1 = row + (int64_t)h * D, *x2 = x1 + half;
 #pragma omp simd
             for (int i = 0; i < half; i++) {
@@ -113,5 +141,20 @@ void silu_mul_f32(const float *gu, int64_t ldg, float *out, int64_t M, int64_t I
         float *o = out + m * I;
 #pragma omp simd
         for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
+}
+
+/* gelu with the tanh approximation, as torch's gelu(approximate="tanh"). */
+void gelu_tanh_mul_f32(const float *gu, int64_t ldg, float *out, int64_t M, int64_t I, int num_threads) {
+    const float k0 = 0.7978845608028654f, k1 = 0.044715f; /* sqrt(2 / pi) */
+#pragma omp parallel for num_threads(num_threads) if (M >= PAR_ROWS) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const float *g = gu + m * ldg, *u = g + I;
+        float *o = out + m * I;
+#pragma omp simd
+        for (int64_t i = 0; i < I; i++) {
+            const float x = g[i];
+            o[i] = 0.5f * x * (1.f + tanhf(k0 * (x + k1 * x * x * x))) * u[i];
+        }
     }
 }

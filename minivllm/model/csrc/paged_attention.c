@@ -15,6 +15,7 @@
  * Token t sits at position positions[t]; it sees keys at positions max(0, pos - window + 1) .. pos
  * (window <= 0: no sliding window) and, with sinks > 0, the first `sinks` positions too (StreamingLLM's
  * attention sinks: --kv-eviction sink-window frees the blocks in between, which are never read).
+ * softcap > 0 (Gemma 2) caps every scaled score as softcap * tanh(score / softcap) before the softmax.
  *
  * Work items are (token, kv head) pairs; the G = H / KVH query heads of a group share each K/V row
  * load. Scores go to a per-thread scratch row, then one softmax pass, then the weighted V sum:
@@ -74,6 +75,7 @@ typedef struct {
     int nkv;
     int g;                /* kv head */
     float scale;
+    float softcap;        /* <= 0: none */
     int fmt;              /* KV_F32, KV_BF16, KV_INT8 */
 } item_t;
 
@@ -142,9 +144,13 @@ INLINE void prefetch_block(const void *cache, const item_t *it, int64_t b, int D
         for (int c = 0; c < D * esz; c += 64) __builtin_prefetch(nb + r * it->row * esz + c);
 }
 
-static void softmax_rows(float *sc, int64_t stride, int G, int64_t n) {
+static void softmax_rows(float *sc, int64_t stride, int G, int64_t n, float softcap) {
     for (int h = 0; h < G; h++) {
         float *s = sc + h * stride;
+        if (softcap > 0.f) {
+            const float inv_cap = 1.f / softcap;
+            for (int64_t j = 0; j < n; j++) s[j] = softcap * tanhf(s[j] * inv_cap);
+        }
         float m = s[0]; /* not -INFINITY: -ffast-math assumes no infinities */
         for (int64_t j = 1; j < n; j++) m = s[j] > m ? s[j] : m;
         float sum = 0.f;
@@ -216,7 +222,7 @@ INLINE void item_vec(const item_t *it, int G, int D, int FMT) {
     if (ns) scores_range(it, qv, 0, ns, 0, G, D, FMT);
     scores_range(it, qv, it->start, it->end, ns, G, D, FMT);
     /* 2. softmax */
-    softmax_rows(it->sc, it->stride, G, ns + nw);
+    softmax_rows(it->sc, it->stride, G, ns + nw, it->softcap);
     /* 3. weighted sum of V rows */
     v16 out[MAX_G * MAX_CHUNKS];
     for (int i = 0; i < G * C; i++) out[i] = (v16){0};
@@ -244,7 +250,7 @@ static void item_scalar(const item_t *it, int G, int D) {
             it->sc[h * stride + j] = acc * it->scale * ks;
         }
     }
-    softmax_rows(it->sc, stride, G, n);
+    softmax_rows(it->sc, stride, G, n, it->softcap);
     for (int i = 0; i < G * D; i++) it->og[i] = 0.f;
     for (int64_t j = 0; j < n; j++) {
         const int64_t p = key_pos(it, j);
@@ -279,10 +285,12 @@ static void item_generic(const item_t *it, int G, int D) {
             item_vec(it, GG, DD, KV_F32);                                                               \
     }
 /* Group sizes of the supported families: Llama-3.x 1B (4), SmolLM2 (3), Qwen2.5-0.5B (7), TinyLlama /
- * Mistral (8 / 4), GPT-2 and MHA models (1). */
+ * Mistral (8 / 4), GPT-2 and MHA models (1); Qwen3-0.6B (2 at 128), Phi-4-mini (3 at 128), SmolLM3 (4 at 128),
+ * OLMo 2 (1 at 128), Gemma 2 2B (2 at 256), Gemma 3 1B (4 at 256). */
 SPECIALISE(1, 64) SPECIALISE(2, 64) SPECIALISE(3, 64) SPECIALISE(4, 64) SPECIALISE(5, 64) SPECIALISE(6, 64)
 SPECIALISE(7, 64) SPECIALISE(8, 64) SPECIALISE(1, 128) SPECIALISE(2, 128) SPECIALISE(4, 128)
-SPECIALISE(5, 128) SPECIALISE(6, 128) SPECIALISE(7, 128) SPECIALISE(8, 128)
+SPECIALISE(5, 128) SPECIALISE(6, 128) SPECIALISE(7, 128) SPECIALISE(8, 128) SPECIALISE(3, 128)
+SPECIALISE(1, 256) SPECIALISE(2, 256) SPECIALISE(4, 256)
 
 typedef void (*item_fn)(const item_t *, int, int);
 
@@ -303,6 +311,10 @@ static item_fn pick(int G, int D) {
     case 12806: return item_6_128;
     case 12807: return item_7_128;
     case 12808: return item_8_128;
+    case 12803: return item_3_128;
+    case 25601: return item_1_256;
+    case 25602: return item_2_256;
+    case 25604: return item_4_256;
     }
     if (D % 16 == 0 && D / 16 <= MAX_CHUNKS && G <= MAX_G) return item_generic;
     return item_scalar;
@@ -314,7 +326,8 @@ static item_fn pick(int G, int D) {
 void paged_attention_f32(float *out, const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                         int kv_fmt, const _Float16 *k_scale, const _Float16 *v_scale, const int64_t *block_tables, int64_t bt_stride, const int64_t *positions,
                         int64_t num_tokens, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                        int64_t window, int64_t sinks, int64_t max_ctx, float *scratch, int num_threads) {
+                        float softcap, int64_t window, int64_t sinks, int64_t max_ctx, float *scratch,
+                        int num_threads) {
     const int G = num_heads / num_kv_heads, D = head_dim;
     const item_fn fn = pick(G, D);
     const int64_t stride = (max_ctx + 15) / 16 * 16;
@@ -342,6 +355,7 @@ void paged_attention_f32(float *out, const float *q, int64_t q_stride, const voi
                 .nkv = num_kv_heads,
                 .g = g,
                 .scale = scale,
+                .softcap = softcap,
                 .fmt = kv_fmt,
             };
             fn(&it, G, D);

@@ -5,13 +5,27 @@ from __future__ import annotations
 from torch import nn
 
 from minivllm.config import ModelConfig
+from minivllm.model.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from minivllm.model.models.gpt2 import GPT2LMHeadModel
+from minivllm.model.models.granite import GraniteForCausalLM
 from minivllm.model.models.llama import LlamaForCausalLM
+from minivllm.model.models.olmo2 import Olmo2ForCausalLM
+from minivllm.model.models.phi3 import Phi3ForCausalLM
+from minivllm.model.models.qwen3 import Qwen3ForCausalLM
+from minivllm.model.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
 }
 
