@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from minivllm.engine.reasoning import REASONING_PARSER_NAMES
 from minivllm.model_config import ModelConfig
 from minivllm.quant_config import QUANTIZATION_KERNELS, QuantConfig
 from minivllm.sampling_params import MAX_LOGPROBS
@@ -180,7 +181,10 @@ class EngineArgs:
         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 3} or {\"model\": \"DIR|default-draft\", "
         "\"num_speculative_tokens\": 3} (also \"prompt_lookup_min\", \"adaptive\")")
 
-    enable_lora: bool = _arg(False, "serve LoRA adapters (PEFT format, Llama family) next to the base model")
+    enable_lora: bool = _arg(False, "serve LoRA adapters (PEFT format, every decoder family) next to the base model")
+    reasoning_parser: str | None = _arg(
+        None, "qwen3 | deepseek_r1: the model thinks in <think> ... </think> before it answers; the thinking goes to "
+        "reasoning_content, and guided decoding (and so tool_choice required or named) constrains the answer only")
     lora_modules: list[str] | None = _arg(
         None, "adapters to load at start-up, each NAME=DIR (PEFT: adapter_config.json + adapter_model.safetensors); "
         "a request picks one by naming it as its model")
@@ -205,6 +209,9 @@ class EngineArgs:
             raise ValueError(f"client_stall_timeout must be > 0 seconds, got {self.client_stall_timeout}")
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSER_NAMES:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSER_NAMES)}, got "
+                             f"{self.reasoning_parser!r}")
         for name in ("max_prompt_tokens", "max_n"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

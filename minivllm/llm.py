@@ -67,12 +67,16 @@ class LLM:
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, chat_template: str | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None
+             ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or to several,
-        through the tokenizer's chat template."""
+        through the tokenizer's chat template (with extra template variables, as Qwen3's enable_thinking, and the
+        tools shown to the model)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
-        prompts = [chat_prompt(tok, conv, add_generation_prompt, chat_template) for conv in conversations]
+        prompts = [chat_prompt(tok, conv, add_generation_prompt, chat_template, tools, chat_template_kwargs)
+                   for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,

@@ -144,6 +144,11 @@ class AsyncLLMEngine:
         return self.engine.scheduler_config.max_num_seqs
 
     @property
+    def reasoning_parser(self) -> str | None:
+        """How the model's thinking is told from its answer (--reasoning-parser), None for a model that does not."""
+        return self.engine.args.reasoning_parser
+
+    @property
     def tokenizer(self) -> Any:
         """The model's tokenizer."""
         return self.engine.tokenizer

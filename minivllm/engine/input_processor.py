@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from minivllm.engine.lora_registry import LoadedLoRA
+from minivllm.engine.reasoning import prompt_closes_thinking
 from minivllm.engine.structured_output import StructuredOutputManager
 from minivllm.sampling_params import SamplingParams
 from minivllm.slo import TtftSlo, resolve_priority
@@ -77,6 +78,7 @@ class EngineRequest:
     start_deadline: float = math.inf  # arrival_time + its timeout: not started by then, it is dropped unprefilled
     grammar: str | None = None  # guided decoding: the compiled constraint (structured_output.py)
     lora: LoadedLoRA | None = None  # the adapter it runs with (None: the base model)
+    grammar_after_reasoning: bool = False  # the grammar applies from the end of the thinking on (reasoning.py)
 
 
 class InputProcessor:
@@ -85,7 +87,8 @@ class InputProcessor:
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, kv_cache_mode: str,
                  blocks_needed: Callable[[int], int], num_blocks: int, pool: str,
                  ttft_slo_ms: str | float | None = None, seq_block_cap: int | None = None,
-                 limits: RequestLimits | None = None, structured: StructuredOutputManager | None = None) -> None:
+                 limits: RequestLimits | None = None, structured: StructuredOutputManager | None = None,
+                 reasoning_parser: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.kv_cache_mode = kv_cache_mode
@@ -94,6 +97,7 @@ class InputProcessor:
         self.ttft_slo = TtftSlo.parse(ttft_slo_ms)  # the classes' default deadlines (--ttft-slo-ms)
         self.limits = limits or RequestLimits()
         self.structured = structured  # compiles guided-decoding constraints (None: guided requests refused)
+        self.reasoning_parser = reasoning_parser  # a thinking model: guided decoding waits for </think>
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """A prompt (text, token ids, or {"prompt_token_ids": [...]}) → (text, token ids)."""
@@ -145,11 +149,14 @@ class InputProcessor:
             if self.structured is None:
                 raise ValueError("guided decoding is not available on this engine")
             grammar = self.structured.compile(params.guided_decoding)  # ValueError naming the field if invalid
+        # A thinking model answers after </think>: unless the prompt already closed the thinking, the grammar waits.
+        waits = grammar is not None and self.reasoning_parser is not None and not prompt_closes_thinking(
+            text if text is not None else self.tokenizer.decode(ids))
         if params.max_tokens is None:
             fill = max(1, room) if default_max_tokens is None else min(default_max_tokens, room)
             params = params.clone(max_tokens=fill)
         return EngineRequest(request_id, text, ids, params, arrival_time, priority, deadline, start_deadline, grammar,
-                             lora)
+                             lora, waits)
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:

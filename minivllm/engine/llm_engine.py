@@ -118,7 +118,7 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
                                               self.block_manager.blocks_needed, cc.num_blocks, pool, args.ttft_slo_ms,
                                               _eviction_block_cap(args, cc.block_size, token_budget),
                                               RequestLimits(args.max_prompt_tokens, args.max_n, args.max_logprobs),
-                                              self.structured)
+                                              self.structured, args.reasoning_parser)
         self.loras = LoRARegistry(self.runner.init_lora(args.max_loras, args.max_lora_rank) if args.enable_lora
                                   else None)
         for spec in args.lora_modules or []:
@@ -325,6 +325,8 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
             status = self._append_token(seq, tok, lp)
             if seq.matcher is not None and status is None:
                 status = self._advance_grammar(seq, tok)
+            elif seq.pending_grammar is not None:
+                self.structured.attach_after_reasoning(seq)
             if status is not None:
                 self._finish(seq, status)
             assert seq.group is not None
@@ -347,6 +349,8 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
                 status = self._append_token(seq, tok, None)
                 if seq.matcher is not None and status is None:
                     status = self._advance_grammar(seq, tok)
+                elif seq.pending_grammar is not None:
+                    self.structured.attach_after_reasoning(seq)
                 if status is not None:
                     self._finish(seq, status)
                     break

@@ -71,7 +71,8 @@ class RequestLifecycle:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         request_id, ids, params = req.request_id, req.prompt_token_ids, req.params
         group = SequenceGroup(request_id, req.prompt, ids, params, req.arrival_time, ttft_deadline=req.ttft_deadline,
-                              start_deadline=req.start_deadline, grammar=req.grammar, lora=req.lora)
+                              start_deadline=req.start_deadline, grammar=req.grammar, lora=req.lora,
+                              grammar_after_reasoning=req.grammar_after_reasoning)
         if self.faults is not None:
             group.faults = self.faults.faults_for(req.prompt, lambda: self.input_processor.tokenizer.decode(ids))
             if "kill_loop" in group.faults:
@@ -97,7 +98,10 @@ class RequestLifecycle:
         if "detokenize" in seq.group.faults and seq.detokenizer is not None:
             seq.detokenizer = FailingDetokenizer(seq.detokenizer)  # type: ignore[assignment]
         if seq.group.grammar is not None:  # children of n > 1 fork before their first token: a fresh matcher
-            self.structured.attach(seq, seq.group.grammar)
+            if seq.group.grammar_after_reasoning:
+                seq.pending_grammar = seq.group.grammar
+            else:
+                self.structured.attach(seq, seq.group.grammar)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output (None if unknown or done)."""

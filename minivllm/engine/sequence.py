@@ -46,7 +46,7 @@ class Sequence:
                  "priority", "arrival_index", "status", "num_computed_tokens", "block_table", "block_hashes",
                  "num_preemptions", "generator", "detokenizer", "logprobs", "cumulative_logprob", "stop_reason",
                  "num_emitted_tokens", "finish_reported", "slot", "spec_token_ids", "spec_drafts", "spec_accepted",
-                 "spec_expected", "ttft_deadline", "matcher", "cache_salt")
+                 "spec_expected", "ttft_deadline", "matcher", "pending_grammar", "cache_salt")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  arrival_index: int, priority: int = 0, group: SequenceGroup | None = None, index: int = 0) -> None:
@@ -80,6 +80,7 @@ class Sequence:
         # Its request's (samples and beams inherit it through the group); a copy, so sort keys read one slot.
         self.ttft_deadline = group.ttft_deadline if group is not None else math.inf
         self.matcher: Any = None  # guided decoding: its grammar's state (engine/structured_output.py)
+        self.pending_grammar: str | None = None  # its grammar, until its thinking ends (engine/reasoning.py)
         # Seeds its prefix-cache hash chain: KV computed under a LoRA adapter is only shared with the same adapter.
         self.cache_salt = group.lora.cache_salt if group is not None and group.lora is not None else b""
 
@@ -155,6 +156,7 @@ class SequenceGroup:
     start_deadline: float = math.inf  # its timeout: not started by then, it is dropped before any prefill
     faults: frozenset[str] = frozenset()  # test-only injected faults (fault_injection.py)
     grammar: str | None = None  # guided decoding: the compiled constraint each of its sequences follows
+    grammar_after_reasoning: bool = False  # ... from the end of the thinking on (engine/reasoning.py)
     lora: LoadedLoRA | None = None  # the LoRA adapter it runs with
 
     @property

@@ -20,6 +20,7 @@ advances the sequence's matcher, and a matcher that can take nothing more finish
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 import time
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from minivllm.engine.reasoning import reasoning_ended
 from minivllm.sampling_params import GuidedDecodingParams
 
 if TYPE_CHECKING:
@@ -86,12 +88,11 @@ class StructuredOutputManager:
     def _tokenizer(self) -> Any:
         with self._lock:
             if self._ll_tokenizer is None:
-                import llguidance
-                import llguidance.hf
+                from llguidance import LLTokenizer
 
                 # ~0.1 s for a 32k vocabulary: once per engine, on the first guided request.
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
-                                                                  eos_token=self.eos_token_ids or None)
+                self._ll_tokenizer = LLTokenizer(_plain_added_tokens_in_vocab(self.tokenizer),
+                                                 n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None)
             return self._ll_tokenizer
 
     def compile(self, params: GuidedDecodingParams) -> str:
@@ -162,6 +163,13 @@ class StructuredOutputManager:
         """Give a sequence of a guided request its matcher."""
         seq.matcher = self.new_matcher(grammar)
         self.num_live += 1
+
+    def attach_after_reasoning(self, seq: Sequence) -> None:
+        """A thinking sequence's grammar starts with its answer: attached once </think> is in its output."""
+        text = seq.detokenizer.text if seq.detokenizer is not None else ""
+        if seq.pending_grammar is not None and reasoning_ended(text):
+            grammar, seq.pending_grammar = seq.pending_grammar, None
+            self.attach(seq, grammar)
 
     def detach(self, seq: Sequence) -> None:
         """A finished sequence lets its matcher go."""
@@ -240,6 +248,40 @@ class StructuredOutputManager:
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None
+
+
+def _plain_added_tokens_in_vocab(tokenizer: Any) -> str:
+    """The tokenizer's JSON for llguidance, its non-special added tokens (Qwen3's <think>, <tool_call>) moved into
+    the vocabulary. llguidance takes every added token for a special one (text can only name it with its 0xFF
+    marker), yet tokenizes a forced "<tool_call>" to that token: the mask then offered it and the matcher refused
+    it. Text to the model, they are plain tokens to the grammar too."""
+    backend = copy.copy(tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    data = json.loads(backend.to_str())
+    model = data.get("model") or {}
+    plain = [t for t in data.get("added_tokens", []) if not t.get("special")]
+    if not plain or not isinstance(model.get("vocab"), dict):
+        return json.dumps(data)
+    byte_level = "ByteLevel" in json.dumps(data.get("decoder"))
+    for t in plain:
+        text = t["content"]
+        model["vocab"][_byte_level(text) if byte_level else text] = t["id"]
+    data["added_tokens"] = [t for t in data["added_tokens"] if t.get("special")]
+    return json.dumps(data)
+
+
+def _byte_level(text: str) -> str:
+    """GPT-2's byte-to-unicode spelling of text, as byte-level BPE vocabularies store tokens."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return "".join(table[b] for b in text.encode())
 
 
 def _one_line(message: str, limit: int = 400) -> str:

@@ -26,12 +26,14 @@ def get_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
 def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
                 add_generation_prompt: bool = True, chat_template: str | None = None,
-                tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None
+                ) -> dict[str, Any]:
     """A conversation → {"prompt", "prompt_token_ids"} through the tokenizer's chat template (shown `tools`, the
-    OpenAI tool definitions, when given)."""
+    OpenAI tool definitions, when given; `template_kwargs` are extra template variables, as Qwen3's
+    enable_thinking)."""
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             chat_template=chat_template, tools=tools)
+                                             chat_template=chat_template, tools=tools, **(template_kwargs or {}))
     except Exception as e:  # no template, or the template rejects the conversation (raise_exception in jinja)
         raise ValueError(f"messages: cannot apply the chat template: {e}") from None
     check_unicode(text, "messages")  # a lone surrogate is no text the tokenizer can take

@@ -17,6 +17,7 @@ from minivllm.engine.input_processor import Prompt
 from minivllm.engine.lora_registry import LoadedLoRA
 from minivllm.engine.tokenizer import chat_prompt
 from minivllm.entrypoints.api_schema import OPENAI_GENERATION_ERRORS, ChatCompletion, Completion, ModelList, responses
+from minivllm.entrypoints.chat_reply import ChoiceStream, chat_message
 from minivllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, beam_search_fields
 from minivllm.entrypoints.serving import (
     APIError,
@@ -26,14 +27,8 @@ from minivllm.entrypoints.serving import (
     prompt_logprobs_json,
 )
 from minivllm.entrypoints.streaming import merge, sse
-from minivllm.entrypoints.tool_calls import (
-    ToolPlan,
-    ToolStream,
-    finish_reason,
-    parse_reply,
-    plan_tools,
-    template_messages,
-)
+from minivllm.entrypoints.tool_calls import ToolPlan, finish_reason, plan_tools, template_messages
+from minivllm.entrypoints.tool_parsers import TOOL_PARSERS
 from minivllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from minivllm.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
 
@@ -257,13 +252,16 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     plan = _tool_plan(st, body)
     params = _params(body, max_tokens, logprobs, body.prompt_logprobs, plan.constraint)
+    if plan.parser is not None and TOOL_PARSERS[plan.parser].keeps_special_tokens and params.skip_special_tokens:
+        # The calls' markers ([TOOL_CALLS], <|python_tag|>) are special tokens: the reply must keep them to be read.
+        params = params.clone(skip_special_tokens=False)
     if body.chat_template is not None:  # untrusted Jinja from a client: refused, as vLLM does by default
         raise APIError(400, "chat_template: a request may not carry its own chat template", "chat_template")
     try:
         messages = template_messages([m.as_template_dict() for m in body.messages])
         # Rendering and tokenizing a long conversation would stall every stream: do it off the loop.
         prompt = await asyncio.to_thread(chat_prompt, st.tokenizer, messages, body.add_generation_prompt, None,
-                                         plan.tools)
+                                         plan.tools, body.template_kwargs())
     except ValueError as e:
         raise bad_request(e) from None
     rid, streams = await _submit(st, [prompt], params, body, "chatcmpl", lora)
@@ -272,12 +270,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _chat_events(body, _Chunker(st, rid, "chat.completion.chunk", created, include_usage, model),
-                              streams[0], k, plan)
+                              streams[0], k, plan, st.reasoning_parser, prompt["prompt"])
         return st.stream_response("/v1/chat/completions", t0, events, streams)
     (out,) = await st.wait_finals(request, streams)
     choices = []
     for c in out.outputs:
-        message = _message(plan, c.text)
+        message = chat_message(plan, c.text, st.reasoning_parser, prompt["prompt"])
         finish = finish_reason(plan, c.finish_reason, len(message.get("tool_calls") or []))
         choices.append({"index": c.index, "message": message, "logprobs": _chat_logprobs(c, k) if body.logprobs
                         else None, "finish_reason": finish, "stop_reason": c.stop_reason})
@@ -302,36 +300,26 @@ def _tool_plan(st: ServerState, body: ChatCompletionRequest) -> ToolPlan:
     return plan
 
 
-def _message(plan: ToolPlan, text: str) -> dict[str, Any]:
-    """The assistant's message: its text, or (with tools) its content and tool_calls."""
-    if not plan.calls_tools:
-        return {"role": "assistant", "content": text}
-    content, calls = parse_reply(plan, text)
-    return {"role": "assistant", "content": content, "tool_calls": calls}
-
-
-async def _chat_events(body: ChatCompletionRequest, chunk: _Chunker, stream: AsyncStream, k: int, plan: ToolPlan
-                       ) -> AsyncIterator[str]:
+async def _chat_events(body: ChatCompletionRequest, chunk: _Chunker, stream: AsyncStream, k: int, plan: ToolPlan,
+                       reasoning_parser: str | None, prompt: str | None) -> AsyncIterator[str]:
     completion_tokens = 0
-    tools = [ToolStream(plan) for _ in range(body.n)]
+    choices = [ChoiceStream(plan, reasoning_parser, prompt) for _ in range(body.n)]
     for i in range(body.n):  # OpenAI opens every choice with the role
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None}])
     async for out in stream:
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
-            ts = tools[c.index]
-            deltas = ts.feed(c.text) if plan.calls_tools else ([{"content": c.text}] if c.text else [])
-            if c.finish_reason is not None and plan.calls_tools:
-                deltas += ts.finish()
+            choice = choices[c.index]
+            deltas = choice.feed(c.text, c.finish_reason is not None)
             lps = _chat_logprobs(c, k) if body.logprobs else None
-            # Several deltas (content, then a call) go out as consecutive chunks; the last one carries the logprobs
-            # and the finish reason.
+            # Several deltas (reasoning, content, a call) go out as consecutive chunks; the last one carries the
+            # logprobs and the finish reason.
             for d in deltas[:-1]:
                 yield chunk([{"index": c.index, "delta": d, "logprobs": None, "finish_reason": None}])
             if not deltas and c.finish_reason is None and lps is None:
-                continue  # text held back (a tool call being read): nothing to send yet
+                continue  # text held back (a tag or a tool call being read): nothing to send yet
             yield chunk([{"index": c.index, "delta": deltas[-1] if deltas else {}, "logprobs": lps,
-                          "finish_reason": ts.finish_reason(c.finish_reason), "stop_reason": c.stop_reason}])
+                          "finish_reason": choice.finish_reason(c.finish_reason), "stop_reason": c.stop_reason}])
     if chunk.include_usage:
         yield chunk([], _usage(len(stream.prompt_token_ids), completion_tokens))

@@ -9,6 +9,12 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StrictFloat, St
 from minivllm.entrypoints.tool_calls import ChatTool, ToolChoice
 from minivllm.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
 
+# chat_template_kwargs: a few variables, none of those apply_chat_template takes from the request itself.
+MAX_TEMPLATE_KWARGS = 16
+RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "documents", "chat_template",
+                            "add_generation_prompt", "continue_final_message", "tokenize", "padding", "truncation",
+                            "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                            "tokenizer_kwargs"}
 
 class StructuredOutputsField(BaseModel):
     """vLLM's `structured_outputs` object: one of its constraint fields."""
@@ -250,3 +256,13 @@ class ChatCompletionRequest(_OpenAIRequest):
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Extra variables for the chat template (vLLM's field): Qwen3's enable_thinking, for one.
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, max_length=MAX_TEMPLATE_KWARGS)
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs, without the names the server itself passes to the template (400 naming them)."""
+        kwargs = self.chat_template_kwargs or {}
+        taken = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
+        if taken:
+            raise ValueError(f"chat_template_kwargs: {', '.join(taken)} cannot be set here (the server sets them)")
+        return kwargs

@@ -67,6 +67,7 @@ class RayEngineClient:
         self.max_num_seqs: int = info["max_num_seqs"]
         self.max_waiting: int = info["max_waiting"]
         self.num_speculative_tokens: int = info["num_speculative_tokens"]
+        self.reasoning_parser: str | None = info.get("reasoning_parser")
         self.tokenizer = tokenizer
         bs = info["block_size"]
         self.input_processor = InputProcessor(tokenizer, info["vocab_size"], self.max_model_len, info["kv_cache_mode"],
@@ -74,7 +75,8 @@ class RayEngineClient:
                                               info.get("ttft_slo_ms"), limits=RequestLimits(*info["limits"]),
                                               # Guided requests compile here; each replica attaches the matchers.
                                               structured=StructuredOutputManager(tokenizer, info["vocab_size"],
-                                                                                 frozenset(info["eos_token_ids"])))
+                                                                                 frozenset(info["eos_token_ids"])),
+                                              reasoning_parser=self.reasoning_parser)
         self.stat_loggers: list[Any] = []  # build_app adds the server's metrics; the replicas feed their own
         # The front never exits for a replica: Serve restarts a dead one, and routing goes around it meanwhile.
         self.death_callbacks: list[Any] = []

@@ -101,7 +101,8 @@ class EngineReplica:
                 "vocab_size": eng.model_config.vocab_size, "kv_cache_mode": eng.args.kv_cache_mode,
                 "block_size": cc.block_size, "num_blocks": cc.num_blocks, "pool": eng.input_processor.pool,
                 "ttft_slo_ms": eng.args.ttft_slo_ms, "limits": dataclasses.astuple(eng.input_processor.limits),
-                "eos_token_ids": sorted(eng.eos_token_ids), "replica": self.replica_id, "pid": self.pid}
+                "eos_token_ids": sorted(eng.eos_token_ids), "replica": self.replica_id, "pid": self.pid,
+                "reasoning_parser": eng.args.reasoning_parser}
 
     def _report(self) -> dict[str, Any]:
         snap = self.engine.snapshot

@@ -67,9 +67,10 @@ class ServerArgs:
                                                     "a client names)")
     enable_auto_tool_choice: bool = _arg(False, 'allow tool_choice "auto" (the model decides whether to call a tool; '
                                                 "needs --tool-call-parser)")
-    tool_call_parser: str | None = _arg(None, "how tool calls are read from a reply under tool_choice auto: hermes "
-                                              "(<tool_call>{...}</tool_call>, the format of the chat templates of "
-                                              "Hermes, Qwen2.5 and the embedded model)")
+    tool_call_parser: str | None = _arg(
+        None, "how tool calls are read from a reply under tool_choice auto: hermes (<tool_call>{...}</tool_call>: "
+        "Hermes, Qwen2.5/3, SmolLM3 and the embedded model), llama3_json (Llama 3.x JSON calls), mistral "
+        "([TOOL_CALLS]...), pythonic (Llama 3.2/4: [f(a=1), g(b=2)])")
 
     def __post_init__(self) -> None:
         if self.api_key is None:
@@ -88,7 +89,7 @@ class ServerArgs:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
                              f"{self.tool_call_parser!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("enable_auto_tool_choice needs --tool-call-parser (hermes)")
+            raise ValueError(f"enable_auto_tool_choice needs --tool-call-parser ({', '.join(TOOL_CALL_PARSERS)})")
         if parse_size(self.max_body_size, "max_body_size") <= 0:
             raise ValueError(f"max_body_size must be positive, got {self.max_body_size!r}")
 
@@ -182,6 +183,7 @@ class ServerState:
         self.max_model_len = engine.max_model_len
         self.max_num_seqs = engine.max_num_seqs
         self.tokenizer = engine.tokenizer
+        self.reasoning_parser: str | None = getattr(engine, "reasoning_parser", None)
         self.created = int(time.time())
         # A write the client does not take within this long (its buffers are full: it stopped reading) ends the
         # response; the engine side drops such a request's stream alike (AsyncLLMEngine.MAX_UNREAD).

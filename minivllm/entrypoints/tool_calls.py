@@ -4,24 +4,23 @@ forced call's arguments parse, and reading calls back out of the generated text 
 - tool_choice "none" (or no tools): a plain reply; the template is not shown the tools.
 - a named function: guided JSON with that function's parameters schema; the whole output is its arguments.
 - "required": guided JSON, an array of {"name", "parameters"} objects (one of the tools each), vLLM's schema.
-- "auto": the model decides; with `--enable-auto-tool-choice --tool-call-parser hermes` the reply's
-  <tool_call>{"name", "arguments"}</tool_call> blocks (the format the chat template shows the model) become
-  tool_calls and the rest stays content.
+- "auto": the model decides; with `--enable-auto-tool-choice --tool-call-parser NAME` the calls the reply writes
+  in that model's format (tool_parsers.py: hermes, llama3_json, mistral, pythonic) become tool_calls and the rest
+  stays content.
 """
 
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from minivllm.entrypoints.tool_parsers import TOOL_PARSERS, tool_call
 from minivllm.sampling_params import GuidedDecodingParams
 
-TOOL_CALL_PARSERS = ("hermes",)
-_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+TOOL_CALL_PARSERS = tuple(TOOL_PARSERS)
 
 
 class FunctionDefinition(BaseModel):
@@ -72,6 +71,7 @@ class ToolPlan:
     tools: list[dict[str, Any]] | None  # passed to the chat template
     constraint: GuidedDecodingParams | None = None
     name: str | None = None  # the named function
+    parser: str | None = None  # auto: the format the calls are read in (tool_parsers.py)
 
     @property
     def calls_tools(self) -> bool:
@@ -97,7 +97,7 @@ def plan_tools(tools: list[ChatTool] | None, choice: ToolChoice | None, parallel
         if auto_parser is None:
             raise ValueError('tool_choice: "auto" needs the server started with --enable-auto-tool-choice and '
                              '--tool-call-parser; use "required" or a named function, or tool_choice "none"')
-        return ToolPlan("auto", as_dicts)
+        return ToolPlan("auto", as_dicts, parser=auto_parser)
     if choice == "required":
         items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
                                                    "parameters": _parameters(t)},
@@ -142,12 +142,6 @@ def _call_for_template(call: Any) -> Any:
     return dict(call, function=dict(fn, arguments=args))
 
 
-def tool_call(name: str, arguments: str) -> dict[str, Any]:
-    """One entry of a message's tool_calls."""
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
-
-
 def parse_reply(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool_calls) of a finished reply."""
     if plan.mode == "named":
@@ -160,48 +154,21 @@ def parse_reply(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, A
             return text, []
         return None, [tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
     if plan.mode == "auto":
-        return parse_hermes(text)
+        assert plan.parser is not None
+        return TOOL_PARSERS[plan.parser]().parse(text)
     return text, []
 
 
-def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """<tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks → tool calls; the rest is content. A block
-    that does not parse as a call stays in the content, as written."""
-    content, calls, rest = [], [], text
-    while (start := rest.find(_OPEN)) >= 0:
-        end = rest.find(_CLOSE, start)
-        if end < 0:
-            break
-        call = _hermes_call(rest[start + len(_OPEN):end])
-        content.append(rest[:start] if call is not None else rest[:end + len(_CLOSE)])
-        if call is not None:
-            calls.append(call)
-        rest = rest[end + len(_CLOSE):]
-    content.append(rest)
-    joined = "".join(content).strip() if calls else "".join(content)
-    return (joined or None) if calls else joined, calls
-
-
-def _hermes_call(body: str) -> dict[str, Any] | None:
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return tool_call(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
-
-
-@dataclass
 class ToolStream:
     """One streamed choice's tool-call deltas (OpenAI's chunk shape: delta.tool_calls[i] with an index; the first
     delta of a call carries its id, type and name)."""
 
-    plan: ToolPlan
-    text: str = ""  # what came so far (auto: what has not gone out as content yet)
-    calls: int = 0  # tool calls sent
-    _named_open: bool = False
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.text = ""  # required: the array so far (sent whole once it parses, at the end)
+        self.calls = 0  # tool calls sent
+        self._named_open = False
+        self.parser = TOOL_PARSERS[plan.parser]() if plan.mode == "auto" and plan.parser else None
 
     def feed(self, delta: str) -> list[dict[str, Any]]:
         """The chunk deltas a piece of generated text makes ({"content": ...} or {"tool_calls": [...]})."""
@@ -216,42 +183,27 @@ class ToolStream:
                 out.append({"tool_calls": [{"index": 0, "function": {"arguments": delta}}]})
             return out
         if self.plan.mode == "required":
-            self.text += delta  # an array: sent whole once it parses, at the end
+            self.text += delta
             return []
-        if self.plan.mode != "auto":
-            return [{"content": delta}] if delta else []
-        self.text += delta
-        out = []
-        while True:
-            start = self.text.find(_OPEN)
-            if start < 0:
-                # Hold back what may be the start of "<tool_call>"; the rest is content.
-                keep = _partial_suffix(self.text, _OPEN)
-                if len(self.text) > keep:
-                    out.append({"content": self.text[:len(self.text) - keep]})
-                    self.text = self.text[len(self.text) - keep:]
-                return out
-            if start:
-                out.append({"content": self.text[:start]})
-                self.text = self.text[start:]
-            end = self.text.find(_CLOSE)
-            if end < 0:
-                return out
-            block = self.text[:end + len(_CLOSE)]
-            self.text = self.text[end + len(_CLOSE):]
-            call = _hermes_call(block[len(_OPEN):-len(_CLOSE)])
-            out.append({"tool_calls": [{"index": self.calls, **call}]} if call is not None else {"content": block})
-            self.calls += call is not None
+        if self.parser is not None:
+            out = self.parser.feed(delta)
+            self.calls = self.parser.calls
+            return out
+        return [{"content": delta}] if delta else []
 
     def finish(self) -> list[dict[str, Any]]:
         """The deltas of what was held back, at the end of the reply."""
-        text, self.text = self.text, ""
         if self.plan.mode == "required":
+            text, self.text = self.text, ""
             content, calls = parse_reply(self.plan, text)
             self.calls = len(calls)
             deltas = [{"tool_calls": [{"index": i, **c}]} for i, c in enumerate(calls)]
             return deltas if calls else ([{"content": content}] if content else [])
-        return [{"content": text}] if text else []
+        if self.parser is not None:
+            out = self.parser.finish()
+            self.calls = self.parser.calls
+            return out
+        return []
 
     def finish_reason(self, reason: str | None) -> str | None:
         """The stream's finish reason (see finish_reason)."""
@@ -261,11 +213,3 @@ class ToolStream:
 def finish_reason(plan: ToolPlan, reason: str | None, num_calls: int) -> str | None:
     """OpenAI's: "tool_calls" when the reply made calls (a named choice keeps "stop", as OpenAI's does)."""
     return "tool_calls" if reason == "stop" and num_calls and plan.mode in ("auto", "required") else reason
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of tag."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0

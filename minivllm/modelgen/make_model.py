@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from minivllm.config import parse_size
+from minivllm.modelgen.chat_templates import CHAT_TEMPLATES
 from minivllm.modelgen.presets import PRESETS, Preset
 
 # ChatML, with tools in the Hermes / Qwen2.5 format when a request has them (a system block listing the functions;
@@ -60,9 +61,13 @@ def train_tokenizer(preset: Preset) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=preset.tokenizer_vocab, special_tokens=preset.specials,
+    # Room left for the added tokens: every id must stay inside the model's vocabulary.
+    trainer = trainers.BpeTrainer(vocab_size=preset.tokenizer_vocab - len(preset.added_tokens),
+                                  special_tokens=preset.specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train(corpus_files(), trainer)
+    if preset.added_tokens:
+        tok.add_tokens(preset.added_tokens)  # plain text to the tokenizer, special to no one
     if preset.bos is not None:
         bos_id = tok.token_to_id(preset.bos)
         tok.post_processor = processors.TemplateProcessing(
@@ -175,7 +180,8 @@ def make_model(preset_name: str, out: str, dtype: str = "float32", seed: int = 0
     _write_json(out, "config.json", cfg)
     _write_json(out, "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": [eos_id, *extra]
                                                 if extra else eos_id})
-    chat = CHATML_TEMPLATE if "<|im_start|>" in preset.specials else PLAIN_TEMPLATE
+    chat = CHAT_TEMPLATES[preset.chat_format] if preset.chat_format else \
+        CHATML_TEMPLATE if "<|im_start|>" in preset.specials else PLAIN_TEMPLATE
     tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": preset.eos,
                "bos_token": preset.bos or preset.eos, "model_max_length": _max_len(cfg),
                "clean_up_tokenization_spaces": False, "chat_template": chat}

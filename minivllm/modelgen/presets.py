@@ -8,12 +8,12 @@ from typing import Any
 LLAMA_SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 GPT2_SPECIALS = ["<|endoftext|>"]
-QWEN3_SPECIALS = [*CHATML_SPECIALS, "<tool_call>", "</tool_call>", "<think>", "</think>"]
+# Plain-text added tokens (special=false in the real tokenizers, so they survive skip_special_tokens).
+THINK_TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<think>", "</think>"]
 GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
 PHI_SPECIALS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|tool|>", "<|/tool|>",
                 "<|tool_call|>", "<|/tool_call|>"]
-SMOLLM3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
-                    "<tool_call>", "</tool_call>"]
+SMOLLM3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"]
 OLMO_SPECIALS = ["<|endoftext|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>"]
 GRANITE_SPECIALS = ["<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>", "<|tool_call|>"]
 
@@ -30,6 +30,7 @@ class Preset:
     init_std: float = 0.02
     extra_eos: list[str] = field(default_factory=list)
     chat_format: str | None = None  # modelgen/chat_templates.py's name (None: ChatML when the specials have it)
+    added_tokens: list[str] = field(default_factory=list)  # non-special added tokens (Qwen3's <think>, ...)
 
 
 def _llama(**kw: Any) -> dict[str, Any]:
@@ -181,8 +182,8 @@ PRESETS: dict[str, Preset] = {
     "qwen3-0.6b": Preset(_qwen3(
         hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
         num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
-        initializer_range=0.02), QWEN3_SPECIALS, None, "<|endoftext|>", 8192, extra_eos=["<|im_end|>"],
-        chat_format="qwen3"),
+        initializer_range=0.02), CHATML_SPECIALS, None, "<|endoftext|>", 8192, extra_eos=["<|im_end|>"],
+        chat_format="qwen3", added_tokens=THINK_TOOL_TOKENS),
     "gemma2-2b": Preset(_gemma2(
         hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
         num_key_value_heads=4, head_dim=256, vocab_size=256000, max_position_embeddings=8192, sliding_window=4096,
@@ -202,7 +203,8 @@ PRESETS: dict[str, Preset] = {
     "smollm3-3b": Preset(_smollm3(
         hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
         num_key_value_heads=4, vocab_size=128256, max_position_embeddings=65536, initializer_range=0.02),
-        SMOLLM3_SPECIALS, None, "<|im_end|>", 8192, extra_eos=["<|end_of_text|>"], chat_format="smollm3"),
+        SMOLLM3_SPECIALS, None, "<|im_end|>", 8192, extra_eos=["<|end_of_text|>"], chat_format="smollm3",
+        added_tokens=THINK_TOOL_TOKENS),
     "olmo2-1b": Preset(_olmo2(
         hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
         num_key_value_heads=16, vocab_size=100352, max_position_embeddings=4096, initializer_range=0.02),
@@ -215,8 +217,8 @@ PRESETS: dict[str, Preset] = {
     # made to matter at tiny sizes (small windows and caps, a head_dim unlike hidden / heads, NoPE and
     # local/global layers within four layers).
     "tiny-qwen3": Preset(_qwen3(**{**_TINY, "head_dim": 32}, initializer_range=0.1, tie_word_embeddings=False),
-                         QWEN3_SPECIALS, None, "<|endoftext|>", 1024, init_std=0.1, extra_eos=["<|im_end|>"],
-                         chat_format="qwen3"),
+                         CHATML_SPECIALS, None, "<|endoftext|>", 1024, init_std=0.1, extra_eos=["<|im_end|>"],
+                         chat_format="qwen3", added_tokens=THINK_TOOL_TOKENS),
     "tiny-gemma2": Preset(_gemma2(**{**_TINY, "head_dim": 32, "num_hidden_layers": 4}, sliding_window=8,
                                   query_pre_attn_scalar=24, attn_logit_softcapping=3.0, final_logit_softcapping=5.0,
                                   tie_word_embeddings=True, initializer_range=0.1),
@@ -233,7 +235,7 @@ PRESETS: dict[str, Preset] = {
     "tiny-smollm3": Preset(_smollm3(**{**_TINY, "num_hidden_layers": 4}, tie_word_embeddings=False,
                                     initializer_range=0.1),
                            SMOLLM3_SPECIALS, None, "<|im_end|>", 1024, init_std=0.1, extra_eos=["<|end_of_text|>"],
-                           chat_format="smollm3"),
+                           chat_format="smollm3", added_tokens=THINK_TOOL_TOKENS),
     "tiny-olmo2": Preset(_olmo2(**_TINY, initializer_range=0.1), OLMO_SPECIALS, None, "<|endoftext|>", 1024,
                          init_std=0.1, chat_format="olmo2"),
     "tiny-granite": Preset(_granite(**_TINY, attention_multiplier=0.0625, initializer_range=0.1),
