@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -32,7 +33,7 @@ def model_factory(tmp_path_factory):
     made: dict[tuple, str] = {}
 
     def make(preset: str, **kw) -> str:
-        key = (preset, tuple(sorted(kw.items())))
+        key = (preset, json.dumps(kw, sort_keys=True))  # (overrides may hold dicts and lists)
         if key not in made:
             out = str(tmp_path_factory.mktemp(preset))
             made[key] = make_model(preset, out, **kw)

@@ -60,6 +60,9 @@ VERBS: dict[str, tuple[str, str, str, str]] = {
                "overlapping the masks with the forward hides"),
     "lora": ("lora", "add_lora_args", "run_lora",
              "a batch mixing three LoRA adapters and the base model vs the base model alone (ABBA)"),
+    "families": ("families", "add_families_args", "run_families",
+                 "each new family's decode (b=1, 64; fp32, w4a8) at a real size vs its Llama twin and vs llama.cpp "
+                 "on the same weights (llama.cpp from the [peers] extra)"),
     "all": ("all", "add_all_args", "run_all", "every bench in turn, then BENCHMARKS.md regenerated from their results"),
 }
 

@@ -6,7 +6,9 @@ LRU order when a free block is needed). free + used + cached == num_blocks at al
 
 With sink-window eviction (--kv-eviction sink-window, StreamingLLM) a running sequence's blocks that lie
 wholly between its attention sinks and its recent window are released as it advances; their block-table
-entries become EVICTED, which attention never reads (every token's keys are the sinks and the window).
+entries become EVICTED, which attention never reads (every token's keys are the sinks and the window). The same
+rule, without sinks, is how the blocks of sliding-window layers go (a model whose layers all have one window, or
+the window groups of kv_groups.py beside the full-attention layers' blocks).
 """
 
 from __future__ import annotations
@@ -15,8 +17,12 @@ import hashlib
 from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Collection, Iterable
+from typing import TYPE_CHECKING
 
 from minivllm.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from minivllm.engine.kv_groups import WindowGroups
 
 EVICTED = -1  # a block-table entry whose block was released by sink-window eviction
 
@@ -47,6 +53,9 @@ class BlockManager:
         self.sink_window = sink_window
         self.evicted_upto: dict[int, int] = {}
         self.num_evicted_blocks = 0  # since start (a metric)
+        # The blocks of the sliding-window layers of a model that also has full-attention ones (Gemma): pools and
+        # tables of their own, kept in step with this manager's (kv_groups.py). None: one group, this one.
+        self.groups: WindowGroups | None = None
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -66,21 +75,45 @@ class BlockManager:
             hashes.append(hash_block(hashes[-1] if hashes else seq.cache_salt, seq.token_ids[i * bs:(i + 1) * bs]))
         return hashes
 
-    def get_computed_blocks(self, seq: Sequence) -> list[int]:
-        """Longest run of cached blocks matching seq's leading full blocks.
+    def get_computed_blocks(self, seq: Sequence, limit: int | None = None) -> list[int]:
+        """The longest prefix of seq's full blocks whose KV is cached, as its blocks (at most `limit`); with window
+        groups, cut to what every group has cached too.
 
-        Never the whole sequence: the last token is always recomputed because its logits are needed.
+        Never the whole sequence: the last token is always recomputed because its logits are needed. Under a window
+        (sink-window eviction, sliding-window layers) only the blocks the next token still attends to (and the sink
+        blocks) must be cached: those before are EVICTED entries of the hit.
         """
         if not self.enable_prefix_caching:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        hits = []
-        for h in self._ensure_hashes(seq, max_blocks)[:max_blocks]:
-            b = self.hash_to_block.get(h)
-            if b is None:
-                break
-            hits.append(b)
+        if limit is not None:
+            max_blocks = min(max_blocks, limit)
+        ids = [self.hash_to_block.get(h) for h in self._ensure_hashes(seq, max_blocks)[:max_blocks]]
+        if self.sink_window is None:
+            hits = []
+            for b in ids:
+                if b is None:
+                    break
+                hits.append(b)
+        else:
+            hits = self._window_hits(ids)
+        if self.groups is not None and hits:
+            hits = hits[:self.groups.computed_blocks(seq, len(hits))]
         return hits
+
+    def _window_hits(self, ids: list[int | None]) -> list[int]:
+        """The longest hit whose needed blocks are all cached (ids: each full block's cached block, or None)."""
+        sink_blocks = -(-self.sink_window[0] // self.block_size)  # type: ignore[index]
+        best, run = 0, 0
+        for n in range(1, len(ids) + 1):
+            run = run + 1 if ids[n - 1] is not None else 0
+            if n <= sink_blocks and run < n:
+                break  # a sink block is missing: no longer hit can have it
+            first, stop = self._out_of_window(n * self.block_size)
+            if run >= n - max(first, stop):
+                best = n
+        first, stop = self._out_of_window(best * self.block_size)
+        return [EVICTED if first <= i < stop else ids[i] for i in range(best)]  # type: ignore[misc]
 
     # ---- allocation ----------------------------------------------------------------------------
     def _pop_free(self) -> int:
@@ -106,16 +139,8 @@ class BlockManager:
             else:
                 self.free_ids.append(b)
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
-        """Make seq's block table cover num_new_tokens more tokens (after any prefix-hit blocks).
-
-        Returns False, changing nothing, when the pool cannot supply the blocks. Copies the last
-        block first (copy-on-write) when the new tokens would land in a block shared with another
-        sequence.
-        """
-        computed = computed_blocks or []
-        if self.sink_window is not None and seq.num_computed_tokens:
-            self.evict_outside_window(seq)
+    def _plan(self, seq: Sequence, num_new_tokens: int, computed: list[int]) -> tuple[int, bool, range, bool]:
+        """What allocate_slots would do: (new blocks, copy-on-write, prefix-hit indices left EVICTED, fits)."""
         bs = self.block_size
         num_computed = seq.num_computed_tokens + len(computed) * bs
         have = len(seq.block_table) + len(computed)
@@ -130,8 +155,30 @@ class BlockManager:
         cow = (num_new_tokens > 0 and num_computed % bs != 0 and not computed
                and self.ref_counts[seq.block_table[num_computed // bs]] > 1)
         reserved = sum(1 for b in taken if self.ref_counts[b] == 0)  # touched, so no longer evictable
-        if new + cow > self.num_free_blocks - reserved:
+        return new, cow, skip, new + cow <= self.num_free_blocks - reserved
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
+        """Whether allocate_slots would succeed (changes nothing but evicting blocks no window reaches)."""
+        if self.sink_window is not None and seq.num_computed_tokens:
+            self.evict_outside_window(seq)
+        return self._plan(seq, num_new_tokens, computed_blocks or [])[3]
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
+        """Make seq's block table cover num_new_tokens more tokens (after any prefix-hit blocks), in every window
+        group too.
+
+        Returns False, changing nothing, when the pool (or a group's) cannot supply the blocks. Copies the
+        last block first (copy-on-write) when the new tokens would land in a block shared with another
+        sequence.
+        """
+        computed = computed_blocks or []
+        if self.sink_window is not None and seq.num_computed_tokens:
+            self.evict_outside_window(seq)
+        bs = self.block_size
+        new, cow, skip, fits = self._plan(seq, num_new_tokens, computed)
+        if not fits or (self.groups is not None and not self.groups.can_allocate(seq, num_new_tokens, len(computed))):
             return False
+        num_computed = seq.num_computed_tokens + len(computed) * bs
         for i, b in enumerate(computed, len(seq.block_table)):
             if i in skip:
                 seq.block_table.append(EVICTED)
@@ -153,6 +200,8 @@ class BlockManager:
             b = self._pop_free()
             self._incref(b)
             seq.block_table.append(b)
+        if self.groups is not None:
+            self.groups.allocate(seq, num_new_tokens, len(computed))
         return True
 
     def evict_outside_window(self, seq: Sequence) -> None:
@@ -188,6 +237,8 @@ class BlockManager:
         seq.block_table = []
         self.registered.pop(seq.seq_id, None)
         self.evicted_upto.pop(seq.seq_id, None)
+        if self.groups is not None:
+            self.groups.free(seq)
 
     def restore(self, seq: Sequence, num_blocks: int, num_new_tokens: int, evicted: Collection[int] = ()
                 ) -> list[tuple[int, int]] | None:
@@ -234,9 +285,13 @@ class BlockManager:
             self.registered[child.seq_id] = self.registered[parent.seq_id]
         if parent.seq_id in self.evicted_upto:
             self.evicted_upto[child.seq_id] = self.evicted_upto[parent.seq_id]
+        if self.groups is not None:
+            self.groups.fork(parent, child)
 
     def cache_blocks(self, seq: Sequence) -> None:
         """Register the hashes of blocks that became full (and computed) so later requests can hit them."""
+        if self.groups is not None:
+            self.groups.cache_blocks(seq)
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
@@ -281,6 +336,8 @@ class BlockManager:
         assert all(self.ref_counts[b] == 0 and self.block_hash[b] is not None for b in self.evictable)
         assert all(self.ref_counts[b] == 0 and self.block_hash[b] is None for b in self.free_ids)
         assert all(self.block_hash[b] == h for h, b in self.hash_to_block.items())
+        if self.groups is not None:
+            self.groups.check_invariants(live)
 
     def check_writable(self, seq: Sequence, num_new_tokens: int) -> None:
         """Assert the blocks seq will write this step are not shared (copy-on-write happened)."""
@@ -290,3 +347,5 @@ class BlockManager:
             assert b != EVICTED, f"{seq.request_id}: writing an evicted block"
             assert self.ref_counts[b] == 1, f"{seq.request_id}: writing shared block {b} (ref {self.ref_counts[b]})"
             assert self.block_hash[b] is None, f"{seq.request_id}: writing cached block {b}"
+        if self.groups is not None:
+            self.groups.check_writable(seq, num_new_tokens)

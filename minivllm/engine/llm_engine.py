@@ -20,10 +20,10 @@ from minivllm.config import (
     resolve_dtype,
 )
 from minivllm.engine.beam_search import BeamSearcher
-from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.fault_injection import FaultInjector
 from minivllm.engine.input_processor import InputProcessor, RequestLimits
 from minivllm.engine.introspection import EngineIntrospection
+from minivllm.engine.kv_groups import plan_for_engine
 from minivllm.engine.lora_registry import LoRARegistry
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.engine.request_lifecycle import TIMEOUT_REASON, RequestLifecycle
@@ -53,15 +53,6 @@ def _scheduler_class(config: SchedulerConfig) -> type[Scheduler]:
     return AblationScheduler
 
 
-def _eviction_block_cap(args: EngineArgs, block_size: int, token_budget: int) -> int | None:
-    """Under sink-window eviction, the most blocks one sequence holds at once: its sink blocks, and its window
-    plus a step's chunk (which may straddle one more block)."""
-    if args.sink_window is None:
-        return None
-    sinks, window = args.sink_window
-    return -(-sinks // block_size) + -(-(window - 1 + token_budget) // block_size) + 1
-
-
 class LLMEngine(RequestLifecycle, EngineIntrospection):
     """The synchronous engine core: one `step()` = schedule, one forward, sample, update."""
 
@@ -86,7 +77,9 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
                     else parse_size(args.kv_cache_memory, "kv_cache_memory"))
         # Ablation modes: neither a per-request contiguous cache nor a recomputed one can share prefix blocks.
         prefix_caching = args.enable_prefix_caching and args.kv_cache_mode == "paged"
-        self.cache_config = CacheConfig.from_budget(kv_bytes, args.block_size, per_token, prefix_caching)
+        # KV groups (kv_groups.py): a pool and block tables per attention window among the layers.
+        self.kv_groups = plan_for_engine(args, mc, kv_bytes, per_token, token_budget)
+        self.cache_config = CacheConfig(args.block_size, self.kv_groups.num_blocks[0], prefix_caching)
         cc = self.cache_config
         reserve = self.max_model_len if args.kv_cache_mode == "contiguous" else None
         if reserve is not None and -(-reserve // cc.block_size) > cc.num_blocks:
@@ -102,8 +95,9 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         self.runner = ModelRunner(mc, self.dtype, self.device, cc.num_blocks, cc.block_size, self.max_model_len,
                                   args.attention_backend, args.linear_backend, self.quant_config,
                                   args.quantization_kernel, args.enforce_eager, args.tensor_parallel_size,
-                                  kv_cache_dtype=args.kv_cache_dtype, sink_window=args.sink_window)
-        self.block_manager = BlockManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching, args.sink_window)
+                                  kv_cache_dtype=args.kv_cache_dtype, sink_window=args.sink_window,
+                                  group_blocks=self.kv_groups.group_blocks)
+        self.block_manager = self.kv_groups.block_manager(cc.block_size, cc.enable_prefix_caching, args.sink_window)
         self.swap = build_swap_manager(args, self.runner, self.block_manager)  # None: preemption by recompute only
         self.scheduler = _scheduler_class(self.scheduler_config)(self.scheduler_config, self.block_manager, self.swap)
         self.sampler = Sampler(self.device, args.seed)
@@ -114,9 +108,10 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         spare_core = self.device.type != "cpu" or cpu_count() > torch.get_num_threads()
         self.structured = StructuredOutputManager(self.tokenizer, mc.vocab_size, self.eos_token_ids, spare_core)
         pool = f"num_kv_blocks={n}" if (n := args.num_kv_blocks) else f"kv_cache_memory={args.kv_cache_memory}"
+        cap = self.kv_groups.sequence_block_cap(args.sink_window, token_budget, cc.block_size)
         self.input_processor = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len, args.kv_cache_mode,
                                               self.block_manager.blocks_needed, cc.num_blocks, pool, args.ttft_slo_ms,
-                                              _eviction_block_cap(args, cc.block_size, token_budget),
+                                              cap,
                                               RequestLimits(args.max_prompt_tokens, args.max_n, args.max_logprobs),
                                               self.structured, args.reasoning_parser)
         self.loras = LoRARegistry(self.runner.init_lora(args.max_loras, args.max_lora_rank) if args.enable_lora
@@ -169,6 +164,8 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         t1 = time.perf_counter()
         # Swaps, then copy-on-write copies; before an empty return too: a step may swap out all it had.
         swap_time = self.runner.move_blocks(sched.swap_out, sched.swap_in, sched.block_copies)
+        for g, copies in enumerate(sched.group_copies, 1):
+            self.runner.copy_blocks(copies, g)
         if sched.is_empty:
             return []
         self._in_flight = sched
@@ -243,7 +240,8 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
                                and start < seq.num_prompt_tokens - 1)
             inputs.append(SequenceInput(seq.token_ids[start:start + n], start, seq.block_table,
                                         start + n == seq.num_tokens, wants_prompt_lp,
-                                        group.lora.slot if group.lora is not None else -1))
+                                        group.lora.slot if group.lora is not None else -1,
+                                        tuple(v.block_table for v in seq.kv_views)))
         return inputs
 
     def _process(self, sched: SchedulerOutput, inputs: list[SequenceInput], logits: torch.Tensor

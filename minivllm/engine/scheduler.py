@@ -39,6 +39,7 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     preempted: list[Sequence] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    group_copies: list[list[tuple[int, int]]] = field(default_factory=list)  # KV groups 1..'s (kv_groups.py)
     # Host-tier moves, run before the copy-on-write copies and the forward: (device, host) and (host, device).
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
@@ -172,6 +173,8 @@ class Scheduler:
             budget = self._resume_then_admit(out, budget, lambda o, b: self._admit(o, b)[0])
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         out.block_copies = self.bm.take_copies()
+        if self.bm.groups is not None:
+            out.group_copies = self.bm.groups.take_copies()
         if self.swap is not None:
             out.swap_out, out.swap_in = self.swap.take()
             self.stats.swap_out_bytes += len(out.swap_out) * self.swap.block_bytes

@@ -46,7 +46,7 @@ class Sequence:
                  "priority", "arrival_index", "status", "num_computed_tokens", "block_table", "block_hashes",
                  "num_preemptions", "generator", "detokenizer", "logprobs", "cumulative_logprob", "stop_reason",
                  "num_emitted_tokens", "finish_reported", "slot", "spec_token_ids", "spec_drafts", "spec_accepted",
-                 "spec_expected", "ttft_deadline", "matcher", "pending_grammar", "cache_salt")
+                 "spec_expected", "ttft_deadline", "matcher", "pending_grammar", "cache_salt", "kv_views")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  arrival_index: int, priority: int = 0, group: SequenceGroup | None = None, index: int = 0) -> None:
@@ -81,6 +81,7 @@ class Sequence:
         self.ttft_deadline = group.ttft_deadline if group is not None else math.inf
         self.matcher: Any = None  # guided decoding: its grammar's state (engine/structured_output.py)
         self.pending_grammar: str | None = None  # its grammar, until its thinking ends (engine/reasoning.py)
+        self.kv_views: tuple[Any, ...] = ()  # its block tables in the window KV groups (engine/kv_groups.py)
         # Seeds its prefix-cache hash chain: KV computed under a LoRA adapter is only shared with the same adapter.
         self.cache_salt = group.lora.cache_salt if group is not None and group.lora is not None else b""
 

@@ -36,7 +36,9 @@ def verify_rows(seq: Sequence, n: int) -> list[SequenceInput]:
     start = seq.num_computed_tokens
     toks = (seq.token_ids[start:] + seq.spec_token_ids)[:n]
     lora = seq.group.lora.slot if seq.group is not None and seq.group.lora is not None else -1
-    return [SequenceInput([t], start + i, seq.block_table, True, lora=lora) for i, t in enumerate(toks)]
+    tables = tuple(v.block_table for v in seq.kv_views)
+    return [SequenceInput([t], start + i, seq.block_table, True, lora=lora, group_tables=tables)
+            for i, t in enumerate(toks)]
 
 
 class Proposer(Protocol):

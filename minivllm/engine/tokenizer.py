@@ -21,7 +21,12 @@ def get_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """The fast tokenizer of a model directory; a clear error when the directory has none."""
     if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise FileNotFoundError(f"tokenizer: no tokenizer.json / tokenizer.model / vocab.json in {path!r}")
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"tokenizer: cannot load the tokenizer of {path!r}: {e}") from None
+    except Exception as e:  # transformers validates config.json on the way (a strict-dataclass error, say)
+        raise ValueError(f"model: {path}/config.json is refused by transformers: {e}") from None
 
 
 def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],

@@ -34,6 +34,15 @@ class PrefillSpan:
     # Attention window → [q, ctx] bool mask (None: plain causal over the chunk itself), built on first use: a
     # model whose layers have different windows (Gemma's local and global layers) needs one per window.
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+    group_tables: list[torch.Tensor] = field(default_factory=list)  # its blocks in KV groups 1.. (engine/kv_groups)
+
+
+@dataclass(slots=True)
+class KVGroupTables:
+    """One KV group's view of the step (engine/kv_groups.py: the layers of one window share a pool and tables)."""
+
+    slot_mapping: torch.Tensor  # [T] slot of each new token in the group's pool
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] in the group's pool
 
 
 @dataclass(slots=True)
@@ -48,8 +57,18 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     sink_tokens: int = 0  # with a window: the first positions every token still attends to (attention sinks)
     lora: LoRAMapping | None = None  # which tokens use which LoRA slot (model/lora.py); None: no adapter this step
-    # The torch backend's decode key masks [num_decodes, 1, 1, max_blocks * block_size] per window, on first use.
-    decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    # The torch backend's decode key masks [num_decodes, 1, 1, max_blocks * block_size] per (window, KV group), on
+    # first use.
+    decode_masks: dict[tuple[int | None, int], torch.Tensor] = field(default_factory=dict)
+    groups: list[KVGroupTables] = field(default_factory=list)  # KV groups 1..: slots and tables of their own
+
+    def slots(self, kv_group: int) -> torch.Tensor:
+        """The new tokens' slots in a KV group's pool."""
+        return self.slot_mapping if kv_group == 0 else self.groups[kv_group - 1].slot_mapping
+
+    def decode_tables(self, kv_group: int) -> torch.Tensor | None:
+        """The decode rows' block tables in a KV group's pool."""
+        return self.decode_block_tables if kv_group == 0 else self.groups[kv_group - 1].decode_block_tables
 
 
 _metadata: AttentionMetadata | None = None
@@ -85,6 +104,7 @@ class Attention(nn.Module):
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
         self.sliding_window, self.softcap = sliding_window, softcap
+        self.kv_group = 0  # its KV group (the runner's: layers of one window share a pool and block tables)
         # Bound by the model runner once the pool exists: [num_blocks, block_size, kv_heads, head_dim] each, and
         # for a quantized cache (--kv-cache-dtype int8) float16 scales [num_blocks, block_size, kv_heads].
         self.k_cache = torch.empty(0)
@@ -102,7 +122,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         md = get_metadata()
         if not kv_written:
-            write_kv(self, k, v, md.slot_mapping)
+            write_kv(self, k, v, md.slots(self.kv_group))
         out = torch.empty(t, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         if md.num_decodes:
             self.backend.decode(self, q[:md.num_decodes], md, out[:md.num_decodes])
@@ -119,7 +139,8 @@ class Attention(nn.Module):
         """Rotate the q and k heads of qkv in place (not without a table: a NoPE layer) and store k and v in their
         cache slots, in one pass."""
         cpu_kernels.rope_kv_write(qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions, cos_sin_cache,
-                                  self.k_cache, self.v_cache, get_metadata().slot_mapping, self.k_scale, self.v_scale)
+                                  self.k_cache, self.v_cache, get_metadata().slots(self.kv_group), self.k_scale,
+                                  self.v_scale)
 
     def cached_kv(self, block_table: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the blocks in block_table (any shape of block ids), gathered as `dtype`:
@@ -162,17 +183,18 @@ def prefill_mask(p: PrefillSpan, window: int | None, sinks: int, device: torch.d
     return mask
 
 
-def decode_mask(md: AttentionMetadata, window: int | None, block_size: int) -> torch.Tensor:
+def decode_mask(md: AttentionMetadata, window: int | None, block_size: int, kv_group: int = 0) -> torch.Tensor:
     """The torch backend's key mask of the step's one-token queries under a window, built once per window."""
-    mask = md.decode_masks.get(window)
+    mask = md.decode_masks.get((window, kv_group))
     if mask is None:
-        assert md.decode_positions is not None and md.decode_block_tables is not None
+        tables = md.decode_tables(kv_group)
+        assert md.decode_positions is not None and tables is not None
         lens = md.decode_positions[:, None] + 1
-        key_pos = torch.arange(md.decode_block_tables.shape[1] * block_size, device=lens.device)[None, :]
+        key_pos = torch.arange(tables.shape[1] * block_size, device=lens.device)[None, :]
         mask = key_pos < lens
         if window is not None:
             mask &= (key_pos >= lens - window) | (key_pos < md.sink_tokens)
-        mask = md.decode_masks[window] = mask[:, None, None, :]
+        mask = md.decode_masks[(window, kv_group)] = mask[:, None, None, :]
     return mask
 
 
@@ -199,12 +221,13 @@ def prefill_sdpa(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     gqa = layer.num_kv_heads != layer.num_heads
     mask = prefill_mask(p, layer.sliding_window, sinks, q.device)
     qi = q[p.start:p.end].transpose(0, 1).unsqueeze(0)
-    if p.block_table is None:
+    table = p.block_table if layer.kv_group == 0 or p.block_table is None else p.group_tables[layer.kv_group - 1]
+    if table is None:
         ki = k[p.start:p.end].transpose(0, 1).unsqueeze(0)
         vi = v[p.start:p.end].transpose(0, 1).unsqueeze(0)
     else:
         ctx = p.num_cached + (p.end - p.start)
-        kc, vc = layer.cached_kv(p.block_table, q.dtype)
+        kc, vc = layer.cached_kv(table, q.dtype)
         ki = kc.flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0)
         vi = vc.flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0)
     if layer.softcap:
@@ -228,10 +251,10 @@ class TorchPagedAttention(AttentionBackend):
     padded batch and make a single SDPA call per layer."""
 
     def decode(self, layer: Attention, q: torch.Tensor, md: AttentionMetadata, out: torch.Tensor) -> None:
-        bt = md.decode_block_tables
+        bt = md.decode_tables(layer.kv_group)
         assert bt is not None
         b, kvh, d = bt.shape[0], layer.num_kv_heads, layer.head_dim
-        mask = decode_mask(md, layer.sliding_window, layer.k_cache.shape[1])
+        mask = decode_mask(md, layer.sliding_window, layer.k_cache.shape[1], layer.kv_group)
         kc, vc = layer.cached_kv(bt, q.dtype)
         kc = kc.view(b, -1, kvh, d).transpose(1, 2)
         vc = vc.view(b, -1, kvh, d).transpose(1, 2)
@@ -248,10 +271,11 @@ class CpuNativePagedAttention(AttentionBackend):
     (widened as read) or int8 with its scales; q and the output go through float32."""
 
     def decode(self, layer: Attention, q: torch.Tensor, md: AttentionMetadata, out: torch.Tensor) -> None:
-        assert md.decode_block_tables is not None and md.decode_positions is not None
+        tables = md.decode_tables(layer.kv_group)
+        assert tables is not None and md.decode_positions is not None
         out32 = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32)
         cpu_kernels.paged_attention(out32, q if q.dtype == torch.float32 else q.float(), layer.k_cache, layer.v_cache,
-                                    md.decode_block_tables, md.decode_positions, layer.scale, layer.sliding_window or 0,
+                                    tables, md.decode_positions, layer.scale, layer.sliding_window or 0,
                                     md.max_decode_seq_len, layer.k_scale, layer.v_scale, md.sink_tokens,
                                     layer.softcap or 0.0)
         if out32 is not out:

@@ -25,6 +25,7 @@ from minivllm.model.attention import CpuNativePagedAttention, get_metadata
 from minivllm.model.kernel_plan import SHAPE_CLASSES, shape_class
 
 _p, _i64, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_MAX_KV_GROUPS = 4  # csrc/decode_stack.c's
 
 
 class _Proj(ctypes.Structure):
@@ -35,15 +36,16 @@ class _Proj(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("attn_norm", _p), ("attn_out_norm", _p), ("mlp_norm", _p), ("mlp_out_norm", _p), ("q_norm", _p),
                 ("k_norm", _p), ("q_norm_size", _i64), ("k_norm_size", _i64), ("cos_sin", _p), ("rot", _i64),
-                ("window", _i64), ("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj), ("down", _Proj),
+                ("window", _i64), ("group", _i64), ("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj), ("down", _Proj),
                 ("k_cache", _p), ("v_cache", _p), ("k_scale", _p), ("v_scale", _p)]
 
 
 class _Step(ctypes.Structure):
     _fields_ = [("M", _i64), ("H", _i64), ("I", _i64), ("nq", _i64), ("nkv", _i64), ("D", _i64),
                 ("block_size", _i64), ("eps", _f), ("scale", _f), ("softcap", _f), ("res_scale", _f), ("act", _i64),
-                ("positions", _p), ("slot_mapping", _p), ("block_tables", _p), ("bt_stride", _i64), ("sinks", _i64),
-                ("max_ctx", _i64), ("gemv_scratch", _p), ("attn_scratch", _p), ("work", _p), ("num_threads", _i64),
+                ("positions", _p), ("slot_mapping", _p * _MAX_KV_GROUPS), ("block_tables", _p * _MAX_KV_GROUPS),
+                ("bt_stride", _i64 * _MAX_KV_GROUPS), ("sinks", _i64), ("max_ctx", _i64), ("gemv_scratch", _p),
+                ("attn_scratch", _p), ("work", _p), ("num_threads", _i64),
                 ("kv_fmt", _i64)]
 
 _ACTS = {"SiluAndMul": 0, "GeluTanhAndMul": 1}
@@ -100,6 +102,7 @@ class DecodeStack:
                 table = tables[id(sa.rotary)]
                 row.cos_sin, row.rot = table.data_ptr(), sa.rotary.rot_dim
             row.window = sa.attn.sliding_window or 0
+            row.group = sa.attn.kv_group
             for name, proj in zip(("qkv", "o", "gate_up", "down"), _projections(layer), strict=True):
                 g = proj.gemv_weights()
                 keep.append(g)
@@ -113,6 +116,7 @@ class DecodeStack:
                 keep += [a.k_scale, a.v_scale]
         self.final_norm = f32(model.norm.weight)
         self._keep = keep
+        self.num_groups = 1 + max(layer.self_attn.attn.kv_group for layer in model.layers)
         self.gemv_scratch = torch.empty(max(g.scratch_numel for g in keep if isinstance(g, cpu_kernels.GemvWeights)))
         self.block_size = first.self_attn.attn.k_cache.shape[1]
         self.step = _Step(H=self.hidden, I=self.inter, nq=self.num_heads, nkv=self.num_kv_heads, D=self.head_dim,
@@ -136,6 +140,8 @@ class DecodeStack:
         attn = first.self_attn.attn
         if not isinstance(attn.backend, CpuNativePagedAttention) or attn.k_cache.dtype not in cpu_kernels.KV_FORMATS:
             return None
+        if any(layer.self_attn.attn.kv_group >= _MAX_KV_GROUPS for layer in model.layers):
+            return None  # more attention windows than the C step table has room for
         classes = _native_classes(model)
         return DecodeStack(model, classes) if any(classes) else None
 
@@ -152,7 +158,7 @@ class DecodeStack:
         md = get_metadata()
         m = h.shape[0]
         h = h if h.dtype == torch.float32 else h.float()
-        assert h.is_contiguous() and md.decode_block_tables is not None
+        assert h.is_contiguous()
         if self.residual.shape[0] < m:
             self.residual = torch.empty(m, self.hidden)
             qkv = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
@@ -161,10 +167,12 @@ class DecodeStack:
         need = threads * (self.num_heads // self.num_kv_heads) * ((md.max_decode_seq_len + 15) // 16 * 16)
         if self.attn_scratch.numel() < need:
             self.attn_scratch = torch.empty(int(need * 1.25) + 256)
-        bt = md.decode_block_tables
         s = self.step
-        s.M, s.positions, s.slot_mapping = m, positions.data_ptr(), md.slot_mapping.data_ptr()
-        s.block_tables, s.bt_stride, s.sinks = bt.data_ptr(), bt.stride(0), md.sink_tokens
+        s.M, s.positions, s.sinks = m, positions.data_ptr(), md.sink_tokens
+        for g in range(self.num_groups):
+            bt = md.decode_tables(g)
+            assert bt is not None
+            s.slot_mapping[g], s.block_tables[g], s.bt_stride[g] = md.slots(g).data_ptr(), bt.data_ptr(), bt.stride(0)
         s.max_ctx, s.attn_scratch, s.work = md.max_decode_seq_len, self.attn_scratch.data_ptr(), self.work.data_ptr()
         s.num_threads = threads
         self._fn(self._layers_ptr, self.n_layers, self.final_norm.data_ptr(), self._step_ptr, h.data_ptr(),

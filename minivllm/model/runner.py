@@ -13,7 +13,14 @@ import psutil
 import torch
 
 from minivllm.config import ModelConfig
-from minivllm.model.attention import Attention, AttentionMetadata, PrefillSpan, forward_context, get_backend
+from minivllm.model.attention import (
+    Attention,
+    AttentionMetadata,
+    KVGroupTables,
+    PrefillSpan,
+    forward_context,
+    get_backend,
+)
 from minivllm.model.decode_stack import DecodeStack
 from minivllm.model.kernel_plan import PlannedLinear, best_time, plan_kernels
 from minivllm.model.kv_quant import is_quantized, kv_storage_dtype
@@ -57,6 +64,7 @@ class SequenceInput:
     sample: bool  # whether the logits of the last token are wanted
     all_logits: bool = False  # logits of every token of the chunk (prompt logprobs), not just the last
     lora: int = -1  # LoRA slot of its adapter (-1: the base model)
+    group_tables: tuple[list[int], ...] = ()  # its block tables in the window KV groups after the first
 
 
 class ModelRunner:
@@ -67,7 +75,7 @@ class ModelRunner:
                  linear_backend: str = "auto", quant: QuantConfig | None = None,
                  quantization_kernel: str = "auto", enforce_eager: bool = False, tensor_parallel_size: int = 1,
                  parallel: ParallelConfig | None = None, kv_cache_dtype: str = "auto",
-                 sink_window: tuple[int, int] | None = None) -> None:
+                 sink_window: tuple[int, int] | None = None, group_blocks: tuple[int, ...] | None = None) -> None:
         self.mc, self.dtype, self.device = mc, dtype, device
         self.block_size = block_size
         if quant is not None:
@@ -88,7 +96,7 @@ class ModelRunner:
                     mc=mc, dtype=dtype, device=device, num_blocks=num_blocks, block_size=block_size,
                     max_model_len=max_model_len, attention_backend=attention_backend, linear_backend=linear_backend,
                     quant=quant, quantization_kernel=quantization_kernel, enforce_eager=enforce_eager,
-                    kv_cache_dtype=kv_cache_dtype, sink_window=sink_window))
+                    kv_cache_dtype=kv_cache_dtype, sink_window=sink_window, group_blocks=group_blocks))
         self.parallel = parallel
         self.model = load_model(mc, dtype, device, max_model_len, quant, parallel)
         # Shape class → kernel of the full-precision and of the quantized projections, timed on this machine.
@@ -119,23 +127,37 @@ class ModelRunner:
             self.layer_windows = (sink_window[1],) * len(layers)
             for layer in layers:
                 layer.sliding_window = sink_window[1]
-        # One allocation for the whole pool: [2, layers, blocks, block_size, kv_heads, head_dim]; a quantized
-        # cache adds float16 scales [2, layers, blocks, block_size, kv_heads] (model/kv_quant.py).
+        # KV groups (engine/kv_groups.py): the layers of one window share a pool and a block table; with
+        # group_blocks, a pool per distinct window (full attention first), else one pool for every layer.
+        windows = sorted(set(self.layer_windows), key=lambda w: (w is not None, w or 0))
+        if group_blocks is None or len(windows) == 1:
+            windows, group_blocks = [None], (num_blocks,)
+        if len(group_blocks) != len(windows):
+            raise ValueError(f"group_blocks: {len(group_blocks)} pools for {len(windows)} attention windows")
+        self.num_kv_groups = len(windows)
+        # One allocation per group: [2, layers, blocks, block_size, kv_heads, head_dim]; a quantized cache adds
+        # float16 scales [2, layers, blocks, block_size, kv_heads] (model/kv_quant.py).
         self.kv_cache_dtype = kv_dtype = kv_storage_dtype(kv_cache_dtype, dtype, device)
         kv_heads = mc.kv_heads_per_rank(parallel.size)
-        self.kv_cache = torch.zeros(2, mc.num_layers, num_blocks, block_size, kv_heads, mc.head_dim, dtype=kv_dtype,
-                                    device=device)
-        self.kv_scales = (torch.zeros(2, mc.num_layers, num_blocks, block_size, kv_heads, dtype=torch.float16,
-                                      device=device) if is_quantized(kv_dtype) else None)
         self.attention_backend = backend = get_backend(attention_backend, device, dtype)
-        for i, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-            if self.kv_scales is not None:
-                layer.k_scale, layer.v_scale = self.kv_scales[0, i], self.kv_scales[1, i]
-            layer.backend = backend
-        # Every tensor of the pool, each [2, layers, num_blocks, ...]: whole-block copies (copy-on-write, swap)
-        # move the same block index in all of them.
-        self.kv_pools: list[torch.Tensor] = [self.kv_cache] + ([self.kv_scales] if self.kv_scales is not None else [])
+        # Per group, every tensor of its pool, each [2, layers, num_blocks, ...]: whole-block copies (copy-on-write,
+        # swap) move the same block index in all of them.
+        self.group_pools: list[list[torch.Tensor]] = []
+        for g, (w, nb) in enumerate(zip(windows, group_blocks, strict=True)):
+            members = [layer for layer, lw in zip(layers, self.layer_windows, strict=True)
+                       if len(windows) == 1 or lw == w]
+            cache = torch.zeros(2, len(members), nb, block_size, kv_heads, mc.head_dim, dtype=kv_dtype, device=device)
+            scales = (torch.zeros(2, len(members), nb, block_size, kv_heads, dtype=torch.float16, device=device)
+                      if is_quantized(kv_dtype) else None)
+            for i, layer in enumerate(members):
+                layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
+                if scales is not None:
+                    layer.k_scale, layer.v_scale = scales[0, i], scales[1, i]
+                layer.backend, layer.kv_group = backend, g
+            self.group_pools.append([cache] + ([scales] if scales is not None else []))
+        self.kv_pools: list[torch.Tensor] = self.group_pools[0]
+        self.kv_cache = self.kv_pools[0]
+        self.kv_scales = self.kv_pools[1] if len(self.kv_pools) > 1 else None
         # All-decode steps in one native call where the stack runs the kernels planned above.
         # (Not with tensor parallelism: the stack's layers have no all-reduce between them.)
         self.decode_stack = None if enforce_eager or parallel.size > 1 else DecodeStack.build(self.model)
@@ -167,7 +189,9 @@ class ModelRunner:
         projs = [m for m in self.model.modules() if isinstance(m, PlannedLinear)]
         if not all("native" in m.candidates() for m in projs):
             return
-        inputs = [SequenceInput([0], i, [0] * (i // self.block_size + 1), True) for i in range(4)]
+        inputs = [SequenceInput([0], i, [0] * (i // self.block_size + 1), True,
+                                group_tables=((0,) * (i // self.block_size + 1),) * (self.num_kv_groups - 1))
+                  for i in range(4)]
         planned = [m.kernels for m in projs]
         module_time = best_time(lambda: self.execute(inputs))
         for m in projs:
@@ -186,18 +210,18 @@ class ModelRunner:
         stack.native_classes = tuple(c and i != handful for i, c in enumerate(stack.native_classes))
 
     @torch.inference_mode()
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write: duplicate whole blocks (all layers, K and V) before they are written."""
+    def copy_blocks(self, copies: list[tuple[int, int]], kv_group: int = 0) -> None:
+        """Copy-on-write: duplicate whole blocks (all the group's layers, K and V) before they are written."""
         if not copies:
             return
         if self.group is not None:
-            self.group.command("_copy", copies)
-        self._copy(copies)
+            self.group.command("_copy", copies, kv_group)
+        self._copy(copies, kv_group)
 
-    def _copy(self, copies: list[tuple[int, int]]) -> None:
+    def _copy(self, copies: list[tuple[int, int]], kv_group: int = 0) -> None:
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
-        for pool in self.kv_pools:
+        for pool in self.group_pools[kv_group]:
             pool[:, :, dst] = pool[:, :, src]
 
     @property
@@ -292,27 +316,23 @@ class ModelRunner:
         first = cu - q_lens
         input_ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs_o), np.int64, total)
         positions = np.arange(total) - np.repeat(first - starts, q_lens)
-        # Block tables packed with one flat read and one masked write (no per-row numpy calls).
-        n_blocks = np.fromiter((len(s.block_table) for s in seqs_o), np.int64, n)
-        max_blocks = int(n_blocks.max())
-        tables = np.zeros((n, max_blocks), np.int64)
-        tables[np.arange(max_blocks)[None, :] < n_blocks[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(s.block_table for s in seqs_o), np.int64, int(n_blocks.sum()))
         rows = np.repeat(np.arange(n), q_lens)
-        bs = self.block_size
-        slot_mapping = tables[rows, positions // bs] * bs + positions % bs
-
-        dev = self.device
         nd = int((q_lens == 1).sum())
+        dev = self.device
+        # Each KV group's tables and slots (one group unless the model mixes attention windows).
+        groups = [self._group_tables([s.block_table for s in seqs_o], rows, positions, nd)]
+        assert all(len(s.group_tables) == self.num_kv_groups - 1 for s in seqs_o), \
+            f"every SequenceInput needs its block tables in the model's {self.num_kv_groups} KV groups"
+        for g in range(1, self.num_kv_groups):
+            groups.append(self._group_tables([s.group_tables[g - 1] for s in seqs_o], rows, positions, nd))
         seq_lens = starts + q_lens
         md = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev), num_decodes=nd, decode_block_tables=None,
-            decode_positions=None, max_decode_seq_len=0, prefills=[], sink_tokens=self.sink_tokens)
+            slot_mapping=groups[0].slot_mapping, num_decodes=nd, decode_block_tables=groups[0].decode_block_tables,
+            decode_positions=None, max_decode_seq_len=0, prefills=[], sink_tokens=self.sink_tokens,
+            groups=groups[1:])
         if lora_slots is not None:
             md.lora = build_mapping(np.repeat(lora_slots[order], q_lens))
         if nd:
-            dec_blocks = int(n_blocks[:nd].max())
-            md.decode_block_tables = torch.from_numpy(tables[:nd, :dec_blocks]).to(dev)
             md.decode_positions = torch.from_numpy(positions[:nd]).to(dev)
             md.max_decode_seq_len = int(seq_lens[:nd].max())
         for i in range(nd, n):
@@ -332,10 +352,27 @@ class ModelRunner:
         return (torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), md,
                 torch.from_numpy(logits_indices).to(dev))
 
+    def _group_tables(self, block_tables: list[list[int]], rows: np.ndarray, positions: np.ndarray, nd: int
+                      ) -> KVGroupTables:
+        """One KV group's slots for the step's tokens and its decode rows' block tables, packed with one flat read
+        and one masked write (no per-row numpy calls)."""
+        n = len(block_tables)
+        n_blocks = np.fromiter((len(t) for t in block_tables), np.int64, n)
+        max_blocks = int(n_blocks.max())
+        tables = np.zeros((n, max_blocks), np.int64)
+        tables[np.arange(max_blocks)[None, :] < n_blocks[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(block_tables), np.int64, int(n_blocks.sum()))
+        bs = self.block_size
+        slot_mapping = tables[rows, positions // bs] * bs + positions % bs
+        decode = torch.from_numpy(tables[:nd, :int(n_blocks[:nd].max())]).to(self.device) if nd else None
+        return KVGroupTables(torch.from_numpy(slot_mapping).to(self.device), decode)
+
     def _prefill_span(self, start: int, end: int, num_cached: int, s: SequenceInput) -> PrefillSpan:
-        """A chunk without cached context attends to its own K/V; one with context reads its blocks (masks per
-        window are built by the attention layers that need them)."""
+        """A chunk without cached context attends to its own K/V; one with context reads its blocks in each KV group
+        (masks per window are built by the attention layers that need them)."""
         if num_cached == 0:
             return PrefillSpan(start, end, 0, None)
         nblocks = -(-(num_cached + end - start) // self.block_size)
-        return PrefillSpan(start, end, num_cached, torch.tensor(s.block_table[:nblocks], device=self.device))
+        tables = [torch.tensor(t[:nblocks], device=self.device) for t in s.group_tables]
+        return PrefillSpan(start, end, num_cached, torch.tensor(s.block_table[:nblocks], device=self.device),
+                           group_tables=tables)

@@ -154,16 +154,17 @@ def random_weights(preset: Preset, seed: int, dtype: torch.dtype) -> Iterator[tu
         yield name, t.to(dtype)
 
 
-def make_model(preset_name: str, out: str, dtype: str = "float32", seed: int = 0,
+def make_model(preset_name: str | Preset, out: str, dtype: str = "float32", seed: int = 0,
                max_shard_size: str | None = None, overrides: tuple[tuple[str, Any], ...] = ()) -> str:
-    """Write an HF-format model directory for a preset (config fields replaced by `overrides`: tests flip a
-    tie or cut a real shape to fewer layers); returns its path."""
-    if preset_name not in PRESETS:
+    """Write an HF-format model directory for a preset (by name, or a Preset made on the fly: a bench's
+    Llama twin), config fields replaced by `overrides` (tests flip a tie or cut a real shape to fewer layers);
+    returns its path."""
+    if isinstance(preset_name, str) and preset_name not in PRESETS:
         raise ValueError(f"make-model: unknown preset {preset_name!r}; available: {', '.join(PRESETS)}")
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
     if torch_dtype is None:
         raise ValueError(f"make-model: dtype {dtype!r} not one of float32, bfloat16, float16")
-    preset = PRESETS[preset_name]
+    preset = PRESETS[preset_name] if isinstance(preset_name, str) else preset_name
     if overrides:
         preset = dataclasses.replace(preset, config={**preset.config, **dict(overrides)})
     os.makedirs(out, exist_ok=True)

@@ -242,6 +242,21 @@ PRESETS: dict[str, Preset] = {
                            GRANITE_SPECIALS, None, "<|end_of_text|>", 1024, init_std=0.1, chat_format="granite"),
 }
 
+
+
+def llama_twin(name: str) -> Preset:
+    """A Llama with the shapes of preset `name` (hidden, MLP, layers, heads, head_dim, vocabulary, tie): the same
+    parameter count but for the family's extra norms, for "within 10% of the same-size Llama"."""
+    cfg = PRESETS[name].config
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "vocab_size", "max_position_embeddings", "initializer_range")
+    shape = {k: cfg[k] for k in keys if k in cfg}
+    shape["head_dim"] = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return Preset(_llama(**shape, rope_theta=cfg.get("rope_theta", 10000.0),
+                         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", name.startswith("gemma")))),
+                  LLAMA_SPECIALS, "<s>", "</s>", 8192)
+
+
 # The families of issue 31, tiny and real-size preset of each.
 NEW_FAMILIES = {"tiny-qwen3": "qwen3-0.6b", "tiny-gemma2": "gemma2-2b", "tiny-gemma3": "gemma3-1b",
                 "tiny-phi3": "phi4-mini", "tiny-smollm3": "smollm3-3b", "tiny-olmo2": "olmo2-1b",

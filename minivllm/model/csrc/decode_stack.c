@@ -49,19 +49,24 @@ typedef struct {
     int64_t q_norm_size, k_norm_size;
     const float *cos_sin; /* [positions, rot]; NULL: no rotary (NoPE layer) */
     int64_t rot, window;  /* window <= 0: full attention */
+    int64_t group;        /* its KV group: which slots and block tables of the step it reads */
     proj_t qkv, o, gate_up, down;
     void *k_cache, *v_cache;
     _Float16 *k_scale, *v_scale; /* int8 caches only */
 } layer_t;
 
-/* The model's shape and the step's inputs (attention metadata of an all-decode step). */
+#define MAX_KV_GROUPS 4
+
+/* The model's shape and the step's inputs (attention metadata of an all-decode step; slots and block tables per
+ * KV group: the layers of one attention window share a pool). */
 typedef struct {
     int64_t M, H, I;
     int64_t nq, nkv, D, block_size;
     float eps, scale, softcap, res_scale;
     int64_t act; /* 0: SiLU, 1: GeLU-tanh */
-    const int64_t *positions, *slot_mapping, *block_tables;
-    int64_t bt_stride, sinks, max_ctx;
+    const int64_t *positions;
+    const int64_t *slot_mapping[MAX_KV_GROUPS], *block_tables[MAX_KV_GROUPS];
+    int64_t bt_stride[MAX_KV_GROUPS], sinks, max_ctx;
     float *gemv_scratch, *attn_scratch, *work;
     int64_t num_threads, kv_fmt;
 } step_t;
@@ -106,9 +111,11 @@ void decode_stack_f32(const layer_t *layers, int64_t n_layers, const float *fina
         if (L->k_norm)
             rmsnorm_groups_f32(qkv + qd, qkv_n, M, kvd / L->k_norm_size, L->k_norm_size, L->k_norm, s->eps, nt);
         rope_kv_write_f32(qkv, qkv_n, M, (int)s->nq, (int)s->nkv, (int)s->D, (int)L->rot, s->positions, L->cos_sin,
-                          L->k_cache, L->v_cache, (int)s->kv_fmt, L->k_scale, L->v_scale, s->slot_mapping, nt);
+                          L->k_cache, L->v_cache, (int)s->kv_fmt, L->k_scale, L->v_scale, s->slot_mapping[L->group],
+                          nt);
         paged_attention_f32(attn, qkv, qkv_n, L->k_cache, L->v_cache, (int)s->kv_fmt, L->k_scale, L->v_scale,
-                            s->block_tables, s->bt_stride, s->positions, M, (int)s->nq, (int)s->nkv, (int)s->D,
+                            s->block_tables[L->group], s->bt_stride[L->group], s->positions, M, (int)s->nq,
+                            (int)s->nkv, (int)s->D,
                             (int)s->block_size, s->scale, s->softcap, L->window, s->sinks, s->max_ctx,
                             s->attn_scratch, nt);
         project(proj, attn, &L->o, s);

@@ -30,6 +30,13 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
+def attention_windows(mc: ModelConfig) -> tuple[int | None, ...]:
+    """Each layer's attention window (None: full attention), from the config alone."""
+    cls = get_model_class(mc)
+    windows = getattr(cls, "attention_windows", None)
+    return windows(mc) if windows is not None else (None,) * mc.num_layers
+
+
 def get_model_class(mc: ModelConfig) -> type[nn.Module]:
     """The class implementing mc.architecture, or a ValueError naming the supported ones."""
     cls = MODEL_REGISTRY.get(mc.architecture)

@@ -218,6 +218,13 @@ class DecoderForCausalLM(nn.Module):
         """The family's DecoderSpec (raising on config values it cannot compute)."""
         raise NotImplementedError
 
+    @classmethod
+    def attention_windows(cls, mc: ModelConfig) -> tuple[int | None, ...]:
+        """Each layer's attention window (None: full attention), known before the model is built: the engine
+        sizes its KV groups from them."""
+        spec = cls.decoder_spec(dataclasses.replace(mc, hf_config={**cls.config_defaults, **mc.hf_config}))
+        return tuple(spec.sliding_window if t == SLIDING else None for t in spec.layer_types)
+
     def checkpoint_name(self, name: str) -> str | None:
         """A checkpoint tensor's name relative to this module (None: not a weight of the language model)."""
         return name.removeprefix("model.")

@@ -1,0 +1,167 @@
+"""`minivllm bench families`: each new family's decode speed at a real size, against a Llama of the same shapes and
+against llama.cpp on the same weights.
+
+Per family preset (real config, random weights, a bf16 checkpoint): our decode tok/s at one sequence and at 64, in
+fp32 and w4a8; the same for its Llama twin (presets.llama_twin: the same hidden size, MLP, layers, heads, head_dim
+and vocabulary, so the same parameter count but for the family's extra norms); llama.cpp's f32 and Q4_0 of the
+family's own weights (its converter and quantizer, bench/llamacpp.py) where its converter takes the checkpoint.
+Decode only: the prompts (16 tokens at b=1, 8 at 64) are prefilled first, then `steps` steps are timed. Every
+configuration runs in a fresh process (these models are GBs; nothing carries over) and each round runs the
+configurations in the reverse order of the one before (ABBA), medians reported; ratios compare runs of one round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+from minivllm.bench import llamacpp
+from minivllm.bench.results import save
+from minivllm.config import cpu_count
+
+FAMILY_PRESETS = ("qwen3-0.6b", "gemma3-1b", "olmo2-1b", "granite-3-2b", "gemma2-2b", "smollm3-3b", "phi4-mini")
+LLAMA_CPP_TYPES = {"fp32": "f32", "w4a8": "Q4_0"}  # our mode → llama.cpp's type at the same bits
+
+
+def add_families_args(p: argparse.ArgumentParser) -> None:
+    """Flags of `minivllm bench families`."""
+    p.add_argument("--presets", default=",".join(FAMILY_PRESETS), help="family presets (real sizes)")
+    p.add_argument("--modes", default="fp32,w4a8", help="our weight modes (llama.cpp: f32, Q4_0)")
+    p.add_argument("--batches", default="1,64", help="sequences decoding together")
+    p.add_argument("--steps", type=int, default=16, help="decode steps timed at one sequence")
+    p.add_argument("--batch-steps", type=int, default=4, help="decode steps timed at the larger batches")
+    p.add_argument("--rounds", type=int, default=2, help="rounds, each in the reverse order of the one before")
+    p.add_argument("--threads", type=int, default=None, help="threads (default: all cores)")
+    p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
+    p.add_argument("--work-dir", default=None, help="where the checkpoints go (deleted after each family)")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one measurement in this process: JSON args
+
+
+def _ours(model: str, mode: str, num_seqs: int, steps: int, threads: int) -> dict[str, Any]:
+    """Our engine: prefill every sequence, then time `steps` all-decode steps."""
+    from minivllm.config import EngineArgs
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.sampling_params import SamplingParams
+
+    prompt_len = 16 if num_seqs == 1 else 8
+    engine = LLMEngine(EngineArgs(model=model, dtype="float32", quantization=None if mode == "fp32" else mode,
+                                  kv_cache_memory="512MiB", max_model_len=256, max_num_seqs=max(num_seqs, 1),
+                                  num_threads=threads, enable_prefix_caching=False))
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+    for s in range(num_seqs):
+        engine.add_request(str(s), {"prompt_token_ids": [(7 * i + 13 * s) % vocab for i in range(prompt_len)]},
+                           params)
+    t0 = time.perf_counter()
+    while any(seq.num_computed_tokens < seq.num_prompt_tokens for g in engine.groups.values() for seq in g.seqs):
+        engine.step()
+    t1 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    t2 = time.perf_counter()
+    return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "decode_tok_s": num_seqs * steps / (t2 - t1)}
+
+
+def _worker(spec: dict[str, Any]) -> dict[str, Any]:
+    if spec["engine"] == "ours":
+        return _ours(spec["model"], spec["mode"], spec["batch"], spec["steps"], spec["threads"])
+    return llamacpp.decode_speed(spec["model"], spec["batch"], 16 if spec["batch"] == 1 else 8, spec["steps"],
+                                 spec["threads"])
+
+
+def _measure(spec: dict[str, Any]) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-m", "minivllm", "bench", "families", "--worker", json.dumps(spec)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench families worker {spec} failed: {proc.stderr.strip()[-800:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _prepare(preset: str, root: str, with_llama_cpp: bool) -> dict[str, str]:
+    """The family's checkpoint, its Llama twin's, and (where the converter takes it) its GGUF files."""
+    from minivllm.config import ModelConfig
+    from minivllm.modelgen.make_model import make_model
+    from minivllm.modelgen.presets import llama_twin
+
+    paths = {"family": make_model(preset, os.path.join(root, preset), dtype="bfloat16"),
+             "llama": make_model(llama_twin(preset), os.path.join(root, preset + "-llama"), dtype="bfloat16")}
+    if with_llama_cpp and ModelConfig.from_pretrained(paths["family"]).architecture not in llamacpp.NEEDS_SENTENCEPIECE:
+        f32 = llamacpp.convert(paths["family"], os.path.join(root, preset + "-f32.gguf"))
+        paths["llama.cpp f32"] = f32
+        paths["llama.cpp Q4_0"] = llamacpp.quantize(f32, os.path.join(root, preset + "-q4_0.gguf"))
+    return paths
+
+
+def run_families(ns: argparse.Namespace) -> int:
+    """Run the bench; print a table and write JSON."""
+    threads = ns.threads or cpu_count()
+    if ns.worker:
+        print(json.dumps(_worker(json.loads(ns.worker))))
+        return 0
+    skip = None if not ns.no_llama_cpp else "--no-llama-cpp"
+    skip = skip or llamacpp.available()
+    if skip:
+        print(skip)
+    modes, batches = ns.modes.split(","), [int(b) for b in ns.batches.split(",")]
+    root = ns.work_dir or os.path.join(os.path.expanduser("~/.cache/minivllm"), "bench-families")
+    results: dict[str, Any] = {"threads": threads, "steps": ns.steps, "batch_steps": ns.batch_steps,
+                               "rounds": ns.rounds, "families": {}}
+    for preset in ns.presets.split(","):
+        os.makedirs(root, exist_ok=True)
+        t0 = time.time()
+        paths = _prepare(preset, root, skip is None)
+        print(f"{preset}: checkpoints ready in {time.time() - t0:.0f} s", flush=True)
+        configs = []
+        for batch in batches:
+            for mode in modes:
+                configs.append(("family", mode, batch))
+                configs.append(("llama", mode, batch))
+                if f"llama.cpp {LLAMA_CPP_TYPES[mode]}" in paths:
+                    configs.append((f"llama.cpp {LLAMA_CPP_TYPES[mode]}", mode, batch))
+        runs: dict[str, list[float]] = {}
+        for r in range(ns.rounds):
+            for who, mode, batch in (configs if r % 2 == 0 else configs[::-1]):
+                spec = {"engine": "llama.cpp" if who.startswith("llama.cpp") else "ours", "model": paths[who],
+                        "mode": mode, "batch": batch, "threads": threads,
+                        "steps": ns.steps if batch == 1 else ns.batch_steps}
+                out = _measure(spec)
+                key = f"{who}|{mode}|{batch}"
+                runs.setdefault(key, []).append(out["decode_tok_s"])
+                print(f"  round {r} {key}: {out['decode_tok_s']:.2f} tok/s", flush=True)
+        results["families"][preset] = {k: {"runs": v, "median": statistics.median(v)} for k, v in runs.items()}
+        shutil.rmtree(root, ignore_errors=True)
+    print(report(results))
+    if ns.out:
+        save(results, ns.out)
+    return 0
+
+
+def report(results: dict[str, Any]) -> str:
+    """A markdown table: tok/s and ratios per family, mode and batch."""
+    lines = ["| family | mode | batch | ours tok/s | Llama twin tok/s | vs twin | llama.cpp tok/s | vs llama.cpp |",
+             "|---|---|---|---|---|---|---|---|"]
+    for preset, runs in results["families"].items():
+        for key in sorted(k for k in runs if k.startswith("family|")):
+            _, mode, batch = key.split("|")
+            ours = runs[key]["median"]
+            twin = runs.get(f"llama|{mode}|{batch}", {}).get("median")
+            cpp = runs.get(f"llama.cpp {LLAMA_CPP_TYPES[mode]}|{mode}|{batch}", {}).get("median")
+            lines.append(f"| {preset} | {mode} | {batch} | {ours:.2f} | {_f(twin)} | {_ratio(ours, twin)} | "
+                         f"{_f(cpp)} | {_ratio(ours, cpp)} |")
+    return "\n".join(lines)
+
+
+def _f(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _ratio(a: float, b: float | None) -> str:
+    return "-" if not b else f"{a / b:.2f}x"

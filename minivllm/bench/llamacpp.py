@@ -1,0 +1,140 @@
+"""llama.cpp beside us on the same weights: its own converter and quantizer, and its decode timed through its C API.
+
+Everything comes from llama-cpp-python, an optional bench dependency (`pip install -e ".[peers]"`): pip builds its
+sdist's vendored llama.cpp for this CPU (-march=native, as our kernels are); the converter (convert_hf_to_gguf.py
+and the gguf-py it ships) is read out of the same sdist, fetched from PyPI once into ~/.cache/minivllm. Decode is
+timed with llama_decode on a batch of one token per sequence, the logits of every row computed, as our steps do.
+
+Our test checkpoints carry a BPE tokenizer trained locally, whose pre-tokenizer hash the converter does not know:
+it is told "gpt-2" (the timings feed token ids; no text is tokenized). Gemma 2's converter reads only a
+SentencePiece tokenizer.model, which our checkpoints do not have: that family is not converted.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from typing import Any
+
+# Families whose llama.cpp conversion needs a SentencePiece tokenizer.model (our test checkpoints have none).
+NEEDS_SENTENCEPIECE = ("Gemma2ForCausalLM",)
+
+_CONVERT = """
+import runpy, sys
+root = sys.argv.pop(1)
+sys.path[:0] = [root, root + "/gguf-py"]
+from conversion import base
+original = base.TextModel.get_vocab_base_pre
+def vocab_base_pre(self, tokenizer):
+    try:
+        return original(self, tokenizer)
+    except NotImplementedError:  # a locally trained BPE: its pre-tokenizer hash is nobody's
+        return "gpt-2"
+base.TextModel.get_vocab_base_pre = vocab_base_pre
+sys.argv[0] = root + "/convert_hf_to_gguf.py"
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def available() -> str | None:
+    """None when llama-cpp-python and gguf are importable, else why not."""
+    try:
+        import gguf  # noqa: F401
+        import llama_cpp  # noqa: F401
+    except ImportError as e:
+        return f"llama.cpp comparison skipped: {e} (pip install -e '.[peers]')"
+    return None
+
+
+def converter_dir() -> str:
+    """llama.cpp's converter from the llama-cpp-python sdist of the installed version (fetched once)."""
+    import llama_cpp
+
+    version = llama_cpp.__version__
+    root = os.path.join(os.path.expanduser("~/.cache/minivllm"), f"llama.cpp-{version}")
+    if os.path.isfile(os.path.join(root, "convert_hf_to_gguf.py")):
+        return root
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={version}", "--no-binary",
+                        ":all:", "--no-deps", "-d", tmp, "-q"], check=True)
+        (sdist,) = glob.glob(os.path.join(tmp, "*.tar.gz"))
+        prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
+        wanted = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+        with tarfile.open(sdist) as tar:
+            members = [m for m in tar.getmembers()
+                       if m.name.startswith(prefix) and m.name[len(prefix):].startswith(wanted) and m.isfile()]
+            for m in members:
+                m.name = m.name[len(prefix):]
+            os.makedirs(root + ".tmp", exist_ok=True)
+            tar.extractall(root + ".tmp", members=members, filter="data")
+    os.replace(root + ".tmp", root)
+    return root
+
+
+def convert(hf_dir: str, out: str, outtype: str = "f32") -> str:
+    """The HF checkpoint as a GGUF file, written by llama.cpp's own converter."""
+    proc = subprocess.run([sys.executable, "-c", _CONVERT, converter_dir(), hf_dir, "--outfile", out, "--outtype",
+                           outtype], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf failed for {hf_dir}: {proc.stderr.strip()[-600:]}")
+    return out
+
+
+def quantize(gguf_in: str, gguf_out: str, ftype: str = "Q4_0", threads: int = 2) -> str:
+    """llama.cpp's quantizer (llama_model_quantize), e.g. to Q4_0 or Q8_0."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.nthread = threads
+    if llama_cpp.llama_model_quantize(gguf_in.encode(), gguf_out.encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama_model_quantize to {ftype} failed for {gguf_in}")
+    return gguf_out
+
+
+def decode_speed(gguf_path: str, num_seqs: int, prompt_len: int, steps: int, threads: int) -> dict[str, Any]:
+    """Prefill num_seqs prompts, then time `steps` decode steps of one token per sequence (logits of every row)."""
+    import llama_cpp as lc
+
+    lc.llama_backend_init()
+    model = lc.llama_model_load_from_file(gguf_path.encode(), lc.llama_model_default_params())
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {gguf_path}")
+    cp = lc.llama_context_default_params()
+    cp.n_ctx = num_seqs * (prompt_len + steps + 8)
+    cp.n_batch = cp.n_ubatch = 512
+    cp.n_seq_max = num_seqs
+    cp.n_threads = cp.n_threads_batch = threads
+    ctx = lc.llama_init_from_model(model, cp)
+    vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+    batch = lc.llama_batch_init(512, 0, 1)
+
+    def submit(rows: list[tuple[int, int, int, bool]]) -> None:
+        batch.n_tokens = len(rows)
+        for i, (tok, pos, seq, logits) in enumerate(rows):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, pos, 1, logits
+            batch.seq_id[i][0] = seq
+        if lc.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    try:
+        prompt = [((7 * i + 13 * s) % vocab, i, s, i == prompt_len - 1) for s in range(num_seqs)
+                  for i in range(prompt_len)]
+        t0 = time.perf_counter()
+        for k in range(0, len(prompt), 512):
+            submit(prompt[k:k + 512])
+        t1 = time.perf_counter()
+        for step in range(steps):
+            submit([((31 * step + s) % vocab, prompt_len + step, s, True) for s in range(num_seqs)])
+        t2 = time.perf_counter()
+    finally:
+        lc.llama_batch_free(batch)
+        lc.llama_free(ctx)
+        lc.llama_model_free(model)
+    return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "decode_tok_s": num_seqs * steps / (t2 - t1)}
