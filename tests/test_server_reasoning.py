@@ -21,6 +21,7 @@ from minivllm import LLM, GuidedDecodingParams, SamplingParams
 from minivllm.engine.tokenizer import chat_prompt, get_tokenizer
 
 QUESTION = [{"role": "user", "content": "What is two and two?"}]
+SMALL = ("--num-threads", "1", "--kv-cache-memory", "64MiB")  # servers of tiny models need no 2 GiB KV pool
 
 
 def _script(tok, prompt_messages, pieces: list[str], **template_kwargs) -> list[int]:
@@ -61,7 +62,7 @@ def _streamed(client: openai.OpenAI, **kw) -> tuple[str, str, list, str | None]:
 
 
 def test_qwen3_reasoning_whole_and_streamed(qwen3_thinker, serve):
-    server = ServerProcess(qwen3_thinker, "--num-threads", "1", "--reasoning-parser", "qwen3")
+    server = ServerProcess(qwen3_thinker, *SMALL, "--reasoning-parser", "qwen3")
     try:
         client = _client(server)
         model = client.models.list().data[0].id
@@ -95,7 +96,7 @@ def test_deepseek_r1_think_end_split_across_tokens(model_factory, tmp_path_facto
     assert len(end) >= 3  # really split
     chain = _script(tok, QUESTION, ["Plus", *end, "Yes!"])
     path = make_scripted_model(base, str(tmp_path_factory.mktemp("r1") / "m"), chain)
-    server = ServerProcess(path, "--num-threads", "1", "--reasoning-parser", "deepseek_r1")
+    server = ServerProcess(path, *SMALL, "--reasoning-parser", "deepseek_r1")
     try:
         client = _client(server)
         model = client.models.list().data[0].id
@@ -132,7 +133,7 @@ def test_guided_decoding_constrains_the_answer_only(qwen3_thinker):
 def test_tool_call_after_thinking_is_read_from_the_answer(qwen3_thinker):
     """Thinking, then (guided into the hermes format once the thinking ends) a tool call: the call is read from
     the answer, the thinking is reasoning_content, streamed and whole."""
-    server = ServerProcess(qwen3_thinker, "--num-threads", "1", "--reasoning-parser", "qwen3",
+    server = ServerProcess(qwen3_thinker, *SMALL, "--reasoning-parser", "qwen3",
                            "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     regex = r'<tool_call>\{"name": "add", "arguments": \{"a": 2, "b": 2\}\}</tool_call>'
     kw = dict(messages=QUESTION, tools=TOOLS, max_tokens=120, temperature=0.0, extra_body={"guided_regex": regex})
@@ -173,7 +174,8 @@ MALFORMED = {
 
 @pytest.mark.parametrize("parser", list(FORMATS))
 def test_tool_call_parsers_whole_and_streamed(model_factory, serve, parser):
-    url = serve(model_factory("tiny-llama"), "--enable-auto-tool-choice", "--tool-call-parser", parser)
+    url = serve(model_factory("tiny-llama"), "--kv-cache-memory", "64MiB", "--enable-auto-tool-choice",
+                "--tool-call-parser", parser)
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
     model = client.models.list().data[0].id
     kw = dict(model=model, messages=QUESTION, tools=TOOLS, max_tokens=120, temperature=1.0, seed=5,
@@ -193,7 +195,8 @@ def test_tool_call_parsers_whole_and_streamed(model_factory, serve, parser):
 
 @pytest.mark.parametrize("parser", list(MALFORMED))
 def test_malformed_tool_call_text_stays_content(model_factory, serve, parser):
-    url = serve(model_factory("tiny-llama"), "--enable-auto-tool-choice", "--tool-call-parser", parser)
+    url = serve(model_factory("tiny-llama"), "--kv-cache-memory", "64MiB", "--enable-auto-tool-choice",
+                "--tool-call-parser", parser)
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
     model = client.models.list().data[0].id
     kw = dict(model=model, messages=QUESTION, tools=TOOLS, max_tokens=60, temperature=0.0,

@@ -93,8 +93,9 @@ def _prepare(preset: str, root: str, with_llama_cpp: bool) -> dict[str, str]:
 
     paths = {"family": make_model(preset, os.path.join(root, preset), dtype="bfloat16"),
              "llama": make_model(llama_twin(preset), os.path.join(root, preset + "-llama"), dtype="bfloat16")}
-    if with_llama_cpp and ModelConfig.from_pretrained(paths["family"]).architecture not in llamacpp.NEEDS_SENTENCEPIECE:
-        f32 = llamacpp.convert(paths["family"], os.path.join(root, preset + "-f32.gguf"))
+    if with_llama_cpp:
+        arch = ModelConfig.from_pretrained(paths["family"]).architecture
+        f32 = llamacpp.convert(paths["family"], os.path.join(root, preset + "-f32.gguf"), architecture=arch)
         paths["llama.cpp f32"] = f32
         paths["llama.cpp Q4_0"] = llamacpp.quantize(f32, os.path.join(root, preset + "-q4_0.gguf"))
     return paths

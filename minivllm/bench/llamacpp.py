@@ -7,7 +7,8 @@ timed with llama_decode on a batch of one token per sequence, the logits of ever
 
 Our test checkpoints carry a BPE tokenizer trained locally, whose pre-tokenizer hash the converter does not know:
 it is told "gpt-2" (the timings feed token ids; no text is tokenized). Gemma 2's converter reads only a
-SentencePiece tokenizer.model, which our checkpoints do not have: that family is not converted.
+SentencePiece tokenizer.model: one is trained on the same stdlib text (sentencepiece, a [peers] dependency) and
+put beside the checkpoint for the conversion (the converter pads the vocabulary to the model's).
 """
 
 from __future__ import annotations
@@ -77,8 +78,28 @@ def converter_dir() -> str:
     return root
 
 
-def convert(hf_dir: str, out: str, outtype: str = "f32") -> str:
+def _sentencepiece_model(hf_dir: str) -> None:
+    """A SentencePiece tokenizer.model for a checkpoint whose converter reads nothing else (Gemma 2)."""
+    import sentencepiece as spm
+
+    from minivllm.modelgen.make_model import corpus_files
+
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = os.path.join(tmp, "corpus.txt")
+        with open(corpus, "w") as f:
+            for path in corpus_files()[:60]:
+                with open(path, errors="ignore") as src:
+                    f.write(src.read())
+        spm.SentencePieceTrainer.train(input=corpus, model_prefix=os.path.join(tmp, "sp"), vocab_size=4000,
+                                       model_type="bpe", byte_fallback=True, character_coverage=1.0,
+                                       max_sentence_length=100000, minloglevel=2)
+        os.replace(os.path.join(tmp, "sp.model"), os.path.join(hf_dir, "tokenizer.model"))
+
+
+def convert(hf_dir: str, out: str, outtype: str = "f32", architecture: str = "") -> str:
     """The HF checkpoint as a GGUF file, written by llama.cpp's own converter."""
+    if architecture in NEEDS_SENTENCEPIECE and not os.path.isfile(os.path.join(hf_dir, "tokenizer.model")):
+        _sentencepiece_model(hf_dir)
     proc = subprocess.run([sys.executable, "-c", _CONVERT, converter_dir(), hf_dir, "--outfile", out, "--outtype",
                            outtype], capture_output=True, text=True)
     if proc.returncode != 0:

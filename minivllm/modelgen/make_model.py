@@ -183,7 +183,7 @@ def make_model(preset_name: str | Preset, out: str, dtype: str = "float32", seed
                                                 if extra else eos_id})
     chat = CHAT_TEMPLATES[preset.chat_format] if preset.chat_format else \
         CHATML_TEMPLATE if "<|im_start|>" in preset.specials else PLAIN_TEMPLATE
-    tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": preset.eos,
+    tok_cfg = {"tokenizer_class": preset.tokenizer_class, "eos_token": preset.eos,
                "bos_token": preset.bos or preset.eos, "model_max_length": _max_len(cfg),
                "clean_up_tokenization_spaces": False, "chat_template": chat}
     if "<unk>" in preset.specials:

@@ -31,6 +31,7 @@ class Preset:
     extra_eos: list[str] = field(default_factory=list)
     chat_format: str | None = None  # modelgen/chat_templates.py's name (None: ChatML when the specials have it)
     added_tokens: list[str] = field(default_factory=list)  # non-special added tokens (Qwen3's <think>, ...)
+    tokenizer_class: str = "PreTrainedTokenizerFast"  # as tokenizer_config.json names it (Phi-4-mini: GPT2Tokenizer)
 
 
 def _llama(**kw: Any) -> dict[str, Any]:
@@ -199,7 +200,8 @@ PRESETS: dict[str, Preset] = {
         num_key_value_heads=8, vocab_size=200064, max_position_embeddings=131072,
         original_max_position_embeddings=4096, partial_rotary_factor=0.75, rope_scaling=_longrope(48, 4096),
         tie_word_embeddings=True, initializer_range=0.02), PHI_SPECIALS, None, "<|endoftext|>", 8192,
-        extra_eos=["<|end|>"], chat_format="phi4"),
+        extra_eos=["<|end|>"], chat_format="phi4",
+        tokenizer_class="GPT2Tokenizer"),
     "smollm3-3b": Preset(_smollm3(
         hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
         num_key_value_heads=4, vocab_size=128256, max_position_embeddings=65536, initializer_range=0.02),
@@ -231,7 +233,7 @@ PRESETS: dict[str, Preset] = {
     "tiny-phi3": Preset(_phi3(**_TINY, original_max_position_embeddings=256, partial_rotary_factor=0.5,
                               rope_scaling=_longrope(4, 256), tie_word_embeddings=False, initializer_range=0.1),
                         PHI_SPECIALS, None, "<|endoftext|>", 1024, init_std=0.1, extra_eos=["<|end|>"],
-                        chat_format="phi4"),
+                        chat_format="phi4", tokenizer_class="GPT2Tokenizer"),
     "tiny-smollm3": Preset(_smollm3(**{**_TINY, "num_hidden_layers": 4}, tie_word_embeddings=False,
                                     initializer_range=0.1),
                            SMOLLM3_SPECIALS, None, "<|im_end|>", 1024, init_std=0.1, extra_eos=["<|end_of_text|>"],
