@@ -45,36 +45,41 @@ def add_families_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one measurement in this process: JSON args
 
 
-def _ours(model: str, mode: str, num_seqs: int, steps: int, threads: int) -> dict[str, Any]:
-    """Our engine: prefill every sequence, then time `steps` all-decode steps."""
+def _ours(model: str, mode: str, batches: list[int], steps: list[int], threads: int) -> dict[str, Any]:
+    """Our engine, loaded once: per batch size, prefill every sequence, then time its all-decode steps."""
     from minivllm.config import EngineArgs
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.sampling_params import SamplingParams
 
-    prompt_len = 16 if num_seqs == 1 else 8
     engine = LLMEngine(EngineArgs(model=model, dtype="float32", quantization=None if mode == "fp32" else mode,
-                                  kv_cache_memory="512MiB", max_model_len=256, max_num_seqs=max(num_seqs, 1),
+                                  kv_cache_memory="512MiB", max_model_len=256, max_num_seqs=max(batches),
                                   num_threads=threads, enable_prefix_caching=False))
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
-    for s in range(num_seqs):
-        engine.add_request(str(s), {"prompt_token_ids": [(7 * i + 13 * s) % vocab for i in range(prompt_len)]},
-                           params)
-    t0 = time.perf_counter()
-    while any(seq.num_computed_tokens < seq.num_prompt_tokens for g in engine.groups.values() for seq in g.seqs):
-        engine.step()
-    t1 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    t2 = time.perf_counter()
-    return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "decode_tok_s": num_seqs * steps / (t2 - t1)}
+    out = {}
+    for num_seqs, n in zip(batches, steps, strict=True):
+        prompt_len = 16 if num_seqs == 1 else 8
+        params = SamplingParams(temperature=0.0, max_tokens=n + 2, ignore_eos=True)
+        for s in range(num_seqs):
+            engine.add_request(f"{num_seqs}-{s}", {"prompt_token_ids": [(7 * i + 13 * s) % vocab
+                                                                        for i in range(prompt_len)]}, params)
+        t0 = time.perf_counter()
+        while any(q.num_computed_tokens < q.num_prompt_tokens for g in engine.groups.values() for q in g.seqs):
+            engine.step()
+        t1 = time.perf_counter()
+        for _ in range(n):
+            engine.step()
+        t2 = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        out[str(num_seqs)] = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "decode_tok_s": num_seqs * n / (t2 - t1)}
+    return out
 
 
 def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["engine"] == "ours":
-        return _ours(spec["model"], spec["mode"], spec["batch"], spec["steps"], spec["threads"])
-    return llamacpp.decode_speed(spec["model"], spec["batch"], 16 if spec["batch"] == 1 else 8, spec["steps"],
-                                 spec["threads"])
+        return _ours(spec["model"], spec["mode"], spec["batches"], spec["steps"], spec["threads"])
+    return {str(b): llamacpp.decode_speed(spec["model"], b, 16 if b == 1 else 8, n, spec["threads"])
+            for b, n in zip(spec["batches"], spec["steps"], strict=True)}
 
 
 def _measure(spec: dict[str, Any]) -> dict[str, Any]:
@@ -120,29 +125,61 @@ def run_families(ns: argparse.Namespace) -> int:
         t0 = time.time()
         paths = _prepare(preset, root, skip is None)
         print(f"{preset}: checkpoints ready in {time.time() - t0:.0f} s", flush=True)
-        configs = []
-        for batch in batches:
-            for mode in modes:
-                configs.append(("family", mode, batch))
-                configs.append(("llama", mode, batch))
-                if f"llama.cpp {LLAMA_CPP_TYPES[mode]}" in paths:
-                    configs.append((f"llama.cpp {LLAMA_CPP_TYPES[mode]}", mode, batch))
+        configs = []  # one process each, measuring every batch size on one load
+        for mode in modes:
+            configs.append(("family", mode))
+            configs.append(("llama", mode))
+            if f"llama.cpp {LLAMA_CPP_TYPES[mode]}" in paths:
+                configs.append((f"llama.cpp {LLAMA_CPP_TYPES[mode]}", mode))
         runs: dict[str, list[float]] = {}
+        steps = [ns.steps if b == 1 else ns.batch_steps for b in batches]
         for r in range(ns.rounds):
-            for who, mode, batch in (configs if r % 2 == 0 else configs[::-1]):
+            for who, mode in (configs if r % 2 == 0 else configs[::-1]):
                 spec = {"engine": "llama.cpp" if who.startswith("llama.cpp") else "ours", "model": paths[who],
-                        "mode": mode, "batch": batch, "threads": threads,
-                        "steps": ns.steps if batch == 1 else ns.batch_steps}
+                        "mode": mode, "batches": batches, "steps": steps, "threads": threads}
                 out = _measure(spec)
-                key = f"{who}|{mode}|{batch}"
-                runs.setdefault(key, []).append(out["decode_tok_s"])
-                print(f"  round {r} {key}: {out['decode_tok_s']:.2f} tok/s", flush=True)
+                for batch in batches:
+                    key = f"{who}|{mode}|{batch}"
+                    runs.setdefault(key, []).append(out[str(batch)]["decode_tok_s"])
+                    print(f"  round {r} {key}: {out[str(batch)]['decode_tok_s']:.2f} tok/s", flush=True)
         results["families"][preset] = {k: {"runs": v, "median": statistics.median(v)} for k, v in runs.items()}
         shutil.rmtree(root, ignore_errors=True)
+    results["command"] = ["families", *(a for a in sys.argv[sys.argv.index("families") + 1:])] \
+        if "families" in sys.argv else ["families"]
+    results["measured_at"] = time.strftime("%Y-%m-%d")
     print(report(results))
-    if ns.out:
-        save(results, ns.out)
+    save(results, ns.out, plot)
     return 0
+
+
+def plot(results: dict[str, Any], png: str) -> None:
+    """Ratios to the Llama twin and to llama.cpp, per family, mode and batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, twin, cpp = [], [], []
+    for preset, runs in results["families"].items():
+        for key in sorted(k for k in runs if k.startswith("family|")):
+            _, mode, batch = key.split("|")
+            ours = runs[key]["median"]
+            labels.append(f"{preset}\n{mode} b={batch}")
+            t = runs.get(f"llama|{mode}|{batch}", {}).get("median")
+            c = runs.get(f"llama.cpp {LLAMA_CPP_TYPES[mode]}|{mode}|{batch}", {}).get("median")
+            twin.append(ours / t if t else 0.0)
+            cpp.append(ours / c if c else 0.0)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * len(labels)), 4))
+    x = range(len(labels))
+    ax.bar([i - 0.2 for i in x], twin, width=0.4, label="vs Llama twin")
+    ax.bar([i + 0.2 for i in x], cpp, width=0.4, label="vs llama.cpp")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(list(x), labels, fontsize=6)
+    ax.set_ylabel("decode tok/s ratio")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
 
 
 def report(results: dict[str, Any]) -> str:

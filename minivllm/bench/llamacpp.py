@@ -43,6 +43,18 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+_SILENT: list[Any] = []  # the log callback must outlive every llama.cpp call
+
+
+def _quiet() -> None:
+    """Send llama.cpp's log (a line per tensor when quantizing, the whole model's metadata when loading) nowhere."""
+    import llama_cpp
+
+    if not _SILENT:
+        _SILENT.append(llama_cpp.llama_log_callback(lambda level, text, user_data: None))
+        llama_cpp.llama_log_set(_SILENT[0], ctypes.c_void_p())
+
+
 def available() -> str | None:
     """None when llama-cpp-python and gguf are importable, else why not."""
     try:
@@ -111,6 +123,7 @@ def quantize(gguf_in: str, gguf_out: str, ftype: str = "Q4_0", threads: int = 2)
     """llama.cpp's quantizer (llama_model_quantize), e.g. to Q4_0 or Q8_0."""
     import llama_cpp
 
+    _quiet()
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
     params.nthread = threads
@@ -123,6 +136,7 @@ def decode_speed(gguf_path: str, num_seqs: int, prompt_len: int, steps: int, thr
     """Prefill num_seqs prompts, then time `steps` decode steps of one token per sequence (logits of every row)."""
     import llama_cpp as lc
 
+    _quiet()
     lc.llama_backend_init()
     model = lc.llama_model_load_from_file(gguf_path.encode(), lc.llama_model_default_params())
     if not model:

@@ -21,6 +21,7 @@ def _load(out_dir: str, name: str) -> dict[str, Any] | None:
 def render(out_dir: str, argv: dict[str, list[str]]) -> str:
     """BENCHMARKS.md from the JSON files in out_dir (a section per bench found)."""
     from minivllm.bench import (
+        families,
         guided,
         kv_cache,
         latency,
@@ -125,6 +126,13 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
         ("lora", lambda r: ["## LoRA: three adapters and the base model in one batch (`bench lora`)", "",
                             f"`{os.path.basename(r['model'].rstrip('/'))}` in {r['dtype']}, offline engine with LoRA "
                             "on; adapters written by `make-lora` (peft).", "", lora.report(r)]),
+        ("families", lambda r: ["## Model families at real size vs a Llama twin and llama.cpp (`bench families`)", "",
+                                "Each family's real config (random weights, a bf16 checkpoint loaded as float32 or "
+                                "quantized w4a8), decode tok/s after the prompts are prefilled (1 sequence: "
+                                f"{r['steps']} steps; 64: {r['batch_steps']}), against a Llama with the same shapes "
+                                "and against llama.cpp on the same weights (its converter and quantizer: f32, "
+                                f"Q4_0), every configuration in a fresh process, {r['rounds']} rounds ABBA "
+                                "(medians).", "", families.report(r)]),
     ]
     for name, section in sections:
         r = _load(out_dir, name)
