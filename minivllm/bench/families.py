@@ -82,11 +82,13 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
             for b, n in zip(spec["batches"], spec["steps"], strict=True)}
 
 
-def _measure(spec: dict[str, Any]) -> dict[str, Any]:
+def _measure(spec: dict[str, Any]) -> dict[str, Any] | None:
+    """One configuration in a fresh process; None (the error printed) when it failed."""
     proc = subprocess.run([sys.executable, "-m", "minivllm", "bench", "families", "--worker", json.dumps(spec)],
                           capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"bench families worker {spec} failed: {proc.stderr.strip()[-800:]}")
+        print(f"  {spec['engine']} {spec['model']} {spec['mode']} failed: {proc.stderr.strip()[-600:]}", flush=True)
+        return None
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -123,7 +125,13 @@ def run_families(ns: argparse.Namespace) -> int:
     for preset in ns.presets.split(","):
         os.makedirs(root, exist_ok=True)
         t0 = time.time()
-        paths = _prepare(preset, root, skip is None)
+        try:
+            paths = _prepare(preset, root, skip is None)
+        except (RuntimeError, ValueError, OSError) as e:
+            print(f"{preset}: llama.cpp conversion failed ({e}); ours only", flush=True)
+            shutil.rmtree(root, ignore_errors=True)
+            os.makedirs(root, exist_ok=True)
+            paths = _prepare(preset, root, False)
         print(f"{preset}: checkpoints ready in {time.time() - t0:.0f} s", flush=True)
         configs = []  # one process each, measuring every batch size on one load
         for mode in modes:
@@ -138,12 +146,16 @@ def run_families(ns: argparse.Namespace) -> int:
                 spec = {"engine": "llama.cpp" if who.startswith("llama.cpp") else "ours", "model": paths[who],
                         "mode": mode, "batches": batches, "steps": steps, "threads": threads}
                 out = _measure(spec)
+                if out is None:
+                    continue
                 for batch in batches:
                     key = f"{who}|{mode}|{batch}"
                     runs.setdefault(key, []).append(out[str(batch)]["decode_tok_s"])
                     print(f"  round {r} {key}: {out[str(batch)]['decode_tok_s']:.2f} tok/s", flush=True)
         results["families"][preset] = {k: {"runs": v, "median": statistics.median(v)} for k, v in runs.items()}
         shutil.rmtree(root, ignore_errors=True)
+        if ns.out:  # after each family: a run of hours keeps what it measured
+            save(results, ns.out, None)
     results["command"] = ["families", *(a for a in sys.argv[sys.argv.index("families") + 1:])] \
         if "families" in sys.argv else ["families"]
     results["measured_at"] = time.strftime("%Y-%m-%d")

@@ -8,7 +8,9 @@ timed with llama_decode on a batch of one token per sequence, the logits of ever
 Our test checkpoints carry a BPE tokenizer trained locally, whose pre-tokenizer hash the converter does not know:
 it is told "gpt-2" (the timings feed token ids; no text is tokenized). Gemma 2's converter reads only a
 SentencePiece tokenizer.model: one is trained on the same stdlib text (sentencepiece, a [peers] dependency) and
-put beside the checkpoint for the conversion (the converter pads the vocabulary to the model's).
+put beside the checkpoint for the conversion (the converter pads the vocabulary to the model's). Gemma 3's
+converter cuts the embedding to the tokenizer's size: the bench's copy of tokenizer.json is padded with unused
+tokens to the model's vocabulary first, as the real tokenizer has it.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ import tempfile
 import time
 from typing import Any
 
-# Families whose llama.cpp conversion needs a SentencePiece tokenizer.model (our test checkpoints have none).
+# Families whose llama.cpp conversion needs a SentencePiece tokenizer.model (our test checkpoints have none), and
+# those whose converter sizes the embedding by the tokenizer (ours is smaller than the model's vocabulary).
 NEEDS_SENTENCEPIECE = ("Gemma2ForCausalLM",)
+PAD_TOKENIZER = ("Gemma3ForCausalLM",)
 
 _CONVERT = """
 import runpy, sys
@@ -108,10 +112,31 @@ def _sentencepiece_model(hf_dir: str) -> None:
         os.replace(os.path.join(tmp, "sp.model"), os.path.join(hf_dir, "tokenizer.model"))
 
 
+def _pad_tokenizer(hf_dir: str) -> None:
+    """Give tokenizer.json the model's vocabulary size in unused added tokens (as real checkpoints' tokenizers
+    have it): Gemma 3's converter cuts the embedding to the tokenizer's size, and llama.cpp then refuses a model
+    whose embedding disagrees with its vocab_size."""
+    import json
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    vocab_size = (cfg.get("text_config") or cfg)["vocab_size"]
+    path = os.path.join(hf_dir, "tokenizer.json")
+    with open(path) as f:
+        tok = json.load(f)
+    have = len(tok["model"]["vocab"]) + len(tok["added_tokens"])
+    tok["added_tokens"] += [{"id": i, "content": f"<unused{i}>", "single_word": False, "lstrip": False,
+                             "rstrip": False, "normalized": False, "special": True} for i in range(have, vocab_size)]
+    with open(path, "w") as f:
+        json.dump(tok, f)
+
+
 def convert(hf_dir: str, out: str, outtype: str = "f32", architecture: str = "") -> str:
     """The HF checkpoint as a GGUF file, written by llama.cpp's own converter."""
     if architecture in NEEDS_SENTENCEPIECE and not os.path.isfile(os.path.join(hf_dir, "tokenizer.model")):
         _sentencepiece_model(hf_dir)
+    if architecture in PAD_TOKENIZER:
+        _pad_tokenizer(hf_dir)
     proc = subprocess.run([sys.executable, "-c", _CONVERT, converter_dir(), hf_dir, "--outfile", out, "--outtype",
                            outtype], capture_output=True, text=True)
     if proc.returncode != 0:

@@ -240,14 +240,9 @@ class BlockManager:
         if self.groups is not None:
             self.groups.free(seq)
 
-    def restore(self, seq: Sequence, num_blocks: int, num_new_tokens: int, evicted: Collection[int] = ()
-                ) -> list[tuple[int, int]] | None:
-        """Give a sequence coming back from the host tier a block table of num_blocks blocks (its computed
-        tokens), plus room for num_new_tokens more; the indices in `evicted` (released by sink-window eviction
-        before it left) stay EVICTED. Its full blocks whose hash is still cached are reused as they are; the
-        others are fresh. Returns (index, block) of the fresh ones (their KV is to be copied back), or None,
-        changing nothing, when the pool cannot supply the blocks."""
-        assert not seq.block_table
+    def _restore_plan(self, seq: Sequence, num_blocks: int, num_new_tokens: int, evicted: Collection[int]
+                      ) -> tuple[dict[int, int], list[int], bool]:
+        """What restore would do: (index → cached block reused, indices given fresh blocks, fits)."""
         full = seq.num_computed_tokens // self.block_size
         reuse: dict[int, int] = {}
         if self.enable_prefix_caching:
@@ -257,7 +252,23 @@ class BlockManager:
         fresh = [i for i in range(num_blocks) if i not in reuse and i not in evicted]
         new = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - num_blocks
         reserved = sum(1 for b in reuse.values() if self.ref_counts[b] == 0)  # touched, so no longer evictable
-        if len(fresh) + new > self.num_free_blocks - reserved:
+        return reuse, fresh, len(fresh) + new <= self.num_free_blocks - reserved
+
+    def can_restore(self, seq: Sequence, num_blocks: int, num_new_tokens: int, evicted: Collection[int] = ()
+                    ) -> bool:
+        """Whether restore would succeed (changes nothing)."""
+        return self._restore_plan(seq, num_blocks, num_new_tokens, evicted)[2]
+
+    def restore(self, seq: Sequence, num_blocks: int, num_new_tokens: int, evicted: Collection[int] = ()
+                ) -> list[tuple[int, int]] | None:
+        """Give a sequence coming back from the host tier a block table of num_blocks blocks (its computed
+        tokens), plus room for num_new_tokens more; the indices in `evicted` (released by sink-window eviction
+        before it left) stay EVICTED. Its full blocks whose hash is still cached are reused as they are; the
+        others are fresh. Returns (index, block) of the fresh ones (their KV is to be copied back), or None,
+        changing nothing, when the pool cannot supply the blocks."""
+        assert not seq.block_table
+        reuse, fresh, fits = self._restore_plan(seq, num_blocks, num_new_tokens, evicted)
+        if not fits:
             return None
         for b in reuse.values():  # first, so that no fresh block is taken by evicting one of them
             self._incref(b)

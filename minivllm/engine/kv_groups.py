@@ -194,17 +194,12 @@ class KVGroupsPlan:
 def plan_for_engine(args: EngineArgs, mc: ModelConfig, kv_bytes: int, bytes_per_token: int, token_budget: int
                     ) -> KVGroupsPlan:
     """The engine's KV groups: the model's windows (or sink-window eviction's on every layer; none for the ablation
-    baselines, which keep whole sequences), its budget split among them; a clear error where a group-unaware
-    feature is asked for."""
+    baselines, which keep whole sequences), its budget split among them."""
     windows = attention_windows(mc) if args.sink_window is None else (args.sink_window[1],) * mc.num_layers
     if args.kv_cache_mode != "paged":
         windows = (None,) * mc.num_layers
     plan = plan_kv_groups(windows, kv_bytes, args.block_size, bytes_per_token // mc.num_layers, args.max_num_seqs,
                           token_budget, args.num_kv_blocks)
-    if len(plan.windows) > 1 and args.preemption_mode != "recompute":
-        raise ValueError(f"preemption_mode={args.preemption_mode}: {mc.architecture} keeps a KV pool per attention "
-                         f"window ({len(plan.windows)} here), which the host tier does not swap yet; use "
-                         "preemption_mode=recompute")
     return plan
 
 

@@ -164,8 +164,9 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         t1 = time.perf_counter()
         # Swaps, then copy-on-write copies; before an empty return too: a step may swap out all it had.
         swap_time = self.runner.move_blocks(sched.swap_out, sched.swap_in, sched.block_copies)
-        for g, copies in enumerate(sched.group_copies, 1):
-            self.runner.copy_blocks(copies, g)
+        for g, copies in enumerate(sched.group_copies, 1):  # the window KV groups' (kv_groups.py)
+            swaps = sched.group_swaps[g - 1] if sched.group_swaps else ([], [])
+            swap_time += self.runner.move_blocks(*swaps, copies, g)
         if sched.is_empty:
             return []
         self._in_flight = sched

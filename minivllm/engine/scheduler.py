@@ -40,6 +40,7 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     group_copies: list[list[tuple[int, int]]] = field(default_factory=list)  # KV groups 1..'s (kv_groups.py)
+    group_swaps: list[tuple[list[tuple[int, int]], list[tuple[int, int]]]] = field(default_factory=list)
     # Host-tier moves, run before the copy-on-write copies and the forward: (device, host) and (host, device).
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
@@ -177,6 +178,7 @@ class Scheduler:
             out.group_copies = self.bm.groups.take_copies()
         if self.swap is not None:
             out.swap_out, out.swap_in = self.swap.take()
+            out.group_swaps = self.swap.take_groups()
             self.stats.swap_out_bytes += len(out.swap_out) * self.swap.block_bytes
             self.stats.swap_in_bytes += len(out.swap_in) * self.swap.block_bytes
         return out

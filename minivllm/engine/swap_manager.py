@@ -138,6 +138,10 @@ class SwapManager:
         self.releasing = []
         return out, into
 
+    def take_groups(self) -> list[tuple[list[tuple[int, int]], list[tuple[int, int]]]]:
+        """The window KV groups' swaps of the step (none: one group)."""
+        return []
+
     def check_invariants(self, swapped: Iterable[Sequence]) -> None:
         """Assert the host accounting agrees with the swapped sequences."""
         swapped = list(swapped)
@@ -151,17 +155,79 @@ class SwapManager:
             assert not s.block_table and len(self.tables[s.seq_id]) == self.bm.blocks_needed(s.num_computed_tokens), s
 
 
+class GroupedSwap(SwapManager):
+    """The host tier of a model with window KV groups (kv_groups.py): this manager holds the primary group's blocks
+    and one SwapManager per window group holds that group's, each with a host tier of its own; a sequence's
+    blocks in every group move out and back together, or not at all."""
+
+    def __init__(self, num_blocks: int, block_bytes: int, block_manager: BlockManager,
+                 group_managers: list[SwapManager]) -> None:
+        super().__init__(num_blocks, block_bytes, block_manager)
+        assert block_manager.groups is not None
+        self.windows = block_manager.groups
+        self.group_managers = group_managers
+
+    def _group_views(self, seq: Sequence) -> list[tuple[SwapManager, Sequence]]:
+        views = self.windows.views(seq)
+        return list(zip(self.group_managers, views, strict=True))  # type: ignore[arg-type]
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return super().can_swap_out(seq) and all(m.blocks_of(v) <= len(m.free_ids) for m, v in self._group_views(seq))
+
+    def swap_out(self, seq: Sequence) -> None:
+        for m, v in self._group_views(seq):  # first: the primary's free releases every group's table
+            m.swap_out(v)
+        super().swap_out(seq)
+
+    def swap_in(self, seq: Sequence, num_new_tokens: int) -> bool:
+        pairs = [(self, seq), *self._group_views(seq)]
+        for m, v in pairs:
+            host = m.tables[v.seq_id]
+            evicted = {i for i, h in enumerate(host) if h == EVICTED}
+            if not m.bm.can_restore(v, len(host), num_new_tokens, evicted):
+                return False
+        for m, v in reversed(pairs):  # the groups first: the primary's restore then finds their room allocated
+            ok = m.swap_in(v, num_new_tokens) if m is not self else super().swap_in(v, num_new_tokens)
+            assert ok
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        super().free(seq)
+        for m, v in self._group_views(seq):
+            m.free(v)
+
+    def take_groups(self) -> list[tuple[list[tuple[int, int]], list[tuple[int, int]]]]:
+        return [m.take() for m in self.group_managers]
+
+    def check_invariants(self, swapped: Iterable[Sequence]) -> None:
+        seqs = list(swapped)
+        super().check_invariants(seqs)
+        for g, m in enumerate(self.group_managers):
+            m.check_invariants([self.windows.views(s)[g] for s in seqs])  # type: ignore[misc]
+
+
 def build_swap_manager(args: EngineArgs, runner: ModelRunner, block_manager: BlockManager) -> SwapManager | None:
-    """The host tier for preemption_mode swap or auto (None with recompute), sized from swap_space."""
+    """The host tier for preemption_mode swap or auto (None with recompute), sized from swap_space (split among
+    the KV groups in proportion to their pools)."""
     if args.preemption_mode == "recompute":
         return None
-    block_bytes = runner.swap_block_bytes
     swap_bytes = parse_size(args.swap_space, "swap_space")
-    num_blocks = swap_bytes // block_bytes
-    if num_blocks < 1:
-        raise ValueError(f"swap_space: {swap_bytes} bytes cannot hold one KV block ({block_bytes} bytes: "
-                         f"{block_manager.block_size} tokens of every layer's K and V); raise it")
-    seconds_per_block = runner.init_swap(num_blocks, args.swap_dir)  # checks the space first
-    swap = SwapManager(num_blocks, block_bytes, block_manager)
+    groups = runner.num_kv_groups
+    pool_bytes = [runner.group_block_bytes(g) * runner.group_pools[g][0].shape[2] for g in range(groups)]
+    tiers = []
+    for g in range(groups):
+        block_bytes = runner.group_block_bytes(g)
+        num_blocks = int(swap_bytes * pool_bytes[g] / sum(pool_bytes)) // block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"swap_space: {swap_bytes} bytes cannot hold one KV block of every group ("
+                             f"{block_bytes} bytes: {block_manager.block_size} tokens of K and V); raise it")
+        tiers.append((num_blocks, block_bytes, runner.init_swap(num_blocks, args.swap_dir, g)))
+    (num_blocks, block_bytes, seconds_per_block), *rest = tiers
+    if block_manager.groups is None:
+        swap = SwapManager(num_blocks, block_bytes, block_manager)
+    else:
+        swap = GroupedSwap(num_blocks, block_bytes, block_manager,
+                           [SwapManager(n, b, bm) for (n, b, _), bm in zip(rest, block_manager.groups.managers,
+                                                                            strict=True)])
     swap.costs.observe(seconds_per_block, 1, 0.0, 0, 0)
     return swap

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from minivllm.engine.reasoning import THINK_END, THINK_START, prompt_opens_thinking
+from minivllm.entrypoints.tool_parsers import partial_suffix
 
 Delta = dict[str, Any]
 
@@ -21,13 +22,6 @@ Delta = dict[str, Any]
 def reasoning_delta(text: str) -> Delta:
     """A delta (or message fields) carrying reasoning text under both names clients read."""
     return {"reasoning_content": text, "reasoning": text}
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 class ReasoningParser:
@@ -67,7 +61,7 @@ class ReasoningParser:
                 self.buffer = self.buffer.lstrip()[len(THINK_START):]
             end = self.buffer.find(THINK_END)
             if end < 0:
-                keep = _partial_suffix(self.buffer, THINK_END)
+                keep = partial_suffix(self.buffer, THINK_END)
                 if len(self.buffer) > keep:
                     out.append(reasoning_delta(self.buffer[:len(self.buffer) - keep]))
                     self.buffer = self.buffer[len(self.buffer) - keep:]

@@ -47,8 +47,9 @@ def _call_from_obj(obj: Any) -> dict[str, Any] | None:
     return tool_call(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of tag."""
+def partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of tag (held back while streaming: it may
+    become the tag)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
             return n
@@ -128,7 +129,7 @@ class HermesToolParser(ToolParser):
         while True:
             start = self.buffer.find(self.OPEN)
             if start < 0:
-                keep = _partial_suffix(self.buffer, self.OPEN)  # maybe the start of "<tool_call>"
+                keep = partial_suffix(self.buffer, self.OPEN)  # maybe the start of "<tool_call>"
                 if len(self.buffer) > keep:
                     out.append({"content": self.buffer[:len(self.buffer) - keep]})
                     self.buffer = self.buffer[len(self.buffer) - keep:]
@@ -292,7 +293,7 @@ class MistralToolParser(ToolParser):
             self.in_calls = True
             head, self.buffer = self.buffer[:start], self.buffer[start:]
             return [{"content": head}] if head else []
-        keep = _partial_suffix(self.buffer, self.MARK)
+        keep = partial_suffix(self.buffer, self.MARK)
         text, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
         return [{"content": text}] if text else []
 

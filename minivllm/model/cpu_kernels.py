@@ -304,22 +304,21 @@ def rope_kv_write(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_d
                           torch.get_num_threads())
 
 
-def silu_mul(x: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of a fused [M, 2I] float32 projection (rows any stride) → [M, I]."""
-    lib = load_library()
+def _gated(kernel: str, x: torch.Tensor) -> torch.Tensor:
     m, two_i = x.shape
     out = torch.empty(m, two_i // 2, dtype=torch.float32)
-    lib.silu_mul_f32(x.data_ptr(), x.stride(0), out.data_ptr(), m, two_i // 2, torch.get_num_threads())
+    getattr(load_library(), kernel)(x.data_ptr(), x.stride(0), out.data_ptr(), m, two_i // 2, torch.get_num_threads())
     return out
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused [M, 2I] float32 projection (rows any stride) → [M, I]."""
+    return _gated("silu_mul_f32", x)
 
 
 def gelu_tanh_mul(x: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(gate) * up of a fused [M, 2I] float32 projection (rows any stride) → [M, I]."""
-    lib = load_library()
-    m, two_i = x.shape
-    out = torch.empty(m, two_i // 2, dtype=torch.float32)
-    lib.gelu_tanh_mul_f32(x.data_ptr(), x.stride(0), out.data_ptr(), m, two_i // 2, torch.get_num_threads())
-    return out
+    return _gated("gelu_tanh_mul_f32", x)
 
 
 def stream_read(buf: torch.Tensor, threads: int) -> float:

@@ -165,7 +165,7 @@ class ModelRunner:
             self.model.decode_stack = self.decode_stack
         self.last_forward_time = 0.0  # seconds in the model (forward + logits) during the last execute
         self.lora: LoRAModelManager | None = None  # adapter slots, when the engine enables LoRA (init_lora)
-        self.host_tier: HostKVTier | None = None  # preemption by swap's host tier (init_swap)
+        self.host_tiers: list[HostKVTier | None] = []  # preemption by swap's host tier per KV group (init_swap)
         self._plan_handful_with_stack()
 
     def init_lora(self, max_loras: int, max_rank: int) -> LoRAModelManager:
@@ -229,42 +229,55 @@ class ModelRunner:
         """Bytes of one block in the host tier (this rank's shard of every pool tensor)."""
         return block_bytes(self.kv_pools)
 
-    def init_swap(self, num_blocks: int, swap_dir: str | None) -> float:
-        """Allocate the host tier of num_blocks blocks (under tensor parallelism every rank its own shard's);
-        returns this rank's measured seconds to swap one block (HostKVTier.probe)."""
+    def group_block_bytes(self, kv_group: int) -> int:
+        """Bytes of one block of a KV group's pool (its layers' K and V, this rank's shard)."""
+        return block_bytes(self.group_pools[kv_group])
+
+    @property
+    def host_tier(self) -> HostKVTier | None:
+        """The primary KV group's host tier (init_swap), None before."""
+        return self.host_tiers[0] if self.host_tiers else None
+
+    def init_swap(self, num_blocks: int, swap_dir: str | None, kv_group: int = 0) -> float:
+        """Allocate a KV group's host tier of num_blocks blocks (under tensor parallelism every rank its own
+        shard's); returns this rank's measured seconds to swap one block (HostKVTier.probe)."""
+        pools = self.group_pools[kv_group]
         if self.parallel.rank == 0:  # one check for every rank's tier, before any allocates
-            check_capacity(num_blocks * self.swap_block_bytes * self.parallel.size,
+            check_capacity(num_blocks * block_bytes(pools) * self.parallel.size,
                            uses_pinned_memory(self.device, swap_dir), swap_dir or tempfile.gettempdir())
         if self.group is not None:
-            self.group.command("init_swap", num_blocks, swap_dir)
-        self.host_tier = HostKVTier(self.kv_pools, num_blocks, swap_dir)
-        return self.host_tier.probe(self.kv_pools, min(8, num_blocks, self.kv_pools[0].shape[2]))
+            self.group.command("init_swap", num_blocks, swap_dir, kv_group)
+        self.host_tiers += [None] * (kv_group + 1 - len(self.host_tiers))
+        tier = self.host_tiers[kv_group] = HostKVTier(pools, num_blocks, swap_dir)
+        return tier.probe(pools, min(8, num_blocks, pools[0].shape[2]))
 
     @torch.inference_mode()
     def move_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
-                    copies: list[tuple[int, int]]) -> float:
-        """A step's block moves, each a list of (src, dst): swap-outs to the host tier, swap-ins from it, then
-        copy-on-write copies. Returns the seconds the swaps took (for preemption_mode=auto's estimates)."""
+                    copies: list[tuple[int, int]], kv_group: int = 0) -> float:
+        """A step's block moves in one KV group, each a list of (src, dst): swap-outs to the host tier, swap-ins
+        from it, then copy-on-write copies. Returns the seconds the swaps took (for preemption_mode=auto)."""
         if not (swap_out or swap_in or copies):
             return 0.0
         if self.group is not None:
-            self.group.command("_move", swap_out, swap_in, copies)
+            self.group.command("_move", swap_out, swap_in, copies, kv_group)
         t0 = time.perf_counter()
-        self._move(swap_out, swap_in, copies)
+        self._move(swap_out, swap_in, copies, kv_group)
         return time.perf_counter() - t0 if swap_out or swap_in else 0.0
 
     def _move(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
-              copies: list[tuple[int, int]]) -> None:
+              copies: list[tuple[int, int]], kv_group: int = 0) -> None:
         # In this order: the scheduler may hand blocks a swap-out released to a swap-in or a copy-on-write of
         # the same step, so they are read out before anything is written into them.
+        pools = self.group_pools[kv_group]
         if swap_out or swap_in:
-            assert self.host_tier is not None, "swaps without init_swap"
+            tier = self.host_tiers[kv_group] if kv_group < len(self.host_tiers) else None
+            assert tier is not None, "swaps without init_swap"
             if swap_out:
-                self.host_tier.swap_out(self.kv_pools, swap_out)
+                tier.swap_out(pools, swap_out)
             if swap_in:
-                self.host_tier.swap_in(self.kv_pools, swap_in)
+                tier.swap_in(pools, swap_in)
         if copies:
-            self._copy(copies)
+            self._copy(copies, kv_group)
 
     @torch.inference_mode()
     def execute(self, seqs: list[SequenceInput]) -> torch.Tensor:
