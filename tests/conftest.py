@@ -123,9 +123,10 @@ def make_scripted_model(base: str, out: str, chain: list[int]) -> str:
     return out
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def serve():
-    """serve(model_dir, *flags) → base URL of a real `minivllm serve` subprocess, one per argument set."""
+    """serve(model_dir, *flags) → base URL of a real `minivllm serve` subprocess, one per argument set; stopped
+    when the module ends (servers kept for the whole session had filled the machine's memory by its end)."""
     from server_utils import ServerProcess
 
     servers: dict[tuple, ServerProcess] = {}

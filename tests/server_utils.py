@@ -25,6 +25,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+TEST_KV_CACHE_MEMORY = "64MiB"  # tens of thousands of tokens for the tiny test models
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when pytest dies (killed, say), so no server outlives the session."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class ServerProcess:
     """`python -m minivllm serve [MODEL] ...` in a subprocess, with its log kept for failure messages
     (no MODEL: the embedded default model)."""
@@ -34,9 +46,13 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="minivllm-serve-", suffix=".log", delete=False)
+        if not {"--kv-cache-memory", "--num-kv-blocks"} & set(args):
+            # The default 2 GiB pool is touched at start; a dozen servers of tiny models would fill this machine.
+            args = (*args, "--kv-cache-memory", TEST_KV_CACHE_MEMORY)
         cmd = [sys.executable, "-m", "minivllm", "serve", *([model] if model else []), "--port", str(self.port), *args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     preexec_fn=_die_with_parent)
         deadline = time.time() + 120
         while time.time() < deadline:
             if self.proc.poll() is not None:

@@ -86,3 +86,24 @@ def test_every_layer_sliding_runs_past_the_pool(model_factory, preset):
                        use_tqdm=False)[0].outputs[0].token_ids
     assert out == hf_greedy(hf_model(path), ids, 100)
     assert llm.llm_engine.block_manager.num_evicted_blocks > 10
+
+
+@pytest.mark.parametrize("mode", ["swap", "auto"])
+def test_gemma_preempts_by_swap_in_every_group(model_factory, tmp_path, mode):
+    """A pool too small for the batch: sequences swap out (both groups' blocks) and back, and every output equals
+    an unpreempted run's; both host tiers are empty at the end."""
+    path = model_factory("tiny-gemma3")
+    params = SamplingParams(temperature=0.0, max_tokens=30, min_tokens=30)
+    base = LLM(path, num_kv_blocks=256, block_size=8)
+    ids = corpus_token_ids(base.llm_engine.tokenizer, 400)
+    prompts = [{"prompt_token_ids": ids[20 * i:20 * i + 10 + 5 * i]} for i in range(8)]
+    want = [o.outputs[0].token_ids for o in base.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(path, num_kv_blocks=12, block_size=8, max_num_batched_tokens=32, preemption_mode=mode,
+              swap_space="8MiB", swap_dir=str(tmp_path), check_invariants=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    engine = llm.llm_engine
+    stats = engine.scheduler.stats
+    assert stats.num_preemptions > 0 and (stats.num_swap_preemptions > 0 or mode == "auto")
+    swap = engine.swap
+    assert swap.num_used == 0 and all(m.num_used == 0 for m in swap.group_managers)
+    assert engine.block_manager.num_used == 0 and engine.block_manager.groups.num_used == 0

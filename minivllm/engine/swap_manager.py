@@ -219,7 +219,8 @@ def build_swap_manager(args: EngineArgs, runner: ModelRunner, block_manager: Blo
         block_bytes = runner.group_block_bytes(g)
         num_blocks = int(swap_bytes * pool_bytes[g] / sum(pool_bytes)) // block_bytes
         if num_blocks < 1:
-            raise ValueError(f"swap_space: {swap_bytes} bytes cannot hold one KV block of every group ("
+            where = f" of KV group {g} (one per attention window)" if groups > 1 else ""
+            raise ValueError(f"swap_space: {swap_bytes} bytes cannot hold one KV block{where} ("
                              f"{block_bytes} bytes: {block_manager.block_size} tokens of K and V); raise it")
         tiers.append((num_blocks, block_bytes, runner.init_swap(num_blocks, args.swap_dir, g)))
     (num_blocks, block_bytes, seconds_per_block), *rest = tiers
