@@ -192,3 +192,38 @@ def test_a_rank_that_dies_fails_the_next_step_with_a_clear_error_not_a_hang(mode
         assert _greedy(again, [[5, 6, 7, 8]], 4)["0"]
     finally:
         again.runner.group.shutdown()
+
+
+SCRIPT = """
+from minivllm import LLM, SamplingParams
+params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+prompt = {{"prompt_token_ids": [5, 9, 31, 200, 17]}}
+llm = LLM({path!r}, tensor_parallel_size={size}, num_kv_blocks=64, dtype="float32")
+print("TOKENS", llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+"""
+
+
+@pytest.mark.parametrize("how", ["stdin", "unguarded script"])
+def test_llm_with_tp2_from_stdin_or_an_unguarded_script(model_factory, tmp_path, how):
+    """`LLM(..., tensor_parallel_size=2)` at a script's top level, piped on stdin or run as a file with no
+    `if __name__ == "__main__":` guard: the ranks do not run the caller's code again (the script runs once), and the
+    tokens are TP=1's."""
+    import subprocess
+    import sys
+
+    path = model_factory("tiny-llama")
+
+    def run(size: int) -> list[str]:
+        code = SCRIPT.format(path=path, size=size)
+        if how == "stdin":
+            cmd, stdin = [sys.executable, "-"], code
+        else:
+            script = tmp_path / f"tp{size}.py"
+            script.write_text(code)
+            cmd, stdin = [sys.executable, str(script)], None
+        proc = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return [line for line in proc.stdout.splitlines() if line.startswith("TOKENS")]
+
+    one, two = run(1), run(2)
+    assert len(one) == 1 and two == one

@@ -40,6 +40,7 @@ from minivllm.engine.engine_inbox import Abort, Call, EngineInbox, Item, settle
 from minivllm.engine.input_processor import EngineRequest, Prompt
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.lora_registry import LoadedLoRA
+from minivllm.engine.protocol import EngineClient
 from minivllm.engine.request_lifecycle import TIMEOUT_REASON
 from minivllm.engine.stats import IterationStats, LoggingStatLogger, SchedulerSnapshot, StatLogger
 from minivllm.engine.step_trace import StepTracer
@@ -166,6 +167,25 @@ class AsyncLLMEngine:
         """Tokenize and validate (ValueError names the problem) without queueing; see InputProcessor.process."""
         return self.engine.process_request(request_id, prompt, params, priority, arrival_time, fit_context,
                                            default_max_tokens, ttft_slo_ms, timeout_s, lora)
+
+    # ---- LoRA adapters (run on the engine thread: slots belong to it) ----------------------------------
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether the engine serves adapters (--enable-lora)."""
+        return self.engine.loras.manager is not None
+
+    @property
+    def loras(self) -> dict[str, LoadedLoRA]:
+        """The adapters served, by name."""
+        return self.engine.loras.loaded
+
+    async def add_lora(self, name: str, path: str, adapter: Any = None) -> LoadedLoRA:
+        """Load an adapter under a name between two steps; ValueError naming the problem."""
+        return await self.call_engine(lambda eng: eng.add_lora(name, path, adapter))
+
+    async def remove_lora(self, name: str) -> None:
+        """Unload an adapter between two steps (KeyError if unknown, ValueError while requests use it)."""
+        await self.call_engine(lambda eng: eng.remove_lora(name))
 
     async def call_engine(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """fn(engine) on the engine thread between two steps (state such as LoRA slots belongs to that thread):
@@ -379,3 +399,5 @@ class AsyncLLMEngine:
         self._post([], [(rid, err) for rid in failed])
         self._post_failed()
 
+
+_: type[EngineClient] = AsyncLLMEngine  # the type checker proves the protocol complete

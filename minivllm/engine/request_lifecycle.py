@@ -19,6 +19,7 @@ from minivllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from minivllm.engine.lora_registry import LoRARegistry
+    from minivllm.model.lora import LoRAAdapter
     from minivllm.engine.output_processor import OutputProcessor
     from minivllm.engine.scheduler import Scheduler
     from minivllm.engine.spec_decode import Speculator
@@ -135,9 +136,10 @@ class RequestLifecycle:
         """Requests running or waiting with the named adapter."""
         return sum(1 for g in self.groups.values() if g.lora is not None and g.lora.name == name)
 
-    def add_lora(self, name: str, path: str) -> LoadedLoRA:
-        """Load a PEFT adapter under a name (vLLM's /v1/load_lora_adapter); ValueError naming the problem."""
-        return self.loras.add(name, path)
+    def add_lora(self, name: str, path: str, adapter: LoRAAdapter | None = None) -> LoadedLoRA:
+        """Load a PEFT adapter under a name (vLLM's /v1/load_lora_adapter): from `path`, or the adapter already
+        read from it; ValueError naming the problem."""
+        return self.loras.add(name, path, adapter)
 
     def remove_lora(self, name: str) -> None:
         """Unload an adapter (KeyError if unknown; ValueError while requests use it)."""

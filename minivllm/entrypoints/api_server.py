@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from minivllm.config import EngineArgs, parse_size
 from minivllm.engine.async_engine import AsyncLLMEngine
+from minivllm.engine.protocol import EngineClient
 from minivllm.entrypoints import dashboard, lora_routes, openai_routes, seed_routes
 from minivllm.entrypoints.api_schema import HealthResponse
 from minivllm.entrypoints.metrics import HTTP_ENDPOINTS, ServerMetrics
@@ -163,7 +164,7 @@ async def _lag_probe(metrics: ServerMetrics) -> None:
         metrics.observe_loop_lag(max(0.0, loop.time() - t - _LAG_PROBE_S))
 
 
-def build_app(engine: AsyncLLMEngine, args: ServerArgs, metrics: ServerMetrics | None = None) -> FastAPI:
+def build_app(engine: EngineClient, args: ServerArgs, metrics: ServerMetrics | None = None) -> FastAPI:
     """The FastAPI app around a (not yet started) AsyncLLMEngine, or a RayEngineClient with the metrics its
     launcher made; the metrics join the engine's loggers."""
     if metrics is None:
@@ -215,7 +216,7 @@ def build_app(engine: AsyncLLMEngine, args: ServerArgs, metrics: ServerMetrics |
     app.include_router(lora_routes.router)
     app.add_middleware(GuardMiddleware, api_key=args.api_key,
                        max_body_bytes=parse_size(args.max_body_size, "max_body_size"),
-                       stall_timeout_s=getattr(engine, "client_stall_timeout_s", 30.0))
+                       stall_timeout_s=engine.client_stall_timeout_s)
     if args.allowed_origins:  # CORS is off unless asked for: browsers then refuse other origins' scripts
         app.add_middleware(CORSMiddleware, allow_origins=args.origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])

@@ -32,7 +32,7 @@ async def dashboard_file(name: str) -> Response:
 async def events(ws: WebSocket) -> None:
     """A hello with the engine's shape, then lists of step records as steps run."""
     state = ws.app.state.server
-    tracer = getattr(state.engine, "tracer", None)
+    tracer = state.engine.tracer
     await ws.accept()
     if tracer is None:  # a front of Ray replicas: each replica has its own engine and no feed here
         await ws.send_json({"type": "error", "message": "the live view follows one engine; it is not available "

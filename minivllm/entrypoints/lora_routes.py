@@ -38,7 +38,7 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
 
 def _allowed(st: ServerState) -> None:
-    if st.engine_loras is None:
+    if not st.engine.lora_enabled:
         raise APIError(400, "LoRA adapters are off: start the server with --enable-lora", "lora_name")
     if not st.args.allow_runtime_lora_updating:
         raise APIError(400, "runtime LoRA updating is off: start the server with --allow-runtime-lora-updating "
@@ -54,7 +54,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> P
         raise APIError(400, f"lora_name: {body.lora_name!r} is the base model's name", "lora_name")
     try:
         adapter = await asyncio.to_thread(read_adapter, body.lora_path)  # disk I/O off the loop and the engine
-        await st.engine.call_engine(lambda eng: eng.loras.add(body.lora_name, body.lora_path, adapter))
+        await st.engine.add_lora(body.lora_name, body.lora_path, adapter)
     except ValueError as e:
         raise bad_request(e) from None
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
@@ -66,7 +66,7 @@ async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) 
     st: ServerState = request.app.state.server
     _allowed(st)
     try:
-        await st.engine.call_engine(lambda eng: eng.remove_lora(body.lora_name))
+        await st.engine.remove_lora(body.lora_name)
     except KeyError:
         raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", "lora_name") from None
     except ValueError as e:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +29,8 @@ from minivllm.engine.async_stream import (
 )
 from minivllm.engine.input_processor import EngineRequest, InputProcessor, Prompt, RequestLimits
 from minivllm.engine.lora_registry import LoadedLoRA
-from minivllm.engine.stats import SchedulerSnapshot
+from minivllm.engine.protocol import EngineClient
+from minivllm.engine.stats import SchedulerSnapshot, StatLogger
 from minivllm.engine.structured_output import StructuredOutputManager
 from minivllm.entrypoints.ray_router import set_unhealthy
 from minivllm.entrypoints.router_metrics import ReplicaCollector, RouterMetrics
@@ -68,6 +70,7 @@ class RayEngineClient:
         self.max_waiting: int = info["max_waiting"]
         self.num_speculative_tokens: int = info["num_speculative_tokens"]
         self.reasoning_parser: str | None = info.get("reasoning_parser")
+        self.client_stall_timeout_s: float = info["client_stall_timeout_s"]
         self.tokenizer = tokenizer
         bs = info["block_size"]
         self.input_processor = InputProcessor(tokenizer, info["vocab_size"], self.max_model_len, info["kv_cache_mode"],
@@ -77,9 +80,9 @@ class RayEngineClient:
                                               structured=StructuredOutputManager(tokenizer, info["vocab_size"],
                                                                                  frozenset(info["eos_token_ids"])),
                                               reasoning_parser=self.reasoning_parser)
-        self.stat_loggers: list[Any] = []  # build_app adds the server's metrics; the replicas feed their own
+        self.stat_loggers: list[StatLogger] = []  # build_app adds the server's metrics; the replicas feed their own
         # The front never exits for a replica: Serve restarts a dead one, and routing goes around it meanwhile.
-        self.death_callbacks: list[Any] = []
+        self.death_callbacks: list[Callable[[], None]] = []
         self.dead_error: BaseException | None = None
         self.reports: dict[str, dict[str, Any]] = {}
         self._snapshot = SchedulerSnapshot(0, 0, 0.0)
@@ -97,6 +100,27 @@ class RayEngineClient:
     def snapshot(self) -> SchedulerSnapshot:
         """The replicas' gauges summed (KV usage: their mean)."""
         return self._snapshot
+
+    @property
+    def tracer(self) -> None:
+        """No live view: each replica has its own engine (open a replica's own server to follow it)."""
+        return None
+
+    # The front routes by load, not by adapter: --enable-lora with --replicas is refused at start-up.
+    lora_enabled = False
+
+    @property
+    def loras(self) -> dict[str, LoadedLoRA]:
+        """None served."""
+        return {}
+
+    async def add_lora(self, name: str, path: str, adapter: Any = None) -> LoadedLoRA:
+        """Refused: replicas serve no adapters."""
+        raise ValueError("LoRA adapters are not served through --replicas")
+
+    async def remove_lora(self, name: str) -> None:
+        """Refused: replicas serve no adapters."""
+        raise ValueError("LoRA adapters are not served through --replicas")
 
     def process_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int | str = 0,
                         arrival_time: float | None = None, fit_context: bool = False,
@@ -151,13 +175,13 @@ class RayEngineClient:
             await asyncio.sleep(REFRESH_S)
 
     # ---- calls --------------------------------------------------------------------------------------
-    async def submit(self, requests: list[EngineRequest]) -> list[AsyncStream]:
+    async def submit(self, requests: Sequence[EngineRequest]) -> list[AsyncStream]:
         """Route the requests (one call) to a replica and wait until it accepts them; one stream each.
         QueueFullError (429), ValueError (400) or EngineDeadError (503) when no replica takes them."""
         if not self.is_running:
             raise EngineDeadError(str(self.dead_error or "no healthy replica"))
         streams = [AsyncStream(r.request_id, r.prompt_token_ids) for r in requests]
-        call = _Call(requests, streams, [False] * len(streams))
+        call = _Call(list(requests), streams, [False] * len(streams))
         try:
             await self._open(call)
         except BaseException:
@@ -270,3 +294,6 @@ class RayEngineClient:
             call.task.cancel()
         for s in call.streams:
             self._calls.pop(id(s), None)
+
+
+_: type[EngineClient] = RayEngineClient  # the type checker proves the protocol complete

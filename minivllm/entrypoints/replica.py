@@ -102,7 +102,8 @@ class EngineReplica:
                 "block_size": cc.block_size, "num_blocks": cc.num_blocks, "pool": eng.input_processor.pool,
                 "ttft_slo_ms": eng.args.ttft_slo_ms, "limits": dataclasses.astuple(eng.input_processor.limits),
                 "eos_token_ids": sorted(eng.eos_token_ids), "replica": self.replica_id, "pid": self.pid,
-                "reasoning_parser": eng.args.reasoning_parser}
+                "reasoning_parser": eng.args.reasoning_parser,
+                "client_stall_timeout_s": self.engine.client_stall_timeout_s}
 
     def _report(self) -> dict[str, Any]:
         snap = self.engine.snapshot

@@ -18,7 +18,6 @@ from starlette.responses import JSONResponse
 
 from minivllm.config import parse_size
 from minivllm.engine.async_engine import (
-    AsyncLLMEngine,
     AsyncStream,
     EngineDeadError,
     QueueFullError,
@@ -26,7 +25,8 @@ from minivllm.engine.async_engine import (
     RequestTimeoutError,
 )
 from minivllm.engine.input_processor import EngineRequest, Prompt
-from minivllm.engine.lora_registry import LoadedLoRA, LoRARegistry
+from minivllm.engine.lora_registry import LoadedLoRA
+from minivllm.engine.protocol import EngineClient
 from minivllm.entrypoints.metrics import ServerMetrics
 from minivllm.entrypoints.streaming import EngineStreamingResponse, sse
 from minivllm.entrypoints.tool_calls import TOOL_CALL_PARSERS
@@ -174,7 +174,7 @@ def served_model_name(model_path: str, args: ServerArgs) -> str:
 class ServerState:
     """The engine, metrics and limits the routes use (one per app, on app.state.server)."""
 
-    def __init__(self, engine: AsyncLLMEngine, metrics: ServerMetrics, args: ServerArgs) -> None:
+    def __init__(self, engine: EngineClient, metrics: ServerMetrics, args: ServerArgs) -> None:
         self.engine = engine
         self.metrics = metrics
         self.args = args
@@ -183,23 +183,16 @@ class ServerState:
         self.max_model_len = engine.max_model_len
         self.max_num_seqs = engine.max_num_seqs
         self.tokenizer = engine.tokenizer
-        self.reasoning_parser: str | None = getattr(engine, "reasoning_parser", None)
+        self.reasoning_parser = engine.reasoning_parser
         self.created = int(time.time())
         # A write the client does not take within this long (its buffers are full: it stopped reading) ends the
         # response; the engine side drops such a request's stream alike (AsyncLLMEngine.MAX_UNREAD).
-        self.stall_timeout_s: float = getattr(engine, "client_stall_timeout_s", 30.0)
-
-    @property
-    def engine_loras(self) -> LoRARegistry | None:
-        """The engine's LoRA registry, None unless --enable-lora (or over Ray replicas, which do not serve LoRA)."""
-        registry = getattr(getattr(self.engine, "engine", None), "loras", None)
-        return registry if registry is not None and registry.manager is not None else None
+        self.stall_timeout_s = engine.client_stall_timeout_s
 
     @property
     def loras(self) -> dict[str, LoadedLoRA]:
         """The LoRA adapters served, by name."""
-        registry = self.engine_loras
-        return registry.loaded if registry is not None else {}
+        return self.engine.loras
 
     def check_model(self, model: str | None) -> LoadedLoRA | None:
         """The adapter a request's model names (None: the base model); 404 for a name this server does not

@@ -3,18 +3,22 @@
 Rank 0 (the engine's process) schedules, prepares each step's inputs and broadcasts them; every rank runs
 the same forward on its shard (the collectives inside it join the shards), and rank 0 alone samples. The
 process group uses gloo on CPU and NCCL on CUDA over a TCP rendezvous on 127.0.0.1. One tensor-parallel
-engine per process at a time: starting another shuts the previous group down. As with vLLM, a script that
-builds one must do so under `if __name__ == "__main__":` (spawned ranks import the main module).
+engine per process at a time: starting another shuts the previous group down. Ranks are spawned without the
+caller's main module (_without_main): a rank needs only minivllm, so a script piped on stdin, a notebook, or a
+script with no `if __name__ == "__main__":` guard builds a tensor-parallel engine as it builds any other.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import logging
 import os
 import socket
+import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -80,6 +84,21 @@ def worker_main(rank: int, size: int, port: int, threads: int, runner_kwargs: di
     dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def _without_main() -> Iterator[None]:
+    """While ranks start: the main module hidden from multiprocessing's spawn, which would otherwise run it again
+    in every rank (a script's top level builds the engine again: ranks spawning ranks) or, for a script piped on
+    stdin, fail to find '<stdin>'. The ranks' target and arguments come from minivllm alone."""
+    main = sys.modules["__main__"]
+    saved = {k: main.__dict__.pop(k) for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__spec__ = None  # type: ignore[assignment]  # spawn reads it unconditionally
+    try:
+        yield
+    finally:
+        del main.__spec__
+        main.__dict__.update(saved)
+
+
 class TensorParallelGroup:
     """Rank 0's handle: the spawned ranks and the command broadcast."""
 
@@ -101,8 +120,9 @@ class TensorParallelGroup:
         self.procs = [ctx.Process(target=worker_main, args=(r, size, port, threads, runner_kwargs, shm_path),
                                   daemon=True,
                                   name=f"minivllm-tp{r}") for r in range(1, size)]
-        for p in self.procs:
-            p.start()
+        with _without_main():
+            for p in self.procs:
+                p.start()
         self._wait_joined(store, size)
         _init(store, 0, size, device)
         self.comm = _connect(0, size, shm_path, self.dead_rank)
@@ -120,8 +140,7 @@ class TensorParallelGroup:
                 if p.exitcode is not None:
                     raise RuntimeError(
                         f"tensor parallelism: rank {r} exited with code {p.exitcode} while starting (its output is "
-                        "above). Ranks are spawned processes that import the main module: a script that builds a "
-                        "tensor-parallel engine must do so under `if __name__ == \"__main__\":`")
+                        "above)")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"tensor parallelism: ranks did not join within {JOIN_TIMEOUT}")
             time.sleep(0.05)
