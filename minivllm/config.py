@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
-from minivllm.engine.reasoning import REASONING_PARSER_NAMES
 from minivllm.model_config import ModelConfig
 from minivllm.quant_config import QUANTIZATION_KERNELS, QuantConfig
 from minivllm.sampling_params import MAX_LOGPROBS
 from minivllm.slo import TtftSlo
-from minivllm.spec_config import parse_speculative_config
+from minivllm.spec_decode.config import parse_speculative_config
+from minivllm.structured_output.reasoning import REASONING_PARSER_NAMES
 
 __all__ = ["ModelConfig"]  # re-exported: config is where EngineArgs' users find it
 

@@ -41,7 +41,7 @@ def _float(name: str, value: object, low: float, high: float, low_open: bool = F
 class GuidedDecodingParams:
     """Constrain a request's output (vLLM's guided decoding): exactly one of a JSON schema, any JSON object, a
     regex, a list of choices or a grammar (Lark, or llama.cpp's GBNF). Compiled and checked when the request
-    is added (engine/structured_output.py): an invalid one is a ValueError naming the field."""
+    is added (structured_output/manager.py): an invalid one is a ValueError naming the field."""
 
     json: str | dict[str, Any] | None = None  # a JSON schema (a dict, or its JSON text)
     regex: str | None = None

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,13 +16,7 @@ from contextlib import contextmanager
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-
-def free_port() -> int:
-    """A TCP port nobody listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from minivllm.utils import free_port  # noqa: F401  (the tests import it from here)
 
 TEST_KV_CACHE_MEMORY = "64MiB"  # tens of thousands of tokens for the tiny test models
 

@@ -30,22 +30,38 @@ def _imports(path: pathlib.Path) -> set[str]:
     return {m for m in found if m == "minivllm" or m.startswith("minivllm.")}
 
 
-# A file under the key may not import modules under any of the values.
+_ABOVE_ENGINE = ("minivllm.entrypoints", "minivllm.distributed.ray", "minivllm.bench", "minivllm.cli", "minivllm.llm")
+_ENGINE = ("minivllm.engine", "minivllm.spec_decode", "minivllm.structured_output")
+
+# A file under the key (its most specific one) may not import modules under any of the values. The engine's
+# features (speculation, structured outputs) sit at the engine's level; tensor-parallel groups and their collectives
+# (distributed/) at the model's; Ray replicas and their front (distributed/ray/) at the entry points'.
 FORBIDDEN = {
-    "model/": ("minivllm.engine", "minivllm.entrypoints", "minivllm.bench", "minivllm.cli", "minivllm.llm"),
-    "engine/": ("minivllm.entrypoints", "minivllm.bench", "minivllm.cli", "minivllm.llm"),
+    "utils.py": ("minivllm.",),
+    "model/": _ENGINE + _ABOVE_ENGINE,
+    "distributed/": _ENGINE + _ABOVE_ENGINE,
+    "engine/": _ABOVE_ENGINE,
+    "spec_decode/": _ABOVE_ENGINE,
+    "structured_output/": _ABOVE_ENGINE,
+    "distributed/ray/": ("minivllm.bench", "minivllm.cli"),
     "entrypoints/": ("minivllm.bench", "minivllm.cli"),
     "bench/": ("minivllm.cli",),
 }
+
+
+def _rules(rel: str) -> tuple[str, ...]:
+    """The forbidden imports of the most specific key the file is under (none for the package's top level)."""
+    keys = [k for k in FORBIDDEN if rel.startswith(k)]
+    return FORBIDDEN[max(keys, key=len)] if keys else ()
 
 
 def test_imports_flow_downwards_only():
     bad = []
     for rel, path in _modules().items():
         imports = _imports(path)
-        for prefix, forbidden in FORBIDDEN.items():
-            if rel.startswith(prefix):
-                bad += [f"{rel} imports {m}" for m in imports if m.startswith(forbidden)]
+        forbidden = _rules(rel)
+        if forbidden:
+            bad += [f"{rel} imports {m}" for m in imports if m.startswith(forbidden)]
         if not rel.startswith("bench/") and rel != "cli.py":
             bad += [f"{rel} imports {m}" for m in imports if m.startswith("minivllm.bench")]
     assert not bad, bad
@@ -57,6 +73,18 @@ def test_the_checks_see_real_imports():
     assert "minivllm.model.runner" in _imports(mods["engine/llm_engine.py"])
     assert "minivllm.bench.verbs" in _imports(mods["cli.py"])  # the one way in, inside build_parser
     assert len(mods) > 50
+    assert _rules("distributed/ray/client.py") == FORBIDDEN["distributed/ray/"]
+    assert _rules("distributed/tp_group.py") == FORBIDDEN["distributed/"]
+
+
+def test_the_features_and_distributed_pieces_have_their_packages():
+    """Speculative decoding, structured outputs and the distributed pieces each live in one package (issue 32)."""
+    mods = _modules()
+    for rel in ("spec_decode/speculator.py", "spec_decode/draft_proposer.py", "spec_decode/ngram_proposer.py",
+                "spec_decode/rejection_sampler.py", "structured_output/manager.py", "distributed/tp_group.py",
+                "distributed/shm_comm.py", "distributed/ray/client.py", "distributed/ray/replica.py", "utils.py"):
+        assert rel in mods, rel
+    assert not [rel for rel in mods if rel.startswith(("engine/spec", "model/tp_", "entrypoints/ray_"))]
 
 
 def test_no_module_past_the_size_of_one_job():

@@ -9,11 +9,11 @@ import torch
 
 from minivllm.config import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.engine.ngram_proposer import NgramProposer, ngram_propose
 from minivllm.engine.sequence import Sequence
-from minivllm.engine.spec_cost import ProposerCostModel, StepCostTable
-from minivllm.engine.spec_decode import Speculator
 from minivllm.sampling_params import SamplingParams
+from minivllm.spec_decode.cost import ProposerCostModel, StepCostTable
+from minivllm.spec_decode.ngram_proposer import NgramProposer, ngram_propose
+from minivllm.spec_decode.speculator import Speculator
 from tests.conftest import corpus_token_ids, noisy_copy
 
 

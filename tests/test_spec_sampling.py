@@ -146,8 +146,8 @@ def test_verification_rows_count_the_proposals_before_them_as_outputs():
     """Row i of a verification is scored as sampling would score that position once proposals 0..i-1 are
     outputs: the same penalties as the input batch applies to a sequence holding those tokens."""
     from minivllm.engine.sequence import Sequence
-    from minivllm.engine.spec_decode import Speculator
     from minivllm.model.input_batch import InputBatch, SlotParams
+    from minivllm.spec_decode.speculator import Speculator
 
     vocab, prompt, output, proposed = 64, [3, 5, 9], [5, 7, 7], [7, 21, 21]
     seq = Sequence("r", prompt, SamplingParams(temperature=1.0, **PENALTIES), 0)

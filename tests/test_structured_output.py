@@ -1,4 +1,4 @@
-"""Guided decoding in the engine (engine/structured_output.py on llguidance): sampled outputs follow their JSON
+"""Guided decoding in the engine (structured_output/manager.py on llguidance): sampled outputs follow their JSON
 schema, regex, choices or grammar every time; with n > 1, prefix caching, preemption and speculative decoding;
 other rows of the batch are untouched; bad constraints are ValueErrors naming the field."""
 

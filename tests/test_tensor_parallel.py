@@ -125,7 +125,7 @@ def test_tp2_quantizes_each_shard_about_as_well_as_one_process(model_factory, me
 def _comm_rank(rank: int, port: int, path: str, out) -> None:
     import torch.distributed as dist
 
-    from minivllm.model.shm_comm import SLOT_BYTES, ShmComm
+    from minivllm.distributed.shm_comm import SLOT_BYTES, ShmComm
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     comm = ShmComm(path, rank, 2)
@@ -148,8 +148,8 @@ def test_shared_memory_collectives_agree_with_plain_sums_on_every_rank(tmp_path)
     all-gather in rank order, broadcasts in order; payloads over a slot fall back to gloo on every rank."""
     import torch.multiprocessing as mp
 
-    from minivllm.model.shm_comm import ShmComm
-    from minivllm.model.tp_worker import free_port
+    from minivllm.distributed.shm_comm import ShmComm
+    from minivllm.distributed.tp_group import free_port
 
     path = f"/dev/shm/minivllm-test-{free_port()}"
     ShmComm.create(path, 2)

@@ -15,7 +15,7 @@ from typing import IO, Any
 
 from minivllm.bench.loadgen import make_client, make_workload, run_load
 from minivllm.bench.results import save
-from minivllm.model.tp_worker import free_port
+from minivllm.utils import free_port
 
 
 def add_liveview_args(p: argparse.ArgumentParser) -> None:

@@ -19,8 +19,8 @@ import torch
 
 from minivllm.bench.results import save
 from minivllm.config import EngineArgs, cpu_count
+from minivllm.distributed.shm_comm import shm_supported
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.model.shm_comm import shm_supported
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -63,7 +63,7 @@ def _probe_rank(rank: int, size: int, port: int, hidden: int, reps: int, out: An
     gloo or (shm_path) the shared-memory communicator."""
     import torch.distributed as dist
 
-    from minivllm.model.shm_comm import GlooComm, ShmComm
+    from minivllm.distributed.shm_comm import GlooComm, ShmComm
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
@@ -86,8 +86,8 @@ def all_reduce_us(size: int, hidden: int, shm: bool, reps: int = 200) -> float:
 
     import torch.multiprocessing as mp
 
-    from minivllm.model.shm_comm import ShmComm
-    from minivllm.model.tp_worker import free_port
+    from minivllm.distributed.shm_comm import ShmComm
+    from minivllm.utils import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

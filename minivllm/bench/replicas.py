@@ -25,7 +25,7 @@ import tempfile
 from typing import Any
 
 from minivllm.bench.results import save
-from minivllm.model.tp_worker import free_port
+from minivllm.utils import free_port
 
 VARIANTS = {"server": "--num-threads 2",
             "1 replica x 1 thread": "--replicas 1 --num-threads 1",

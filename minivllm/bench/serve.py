@@ -28,7 +28,7 @@ from minivllm.bench.loadgen import ENDPOINT_NAMES, ENDPOINTS, RequestSpec, make_
 from minivllm.bench.results import save
 from minivllm.bench.serve_report import plot, report
 from minivllm.config import cpu_count
-from minivllm.model.tp_worker import free_port
+from minivllm.utils import free_port
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:

@@ -31,7 +31,7 @@ import psutil
 
 from minivllm.bench.loadgen import percentile, text_prompts
 from minivllm.bench.results import save
-from minivllm.model.tp_worker import free_port
+from minivllm.utils import free_port
 
 KINDS = ("generate", "generate-stream", "batch", "completions", "completions-stream", "chat", "chat-stream",
          "ws", "grpc", "grpc-stream")

@@ -40,7 +40,6 @@ from minivllm.engine.engine_inbox import Abort, Call, EngineInbox, Item, settle
 from minivllm.engine.input_processor import EngineRequest, Prompt
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.lora_registry import LoadedLoRA
-from minivllm.engine.protocol import EngineClient
 from minivllm.engine.request_lifecycle import TIMEOUT_REASON
 from minivllm.engine.stats import IterationStats, LoggingStatLogger, SchedulerSnapshot, StatLogger
 from minivllm.engine.step_trace import StepTracer
@@ -48,8 +47,6 @@ from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
 
 
 class AsyncLLMEngine:
@@ -399,5 +396,3 @@ class AsyncLLMEngine:
         self._post([], [(rid, err) for rid in failed])
         self._post_failed()
 
-
-_: type[EngineClient] = AsyncLLMEngine  # the type checker proves the protocol complete

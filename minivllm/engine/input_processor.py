@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from minivllm.engine.lora_registry import LoadedLoRA
-from minivllm.engine.reasoning import prompt_closes_thinking
-from minivllm.engine.structured_output import StructuredOutputManager
 from minivllm.sampling_params import SamplingParams
 from minivllm.slo import TtftSlo, resolve_priority
+from minivllm.structured_output.manager import StructuredOutputManager
+from minivllm.structured_output.reasoning import prompt_closes_thinking
 
 Prompt = str | list[int] | dict[str, Any]
 
@@ -76,7 +76,7 @@ class EngineRequest:
     priority: int = 0
     ttft_deadline: float = math.inf  # arrival_time + its TTFT SLO (slo.py); inf: none
     start_deadline: float = math.inf  # arrival_time + its timeout: not started by then, it is dropped unprefilled
-    grammar: str | None = None  # guided decoding: the compiled constraint (structured_output.py)
+    grammar: str | None = None  # guided decoding: the compiled constraint (structured_output/manager.py)
     lora: LoadedLoRA | None = None  # the adapter it runs with (None: the base model)
     grammar_after_reasoning: bool = False  # the grammar applies from the end of the thinking on (reasoning.py)
 

@@ -11,10 +11,10 @@ if TYPE_CHECKING:
     from minivllm.engine.block_manager import BlockManager
     from minivllm.engine.scheduler import Scheduler, SchedulerOutput
     from minivllm.engine.sequence import SequenceGroup
-    from minivllm.engine.spec_decode import Speculator
     from minivllm.engine.stats import StatsRecorder
     from minivllm.engine.swap_manager import SwapManager
     from minivllm.model.input_batch import InputBatch
+    from minivllm.spec_decode.speculator import Speculator
 
 
 class EngineIntrospection:

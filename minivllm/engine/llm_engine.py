@@ -29,11 +29,8 @@ from minivllm.engine.output_processor import OutputProcessor
 from minivllm.engine.request_lifecycle import TIMEOUT_REASON, RequestLifecycle
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from minivllm.engine.spec_decode import verify_rows
-from minivllm.engine.spec_factory import build_speculator
 from minivllm.engine.stats import StatsRecorder, StepTimings
 from minivllm.engine.step_guard import StepGuard
-from minivllm.engine.structured_output import StepMasks, StructuredOutputManager
 from minivllm.engine.swap_manager import build_swap_manager
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.model.input_batch import InputBatch, SlotParams
@@ -41,6 +38,9 @@ from minivllm.model.runner import ModelRunner, SequenceInput
 from minivllm.model.sampler import Sampler, TokenLogprobs, apply_token_bitmask
 from minivllm.outputs import RequestOutput
 from minivllm.quant_config import QuantConfig
+from minivllm.spec_decode.factory import build_speculator
+from minivllm.spec_decode.speculator import verify_rows
+from minivllm.structured_output.manager import StepMasks, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         if self.args.check_invariants:
             for seq, n in sched.scheduled:
                 self.block_manager.check_writable(seq, n)
-        # Guided rows' token masks: filled during the forward where a core is free, else now (structured_output.py).
+        # Guided rows' token masks: filled during the forward where a core is free, else now (structured_output/manager.py).
         self._masks = self.structured.start_step(sched.scheduled)
         guarded = self.guard.forward(sched.scheduled, self._runner_inputs(sched.scheduled))
         sched.scheduled, inputs, logits = guarded.scheduled, guarded.inputs, guarded.logits

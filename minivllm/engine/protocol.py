@@ -1,9 +1,8 @@
 """EngineClient: everything a front end (HTTP routes, gRPC, the live view) may use of an engine.
 
 Two implementations: AsyncLLMEngine (the engine on a thread of this process) and RayEngineClient (Ray Serve
-replicas behind one front). The front ends are typed against this protocol alone, so neither reaches into an
-engine, and the type checker proves both implementations complete (see the assignments at the end of
-async_engine.py and ray_client.py).
+replicas behind one front). The front ends are typed against this protocol alone, so none reaches into an
+engine; the type checker proves both implementations complete where each is handed to `build_app`.
 """
 
 from __future__ import annotations

@@ -19,13 +19,13 @@ from minivllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from minivllm.engine.lora_registry import LoRARegistry
-    from minivllm.model.lora import LoRAAdapter
     from minivllm.engine.output_processor import OutputProcessor
     from minivllm.engine.scheduler import Scheduler
-    from minivllm.engine.spec_decode import Speculator
     from minivllm.engine.stats import StatsRecorder
-    from minivllm.engine.structured_output import StructuredOutputManager
     from minivllm.model.input_batch import InputBatch
+    from minivllm.model.lora import LoRAAdapter
+    from minivllm.spec_decode.speculator import Speculator
+    from minivllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 TIMEOUT_REASON = "request timed out"  # how the reason of a request dropped for its timeout begins

@@ -79,8 +79,8 @@ class Sequence:
         self.spec_accepted = self.spec_expected = 0.0
         # Its request's (samples and beams inherit it through the group); a copy, so sort keys read one slot.
         self.ttft_deadline = group.ttft_deadline if group is not None else math.inf
-        self.matcher: Any = None  # guided decoding: its grammar's state (engine/structured_output.py)
-        self.pending_grammar: str | None = None  # its grammar, until its thinking ends (engine/reasoning.py)
+        self.matcher: Any = None  # guided decoding: its grammar's state (structured_output/manager.py)
+        self.pending_grammar: str | None = None  # its grammar, until its thinking ends (structured_output/reasoning.py)
         self.kv_views: tuple[Any, ...] = ()  # its block tables in the window KV groups (engine/kv_groups.py)
         # Seeds its prefix-cache hash chain: KV computed under a LoRA adapter is only shared with the same adapter.
         self.cache_salt = group.lora.cache_salt if group is not None and group.lora is not None else b""
@@ -157,7 +157,7 @@ class SequenceGroup:
     start_deadline: float = math.inf  # its timeout: not started by then, it is dropped before any prefill
     faults: frozenset[str] = frozenset()  # test-only injected faults (fault_injection.py)
     grammar: str | None = None  # guided decoding: the compiled constraint each of its sequences follows
-    grammar_after_reasoning: bool = False  # ... from the end of the thinking on (engine/reasoning.py)
+    grammar_after_reasoning: bool = False  # ... from the end of the thinking on (structured_output/reasoning.py)
     lora: LoadedLoRA | None = None  # the LoRA adapter it runs with
 
     @property

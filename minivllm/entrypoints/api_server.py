@@ -228,7 +228,7 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
     import uvicorn
 
     if server_args.replicas is not None:
-        from minivllm.entrypoints.ray_launch import run_replicated_server
+        from minivllm.distributed.ray.launch import run_replicated_server
 
         return run_replicated_server(engine_args, server_args)
 

@@ -88,7 +88,7 @@ class SamplingFields(BaseModel):
     ttft_slo_ms: StrictFloat | None = None
     # Seconds the request may wait to start; past it, it is dropped before any prefill (503 with Retry-After).
     timeout: StrictFloat | None = None
-    # Guided decoding, vLLM's fields (engine/structured_output.py): one constraint per request.
+    # Guided decoding, vLLM's fields (structured_output/manager.py): one constraint per request.
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None

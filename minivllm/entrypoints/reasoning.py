@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from minivllm.engine.reasoning import THINK_END, THINK_START, prompt_opens_thinking
 from minivllm.entrypoints.tool_parsers import partial_suffix
+from minivllm.structured_output.reasoning import THINK_END, THINK_START, prompt_opens_thinking
 
 Delta = dict[str, Any]
 

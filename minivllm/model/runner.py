@@ -13,6 +13,8 @@ import psutil
 import torch
 
 from minivllm.config import ModelConfig
+from minivllm.distributed.parallel import ParallelConfig, check_tensor_parallel, intermediate_size
+from minivllm.distributed.tp_group import TensorParallelGroup
 from minivllm.model.attention import (
     Attention,
     AttentionMetadata,
@@ -29,9 +31,7 @@ from minivllm.model.layers import Linear, onednn_linear_available
 from minivllm.model.loader import load_model
 from minivllm.model.lora import LoRAModelManager, build_mapping
 from minivllm.model.models import get_model_class
-from minivllm.model.parallel import ParallelConfig, check_tensor_parallel, intermediate_size
 from minivllm.model.quantization import QuantizedLinear, check_device
-from minivllm.model.tp_worker import TensorParallelGroup
 from minivllm.quant_config import QuantConfig
 
 logger = logging.getLogger(__name__)

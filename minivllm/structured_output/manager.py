@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from minivllm.engine.reasoning import reasoning_ended
 from minivllm.sampling_params import GuidedDecodingParams
+from minivllm.structured_output.reasoning import reasoning_ended
 
 if TYPE_CHECKING:
     from minivllm.engine.sequence import Sequence

@@ -1,12 +1,12 @@
 """Speculative decoding inside continuous batching: proposals before a step, verification after it.
 
 Before a step, eligible decoding sequences get up to k proposed tokens (`seq.spec_token_ids`) from the
-proposer: n-gram prompt lookup (engine/ngram_proposer.py, no model) or a draft model on its own KV pool
-(engine/draft_proposer.py). The scheduler schedules the sequence's last token plus its proposals; the
+proposer: n-gram prompt lookup (spec_decode/ngram_proposer.py, no model) or a draft model on its own KV pool
+(spec_decode/draft_proposer.py). The scheduler schedules the sequence's last token plus its proposals; the
 runner computes them as single-token decode rows (verify_rows) and returns logits for each. Verification
 keeps, for a greedy request, the longest run of proposals equal to the target's argmax plus the target's
 own token after it (exactly the tokens it would produce without speculation); for a sampled request,
-rejection sampling (model/rejection_sampler.py) keeps a run distributed exactly as the target's own
+rejection sampling (spec_decode/rejection_sampler.py) keeps a run distributed exactly as the target's own
 samples under its penalties, temperature, top-k, top-p and min-p. The K/V written for rejected proposals lies beyond
 the sequence's computed tokens: never read, overwritten later, and never hashed for prefix caching.
 
@@ -21,10 +21,10 @@ from typing import Protocol
 import torch
 
 from minivllm.engine.sequence import Sequence
-from minivllm.engine.spec_cost import StepCostTable
-from minivllm.model.rejection_sampler import rejection_sample
 from minivllm.model.runner import SequenceInput
 from minivllm.model.sampler import penalize_dense, processed_probs
+from minivllm.spec_decode.cost import StepCostTable
+from minivllm.spec_decode.rejection_sampler import rejection_sample
 
 
 def verify_rows(seq: Sequence, n: int) -> list[SequenceInput]:

@@ -15,7 +15,6 @@ import contextlib
 import datetime
 import logging
 import os
-import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -25,19 +24,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from minivllm.model.shm_comm import GlooComm, ShmComm, set_comm, shm_supported
+from minivllm.distributed.shm_comm import GlooComm, ShmComm, set_comm, shm_supported
+from minivllm.utils import free_port
 
 logger = logging.getLogger(__name__)
 
 # A rank that cannot join (a crash while loading) fails rank 0's start-up after this long, not never.
 JOIN_TIMEOUT = datetime.timedelta(seconds=120)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (rendezvous, probes, test servers)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _backend(device: torch.device) -> str:
@@ -62,7 +55,7 @@ def _connect(rank: int, size: int, shm_path: str | None, peers_dead: Any = None)
 def worker_main(rank: int, size: int, port: int, threads: int, runner_kwargs: dict[str, Any],
                 shm_path: str | None = None) -> None:
     """A rank > 0: join the group, build this rank's shard, then run whatever rank 0 broadcasts."""
-    from minivllm.model.parallel import ParallelConfig
+    from minivllm.distributed.parallel import ParallelConfig
     from minivllm.model.runner import ModelRunner
 
     torch.set_num_threads(threads)

@@ -21,10 +21,10 @@ import torch
 from minivllm.config import ModelConfig
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.sequence import Sequence
-from minivllm.engine.spec_cost import ProposerCostModel
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.model.runner import ModelRunner, SequenceInput
 from minivllm.model.sampler import draw_from, processed_probs
+from minivllm.spec_decode.cost import ProposerCostModel
 
 
 def load_draft_config(path: str, target: ModelConfig, target_tokenizer: object) -> ModelConfig:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from minivllm.engine.draft_proposer import DraftModelProposer
-from minivllm.engine.ngram_proposer import NgramProposer
-from minivllm.engine.spec_decode import Proposer, Speculator
+from minivllm.spec_decode.draft_proposer import DraftModelProposer
+from minivllm.spec_decode.ngram_proposer import NgramProposer
+from minivllm.spec_decode.speculator import Proposer, Speculator
 
 if TYPE_CHECKING:
     from minivllm.config import EngineArgs

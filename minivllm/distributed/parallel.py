@@ -1,5 +1,5 @@
 """Tensor parallelism: a loaded model's weights cut into one rank's shard, and the collectives that join
-the shards (model/shm_comm.py: shared memory on CPU, else torch.distributed's gloo or NCCL).
+the shards (distributed/shm_comm.py: shared memory on CPU, else torch.distributed's gloo or NCCL).
 
 Megatron's split, as vLLM does it: the fused qkv and gate/up projections are column-parallel (each rank
 computes its own heads and its slice of the MLP), o_proj and down are row-parallel (each rank multiplies
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from minivllm.config import ModelConfig
-from minivllm.model.shm_comm import get_comm
+from minivllm.distributed.shm_comm import get_comm
 
 
 @dataclass(slots=True, frozen=True)

@@ -3,7 +3,7 @@ replicas as a Ray Serve application, and serve today's HTTP (and gRPC) front on 
 
 The front is not a Serve ingress: it is the same FastAPI app as a single server (every route, error
 shape and SSE/WebSocket stream unchanged), running in this process and calling the replicas through a
-DeploymentHandle with the least-loaded router (ray_router.py). Serve's own HTTP proxy is disabled.
+DeploymentHandle with the least-loaded router (router.py). Serve's own HTTP proxy is disabled.
 Each front deploys an application of its own name, so several fronts can share one cluster.
 """
 
@@ -101,11 +101,11 @@ def run_replicated_server(engine_args: EngineArgs, server_args: ServerArgs) -> N
         from ray import serve
         from ray.serve.config import RequestRouterConfig
 
+        from minivllm.distributed.ray.client import RayEngineClient
+        from minivllm.distributed.ray.metrics import ReplicaCollector, RouterMetrics
+        from minivllm.distributed.ray.replica import EngineReplica, ReplicaBoard
+        from minivllm.distributed.ray.router import LeastLoadedRouter
         from minivllm.entrypoints.api_server import build_app
-        from minivllm.entrypoints.ray_client import RayEngineClient
-        from minivllm.entrypoints.ray_router import LeastLoadedRouter
-        from minivllm.entrypoints.replica import EngineReplica, ReplicaBoard
-        from minivllm.entrypoints.router_metrics import ReplicaCollector, RouterMetrics
 
         serve.start(proxy_location="Disabled")  # the front below is the only ingress
         board = ReplicaBoard.remote()
@@ -129,7 +129,7 @@ def run_replicated_server(engine_args: EngineArgs, server_args: ServerArgs) -> N
         client = RayEngineClient(handle, board, info, tokenizer, RouterMetrics(metrics.registry, model_name, n),
                                  collector)
         client.update(reports)
-        app = build_app(client, server_args, metrics)  # type: ignore[arg-type]
+        app = build_app(client, server_args, metrics)
         logger.info("serving %s from %d replica(s) on http://%s:%d", model_name, n, server_args.host,
                     server_args.port)
         uvicorn.run(app, host=server_args.host, port=server_args.port, log_level=server_args.log_level,

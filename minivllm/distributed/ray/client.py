@@ -1,5 +1,5 @@
 """RayEngineClient: what the routes see in place of an AsyncLLMEngine when `minivllm serve --replicas N`
-serves N Ray Serve replicas (entrypoints/replica.py) behind one front.
+serves N Ray Serve replicas (distributed/ray/replica.py) behind one front.
 
 The routes keep their code: they tokenize and validate here (the same InputProcessor rules and limits
 as the replicas, built from one replica's description), `submit` routes the call to a replica and
@@ -20,6 +20,8 @@ from typing import Any
 
 import ray
 
+from minivllm.distributed.ray.metrics import ReplicaCollector, RouterMetrics
+from minivllm.distributed.ray.router import set_unhealthy
 from minivllm.engine.async_stream import (
     AsyncStream,
     EngineDeadError,
@@ -29,12 +31,9 @@ from minivllm.engine.async_stream import (
 )
 from minivllm.engine.input_processor import EngineRequest, InputProcessor, Prompt, RequestLimits
 from minivllm.engine.lora_registry import LoadedLoRA
-from minivllm.engine.protocol import EngineClient
 from minivllm.engine.stats import SchedulerSnapshot, StatLogger
-from minivllm.engine.structured_output import StructuredOutputManager
-from minivllm.entrypoints.ray_router import set_unhealthy
-from minivllm.entrypoints.router_metrics import ReplicaCollector, RouterMetrics
 from minivllm.sampling_params import SamplingParams
+from minivllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -295,5 +294,3 @@ class RayEngineClient:
         for s in call.streams:
             self._calls.pop(id(s), None)
 
-
-_: type[EngineClient] = RayEngineClient  # the type checker proves the protocol complete
