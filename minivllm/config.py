@@ -164,7 +164,7 @@ class EngineArgs:
         1, "shard the model across this many processes spawned by the engine (torch.distributed: gloo on CPU, NCCL "
         "on CUDA; on x86-64 CPUs the collectives go through shared memory, MINIVLLM_TP_COMM=gloo to keep gloo): "
         "column-parallel qkv/gate_up, row-parallel o/down, vocab-parallel embedding and LM head; kv_cache_memory "
-        "is per rank. Scripts must build such an engine under `if __name__ == '__main__':`")
+        "is per rank. The ranks do not run the caller's main module: scripts need no __main__ guard")
 
     speculative_model: str | None = _arg(
         None, "speculative decoding proposer: ngram (prompt lookup: the tokens that followed the latest earlier "

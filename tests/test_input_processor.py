@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from minivllm.config import EngineArgs
+from minivllm.engine.input_processor import RequestSpec
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.sampling_params import SamplingParams
 
@@ -19,30 +20,32 @@ UNSET = SamplingParams(max_tokens=None)
 
 
 def test_offline_fills_max_tokens_to_the_end_of_the_context(processor):
-    req = processor.process("a", [5] * 60, UNSET)
+    req = processor.process("a", [5] * 60, RequestSpec(UNSET))
     assert req.params.max_tokens == 4 and req.prompt is None and req.prompt_token_ids == [5] * 60
-    assert processor.process("b", [5] * 64, UNSET).params.max_tokens == 1  # the engine stops at the context end
-    assert processor.process("c", [5] * 10, SamplingParams(max_tokens=500)).params.max_tokens == 500
+    # the engine stops at the context end
+    assert processor.process("b", [5] * 64, RequestSpec(UNSET)).params.max_tokens == 1
+    assert processor.process("c", [5] * 10, RequestSpec(SamplingParams(max_tokens=500))).params.max_tokens == 500
 
 
 def test_serving_rule_fits_the_context(processor):
-    assert processor.process("a", [5] * 60, UNSET, fit_context=True).params.max_tokens == 4
-    assert processor.process("b", [5] * 10, UNSET, fit_context=True, default_max_tokens=16).params.max_tokens == 16
-    assert processor.process("c", [5] * 60, UNSET, fit_context=True, default_max_tokens=16).params.max_tokens == 4
+    assert processor.process("a", [5] * 60, RequestSpec(UNSET, fit_context=True)).params.max_tokens == 4
+    fit16 = RequestSpec(UNSET, fit_context=True, default_max_tokens=16)
+    assert processor.process("b", [5] * 10, fit16).params.max_tokens == 16
+    assert processor.process("c", [5] * 60, fit16).params.max_tokens == 4
     with pytest.raises(ValueError, match="prompt: 64 tokens leave no room to generate within max_model_len 64"):
-        processor.process("d", [5] * 64, UNSET, fit_context=True)
+        processor.process("d", [5] * 64, RequestSpec(UNSET, fit_context=True))
     with pytest.raises(ValueError, match="max_tokens: the prompt has 10 tokens and max_tokens is 55, together over "
                                          "max_model_len 64"):
-        processor.process("e", [5] * 10, SamplingParams(max_tokens=55), fit_context=True)
+        processor.process("e", [5] * 10, RequestSpec(SamplingParams(max_tokens=55), fit_context=True))
 
 
 @pytest.mark.parametrize("fit", [False, True])
 def test_bad_prompts_name_the_problem(processor, fit):
     with pytest.raises(ValueError, match="prompt: 65 tokens exceed max_model_len 64; shorten the prompt"):
-        processor.process("a", [5] * 65, fit_context=fit)
+        processor.process("a", [5] * 65, RequestSpec(fit_context=fit))
     with pytest.raises(ValueError, match=r"token ids must be integers in \[0, \d+\); position 1 holds -3"):
-        processor.process("b", [5, -3], fit_context=fit)
+        processor.process("b", [5, -3], RequestSpec(fit_context=fit))
     with pytest.raises(ValueError, match="the prompt is empty"):
-        processor.process("c", "", fit_context=fit)
+        processor.process("c", "", RequestSpec(fit_context=fit))
     with pytest.raises(ValueError, match="a dict prompt needs 'prompt' or 'prompt_token_ids'"):
-        processor.process("d", {"text": "x"}, fit_context=fit)
+        processor.process("d", {"text": "x"}, RequestSpec(fit_context=fit))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import minivllm
 
@@ -90,3 +91,17 @@ def test_the_features_and_distributed_pieces_have_their_packages():
 def test_no_module_past_the_size_of_one_job():
     sizes = {rel: len(p.read_text().splitlines()) for rel, p in _modules().items()}
     assert not {rel: n for rel, n in sizes.items() if n > MAX_LINES}
+
+
+FEATURE_WORDS = re.compile(r"spec|draft|propos|guided|grammar|mask|structured|beam|swap|fault|lora|prompt_logprob|"
+                           r"evict|sink", re.IGNORECASE)
+
+
+def test_no_feature_is_named_inside_the_step():
+    """LLMEngine.step is schedule → forward → process → outputs; optional features take part through the hook
+    points (engine/hooks.py), so the step's own code (comments included) names none of them."""
+    src = (ROOT / "engine/llm_engine.py").read_text()
+    (step,) = [n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.FunctionDef) and n.name == "step"]
+    text = ast.get_source_segment(src, step)
+    assert text is not None and "hooks.before_schedule" in text
+    assert not FEATURE_WORDS.findall(text), FEATURE_WORDS.findall(text)

@@ -13,7 +13,7 @@ from minivllm.engine.sequence import Sequence
 from minivllm.sampling_params import SamplingParams
 from minivllm.spec_decode.cost import ProposerCostModel, StepCostTable
 from minivllm.spec_decode.ngram_proposer import NgramProposer, ngram_propose
-from minivllm.spec_decode.speculator import Speculator
+from minivllm.spec_decode.speculator import SpecRecord, Speculator
 from tests.conftest import corpus_token_ids, noisy_copy
 
 
@@ -241,10 +241,11 @@ def _speculator(handful_ms: float = 4.0) -> Speculator:
     return spec
 
 
-def _seq(drafts: int = 0, accepted: int = 0) -> Sequence:
-    """A greedy sequence whose past drafts were each expected to yield 1.5 tokens."""
+def _seq(drafts: int = 0, accepted: int = 0, spec: Speculator | None = None) -> Sequence:
+    """A greedy sequence whose past drafts (in spec's record) were each expected to yield 1.5 tokens."""
     seq = Sequence("r", [1, 2, 3], SamplingParams(temperature=0.0), 0)
-    seq.spec_drafts, seq.spec_accepted, seq.spec_expected = drafts, accepted, 1.5 * drafts
+    if spec is not None:
+        spec.records[seq.seq_id] = SpecRecord(drafts, accepted, 1.5 * drafts)
     return seq
 
 
@@ -259,10 +260,10 @@ def test_adaptive_speculation_pays_at_batch_one_not_in_a_large_batch_nor_for_a_f
     assert spec.worth(one, 1, True) == one  # batch 1: 1 token in 3 ms vs ~2.5 tokens in 4 ms
     many = [(_seq(), 3) for _ in range(128)]
     assert spec.worth(many, 128, True) == []  # 128 tokens in 34 ms vs ~320 in 130 ms
-    assert spec.worth([(_seq(20, 0), 3)], 1, True) == []  # its proposals never held
-    good = [(_seq(20, 57), 3)]
+    assert spec.worth([(_seq(20, 0, spec), 3)], 1, True) == []  # its proposals never held
+    good = [(_seq(20, 57, spec), 3)]
     assert spec.worth(good, 1, True) == good
-    failing = [(_seq(20, 0), 3)]
+    failing = [(_seq(20, 0, spec), 3)]
     for _ in range(40):  # withheld step after step, it forgets its record and gets to propose again
         spec.forget_withheld(failing, spec.worth(failing, 1, True))
     assert spec.worth(failing, 1, True) == failing

@@ -37,7 +37,7 @@ from minivllm.engine.async_stream import (
     RequestTimeoutError,
 )
 from minivllm.engine.engine_inbox import Abort, Call, EngineInbox, Item, settle
-from minivllm.engine.input_processor import EngineRequest, Prompt
+from minivllm.engine.input_processor import EngineRequest, Prompt, RequestSpec, duplicate_request_id
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.lora_registry import LoadedLoRA
 from minivllm.engine.request_lifecycle import TIMEOUT_REASON
@@ -157,13 +157,10 @@ class AsyncLLMEngine:
         return self._snapshot
 
     # ---- requests (event-loop thread) -----------------------------------------------------------
-    def process_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int | str = 0,
-                        arrival_time: float | None = None, fit_context: bool = False,
-                        default_max_tokens: int | None = None, ttft_slo_ms: float | None = None,
-                        timeout_s: float | None = None, lora: LoadedLoRA | None = None) -> EngineRequest:
-        """Tokenize and validate (ValueError names the problem) without queueing; see InputProcessor.process."""
-        return self.engine.process_request(request_id, prompt, params, priority, arrival_time, fit_context,
-                                           default_max_tokens, ttft_slo_ms, timeout_s, lora)
+    def process_requests(self, request_id: str, prompts: list[Prompt], spec: RequestSpec) -> list[EngineRequest]:
+        """Tokenize and validate one call's requests (ValueError names the problem) without queueing; see
+        InputProcessor.process_call."""
+        return self.engine.input_processor.process_call(request_id, prompts, spec)
 
     # ---- LoRA adapters (run on the engine thread: slots belong to it) ----------------------------------
     @property
@@ -200,14 +197,14 @@ class AsyncLLMEngine:
         # Exact on this thread: every request in flight has a stream; the running count lags by at most
         # one step, which only overstates the queue for a moment.
         waiting = len(self._streams) - self._snapshot.num_running - self._snapshot.num_swapped
-        if waiting + len(requests) > self.max_waiting:
+        if waiting + len(requests) > self.max_waiting:  # (a call larger than the queue: process_requests' 400)
             raise QueueFullError(f"server overloaded: {waiting} requests are waiting (max_waiting="
                                  f"{self.max_waiting}); retry later")
-        if len(requests) > self.max_waiting:  # a 429 would make the client retry something that never fits
-            raise ValueError(f"{len(requests)} requests at once exceed max_waiting ({self.max_waiting})")
-        ids = [r.request_id for r in requests]
-        if len(set(ids)) != len(ids) or any(i in self._streams for i in ids):
-            raise ValueError("request_id: ids must be unique among requests in flight")
+        seen: set[str] = set()
+        for r in requests:  # the stream map must stay one stream per id
+            if r.request_id in self._streams or r.request_id in seen:
+                raise ValueError(duplicate_request_id(r.request_id))
+            seen.add(r.request_id)
         streams = [AsyncStream(r.request_id, r.prompt_token_ids) for r in requests]
         for s in streams:
             self._streams[s.request_id] = s
@@ -221,7 +218,7 @@ class AsyncLLMEngine:
     async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int | str = 0,
                           arrival_time: float | None = None, ttft_slo_ms: float | None = None) -> AsyncStream:
         """Validate and queue one request; its outputs arrive on the returned stream."""
-        req = self.process_request(request_id, prompt, params, priority, arrival_time, ttft_slo_ms=ttft_slo_ms)
+        req = self.engine.process_request(request_id, prompt, params, priority, arrival_time, ttft_slo_ms)
         return self.add_requests([req])[0]
 
     def abort(self, request_id: str) -> None:

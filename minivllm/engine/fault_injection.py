@@ -9,7 +9,8 @@ Faults exercise the real containment paths rather than stand in for them:
 - detokenize: a marked request's detokenizer raises (the engine fails that request at the end of the step);
 - kill_loop: the engine loop dies when a marked request reaches it (the server then answers 503 and exits).
 
-Cost when off: one `is None` test per step. A request's faults are looked up once, when it is added.
+The faults act through the step's hook points (FaultInjectionHook; engine/hooks.py), so no core class knows of
+them. Cost when off: none (the hook is not registered). A request's faults are looked up once, when it is added.
 """
 
 from __future__ import annotations
@@ -17,7 +18,16 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from minivllm.engine.hooks import Entry, Forward, StepHook
+from minivllm.engine.step_guard import entry_spans
+
+if TYPE_CHECKING:
+    from minivllm.engine.sequence import Sequence, SequenceGroup
+    from minivllm.model.runner import SequenceInput
 
 logger = logging.getLogger(__name__)
 
@@ -78,3 +88,39 @@ class FailingDetokenizer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+class FaultInjectionHook(StepHook):
+    """The injector's faults at the step's hook points: marked requests found when added, the forward wrapped."""
+
+    def __init__(self, injector: FaultInjector, tokenizer: Any) -> None:
+        self.injector, self.tokenizer = injector, tokenizer
+        self.marked: dict[str, frozenset[str]] = {}  # request id → its faults (only requests that have some)
+
+    def request_added(self, group: SequenceGroup) -> None:
+        faults = self.injector.faults_for(group.prompt, lambda: self.tokenizer.decode(group.prompt_token_ids))
+        if "kill_loop" in faults:
+            raise EngineLoopKilled(f"injected fault: request {group.request_id!r} killed the engine loop (kill_loop)")
+        if faults:
+            self.marked[group.request_id] = faults
+
+    def sequence_added(self, seq: Sequence) -> None:
+        if "detokenize" in self.marked.get(seq.request_id, ()) and seq.detokenizer is not None:
+            seq.detokenizer = FailingDetokenizer(seq.detokenizer)  # type: ignore[assignment]
+
+    def sequence_finished(self, seq: Sequence) -> None:
+        if seq.group is None or seq.group.finished:
+            self.marked.pop(seq.request_id, None)
+
+    def forward(self, inner: Forward) -> Forward:
+        def run(scheduled: list[Entry], inputs: list[SequenceInput]) -> torch.Tensor:
+            if any("step_raise" in self.marked.get(seq.request_id, ()) for seq, _ in scheduled):
+                raise InjectedFault("injected fault: the forward pass raised (step_raise)")
+            logits = inner(scheduled, inputs)
+            with torch.inference_mode():
+                for (seq, _), (_, _, r0, r1) in zip(scheduled, entry_spans(scheduled, inputs), strict=True):
+                    if "nan_logits" in self.marked.get(seq.request_id, ()) and r1 > r0:
+                        logits[r0:r1] = float("nan")
+            return logits
+
+        return run

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from minivllm.engine.lora_registry import LoadedLoRA
@@ -33,6 +33,11 @@ def check_unicode(text: str, what: str = "prompt") -> None:
                          f"{e.start}") from None
 
 
+def duplicate_request_id(request_id: str) -> str:
+    """The error of a request id already in flight (the engine's requests, or a server's streams)."""
+    return f"request_id: {request_id!r} is already in use by a request in flight"
+
+
 def check_timeout(value: object) -> float:
     """A request's `timeout` (seconds to start): a positive, finite number; ValueError naming it otherwise."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
@@ -42,12 +47,14 @@ def check_timeout(value: object) -> float:
 
 @dataclass(slots=True, frozen=True)
 class RequestLimits:
-    """What one request may ask for (--max-prompt-tokens, --max-n, --max-logprobs): bounds a client cannot
-    raise, so one request cannot take the server's memory or time from everyone else."""
+    """What one request (and one API call) may ask for: bounds a client cannot raise, so one request cannot take
+    the server's memory or time from everyone else. Every limit is checked here, once, whatever the entry point."""
 
-    max_prompt_tokens: int | None = None  # None: max_model_len bounds it
-    max_n: int = 16
-    max_logprobs: int = 20
+    max_prompt_tokens: int | None = None  # None: max_model_len bounds it (--max-prompt-tokens)
+    max_n: int = 16  # samples or beams (--max-n)
+    max_logprobs: int = 20  # --max-logprobs
+    max_num_seqs: int | None = None  # a request's samples or beams run at once: at most the step's seats
+    max_call_requests: int | None = None  # prompts in one API call: at most the waiting queue (--max-waiting)
 
     def check(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """ValueError naming the field and the flag when a request asks for more than the limits allow."""
@@ -55,13 +62,38 @@ class RequestLimits:
             raise ValueError(f"prompt: {num_prompt_tokens} tokens exceed the server's limit of "
                              f"{self.max_prompt_tokens} (--max-prompt-tokens); shorten the prompt")
         width = params.beam_width if params.use_beam_search else params.n
+        name = "beam_width" if params.use_beam_search else "n"
         if width > self.max_n:
-            name = "beam_width" if params.use_beam_search else "n"
             raise ValueError(f"{name}: {width} exceeds the server's limit of {self.max_n} (--max-n)")
+        if self.max_num_seqs is not None and width > self.max_num_seqs:
+            raise ValueError(f"{name}: {width} exceeds max_num_seqs ({self.max_num_seqs}), the sequences one step "
+                             "runs (--max-num-seqs)")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > self.max_logprobs:
                 raise ValueError(f"{name}: {k} exceeds the server's limit of {self.max_logprobs} (--max-logprobs)")
+
+    def check_call(self, num_prompts: int) -> None:
+        """ValueError when one call brings more prompts than the waiting queue holds (a 429 would make the client
+        retry something that never fits)."""
+        if self.max_call_requests is not None and num_prompts > self.max_call_requests:
+            raise ValueError(f"prompts: {num_prompts} prompts in one request exceed max_waiting "
+                             f"({self.max_call_requests}); split the batch")
+
+
+@dataclass(slots=True, frozen=True)
+class RequestSpec:
+    """How a caller wants its prompts run, built once per API call (a route, gRPC, LLM.generate): everything of a
+    request but its prompt and id."""
+
+    params: SamplingParams = field(default_factory=SamplingParams)
+    priority: int | str = 0  # an int, or a class name (slo.py)
+    arrival_time: float | None = None  # None: when it is processed
+    fit_context: bool = False  # the servers' (vLLM's) rule: see InputProcessor.process
+    default_max_tokens: int | None = None  # a missing max_tokens (clipped to the room the prompt leaves)
+    ttft_slo_ms: float | None = None  # overrides its class's TTFT SLO
+    timeout_s: float | None = None  # the longest it may wait to start (then dropped before any prefill)
+    lora: LoadedLoRA | None = None  # the adapter it runs with (None: the base model)
 
 
 @dataclass
@@ -117,22 +149,25 @@ class InputProcessor:
             return None, list(prompt)
         raise ValueError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
 
-    def process(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, priority: int | str = 0,
-                arrival_time: float | None = None, fit_context: bool = False,
-                default_max_tokens: int | None = None, ttft_slo_ms: float | None = None,
-                timeout_s: float | None = None, lora: LoadedLoRA | None = None) -> EngineRequest:
+    def process_call(self, request_id: str, prompts: list[Prompt], spec: RequestSpec) -> list[EngineRequest]:
+        """The requests of one API call (ids request_id-0, -1, ...), all under one spec and arrival time."""
+        self.limits.check_call(len(prompts))
+        if spec.arrival_time is None:
+            spec = RequestSpec(spec.params, spec.priority, time.time(), spec.fit_context, spec.default_max_tokens,
+                               spec.ttft_slo_ms, spec.timeout_s, spec.lora)
+        return [self.process(f"{request_id}-{i}", p, spec) for i, p in enumerate(prompts)]
+
+    def process(self, request_id: str, prompt: Prompt, spec: RequestSpec) -> EngineRequest:
         """Tokenize, validate and fill in max_tokens; ValueError naming the problem if the request can never run.
-        `priority` is an int or a class name, `ttft_slo_ms` overrides its class's TTFT SLO (slo.py), `timeout_s`
-        the longest it may wait to start (past it, it is dropped before any prefill).
 
         A missing max_tokens is `default_max_tokens` clipped to the room the prompt leaves, or without one
         runs to the end of the context. With `fit_context` (the servers, vLLM's rule) the prompt must leave
         room to generate and an explicit max_tokens must fit the context with the prompt."""
-        params = params or SamplingParams()
-        priority = resolve_priority(priority)
-        arrival_time = arrival_time or time.time()
-        deadline = self.ttft_slo.deadline(priority, arrival_time, ttft_slo_ms)
-        start_deadline = arrival_time + check_timeout(timeout_s) if timeout_s is not None else math.inf
+        params, fit_context, lora = spec.params, spec.fit_context, spec.lora
+        priority = resolve_priority(spec.priority)
+        arrival_time = spec.arrival_time or time.time()
+        deadline = self.ttft_slo.deadline(priority, arrival_time, spec.ttft_slo_ms)
+        start_deadline = arrival_time + check_timeout(spec.timeout_s) if spec.timeout_s is not None else math.inf
         text, ids = self.tokenize(prompt)
         room = self.max_model_len - len(ids)
         if fit_context:
@@ -153,6 +188,7 @@ class InputProcessor:
         waits = grammar is not None and self.reasoning_parser is not None and not prompt_closes_thinking(
             text if text is not None else self.tokenizer.decode(ids))
         if params.max_tokens is None:
+            default_max_tokens = spec.default_max_tokens
             fill = max(1, room) if default_max_tokens is None else min(default_max_tokens, room)
             params = params.clone(max_tokens=fill)
         return EngineRequest(request_id, text, ids, params, arrival_time, priority, deadline, start_deadline, grammar,

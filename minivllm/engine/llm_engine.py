@@ -20,7 +20,8 @@ from minivllm.config import (
     resolve_dtype,
 )
 from minivllm.engine.beam_search import BeamSearcher
-from minivllm.engine.fault_injection import FaultInjector
+from minivllm.engine.fault_injection import FaultInjectionHook, FaultInjector
+from minivllm.engine.hooks import HookSet, StepHook
 from minivllm.engine.input_processor import InputProcessor, RequestLimits
 from minivllm.engine.introspection import EngineIntrospection
 from minivllm.engine.kv_groups import plan_for_engine
@@ -31,18 +32,21 @@ from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from minivllm.engine.stats import StatsRecorder, StepTimings
 from minivllm.engine.step_guard import StepGuard
-from minivllm.engine.swap_manager import build_swap_manager
+from minivllm.engine.swap_manager import SwapCostHook, build_swap_manager
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.model.input_batch import InputBatch, SlotParams
 from minivllm.model.runner import ModelRunner, SequenceInput
-from minivllm.model.sampler import Sampler, TokenLogprobs, apply_token_bitmask
+from minivllm.model.sampler import Sampler, TokenLogprobs
 from minivllm.outputs import RequestOutput
 from minivllm.quant_config import QuantConfig
 from minivllm.spec_decode.factory import build_speculator
+from minivllm.spec_decode.hook import SpeculationHook
 from minivllm.spec_decode.speculator import verify_rows
-from minivllm.structured_output.manager import StepMasks, StructuredOutputManager
+from minivllm.structured_output.hook import GuidedDecodingHook
+from minivllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+
 
 def _scheduler_class(config: SchedulerConfig) -> type[Scheduler]:
     """The default scheduler, or the benchmark-only ablation one (imported only when asked for)."""
@@ -112,23 +116,26 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         self.input_processor = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len, args.kv_cache_mode,
                                               self.block_manager.blocks_needed, cc.num_blocks, pool, args.ttft_slo_ms,
                                               cap,
-                                              RequestLimits(args.max_prompt_tokens, args.max_n, args.max_logprobs),
+                                              RequestLimits(args.max_prompt_tokens, args.max_n, args.max_logprobs,
+                                                            args.max_num_seqs, args.max_waiting),
                                               self.structured, args.reasoning_parser)
         self.loras = LoRARegistry(self.runner.init_lora(args.max_loras, args.max_lora_rank) if args.enable_lora
                                   else None)
         for spec in args.lora_modules or []:
             name, _, path = spec.partition("=")
             self.loras.add(name, path)
-        self.faults = FaultInjector.from_env()  # None unless the test-only hook is armed
-        self.guard = StepGuard(self.runner, self.faults, isolate=args.tensor_parallel_size == 1)
         self.failed_requests: dict[str, str] = {}
         self._failures: dict[str, str] = {}  # this step's: request id → reason (failed once the step is done)
+        self.faults = FaultInjector.from_env()  # None unless the test-only hook is armed
         self.speculator = build_speculator(args, self) if args.speculative_model else None
+        self.hooks = HookSet(self._feature_hooks())
+        runner = self.runner  # (not self: a closure over the engine would keep a dropped engine alive in a cycle)
+        self.guard = StepGuard(self.hooks.wrap_forward(lambda scheduled, inputs: runner.execute(inputs)),
+                               isolate=args.tensor_parallel_size == 1)
         self.groups: dict[str, SequenceGroup] = {}
         self.timings = StepTimings()
         self._arrivals = itertools.count()
         self._sample_time = 0.0  # sampler seconds within the current step
-        self._masks: StepMasks | None = None  # the current step's guided-decoding masks
         self.log_stats = log_stats  # gather IterationStats (the server's metrics); off for offline use
         self.recorder = StatsRecorder(self.eos_token_ids)  # IterationStats since the last take_stats()
         self.beams = BeamSearcher(self.scheduler, self.recorder, self.eos_token_ids, self.max_model_len)
@@ -139,6 +146,19 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
                     f", {self.quant_config.method} {self.runner.quant_kernels}" if self.quant_config else "",
                     self.device, cc.num_blocks, cc.block_size)
 
+    def _feature_hooks(self) -> list[StepHook]:
+        """The optional features' hooks, in the order each point calls them (proposals are made before guided
+        decoding trims them)."""
+        hooks: list[StepHook] = []
+        if self.speculator is not None:
+            hooks.append(SpeculationHook(self.speculator))
+        hooks.append(GuidedDecodingHook(self.structured, self._failures.setdefault))
+        if self.swap is not None:
+            hooks.append(SwapCostHook(self.swap))
+        if self.faults is not None:
+            hooks.append(FaultInjectionHook(self.faults, self.tokenizer))
+        return hooks
+
     @classmethod
     def from_engine_args(cls, args: EngineArgs, log_stats: bool = False) -> LLMEngine:
         """Build an engine from EngineArgs."""
@@ -148,25 +168,17 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; return the outputs it produced (per each request's output kind)."""
         t0 = time.perf_counter()
-        if self.speculator is not None:
-            proposing = self.speculator.propose(self.scheduler.running, bool(self.scheduler.waiting))
-            if self.structured.num_live:
-                self.structured.check_proposals(proposing)
+        hooks = self.hooks
+        hooks.before_schedule(self.scheduler)
         sched = self.scheduler.schedule()
-        if self.speculator is not None:
-            for seq in sched.preempted:  # its draft K/V goes too: recomputed with it
-                self.speculator.release(seq)
+        hooks.after_schedule(sched)
         for seq in sched.expired:  # not started within its timeout: dropped before any prefill
             assert seq.group is not None
             self.fail_request(seq.request_id, f"{TIMEOUT_REASON}: not started within its timeout of "
                                               f"{seq.group.start_deadline - seq.group.arrival_time:.3g} s (the "
                                               "server is busy); dropped before prefill, retry later")
         t1 = time.perf_counter()
-        # Swaps, then copy-on-write copies; before an empty return too: a step may swap out all it had.
-        swap_time = self.runner.move_blocks(sched.swap_out, sched.swap_in, sched.block_copies)
-        for g, copies in enumerate(sched.group_copies, 1):  # the window KV groups' (kv_groups.py)
-            swaps = sched.group_swaps[g - 1] if sched.group_swaps else ([], [])
-            swap_time += self.runner.move_blocks(*swaps, copies, g)
+        moves_s = self._move_blocks(sched)  # before an empty return too: a step may move out all it had
         if sched.is_empty:
             return []
         self._in_flight = sched
@@ -175,22 +187,18 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         if self.args.check_invariants:
             for seq, n in sched.scheduled:
                 self.block_manager.check_writable(seq, n)
-        # Guided rows' token masks: filled during the forward where a core is free, else now (structured_output/manager.py).
-        self._masks = self.structured.start_step(sched.scheduled)
+        hooks.before_forward(sched.scheduled)
         guarded = self.guard.forward(sched.scheduled, self._runner_inputs(sched.scheduled))
         sched.scheduled, inputs, logits = guarded.scheduled, guarded.inputs, guarded.logits
-        self._failures = failures = guarded.failed  # request id → reason: no outputs, aborted after the step
-        measured = not failures  # a bisected step's time is not the batch's
-        if self.swap is not None and measured:
-            self.swap.costs.observe(swap_time, len(sched.swap_out) + len(sched.swap_in), self.runner.last_forward_time,
-                                    sched.num_batched_tokens, len(sched.scheduled))
-        if self.speculator is not None and measured:
-            self.speculator.observe(sched.scheduled, self.runner.last_forward_time)
+        failures = self._failures  # request id → reason: no outputs, aborted after the step
+        failures.clear()
+        failures.update(guarded.failed)
+        if not failures:  # a bisected step's time is not the batch's
+            hooks.after_forward(sched, self.runner.last_forward_time, moves_s)
         t2 = time.perf_counter()
         self._sample_time = 0.0
         touched = self._process(sched, inputs, logits)
-        if self.speculator is not None:
-            self.speculator.end_step()
+        hooks.end_step()
         t3 = time.perf_counter()
         now = self.scheduler.clock()  # time.time() but for tests, which script it (deadlines in steps)
         outputs = []
@@ -212,7 +220,7 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
                     self.recorder.finished(group, now)
         self.recorder.produced.clear()
         self.last_schedule, self._in_flight = sched, None
-        for rid, reason in failures.items():
+        for rid, reason in list(failures.items()):
             self.fail_request(rid, reason)
         t4 = time.perf_counter()
         tm, forward = self.timings, self.runner.last_forward_time
@@ -225,6 +233,14 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         if self.args.check_invariants:
             self.check_invariants()
         return outputs
+
+    def _move_blocks(self, sched: SchedulerOutput) -> float:
+        """The step's swaps, then its copy-on-write copies, in every KV group; the seconds the swaps took."""
+        seconds = self.runner.move_blocks(sched.swap_out, sched.swap_in, sched.block_copies)
+        for g, copies in enumerate(sched.group_copies, 1):  # the window KV groups' (kv_groups.py)
+            swaps = sched.group_swaps[g - 1] if sched.group_swaps else ([], [])
+            seconds += self.runner.move_blocks(*swaps, copies, g)
+        return seconds
 
     def _runner_inputs(self, scheduled: list[tuple[Sequence, int]]) -> list[SequenceInput]:
         """One input per scheduled sequence; a speculating one gives one per token (see spec_decode)."""
@@ -305,8 +321,9 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
                     self._init_sequence(child)
                     group.seqs.append(child)
                     targets.append((child, r))
-        if self._masks is not None:
-            self._apply_masks(logits, rows)
+        t0 = time.perf_counter()
+        self.hooks.process_logits(logits, [(s, r, 1) for s, r in rows])  # guided rows' masks, say
+        self._sample_time += time.perf_counter() - t0
         batch = self.input_batch
         for seq, _ in targets:
             if seq.slot < 0:  # first sample (or first since a fork): the settings are written once
@@ -321,11 +338,7 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         self._sample_time += time.perf_counter() - t0
         for (seq, _), tok, lp in zip(targets, out.token_ids, out.logprobs, strict=True):
             self.recorder.generated(seq.request_id, 1)
-            status = self._append_token(seq, tok, lp)
-            if seq.matcher is not None and status is None:
-                status = self._advance_grammar(seq, tok)
-            elif seq.pending_grammar is not None:
-                self.structured.attach_after_reasoning(seq)
+            status = self.hooks.token_accepted(seq, tok, self._append_token(seq, tok, lp))
             if status is not None:
                 self._finish(seq, status)
             assert seq.group is not None
@@ -336,20 +349,16 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         """Speculating sequences: keep the accepted proposals and the target's next token (each through
         the same stop checks as a sampled one); their KV counts only up to what was kept."""
         assert self.speculator is not None
+        t0 = time.perf_counter()
+        self.hooks.process_logits(logits, [(seq, row, n) for seq, n, row in jobs])
+        self._sample_time += time.perf_counter() - t0
         for seq, n, row in jobs:
             t0 = time.perf_counter()
-            if self._masks is not None and seq.seq_id in self._masks.rows:
-                first = self._masks.rows[seq.seq_id]
-                apply_token_bitmask(logits, list(range(row, row + n)), self._masks.mask()[first:first + n])
             tokens = self.speculator.verify(seq, logits[row:row + n], n)
             self._sample_time += time.perf_counter() - t0
             for tok in tokens:
                 self.recorder.generated(seq.request_id, 1)
-                status = self._append_token(seq, tok, None)
-                if seq.matcher is not None and status is None:
-                    status = self._advance_grammar(seq, tok)
-                elif seq.pending_grammar is not None:
-                    self.structured.attach_after_reasoning(seq)
+                status = self.hooks.token_accepted(seq, tok, self._append_token(seq, tok, None))
                 if status is not None:
                     self._finish(seq, status)
                     break
@@ -361,27 +370,6 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
                 self.block_manager.cache_blocks(seq)
             assert seq.group is not None
             touched.setdefault(seq.group.request_id, seq.group)
-
-    def _apply_masks(self, logits: torch.Tensor, rows: list[tuple[Sequence, int]]) -> None:
-        """Guided rows: the tokens their grammar forbids get -inf before sampling (logprobs then report the
-        constrained distribution, as vLLM's do)."""
-        assert self._masks is not None
-        t0 = time.perf_counter()
-        at = [(r, self._masks.rows[s.seq_id]) for s, r in rows if s.seq_id in self._masks.rows]
-        if at:
-            mask = self._masks.mask()
-            apply_token_bitmask(logits, [r for r, _ in at], mask[[m for _, m in at]])
-        self._sample_time += time.perf_counter() - t0
-
-    def _advance_grammar(self, seq: Sequence, token: int) -> SequenceStatus | None:
-        """A guided sequence's new token through its grammar: FINISHED_STOPPED once the grammar is complete (it
-        would take nothing but EOS). A token the grammar refuses fails the request (masking makes it a bug)."""
-        accepted, done = self.structured.accept(seq, token)
-        if not accepted:
-            self._failures.setdefault(seq.request_id, f"internal error: guided decoding refused token {token}: "
-                                                      f"{seq.matcher.get_error()}")
-            return None
-        return SequenceStatus.FINISHED_STOPPED if done else None
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> SequenceStatus | None:
         """output_processor.append_token; an error there (detokenizing) fails seq's request, not the step."""

@@ -12,11 +12,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from minivllm.engine.async_stream import AsyncStream
-    from minivllm.engine.input_processor import EngineRequest, Prompt
+    from minivllm.engine.input_processor import EngineRequest, Prompt, RequestSpec
     from minivllm.engine.lora_registry import LoadedLoRA
     from minivllm.engine.stats import SchedulerSnapshot, StatLogger
     from minivllm.engine.step_trace import StepTracer
-    from minivllm.sampling_params import SamplingParams
 
 
 class EngineClient(Protocol):
@@ -96,11 +95,9 @@ class EngineClient(Protocol):
         ...
 
     # ---- requests ----
-    def process_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int | str = 0,
-                        arrival_time: float | None = None, fit_context: bool = False,
-                        default_max_tokens: int | None = None, ttft_slo_ms: float | None = None,
-                        timeout_s: float | None = None, lora: LoadedLoRA | None = None) -> EngineRequest:
-        """Tokenize and validate without queueing; ValueError naming the problem."""
+    def process_requests(self, request_id: str, prompts: list[Prompt], spec: RequestSpec) -> list[EngineRequest]:
+        """One call's requests (ids request_id-0, -1, ...) tokenized and validated against every limit, without
+        queueing (any thread); ValueError naming the problem."""
         ...
 
     async def submit(self, requests: Sequence[EngineRequest]) -> list[AsyncStream]:

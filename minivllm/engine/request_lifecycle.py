@@ -9,8 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from minivllm.engine.fault_injection import EngineLoopKilled, FailingDetokenizer, FaultInjector
-from minivllm.engine.input_processor import EngineRequest, InputProcessor, Prompt
+from minivllm.engine.input_processor import EngineRequest, InputProcessor, Prompt, RequestSpec, duplicate_request_id
 from minivllm.engine.lora_registry import LoadedLoRA
 from minivllm.engine.sequence import BeamState, Sequence, SequenceGroup, SequenceStatus
 from minivllm.lora_request import LoRARequest
@@ -18,14 +17,13 @@ from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from minivllm.engine.hooks import HookSet
     from minivllm.engine.lora_registry import LoRARegistry
     from minivllm.engine.output_processor import OutputProcessor
     from minivllm.engine.scheduler import Scheduler
     from minivllm.engine.stats import StatsRecorder
     from minivllm.model.input_batch import InputBatch
     from minivllm.model.lora import LoRAAdapter
-    from minivllm.spec_decode.speculator import Speculator
-    from minivllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 TIMEOUT_REASON = "request timed out"  # how the reason of a request dropped for its timeout begins
@@ -36,16 +34,14 @@ class RequestLifecycle:
 
     device: torch.device
     scheduler: Scheduler
-    speculator: Speculator | None
+    hooks: HookSet  # the optional features' (engine/hooks.py)
     recorder: StatsRecorder
     input_batch: InputBatch
     input_processor: InputProcessor
-    structured: StructuredOutputManager
     loras: LoRARegistry
     output_processor: OutputProcessor
     groups: dict[str, SequenceGroup]
     log_stats: bool
-    faults: FaultInjector | None  # the test-only fault hook (fault_injection.py); None unless armed
     # request id → why it failed, for requests a fault touched (aborted; see fail_request)
     failed_requests: dict[str, str]
 
@@ -59,25 +55,24 @@ class RequestLifecycle:
                                                      ttft_slo_ms=ttft_slo_ms, timeout_s=timeout_s, lora=lora))
 
     def process_request(self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                        priority: int | str = 0, arrival_time: float | None = None, fit_context: bool = False,
-                        default_max_tokens: int | None = None, ttft_slo_ms: float | None = None,
-                        timeout_s: float | None = None, lora: LoadedLoRA | None = None) -> EngineRequest:
-        """Tokenize and validate without touching engine state (safe off the engine thread): InputProcessor.process."""
-        return self.input_processor.process(request_id, prompt, sampling_params, priority, arrival_time,
-                                            fit_context, default_max_tokens, ttft_slo_ms, timeout_s, lora)
+                        priority: int | str = 0, arrival_time: float | None = None,
+                        ttft_slo_ms: float | None = None, timeout_s: float | None = None,
+                        lora: LoadedLoRA | None = None) -> EngineRequest:
+        """Tokenize and validate without touching engine state (safe off the engine thread): InputProcessor.process
+        with a RequestSpec of these fields."""
+        spec = RequestSpec(sampling_params or SamplingParams(), priority, arrival_time, ttft_slo_ms=ttft_slo_ms,
+                           timeout_s=timeout_s, lora=lora)
+        return self.input_processor.process(request_id, prompt, spec)
 
     def add_engine_request(self, req: EngineRequest) -> None:
         """Queue a request that process_request() built."""
         if req.request_id in self.groups:
-            raise ValueError(f"request_id {req.request_id!r} is already in use")
+            raise ValueError(duplicate_request_id(req.request_id))
         request_id, ids, params = req.request_id, req.prompt_token_ids, req.params
         group = SequenceGroup(request_id, req.prompt, ids, params, req.arrival_time, ttft_deadline=req.ttft_deadline,
                               start_deadline=req.start_deadline, grammar=req.grammar, lora=req.lora,
                               grammar_after_reasoning=req.grammar_after_reasoning)
-        if self.faults is not None:
-            group.faults = self.faults.faults_for(req.prompt, lambda: self.input_processor.tokenizer.decode(ids))
-            if "kill_loop" in group.faults:
-                raise EngineLoopKilled(f"injected fault: request {request_id!r} killed the engine loop (kill_loop)")
+        self.hooks.request_added(group)
         seq = Sequence(request_id, ids, params, next(self._arrivals), req.priority, group, 0)
         group.seqs.append(seq)
         if params.prompt_logprobs is not None:
@@ -96,13 +91,7 @@ class RequestLifecycle:
             seq.generator = torch.Generator(device=self.device).manual_seed(p.seed + seq.index)
         assert seq.group is not None
         self.output_processor.init_sequence(seq, seq.group.prompt_token_ids)
-        if "detokenize" in seq.group.faults and seq.detokenizer is not None:
-            seq.detokenizer = FailingDetokenizer(seq.detokenizer)  # type: ignore[assignment]
-        if seq.group.grammar is not None:  # children of n > 1 fork before their first token: a fresh matcher
-            if seq.group.grammar_after_reasoning:
-                seq.pending_grammar = seq.group.grammar
-            else:
-                self.structured.attach(seq, seq.group.grammar)
+        self.hooks.sequence_added(seq)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output (None if unknown or done)."""
@@ -125,12 +114,10 @@ class RequestLifecycle:
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Retire a sequence: its blocks go back to the pool, its sampling slot to the input batch."""
         self.scheduler.finish(seq, status)
-        if self.speculator is not None:
-            self.speculator.release(seq)
         if seq.slot >= 0:
             self.input_batch.remove(seq.slot)
             seq.slot = -1
-        self.structured.detach(seq)
+        self.hooks.sequence_finished(seq)
 
     def lora_in_use(self, name: str) -> int:
         """Requests running or waiting with the named adapter."""

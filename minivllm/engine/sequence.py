@@ -45,8 +45,8 @@ class Sequence:
     __slots__ = ("seq_id", "request_id", "group", "index", "token_ids", "num_prompt_tokens", "sampling_params",
                  "priority", "arrival_index", "status", "num_computed_tokens", "block_table", "block_hashes",
                  "num_preemptions", "generator", "detokenizer", "logprobs", "cumulative_logprob", "stop_reason",
-                 "num_emitted_tokens", "finish_reported", "slot", "spec_token_ids", "spec_drafts", "spec_accepted",
-                 "spec_expected", "ttft_deadline", "matcher", "pending_grammar", "cache_salt", "kv_views")
+                 "num_emitted_tokens", "finish_reported", "slot", "spec_token_ids", "ttft_deadline", "cache_salt",
+                 "kv_views")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  arrival_index: int, priority: int = 0, group: SequenceGroup | None = None, index: int = 0) -> None:
@@ -72,15 +72,10 @@ class Sequence:
         self.num_emitted_tokens = 0  # output tokens already handed out in DELTA outputs
         self.finish_reported = False  # DELTA outputs: its finish_reason went out already
         self.slot = -1  # its row of settings in the engine's input batch once sampled (-1: none)
-        self.spec_token_ids: list[int] = []  # tokens proposed for this step (speculative decoding), not yet verified
-        # Its speculation record: proposals verified so far, and (recent ones weighing most) the tokens they
-        # yielded against what all drafts' acceptance expected of them.
-        self.spec_drafts = 0
-        self.spec_accepted = self.spec_expected = 0.0
+        # Tokens proposed for this step (speculative decoding), verified by the step's forward after its last one.
+        self.spec_token_ids: list[int] = []
         # Its request's (samples and beams inherit it through the group); a copy, so sort keys read one slot.
         self.ttft_deadline = group.ttft_deadline if group is not None else math.inf
-        self.matcher: Any = None  # guided decoding: its grammar's state (structured_output/manager.py)
-        self.pending_grammar: str | None = None  # its grammar, until its thinking ends (structured_output/reasoning.py)
         self.kv_views: tuple[Any, ...] = ()  # its block tables in the window KV groups (engine/kv_groups.py)
         # Seeds its prefix-cache hash chain: KV computed under a LoRA adapter is only shared with the same adapter.
         self.cache_salt = group.lora.cache_salt if group is not None and group.lora is not None else b""
@@ -155,7 +150,6 @@ class SequenceGroup:
     last_token_time: float | None = None
     ttft_deadline: float = math.inf  # when the first token is due (arrival_time's clock; slo.py)
     start_deadline: float = math.inf  # its timeout: not started by then, it is dropped before any prefill
-    faults: frozenset[str] = frozenset()  # test-only injected faults (fault_injection.py)
     grammar: str | None = None  # guided decoding: the compiled constraint each of its sequences follows
     grammar_after_reasoning: bool = False  # ... from the end of the thinking on (structured_output/reasoning.py)
     lora: LoadedLoRA | None = None  # the LoRA adapter it runs with

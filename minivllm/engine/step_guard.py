@@ -11,29 +11,20 @@ be sampled as garbage or make the sampler raise for the whole batch; the rows ar
 row, ~0.1% of the lm_head's FLOPs) and their requests failed instead.
 
 The entries of failed requests are dropped from the step with their logits rows and inputs; the engine
-aborts those requests after the step and reports why (LLMEngine.take_failed_requests)."""
+aborts those requests after the step and reports why (LLMEngine.take_failed_requests). The forward the guard
+runs is the hooks' (engine/hooks.py): test fault injection wraps it there, not here."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from minivllm.engine.fault_injection import FaultInjector, InjectedFault
-from minivllm.engine.sequence import Sequence
+from minivllm.engine.hooks import Entry, Forward
 from minivllm.model.runner import SequenceInput
 
 logger = logging.getLogger(__name__)
-
-Entry = tuple[Sequence, int]
-
-
-class Runner(Protocol):
-    """What the guard runs: ModelRunner.execute (looked up per call, so a test may wrap it)."""
-
-    def execute(self, seqs: list[SequenceInput]) -> torch.Tensor: ...
 
 
 @dataclass(slots=True)
@@ -47,7 +38,7 @@ class GuardedForward:
     failed: dict[str, str]
 
 
-def _spans(scheduled: list[Entry], inputs: list[SequenceInput]) -> list[tuple[int, int, int, int]]:
+def entry_spans(scheduled: list[Entry], inputs: list[SequenceInput]) -> list[tuple[int, int, int, int]]:
     """Per scheduled entry: its inputs [i0, i1) and logits rows [r0, r1) (a verification has one input and
     row per token; a prompt-logprobs chunk a row per token; a sampling input one row; a mid-prompt chunk none)."""
     spans, i, r = [], 0, 0
@@ -66,18 +57,11 @@ def _spans(scheduled: list[Entry], inputs: list[SequenceInput]) -> list[tuple[in
 class StepGuard:
     """Runs a step's forward so that one request's failure fails only that request."""
 
-    def __init__(self, runner: Runner, faults: FaultInjector | None, isolate: bool = True) -> None:
-        self.runner = runner
-        self.faults = faults
+    def __init__(self, run: Forward, isolate: bool = True) -> None:
+        self._run = run  # (entries, their inputs) → logits rows
         # Off under tensor parallelism: the workers run each forward rank 0 sends them, and one that raised on
         # rank 0 mid-command would leave them out of step; the whole step fails there, as before.
         self.isolate = isolate
-
-    def _run(self, scheduled: list[Entry], inputs: list[SequenceInput]) -> torch.Tensor:
-        if self.faults is not None and any(seq.group is not None and "step_raise" in seq.group.faults
-                                           for seq, _ in scheduled):
-            raise InjectedFault("injected fault: the forward pass raised (step_raise)")
-        return self.runner.execute(inputs)
 
     def forward(self, scheduled: list[Entry], inputs: list[SequenceInput]) -> GuardedForward:
         """The step's logits; entries whose requests failed (forward error, non-finite logits) dropped."""
@@ -90,11 +74,8 @@ class StepGuard:
                 raise
             logger.warning("a step of %d requests raised (%r); isolating the request(s) that cause it",
                            len(groups), error)
-            logits = self._bisect(scheduled, inputs, _spans(scheduled, inputs), failed)
-        else:
-            if self.faults is not None:
-                self._poison(scheduled, inputs, logits)
-        spans = _spans(scheduled, inputs)
+            logits = self._bisect(scheduled, inputs, entry_spans(scheduled, inputs), failed)
+        spans = entry_spans(scheduled, inputs)
         if logits.numel():
             sums = logits.sum(dim=-1)
             bad = torch.isnan(sums) | torch.isposinf(sums)
@@ -140,13 +121,6 @@ class StepGuard:
         logits = torch.cat(parts) if parts else torch.empty(0, 0)
         assert logits.shape[0] == total, (logits.shape, total)
         return logits
-
-    @torch.inference_mode()
-    def _poison(self, scheduled: list[Entry], inputs: list[SequenceInput], logits: torch.Tensor) -> None:
-        """Fault nan_logits: the marked requests' rows become NaN."""
-        for (seq, _), (_, _, r0, r1) in zip(scheduled, _spans(scheduled, inputs), strict=True):
-            if seq.group is not None and "nan_logits" in seq.group.faults and r1 > r0:
-                logits[r0:r1] = float("nan")
 
     @staticmethod
     def _drop(scheduled: list[Entry], inputs: list[SequenceInput], logits: torch.Tensor,

@@ -18,9 +18,11 @@ from typing import TYPE_CHECKING
 
 from minivllm.config import EngineArgs, parse_size
 from minivllm.engine.block_manager import EVICTED, BlockManager
+from minivllm.engine.hooks import StepHook
 from minivllm.engine.sequence import Sequence
 
 if TYPE_CHECKING:
+    from minivllm.engine.scheduler import SchedulerOutput
     from minivllm.model.runner import ModelRunner
 
 
@@ -232,3 +234,15 @@ def build_swap_manager(args: EngineArgs, runner: ModelRunner, block_manager: Blo
                                                                             strict=True)])
     swap.costs.observe(seconds_per_block, 1, 0.0, 0, 0)
     return swap
+
+
+class SwapCostHook(StepHook):
+    """preemption_mode auto's cost model learns from every measured step (engine/hooks.py): the step's swap time
+    per block moved and its forward time per token."""
+
+    def __init__(self, swap: SwapManager) -> None:
+        self.swap = swap
+
+    def after_forward(self, sched: SchedulerOutput, forward_s: float, moves_s: float) -> None:
+        self.swap.costs.observe(moves_s, len(sched.swap_out) + len(sched.swap_in), forward_s,
+                                sched.num_batched_tokens, len(sched.scheduled))

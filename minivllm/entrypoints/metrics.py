@@ -42,7 +42,8 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, num_speculative_tokens: int = 0, engine_metrics: bool = True) -> None:
         """engine_metrics=False (a front before Ray Serve replicas): the engine's families are not exported
-        here, since every replica reports its own (distributed/ray/metrics.py: ReplicaCollector labels them by replica)."""
+        here, since every replica reports its own (distributed/ray/metrics.py's ReplicaCollector labels them by
+        replica)."""
         # No `*_created` series (vLLM turns them off too): each would be one more series per labelled child.
         disable_created_metrics()
         self.registry = r = CollectorRegistry()

@@ -24,7 +24,7 @@ from minivllm.engine.async_engine import (
     RequestFailedError,
     RequestTimeoutError,
 )
-from minivllm.engine.input_processor import EngineRequest, Prompt
+from minivllm.engine.input_processor import EngineRequest, Prompt, RequestSpec
 from minivllm.engine.lora_registry import LoadedLoRA
 from minivllm.engine.protocol import EngineClient
 from minivllm.entrypoints.metrics import ServerMetrics
@@ -208,30 +208,18 @@ class ServerState:
     async def prepare(self, request_id: str, prompts: list[Prompt], params: SamplingParams, priority: int | str = 0,
                       default_max_tokens: int | None = None, ttft_slo_ms: float | None = None,
                       timeout_s: float | None = None, lora: LoadedLoRA | None = None) -> list[EngineRequest]:
-        """Tokenize and validate the requests of one call (ids request_id-0, -1, ...); APIError(400)
-        naming the problem. Large inputs are tokenized on a worker thread, off the event loop. `priority` is
-        an int or a class name, `ttft_slo_ms` the requests' TTFT SLO (slo.py).
-
-        An explicit max_tokens must fit the context with the prompt (vLLM's rule); a default one is
-        clipped to what is left."""
-        if params.n > self.max_num_seqs:
-            raise APIError(400, f"n: {params.n} exceeds max_num_seqs ({self.max_num_seqs})", "n")
-        if len(prompts) > self.engine.max_waiting:
-            raise APIError(400, f"prompts: {len(prompts)} prompts in one request exceed max_waiting "
-                                f"({self.engine.max_waiting}); split the batch", "prompts")
-        arrival = time.time()
-
-        def build() -> list[EngineRequest]:
-            return [self.engine.process_request(f"{request_id}-{i}", p, params, priority, arrival, fit_context=True,
-                                                default_max_tokens=default_max_tokens, ttft_slo_ms=ttft_slo_ms,
-                                                timeout_s=timeout_s, lora=lora)
-                    for i, p in enumerate(prompts)]
-
+        """The requests of one call (ids request_id-0, -1, ...), from the route's fields: one RequestSpec under the
+        servers' rules (vLLM's: an explicit max_tokens must fit the context with the prompt, a default one is
+        clipped to what is left), tokenized and checked against every limit by the engine client's input
+        processor; APIError(400) naming the problem. Large inputs are tokenized on a worker thread, off the loop."""
+        spec = RequestSpec(params, priority, time.time(), True, default_max_tokens, ttft_slo_ms, timeout_s, lora)
         size = sum(len(p) if isinstance(p, str) else 64 for p in prompts)
         # A guided request compiles its grammar (ms; the first one also indexes the vocabulary): off the loop too.
         inline = size <= _INLINE_TOKENIZE_CHARS and params.guided_decoding is None
         try:
-            return build() if inline else await asyncio.to_thread(build)
+            if inline:
+                return self.engine.process_requests(request_id, prompts, spec)
+            return await asyncio.to_thread(self.engine.process_requests, request_id, prompts, spec)
         except ValueError as e:
             raise bad_request(e) from None
 

@@ -71,6 +71,16 @@ class SpecDecodeStats:
     proposed_per_position: list[int] = field(default_factory=list)  # [i]: drafts that had a proposal i
 
 
+@dataclass(slots=True)
+class SpecRecord:
+    """One sequence's speculation record: proposals verified so far, and (recent ones weighing most) the tokens
+    they yielded against what all drafts' acceptance expected of them."""
+
+    drafts: int = 0
+    accepted: float = 0.0
+    expected: float = 0.0
+
+
 class Speculator:
     """Proposes for the running sequences before a step, verifies their rows after it.
 
@@ -109,6 +119,7 @@ class Speculator:
         self.num_skipped = 0  # proposal tokens withheld because they were not expected to pay
         self.draft_probs: dict[int, torch.Tensor] = {}  # seq_id → [k, V] what its proposals were drawn from
         self.proposing: list[Sequence] = []  # this step's speculating sequences
+        self.records: dict[int, SpecRecord] = {}  # seq_id → its record, from its first verification to its end
         self._step = self._last_spec = 0  # steps proposed for, and the last one that speculated
 
     # ---- cost model ----------------------------------------------------------------------------
@@ -127,7 +138,8 @@ class Speculator:
     def _factor(self, seq: Sequence) -> float:
         """How seq's proposals fare against all drafts' (accepted / expected at their positions), once it has
         a history of its own: a request whose proposals keep failing pauses proposing (see FORGET)."""
-        return (seq.spec_accepted + 1) / (seq.spec_expected + 1) if seq.spec_drafts >= 4 else 1.0
+        rec = self.records.get(seq.seq_id)
+        return (rec.accepted + 1) / (rec.expected + 1) if rec is not None and rec.drafts >= 4 else 1.0
 
     def _explore_due(self) -> bool:
         return self._step - self._last_spec >= self.EXPLORE_EVERY
@@ -201,9 +213,10 @@ class Speculator:
         does not silence a sequence for good."""
         chosen = {seq.seq_id for seq, _ in kept}
         for seq, _ in candidates:
-            if seq.seq_id not in chosen and seq.spec_drafts >= 4:
-                seq.spec_accepted *= self.FORGET
-                seq.spec_expected *= self.FORGET
+            rec = self.records.get(seq.seq_id)
+            if seq.seq_id not in chosen and rec is not None and rec.drafts >= 4:
+                rec.accepted *= self.FORGET
+                rec.expected *= self.FORGET
 
     # ---- proposing -------------------------------------------------------------------------------
     @staticmethod
@@ -264,6 +277,11 @@ class Speculator:
         """seq finished, was aborted or was preempted: the proposer lets go of what it holds for it."""
         self.proposer.release(seq)
 
+    def forget(self, seq: Sequence) -> None:
+        """seq finished or was aborted: its record goes too (a preempted one keeps it for when it resumes)."""
+        self.release(seq)
+        self.records.pop(seq.seq_id, None)
+
     # ---- verification ----------------------------------------------------------------------------
     @staticmethod
     def _penalized(seq: Sequence, logits: torch.Tensor, proposed: list[int]) -> torch.Tensor:
@@ -305,9 +323,10 @@ class Speculator:
             j = len(kept) - 1
         st = self.stats
         if proposed:
-            seq.spec_drafts += 1
-            seq.spec_accepted = self.RECENT * seq.spec_accepted + j
-            seq.spec_expected = self.RECENT * seq.spec_expected + sum(self.position_rates()[:len(proposed)])
+            rec = self.records.setdefault(seq.seq_id, SpecRecord())
+            rec.drafts += 1
+            rec.accepted = self.RECENT * rec.accepted + j
+            rec.expected = self.RECENT * rec.expected + sum(self.position_rates()[:len(proposed)])
             st.num_drafts += 1
             st.num_draft_tokens += len(proposed)
             st.num_accepted_tokens += j

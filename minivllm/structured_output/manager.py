@@ -76,7 +76,10 @@ class StructuredOutputManager:
         self.words = (vocab_size + 31) // 32  # int32 words per mask row
         self.mask_time = 0.0  # seconds spent filling masks (the worker's), for the step split and benchmarks
         self.num_masks = 0
-        self.num_live = 0  # sequences holding a matcher: 0 → a step pays nothing for guided decoding
+        # Per guided sequence (seq_id), on the engine thread: its grammar's state, or the grammar waiting for its
+        # thinking to end (reasoning.py). Empty → a step pays nothing for guided decoding.
+        self.matchers: dict[int, Any] = {}
+        self.pending: dict[int, str] = {}
         self.wait_time = 0.0  # seconds the engine waited for masks after the forward
         self.num_steps = 0  # steps with guided rows
         # Fill masks on a worker during the forward, or before it on the engine thread: overlap pays only where a
@@ -159,48 +162,60 @@ class StructuredOutputManager:
             raise ValueError(f"guided decoding: {_one_line(m.get_error())}")
         return m
 
+    @property
+    def num_live(self) -> int:
+        """Sequences holding a matcher."""
+        return len(self.matchers)
+
     def attach(self, seq: Sequence, grammar: str) -> None:
         """Give a sequence of a guided request its matcher."""
-        seq.matcher = self.new_matcher(grammar)
-        self.num_live += 1
+        self.matchers[seq.seq_id] = self.new_matcher(grammar)
+
+    def attach_later(self, seq: Sequence, grammar: str) -> None:
+        """A thinking sequence's grammar starts with its answer (attach_after_reasoning)."""
+        self.pending[seq.seq_id] = grammar
 
     def attach_after_reasoning(self, seq: Sequence) -> None:
         """A thinking sequence's grammar starts with its answer: attached once </think> is in its output."""
         text = seq.detokenizer.text if seq.detokenizer is not None else ""
-        if seq.pending_grammar is not None and reasoning_ended(text):
-            grammar, seq.pending_grammar = seq.pending_grammar, None
-            self.attach(seq, grammar)
+        if seq.seq_id in self.pending and reasoning_ended(text):
+            self.attach(seq, self.pending.pop(seq.seq_id))
 
     def detach(self, seq: Sequence) -> None:
-        """A finished sequence lets its matcher go."""
-        if seq.matcher is not None:
-            seq.matcher = None
-            self.num_live -= 1
+        """A finished sequence lets its matcher (or its waiting grammar) go."""
+        self.matchers.pop(seq.seq_id, None)
+        self.pending.pop(seq.seq_id, None)
 
     def check_proposals(self, seqs: list[Sequence]) -> None:
         """Cut each guided sequence's proposed tokens to the run its grammar accepts: a draft token the grammar
         forbids could never be accepted, and neither could any after it."""
         for seq in seqs:
-            if seq.matcher is not None and seq.spec_token_ids:
-                seq.spec_token_ids = seq.spec_token_ids[:seq.matcher.validate_tokens(seq.spec_token_ids)]
+            m = self.matchers.get(seq.seq_id)
+            if m is not None and seq.spec_token_ids:
+                seq.spec_token_ids = seq.spec_token_ids[:m.validate_tokens(seq.spec_token_ids)]
 
     def accept(self, seq: Sequence, token: int) -> tuple[bool, bool]:
         """Advance seq's matcher by one token: (accepted, the grammar is complete and takes nothing more)."""
-        m = seq.matcher
+        m = self.matchers[seq.seq_id]
         if not m.consume_token(token):
             return False, True
         return True, m.is_stopped()
+
+    def error(self, seq: Sequence) -> str:
+        """Why seq's matcher refused its last token."""
+        return str(self.matchers[seq.seq_id].get_error())
 
     # ---- masks ----------------------------------------------------------------------------------
     def start_step(self, scheduled: list[tuple[Sequence, int]]) -> StepMasks | None:
         """Start filling the masks of this step's guided rows (before the forward): a sequence sampling this step
         gets one row; a speculating one a row per verified position (after its last token, then after each
         proposal in turn). None when no scheduled sequence is guided."""
-        if not self.num_live:
+        if not self.matchers:
             return None
         jobs, rows, r = [], {}, 0
         for seq, n in scheduled:
-            if seq.matcher is None:
+            matcher = self.matchers.get(seq.seq_id)
+            if matcher is None:
                 continue
             if seq.spec_token_ids:
                 drafts = seq.spec_token_ids[:n - 1]
@@ -208,7 +223,7 @@ class StructuredOutputManager:
                 drafts = []
             else:
                 continue  # a prefill chunk short of the prompt's end samples nothing
-            jobs.append((seq.matcher, drafts))
+            jobs.append((matcher, drafts))
             rows[seq.seq_id] = r
             r += 1 + len(drafts)
         if not jobs:

@@ -29,10 +29,9 @@ from minivllm.engine.async_stream import (
     RequestFailedError,
     RequestTimeoutError,
 )
-from minivllm.engine.input_processor import EngineRequest, InputProcessor, Prompt, RequestLimits
+from minivllm.engine.input_processor import EngineRequest, InputProcessor, Prompt, RequestLimits, RequestSpec
 from minivllm.engine.lora_registry import LoadedLoRA
 from minivllm.engine.stats import SchedulerSnapshot, StatLogger
-from minivllm.sampling_params import SamplingParams
 from minivllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -121,15 +120,11 @@ class RayEngineClient:
         """Refused: replicas serve no adapters."""
         raise ValueError("LoRA adapters are not served through --replicas")
 
-    def process_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int | str = 0,
-                        arrival_time: float | None = None, fit_context: bool = False,
-                        default_max_tokens: int | None = None, ttft_slo_ms: float | None = None,
-                        timeout_s: float | None = None, lora: LoadedLoRA | None = None) -> EngineRequest:
+    def process_requests(self, request_id: str, prompts: list[Prompt], spec: RequestSpec) -> list[EngineRequest]:
         """Tokenize and validate as a replica would (ValueError names the problem); the front sets deadlines
         (with the replicas' --ttft-slo-ms, and the request's timeout), as requests arrive here. Replicas serve no
         LoRA adapters (the front lists none, so `lora` is always None here)."""
-        return self.input_processor.process(request_id, prompt, params, priority, arrival_time, fit_context,
-                                            default_max_tokens, ttft_slo_ms, timeout_s, lora)
+        return self.input_processor.process_call(request_id, prompts, spec)
 
     def start(self) -> None:
         """Start reading the board (call on the server's event loop)."""
