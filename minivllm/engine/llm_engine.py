@@ -60,6 +60,7 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         self.args = args
         torch.set_num_threads(args.num_threads or cpu_count())
         self.device = torch.device(args.device) if args.device else default_device()
+        assert args.model is not None  # EngineArgs.__post_init__ fills in the default model
         self.model_config = mc = ModelConfig.from_pretrained(args.model)
         self.dtype = resolve_dtype(args.dtype, mc.checkpoint_dtype, self.device)
         self.max_model_len = args.max_model_len or mc.max_position_embeddings
@@ -175,7 +176,8 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         if self.args.check_invariants:
             for seq, n in sched.scheduled:
                 self.block_manager.check_writable(seq, n)
-        # Guided rows' token masks: filled during the forward where a core is free, else now (structured_output/manager.py).
+        # Guided rows' token masks: filled during the forward where a core is free, else now
+        # (structured_output/manager.py).
         self._masks = self.structured.start_step(sched.scheduled)
         guarded = self.guard.forward(sched.scheduled, self._runner_inputs(sched.scheduled))
         sched.scheduled, inputs, logits = guarded.scheduled, guarded.inputs, guarded.logits
