@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from tqdm.auto import tqdm
 
@@ -38,8 +38,8 @@ class LLM:
         arrival) and `lora_request` (the adapter, with LLM(enable_lora=True)) apply to every prompt, or come one
         per prompt."""
         if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+            prompts = [prompts]
+        prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -73,7 +73,9 @@ class LLM:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or to several,
         through the tokenizer's chat template (with extra template variables, as Qwen3's enable_thinking, and the
         tools shown to the model)."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        # one conversation (its first item a message) or several (mypy cannot narrow the union by its first item)
+        conversations = cast(list[list[dict[str, str]]],
+                             [messages] if messages and isinstance(messages[0], dict) else messages)
         tok = self.get_tokenizer()
         prompts = [chat_prompt(tok, conv, add_generation_prompt, chat_template, tools, chat_template_kwargs)
                    for conv in conversations]

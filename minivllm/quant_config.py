@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from minivllm.model_config import ModelConfig
 
@@ -47,7 +48,7 @@ class QuantConfig:
         return cfg
 
     @staticmethod
-    def from_hf_dict(d: dict[str, object], where: str) -> QuantConfig:
+    def from_hf_dict(d: dict[str, Any], where: str) -> QuantConfig:
         """Parse a checkpoint's `quantization_config`; anything we did not write is a clear error."""
         if d.get("quant_method") != "minivllm" or d.get("format_version") != 1:
             raise ValueError(f"{where}: quantization_config {d!r} is not a minivllm quantized checkpoint "

@@ -29,8 +29,8 @@ def _int(name: str, value: object, low: int, high: int | None = None, allow_none
 
 
 def _float(name: str, value: object, low: float, high: float, low_open: bool = False) -> None:
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if ok:
+    ok = False
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
         ok = (value > low if low_open else value >= low) and value <= high
     if not ok:
         bracket = "(" if low_open else "["

@@ -99,7 +99,8 @@ def run_ablations(base: EngineArgs, workloads: dict[str, Workload], run_engine: 
         max_len = max(len(p) + (sp.max_tokens or 0) for p, sp in zip(wl.prompts, wl.params, strict=True))
         # One pool and one context limit for all: the full engine's peak need, and the longest request
         # rounded up to a block (the contiguous cache reserves that much per sequence).
-        args = replace(base, num_kv_blocks=max(pool, -(-max_len // block)), max_model_len=-(-max_len // block) * block,
+        num_kv_blocks = max(pool, -(-max_len // block))
+        args = replace(base, num_kv_blocks=num_kv_blocks, max_model_len=-(-max_len // block) * block,
                        max_num_seqs=max(len(wl.prompts), 1))
         full = _engine(args)
         run_engine(full, warm.prompts, warm.params)
@@ -126,7 +127,7 @@ def run_ablations(base: EngineArgs, workloads: dict[str, Workload], run_engine: 
             "workload": wname, "output_tok_s": base_tok_s, "runs_output_tok_s": [r["output_tok_s"] for r in runs],
             "kv_waste": runs[0]["kv_waste"], "peak_kv_slots": runs[0]["peak_kv_slots"],
             "longest_step_ms": runs[0]["longest_step_ms"], "requests": len(wl.prompts),
-            "output_tokens": wl.output_tokens, "pool_slots": args.num_kv_blocks * block,
+            "output_tokens": wl.output_tokens, "pool_slots": num_kv_blocks * block,
             "max_model_len": args.max_model_len}
         del full
     return results

@@ -70,7 +70,9 @@ def as_driver(engine: LLMEngine, prompts: list[list[int]], width: int, max_token
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
-                    outs[out.request_id] = out.outputs[0].logprobs[0]
+                    lps = out.outputs[0].logprobs
+                    assert lps is not None  # asked for (logprobs=2·width)
+                    outs[out.request_id] = lps[0]
         for i, st in enumerate(states):
             if not st.live:
                 continue

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -115,7 +115,7 @@ def run_guided(ns: argparse.Namespace) -> int:
             secs, _, stats = _run(eng, prompts, plain if m == "unguided" else gp, f"{m}{r}")
             runs[m].append((secs, stats))
     eng.structured.overlap = default_overlap
-    rows = {}
+    rows: dict[str, dict[str, Any]] = {}  # mode → medians, and its runs' tokens/s
     for m in MODES:
         tok_s = [t / s for t, (s, _) in zip(tokens, runs[m], strict=True)]
         stats = {k: float(np.median([st[k] for _, st in runs[m]])) for k in runs[m][0][1]}
@@ -139,7 +139,7 @@ def _valid(eng: LLMEngine, ids: list[int]) -> bool:
     import json
 
     try:
-        json.loads(eng.tokenizer.decode(ids))
+        json.loads(cast(str, eng.tokenizer.decode(ids)))  # (one id list decodes to one string)
         return True
     except ValueError:
         return False

@@ -26,7 +26,7 @@ from minivllm.engine.llm_engine import LLMEngine
 from minivllm.model.runner import ModelRunner, SequenceInput
 from minivllm.sampling_params import SamplingParams
 
-STORAGES = {  # name → engine kwargs
+STORAGES: dict[str, dict[str, Any]] = {  # name → engine kwargs
     "fp32": {"dtype": "float32"},
     "fp32+int8": {"dtype": "float32", "kv_cache_dtype": "int8"},
     "bf16": {"dtype": "bfloat16"},
@@ -125,7 +125,7 @@ def _quality(ns: argparse.Namespace, held: np.ndarray) -> dict[str, Any]:
     bf16_int8 = teacher_forced_logprobs(_runner(ns.model, total, dtype="bfloat16", kv_cache_dtype="int8"), wins)
     result: dict[str, Any] = {"int8": _compare(ref, int8, wins), "bf16": _compare(ref, bf16, wins),
                               "bf16+int8": _compare(bf16, bf16_int8, wins), "windows": n, "length": length}
-    eviction = {}
+    eviction: dict[str, dict[str, Any]] = {}  # window → the comparison (and past_window: its own, nested)
     for w in (int(x) for x in ns.windows.split(",")):
         got = teacher_forced_logprobs(_runner(ns.model, total, dtype="float32", kv_eviction="sink-window",
                                               sink_tokens=ns.sinks, window_tokens=w), wins)

@@ -301,16 +301,16 @@ def summarize(results: Sequence[RequestResult], elapsed: float) -> dict[str, Any
     failed = [r for r in results if not r.ok]
     causes = Counter(_cause(r.error) for r in failed)
     tokens = sum(r.output_tokens for r in ok)
-    streamed = [r for r in ok if r.ttft is not None]
+    streamed = [(r, r.ttft) for r in ok if r.ttft is not None]
     # Time per output token after the first: independent of how a transport groups tokens into messages.
-    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in streamed if r.output_tokens > 1]
+    tpots = [(r.e2e - ttft) / (r.output_tokens - 1) for r, ttft in streamed if r.output_tokens > 1]
     return {
         "requests": len(results), "successes": len(ok), "failures": len(failed),
         "failure_causes": dict(causes.most_common()), "first_failure": failed[0].error if failed else "",
         "elapsed_s": elapsed, "req_per_s": len(ok) / elapsed if elapsed else 0.0,
         "output_tokens": tokens, "output_tok_per_s": tokens / elapsed if elapsed else 0.0,
-        "ttft_ms": _dist([r.ttft for r in streamed], 1000), "tpot_ms": _dist(tpots, 1000),
-        "itl_ms": _dist([x for r in streamed for x in r.itls], 1000), "e2e_ms": _dist([r.e2e for r in ok], 1000),
+        "ttft_ms": _dist([ttft for _, ttft in streamed], 1000), "tpot_ms": _dist(tpots, 1000),
+        "itl_ms": _dist([x for r, _ in streamed for x in r.itls], 1000), "e2e_ms": _dist([r.e2e for r in ok], 1000),
     }
 
 
@@ -331,5 +331,6 @@ async def run_load(client: Client, requests: Sequence[RequestSpec], concurrency:
         if rate is not None:
             results, elapsed = await run_open(client, requests, rate, seed, progress)
         else:
+            assert concurrency is not None  # exactly one of the two is given (checked above)
             results, elapsed = await run_closed(client, requests, concurrency, progress)
     return summarize(results, elapsed)

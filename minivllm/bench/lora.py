@@ -85,10 +85,11 @@ def run_lora(ns: argparse.Namespace) -> int:
         for r in range(ns.rounds):
             prompts = prompts_of(r)
             for m in MODES if r % 2 == 0 else MODES[::-1]:
-                loras = [cycle[i % 4] for i in range(ns.requests)] if m == "mixed" else [None] * ns.requests
+                loras: list[LoRARequest | None] = ([cycle[i % 4] for i in range(ns.requests)] if m == "mixed"
+                                                   else [None] * ns.requests)
                 runs[m].append(_run(eng, prompts, loras, ns.output_len, f"{m}{r}"))
     tokens = ns.requests * ns.output_len
-    rows = {}
+    rows: dict[str, dict[str, Any]] = {}  # mode → medians, and its runs' tokens/s
     for m in MODES:
         tok_s = [tokens / s for s, _ in runs[m]]
         rows[m] = {"output_tok_s": float(np.median(tok_s)), "runs_tok_s": tok_s,

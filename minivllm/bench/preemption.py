@@ -105,7 +105,7 @@ def _workload(ns: argparse.Namespace, held: np.ndarray, shape: tuple[int, int, i
         for m in MODES if r % 2 == 0 else MODES[::-1]:
             runs[m].append(_run_once(engines[m], prompts, params, f"{r}"))
     bs = engines["recompute"].cache_config.block_size
-    rows = {}
+    rows: dict[str, dict[str, Any]] = {}  # mode → medians, and its runs' seconds
     for m in MODES:
         secs = float(np.median([x["seconds"] for x in runs[m]]))
         rows[m] = {k: float(np.median([x[k] for x in runs[m]])) for k in runs[m][0]}

@@ -66,6 +66,7 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
             total += sum(b.numel() * b.element_size() for b in m.buffers())
         elif isinstance(m, Linear):
             w = m.weight if m.weight is not None else m.packed
+            assert w is not None  # a Linear keeps at least one layout of its weight
             total += m.in_features * m.out_features * w.element_size()
             total += 0 if m.bias is None else m.bias.numel() * m.bias.element_size()
         elif type(m).__name__ in ("RMSNorm", "LayerNorm"):

@@ -19,12 +19,13 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         out.append({"target": name, "figure": figure, "goal": goal, "met": met,
                     "shown": "-" if figure is None else fmt.format(figure)})
 
-    add("fp32 b=1 decode >= 85% of the fp32 bandwidth roofline", fp32 and fp32["b1_roofline_frac"], 0.85,
-        fmt="{:.0%}")
+    add("fp32 b=1 decode >= 85% of the fp32 bandwidth roofline",
+        None if fp32 is None else fp32["b1_roofline_frac"], 0.85, fmt="{:.0%}")
     # w4a8 carries int4's goal: the same weight bytes with int8 activations, llama.cpp Q4_0's kind of decode.
     for mode, goal in (("int8", 2.5), ("int4", 3.5), ("w4a8", 3.5)):
         r = _row(result, mode)
-        add(f"{mode} b=1 >= {goal}x fp32 b=1", r and fp32 and r["b1_tok_s"] / fp32["b1_tok_s"], goal, fmt="{:.2f}x")
+        add(f"{mode} b=1 >= {goal}x fp32 b=1", None if r is None or fp32 is None else r["b1_tok_s"] / fp32["b1_tok_s"],
+            goal, fmt="{:.2f}x")
     w, big = _row(result, "w8a8"), "64"
     ratio = None
     if w and fp32 and big in w["batches"] and big in fp32["batches"]:

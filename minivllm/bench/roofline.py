@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -36,11 +37,12 @@ def measure_ceilings(hidden: int = 576, intermediate: int = 1536, dtype: torch.d
     mkl = 2 * n**3 / best_time(lambda: a @ b, 5)
     peak = mkl
     x, w = torch.randn(64, hidden, dtype=dtype), torch.randn(intermediate, hidden, dtype=dtype)
-    linear = torch.nn.functional.linear
+    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.nn.functional.linear
     if torch.backends.mkldnn.is_available():
         from minivllm.model.layers import Linear
 
         big, small = Linear(n, n, bias=False), Linear(hidden, intermediate, bias=False)
+        assert big.weight is not None and small.weight is not None  # not packed yet
         with torch.no_grad():
             big.weight.copy_(b)
             small.weight.copy_(w)
@@ -95,6 +97,7 @@ def bandwidth_passes(mib: int | None = None, passes: int = 9, threads: int | Non
 
     threads = threads or torch.get_num_threads()
     buf = torch.ones((mib or probe_mib()) * 2**20 // 4, dtype=torch.float32)
+    read: Callable[[], object]
     if cpu_kernels.available():
         read = lambda: cpu_kernels.stream_read(buf, threads)  # noqa: E731
     else:
@@ -160,7 +163,7 @@ class ModelCost:
         return total
 
     def serving_roofline(self, prompt_lens: list[int], output_lens: list[int], batch: int, m: MachineCeilings
-                         ) -> dict[str, float]:
+                         ) -> dict[str, float | str]:
         """Lower bound on serving these requests with at most `batch` running at once: every token's FLOPs
         at peak FLOP/s, or the weights read once per step at peak bandwidth (each step yields at most
         `batch` tokens), whichever is larger."""

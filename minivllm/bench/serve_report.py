@@ -76,8 +76,8 @@ def plot(r: dict[str, Any], path: str) -> None:
     ts = r["endpoints"]
     labels = r.get("labels") or {t: ENDPOINT_NAMES[t] for t in ts}
     names = [labels[t] for t in ts]
-    keys = [k for k in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "end-to-end")) if r["stream"]
-            or k[0] == "e2e_ms"]
+    metrics: tuple[tuple[str, str], ...] = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "end-to-end"))
+    keys = [k for k in metrics if r["stream"] or k[0] == "e2e_ms"]
     fig, axes = plt.subplots(1, 1 + len(keys), figsize=(4 * (1 + len(keys)), 3.6))
     tok = [r["server"][t]["output_tok_per_s"] for t in ts]
     axes[0].bar(names, tok, color="tab:blue")

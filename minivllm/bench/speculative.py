@@ -172,10 +172,12 @@ def _draft_ceiling(model: str, draft: str, k: int, prompts: list[list[int]], out
                                speculative_model=draft, num_speculative_tokens=k, speculative_adaptive=False))
     for p in prompts:
         _run(eng, [p], output_len)
-    st = eng.speculator.stats
+    spec, ngram, drafting = (e.speculator for e in (eng, engines[f"ngram k={k}"], engines[f"draft k={k}"]))
+    assert spec is not None and ngram is not None and drafting is not None  # all three built to speculate
+    st = spec.stats
     per_pos = [a / max(st.num_drafts, 1) for a in st.accepted_per_position]  # P(proposal i accepted)
-    steps = engines[f"ngram k={k}"].speculator.steps
-    rounds = engines[f"draft k={k}"].speculator.proposer
+    steps = ngram.steps
+    rounds = drafting.proposer
     plain = steps.measured(1) or steps.estimate(1)
     out: dict[str, Any] = {"k": k, "drafts": st.num_drafts, "per_position": per_pos, "decode_ms": None,
                            "verify_ms": {}, "draft_ms": {}, "ceiling": {}}

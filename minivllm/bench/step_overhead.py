@@ -70,7 +70,7 @@ def measure(engine: LLMEngine, prompts: list[list[int]], steps: int) -> dict[str
         engine.step()
     # The output side's parts, timed by wrapping them on this engine instance only: detokenization with
     # stop checks (append_token, minus the logprob dicts it builds), logprob dicts, RequestOutput assembly.
-    op = engine.output_processor
+    op: Any = engine.output_processor  # its methods are shadowed by instance attributes below (mypy refuses that)
     spent = {"detokenize_stop": 0.0, "logprob_dicts": 0.0, "outputs": 0.0}
 
     def timed(name: str, fn: Any) -> Any:

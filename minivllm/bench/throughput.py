@@ -99,7 +99,8 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], params: SamplingPara
     decode_steps: list[tuple[float, int, int]] = []  # (seconds, batch, context tokens) of pure-decode steps
     outputs: dict[str, list[int]] = {}
     held = allocated = 0  # token-steps of KV held vs slot-steps allocated (the waste is the difference)
-    peak_slots = longest = 0
+    peak_slots = 0
+    longest: float = 0  # seconds
     bookkeeping = 0.0  # the KV accounting below, kept out of the timings
     while engine.has_unfinished_requests():
         ts = time.perf_counter()
@@ -197,7 +198,7 @@ def profile_decode(engine: LLMEngine, prompts: list[list[int]], steps: int = 6) 
         engine.add_request(f"prof-{i}", {"prompt_token_ids": p}, params)
     while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_tokens - 1 for s in engine.scheduler.running):
         engine.step()
-    backend = engine.runner.attention_backend
+    backend: Any = engine.runner.attention_backend  # its decode is shadowed below (mypy refuses that on a method)
     attn_time = [0.0]
     decode = backend.decode
 
@@ -249,6 +250,7 @@ def run_throughput(ns: argparse.Namespace) -> int:
     mc = ModelConfig.from_pretrained(path)
     print(f"model {path} ({mc.architecture}), threads {threads}")
     ceil = measure_ceilings_for(mc)
+    engine: LLMEngine | None  # None once the ablations have replaced it
     engine = LLMEngine(EngineArgs(model=path, dtype=ns.dtype, kv_cache_memory=ns.kv_cache_memory,
                                   max_num_seqs=max(256, ns.num_requests), num_threads=threads,
                                   max_num_batched_tokens=ns.max_num_batched_tokens,

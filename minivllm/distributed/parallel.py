@@ -14,6 +14,7 @@ before quantization and kernel planning, so every later stage sees only the rank
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -55,7 +56,9 @@ def _rows(w: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
     return torch.cat([w[a:b] for a, b in spans])
 
 
-def _column_parallel(lin: nn.Module, spans: list[tuple[int, int]]) -> None:
+# The helpers below walk and rewrite a model's module tree by attribute name (layers[i].self_attn.o_proj.weight,
+# ...); nn.Module's __getattr__ types every child `Tensor | Module`, so the walked objects are `Any`.
+def _column_parallel(lin: Any, spans: list[tuple[int, int]]) -> None:
     """Keep the output rows in `spans` (weight [out, in], bias [out])."""
     lin.weight = _param(_rows(lin.weight.data, spans))
     if lin.bias is not None:
@@ -63,7 +66,7 @@ def _column_parallel(lin: nn.Module, spans: list[tuple[int, int]]) -> None:
     lin.out_features = lin.weight.shape[0]
 
 
-def _row_parallel(lin: nn.Module, start: int, end: int, rank: int) -> None:
+def _row_parallel(lin: Any, start: int, end: int, rank: int) -> None:
     """Keep input columns [start, end); partial outputs are summed across ranks after the matmul, so only
     rank 0 keeps the bias."""
     lin.weight = _param(lin.weight.data[:, start:end])
@@ -105,7 +108,7 @@ def _vocab_shard(weight: torch.Tensor, vocab: int, pc: ParallelConfig) -> tuple[
     return rows, start
 
 
-def _shard_vocab(model: nn.Module, embed_name: str, vocab: int, pc: ParallelConfig) -> None:
+def _shard_vocab(model: Any, embed_name: str, vocab: int, pc: ParallelConfig) -> None:
     """Vocab-parallel embedding and LM head (tied ones share the shard); logits gathered to the full vocab."""
     embed: nn.Embedding = getattr(model, embed_name)
     tied = model.lm_head.weight is embed.weight
@@ -123,7 +126,7 @@ def _head_spans(first: int, count: int, d: int, offset: int = 0) -> list[tuple[i
     return [(offset + first * d, offset + (first + count) * d)]
 
 
-def _row_parallel_names(model: nn.Module) -> list[str]:
+def _row_parallel_names(model: Any) -> list[str]:
     if hasattr(model, "layers"):
         return [f"layers.{i}.{m}" for i in range(len(model.layers)) for m in ("self_attn.o_proj", "mlp.down_proj")]
     return [f"h.{i}.{m}" for i in range(len(model.h)) for m in ("attn.c_proj", "mlp.c_proj")]
@@ -141,7 +144,7 @@ def attach_collectives(model: nn.Module, mc: ModelConfig, pc: ParallelConfig) ->
     def gather(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
         return torch.cat(get_comm().all_gather(out), dim=-1)[..., :vocab]
 
-    model.lm_head.register_forward_hook(gather)
+    model.get_submodule("lm_head").register_forward_hook(gather)
 
 
 def shard_model(model: nn.Module, mc: ModelConfig, pc: ParallelConfig) -> None:
@@ -151,11 +154,12 @@ def shard_model(model: nn.Module, mc: ModelConfig, pc: ParallelConfig) -> None:
         return
     r, n, d = pc.rank, pc.size, mc.head_dim
     hq = mc.num_heads // n
+    tree: Any = model  # walked by attribute name (see _column_parallel)
     if hasattr(model, "layers"):  # Llama, Mistral, Qwen2
         kv = mc.kv_heads_per_rank(n)
         kv_first = r * hq // (mc.num_heads // mc.num_kv_heads)  # the KV head of this rank's first query head
         q_size, kv_size = mc.num_heads * d, mc.num_kv_heads * d
-        for layer in model.layers:
+        for layer in tree.layers:
             attn = layer.self_attn
             _column_parallel(attn.qkv_proj, _head_spans(r * hq, hq, d) + _head_spans(kv_first, kv, d, q_size)
                              + _head_spans(kv_first, kv, d, q_size + kv_size))
@@ -170,7 +174,7 @@ def shard_model(model: nn.Module, mc: ModelConfig, pc: ParallelConfig) -> None:
         _shard_vocab(model, "embed_tokens", mc.vocab_size, pc)
     elif hasattr(model, "h"):  # GPT-2: fused [q; k; v] rows, heads == KV heads
         hidden = mc.hidden_size
-        for block in model.h:
+        for block in tree.h:
             attn = block.attn
             _column_parallel(attn.c_attn, [(i * hidden + r * hq * d, i * hidden + (r + 1) * hq * d) for i in range(3)])
             _row_parallel(attn.c_proj, r * hq * d, (r + 1) * hq * d, r)

@@ -83,8 +83,8 @@ def _without_main() -> Iterator[None]:
     in every rank (a script's top level builds the engine again: ranks spawning ranks) or, for a script piped on
     stdin, fail to find '<stdin>'. The ranks' target and arguments come from minivllm alone."""
     main = sys.modules["__main__"]
-    saved = {k: main.__dict__.pop(k) for k in ("__file__", "__spec__") if k in main.__dict__}
-    main.__spec__ = None  # type: ignore[assignment]  # spawn reads it unconditionally
+    saved: dict[str, Any] = {k: main.__dict__.pop(k) for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__spec__ = None  # spawn reads it unconditionally
     try:
         yield
     finally:

@@ -63,7 +63,7 @@ class AsyncLLMEngine:
         a factory runs now, and its errors are raised here."""
         self.stat_loggers = list(stat_loggers)
         self.client_stall_timeout_s = client_stall_timeout_s
-        self.death_callbacks: list[Callable[[], None]] = []  # run on the event loop once the engine loop died
+        self.death_callbacks: list[Callable[[], object]] = []  # run on the event loop once the engine loop died
         self.batch_wait_s = batch_wait_ms / 1000.0
         self.max_waiting = max_waiting
         self.num_threads = num_threads or cpu_count()
@@ -296,6 +296,7 @@ class AsyncLLMEngine:
                     result, error = item.fn(eng), None
                 except Exception as e:
                     result, error = None, e
+                assert self._loop is not None  # set by start(), before the engine thread runs
                 self._loop.call_soon_threadsafe(settle, item.future, result, error)
             else:
                 try:

@@ -25,7 +25,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._backend = backend
+        self._backend: Any = backend  # the fast tokenizer's `tokenizers.Tokenizer` wherever _stream is set
         self._stream = DecodeStream(ids=prompt_ids[-PROMPT_CONTEXT:], skip_special_tokens=skip_special_tokens) \
             if backend is not None else None
         self._ids: list[int] = []  # only for slow tokenizers (no DecodeStream)

@@ -70,11 +70,12 @@ class WindowGroups:
         self.managers = managers
         self._hits: dict[int, list[list[int]]] = {}  # seq_id → each group's prefix hit, for the allocation after
 
-    def views(self, seq: Sequence) -> tuple[GroupView, ...]:
-        """seq's table in each group (made on first use)."""
+    def views(self, seq: Sequence) -> tuple[Any, ...]:
+        """seq's table in each group (made on first use): GroupViews, which a group's BlockManager takes where it
+        takes a Sequence (duck-typed: it reads only what a GroupView forwards, hence `Any`)."""
         if not seq.kv_views:
             seq.kv_views = tuple(GroupView(seq) for _ in self.managers)
-        return seq.kv_views  # type: ignore[return-value]
+        return seq.kv_views
 
     def tables(self, seq: Sequence) -> tuple[list[int], ...]:
         """seq's block table in each group, for the runner."""

@@ -64,6 +64,7 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         self.args = args
         torch.set_num_threads(args.num_threads or cpu_count())
         self.device = torch.device(args.device) if args.device else default_device()
+        assert args.model is not None  # EngineArgs.__post_init__ fills in the default model
         self.model_config = mc = ModelConfig.from_pretrained(args.model)
         self.dtype = resolve_dtype(args.dtype, mc.checkpoint_dtype, self.device)
         self.max_model_len = args.max_model_len or mc.max_position_embeddings

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -142,7 +142,8 @@ class OutputProcessor:
                 owners.append(seq)
         if not rows:
             return
-        num = [s.sampling_params.prompt_logprobs for s in owners]
+        # (set for every owner: a group keeps prompt logprobs only when its request asked for them)
+        num = [cast(int, s.sampling_params.prompt_logprobs) for s in owners]
         tlps = sampler.logprobs_of(logits[rows], targets, num)
         for seq, tlp in zip(owners, tlps, strict=True):
             assert seq.group is not None and seq.group.prompt_logprobs is not None

@@ -22,7 +22,7 @@ class EngineClient(Protocol):
     """Add requests and stream their outputs, abort them, report health and gauges, manage adapters."""
 
     stat_loggers: list[StatLogger]  # the server's metrics insert themselves here
-    death_callbacks: list[Callable[[], None]]  # run on the event loop once the engine can serve no more
+    death_callbacks: list[Callable[[], object]]  # run on the event loop once the engine can serve no more
 
     # ---- what the front ends read ----
     @property

@@ -5,6 +5,7 @@ step itself."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,6 +45,7 @@ class RequestLifecycle:
     log_stats: bool
     # request id → why it failed, for requests a fault touched (aborted; see fail_request)
     failed_requests: dict[str, str]
+    _arrivals: Iterator[int]  # arrival order of the requests' sequences (an itertools.count)
 
     def add_request(self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None = None,
                     priority: int | str = 0, arrival_time: float | None = None, ttft_slo_ms: float | None = None,
@@ -78,6 +80,7 @@ class RequestLifecycle:
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         if params.use_beam_search:
+            assert params.max_tokens is not None  # process_request filled it in
             group.beam = BeamState(params.beam_width, params.length_penalty, params.early_stopping,
                                    params.max_tokens, [seq], [0.0])
         self._init_sequence(seq)

@@ -126,7 +126,8 @@ class StepGuard:
     def _drop(scheduled: list[Entry], inputs: list[SequenceInput], logits: torch.Tensor,
               spans: list[tuple[int, int, int, int]], failed: dict[str, str]) -> GuardedForward:
         """The step without the failed requests' entries (all of a request's sequences go together)."""
-        kept, kept_inputs, rows = [], [], []
+        kept, kept_inputs = [], []
+        rows: list[int] = []
         for entry, (i0, i1, r0, r1) in zip(scheduled, spans, strict=True):
             if entry[0].request_id in failed:
                 continue

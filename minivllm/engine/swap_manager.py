@@ -171,7 +171,7 @@ class GroupedSwap(SwapManager):
 
     def _group_views(self, seq: Sequence) -> list[tuple[SwapManager, Sequence]]:
         views = self.windows.views(seq)
-        return list(zip(self.group_managers, views, strict=True))  # type: ignore[arg-type]
+        return list(zip(self.group_managers, views, strict=True))  # (GroupViews, taken where a Sequence is)
 
     def can_swap_out(self, seq: Sequence) -> bool:
         return super().can_swap_out(seq) and all(m.blocks_of(v) <= len(m.free_ids) for m, v in self._group_views(seq))
@@ -205,7 +205,7 @@ class GroupedSwap(SwapManager):
         seqs = list(swapped)
         super().check_invariants(seqs)
         for g, m in enumerate(self.group_managers):
-            m.check_invariants([self.windows.views(s)[g] for s in seqs])  # type: ignore[misc]
+            m.check_invariants([self.windows.views(s)[g] for s in seqs])
 
 
 def build_swap_manager(args: EngineArgs, runner: ModelRunner, block_manager: BlockManager) -> SwapManager | None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, cast
 
 import torch._dynamo  # noqa: F401
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -37,8 +37,11 @@ def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any
     OpenAI tool definitions, when given; `template_kwargs` are extra template variables, as Qwen3's
     enable_thinking)."""
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             chat_template=chat_template, tools=tools, **(template_kwargs or {}))
+        # tokenize=False: the rendered text (transformers types the result as every form the call can return, and
+        # `tools` as a list of schemas or functions, which a list of schemas is not to mypy: lists are invariant)
+        text = cast(str, tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+            tools=cast(list[Any] | None, tools), **(template_kwargs or {})))
     except Exception as e:  # no template, or the template rejects the conversation (raise_exception in jinja)
         raise ValueError(f"messages: cannot apply the chat template: {e}") from None
     check_unicode(text, "messages")  # a lone surrogate is no text the tokenizer can take

@@ -62,8 +62,8 @@ def status_code(http_status: int) -> grpc.StatusCode:
 def sampling_params(msg: pb.GenerateRequest | pb.BatchGenerateRequest, kind: RequestOutputKind) -> SamplingParams:
     """The request's sampling fields → SamplingParams, validated as the HTTP routes validate them (APIError
     400 naming the field). An unset optional field keeps SamplingParams' default."""
-    fields = {fd.name: v if isinstance(v, int | float | str) else list(v)
-              for fd, v in msg.ListFields() if fd.name in _SAMPLING_FIELDS}
+    fields: dict[str, Any] = {fd.name: v if isinstance(v, int | float | str) else list(v)
+                              for fd, v in msg.ListFields() if fd.name in _SAMPLING_FIELDS}
     if msg.guided_json_object:
         fields["structured_outputs"] = {"json_object": True}
     extra: dict[str, Any] = {"logprobs": _opt(msg, "logprobs")}

@@ -5,6 +5,7 @@ vLLM keeps it behind VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
@@ -15,7 +16,7 @@ from minivllm.entrypoints.serving import APIError, ServerState, bad_request
 from minivllm.model.lora import read_adapter
 
 router = APIRouter()
-_OK = {200: {"description": "Done (vLLM's plain-text answer)",
+_OK: dict[int | str, dict[str, Any]] = {200: {"description": "Done (vLLM's plain-text answer)",
              "content": {"text/plain": {"schema": {"type": "string"}}}}}
 
 

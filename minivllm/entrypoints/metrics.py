@@ -42,7 +42,7 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, num_speculative_tokens: int = 0, engine_metrics: bool = True) -> None:
         """engine_metrics=False (a front before Ray Serve replicas): the engine's families are not exported
-        here, since every replica reports its own (distributed/ray/metrics.py's ReplicaCollector labels them by
+        here, since every replica reports its own (distributed/ray/metrics.py: ReplicaCollector labels them by
         replica)."""
         # No `*_created` series (vLLM turns them off too): each would be one more series per labelled child.
         disable_created_metrics()
@@ -137,11 +137,11 @@ class ServerMetrics:
             self.request_latency.labels(endpoint=endpoint)
             for outcome in OUTCOMES:
                 self.requests_total.labels(endpoint=endpoint, status=outcome)
-        for m in (self.running, self.waiting, self.kv_usage, self.prompt_tokens, self.generation_tokens,
-                  self.preemptions, self.prefix_queries, self.prefix_hits, self.ttft, self.itl, self.e2e,
-                  self.queue_time, self.iteration_tokens, self.swapped, self.cpu_usage, self.swapped_blocks,
-                  self.swap_out_bytes, self.swap_in_bytes, self.evicted_blocks):
-            m.labels(**labels)
+        for metric in (self.running, self.waiting, self.kv_usage, self.prompt_tokens, self.generation_tokens,
+                       self.preemptions, self.prefix_queries, self.prefix_hits, self.ttft, self.itl, self.e2e,
+                       self.queue_time, self.iteration_tokens, self.swapped, self.cpu_usage, self.swapped_blocks,
+                       self.swap_out_bytes, self.swap_in_bytes, self.evicted_blocks):
+            metric.labels(**labels)
 
     def record(self, stats: IterationStats | None, snapshot: SchedulerSnapshot) -> None:
         """StatLogger: engine step stats → metrics (called on the engine thread; prometheus_client locks)."""

@@ -7,7 +7,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
@@ -173,7 +173,7 @@ def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -
     if all(isinstance(p, int) for p in prompt):
         return [{"prompt_token_ids": prompt}]
     if all(isinstance(p, str) for p in prompt):
-        return list(prompt)
+        return list(cast(list[str], prompt))  # (all() does not narrow the union for mypy)
     return [{"prompt_token_ids": p} for p in prompt]
 
 

@@ -232,6 +232,7 @@ class GemvWeights:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32 with unit column stride → [M, N] float32."""
         lib = load_library()
+        assert lib is not None
         m = x.shape[0]
         out = torch.empty(m, self.n, dtype=torch.float32)
         w, scale, mins, bias = self.ptrs
@@ -246,8 +247,9 @@ def quantize_rows_s8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     xq = torch.empty(m, k, dtype=torch.int8)
     xs = torch.empty(m, dtype=torch.float32)
-    load_library().quantize_rows_s8(x.data_ptr(), x.stride(0), m, k, xq.data_ptr(), xs.data_ptr(),
-                                    torch.get_num_threads())
+    lib = load_library()
+    assert lib is not None
+    lib.quantize_rows_s8(x.data_ptr(), x.stride(0), m, k, xq.data_ptr(), xs.data_ptr(), torch.get_num_threads())
     return xq, xs
 
 
@@ -255,8 +257,10 @@ def rescale_i32(acc: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor, bias: tor
     """acc [M, N] int32 (contiguous) * xs[m] * ws[n] + bias[n], as float32, in one pass."""
     m, n = acc.shape
     out = torch.empty(m, n, dtype=torch.float32)
-    load_library().rescale_i32(acc.data_ptr(), m, n, xs.data_ptr(), ws.data_ptr(), _ptr(bias), out.data_ptr(),
-                               torch.get_num_threads())
+    lib = load_library()
+    assert lib is not None
+    lib.rescale_i32(acc.data_ptr(), m, n, xs.data_ptr(), ws.data_ptr(), _ptr(bias), out.data_ptr(),
+                    torch.get_num_threads())
     return out
 
 
@@ -269,6 +273,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     """RMSNorm of (x + residual), returning (normed, residual updated in place); without a residual, of x
     (returned as the residual). float32 [M, H], residual contiguous; x may have any row stride."""
     lib = load_library()
+    assert lib is not None
     m, h = x.shape
     if residual is None:
         residual, x_ptr, ldx = x.contiguous(), None, 0  # read only: x itself is never written
@@ -284,8 +289,10 @@ def rmsnorm_groups(x: torch.Tensor, size: int, weight: torch.Tensor, eps: float)
     """In place: RMSNorm of each group of `size` columns of x [M, n * size] (float32, unit column stride, any
     row stride), every group scaled by weight [size]."""
     m, cols = x.shape
-    load_library().rmsnorm_groups_f32(x.data_ptr(), x.stride(0), m, cols // size, size, weight.data_ptr(), eps,
-                                      torch.get_num_threads())
+    lib = load_library()
+    assert lib is not None
+    lib.rmsnorm_groups_f32(x.data_ptr(), x.stride(0), m, cols // size, size, weight.data_ptr(), eps,
+                           torch.get_num_threads())
 
 
 def rope_kv_write(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int, positions: torch.Tensor,
@@ -297,6 +304,7 @@ def rope_kv_write(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_d
     a table), then k and v written to their cache slots (an int8 cache with its scales): one pass instead of
     rope + two scatters."""
     lib = load_library()
+    assert lib is not None
     rot = 0 if cos_sin_cache is None else cos_sin_cache.shape[1]
     lib.rope_kv_write_f32(qkv.data_ptr(), qkv.stride(0), qkv.shape[0], num_q_heads, num_kv_heads, head_dim, rot,
                           positions.data_ptr(), _ptr(cos_sin_cache), k_cache.data_ptr(), v_cache.data_ptr(),

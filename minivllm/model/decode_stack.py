@@ -16,6 +16,7 @@ it off.
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,12 +52,14 @@ class _Step(ctypes.Structure):
 _ACTS = {"SiluAndMul": 0, "GeluTanhAndMul": 1}
 
 
-def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:
+# The decoder's module tree is walked by attribute name below (layers[i].self_attn.qkv_proj, ...): nn.Module's
+# __getattr__ types every child `Tensor | Module`, so the walked objects are `Any`.
+def _projections(layer: Any) -> tuple[Any, ...]:
     attn, mlp = layer.self_attn, layer.mlp
     return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
-def _native_classes(model: nn.Module) -> tuple[bool, ...]:
+def _native_classes(model: Any) -> tuple[bool, ...]:
     """Per shape class: whether every projection of every layer runs the native kernel there."""
     projs = [p for layer in model.layers for p in _projections(layer)]
     return tuple(all(p.kernels[c].__name__ == "forward_native" for p in projs)
@@ -66,7 +69,7 @@ def _native_classes(model: nn.Module) -> tuple[bool, ...]:
 class DecodeStack:
     """The bound layer table of one model: pointers resolved once, so a step fills only its own inputs."""
 
-    def __init__(self, model: nn.Module, native_classes: tuple[bool, ...]) -> None:
+    def __init__(self, model: Any, native_classes: tuple[bool, ...]) -> None:
         lib = cpu_kernels.load_library()
         assert lib is not None
         self._fn = lib.decode_stack_f32
@@ -86,7 +89,7 @@ class DecodeStack:
             keep.append(t)
             return t
 
-        def ptr(module: nn.Module | None) -> int | None:
+        def ptr(module: Any) -> int | None:  # a norm (its `weight`), or None
             return None if module is None else f32(module.weight).data_ptr()
 
         tables: dict[int, torch.Tensor] = {}  # one float32 copy per rope table the layers share
@@ -131,7 +134,7 @@ class DecodeStack:
         self.attn_scratch = torch.empty(0)
 
     @staticmethod
-    def build(model: nn.Module) -> DecodeStack | None:
+    def build(model: Any) -> DecodeStack | None:
         """The stack for this model, or None where it would not run the same kernels as the module path."""
         if not cpu_kernels.available() or not isinstance(getattr(model, "layers", None), nn.ModuleList) \
                 or not hasattr(model.layers[0], "norms"):

@@ -8,9 +8,10 @@ shape class and binds the fastest to every layer (`kernels`, one per class).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -38,6 +39,8 @@ class PlannedLinear(nn.Module):
     module, and that cycle would keep every model (and the KV pool its layers view) alive until the
     cyclic garbage collector happens to run."""
 
+    in_features: int
+    out_features: int
     kernels: tuple[Callable[..., torch.Tensor], ...]
     lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # LoRA slots (model/lora.py), if on
 
@@ -67,7 +70,7 @@ TIMED_WEIGHTS = 64 * 2**20
 
 
 @torch.no_grad()
-def plan_kernels(layers: list[PlannedLinear], kernel: str = "auto", what: str = "linear",
+def plan_kernels(layers: Sequence[PlannedLinear], kernel: str = "auto", what: str = "linear",
                  dtype: torch.dtype = torch.float32) -> dict[str, str]:
     """Time every candidate over the model's own layers (the first TIMED_WEIGHTS weights of them) for each
     shape class, on activations of `dtype`, and bind the fastest to all `layers`, or force one by name.
@@ -87,16 +90,20 @@ def plan_kernels(layers: list[PlannedLinear], kernel: str = "auto", what: str = 
         total += q.in_features * q.out_features
         if total >= TIMED_WEIGHTS:
             break
-    device = next(iter(layers[0].buffers()), next(iter(layers[0].parameters()), None))
-    device = device.device if device is not None else torch.device("cpu")
+    first = next(iter(layers[0].buffers()), next(iter(layers[0].parameters()), None))
+    device = first.device if first is not None else torch.device("cpu")
     chosen: list[str] = []
     plan: dict[str, str] = {}
+
+    def run_timed(name: str, xs: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+        """Every timed layer through its kernel `name`."""
+        return [q.candidates()[name](xs[q.in_features]) for q in timed]
+
     for largest, m in SHAPE_CLASSES:
         best = names[0]
         if len(names) > 1:
             xs = {k: torch.randn(m, k, device=device, dtype=dtype) for k in {q.in_features for q in timed}}
-            timings = {n: best_time(lambda n=n, xs=xs: [q.candidates()[n](xs[q.in_features]) for q in timed])
-                       for n in names}
+            timings = {n: best_time(functools.partial(run_timed, n, xs)) for n in names}
             best = min(timings, key=timings.__getitem__)
             logger.info("%s, %d tokens: %s", what, m, ", ".join(f"{n} {t * 1e3:.1f} ms" for n, t in timings.items()))
         chosen.append(best)

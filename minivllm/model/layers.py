@@ -71,6 +71,7 @@ class Linear(PlannedLinear):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")[:m]
 
     def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.weight is not None  # a candidate only while the dense weight is kept
         return F.linear(x, self.weight, self.bias)
 
     def gemv_weights(self) -> cpu_kernels.GemvWeights:

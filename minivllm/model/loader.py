@@ -6,6 +6,7 @@ import glob
 import json
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -61,9 +62,11 @@ def load_model(mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_mo
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = cls(mc, max_model_len)
+            # load_weights (and its modules' reset_buffers) are the registry class's own, not nn.Module's
+            model: Any = cls(mc, max_model_len)
             saved = quant is not None and "quantization_config" in mc.hf_config
             if saved:
+                assert quant is not None  # (saved implies it)
                 quantize_model(model, quant, materialize=False)
     finally:
         torch.set_default_dtype(prev)
@@ -80,9 +83,11 @@ def load_model(mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_mo
     else:
         model.load_weights(iterate_weights(mc.path))
         if tp:
+            assert parallel is not None  # (tp implies it)
             shard_model(model, mc, parallel)
         if quant is not None:
             quantize_model(model, quant)
     if tp:
+        assert parallel is not None  # (tp implies it)
         attach_collectives(model, mc, parallel)
     return model.eval().requires_grad_(False)

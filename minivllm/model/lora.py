@@ -56,9 +56,9 @@ def read_adapter(path: str) -> LoRAAdapter:
         cfg = json.load(f)
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"lora_path: {path!r} is a {cfg.get('peft_type')} adapter; only LoRA is supported")
-    for key in ("modules_to_save", "layers_to_transform"):
-        if cfg.get(key):
-            raise ValueError(f"lora_path: {key} is not supported (adapter {path!r})")
+    for option in ("modules_to_save", "layers_to_transform"):
+        if cfg.get(option):
+            raise ValueError(f"lora_path: {option} is not supported (adapter {path!r})")
     if cfg.get("bias", "none") != "none":
         raise ValueError(f"lora_path: bias={cfg['bias']!r} is not supported (adapter {path!r}); only bias='none'")
     if cfg.get("use_dora"):
@@ -172,11 +172,12 @@ class LoRAModelManager:
     def __init__(self, model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device
                  ) -> None:
         self.max_loras, self.max_rank = max_loras, max_rank
-        self.num_layers = len(model.layers)
+        layers: Any = model.layers  # walked by attribute name below (nn.Module types its children Tensor | Module)
+        self.num_layers = len(layers)
         # (layer, PEFT module) → (our projection, first output column, columns)
         self.targets: dict[tuple[int, str], tuple[Any, int, int]] = {}
         self.weights: dict[int, LoRAWeights] = {}  # id(projection) → its slots
-        for i, layer in enumerate(model.layers):
+        for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
             q, kv, inter = attn.q_size, attn.kv_size, mlp.down_proj.in_features
             spans = {"q_proj": (attn.qkv_proj, 0, q), "k_proj": (attn.qkv_proj, q, kv),

@@ -69,6 +69,12 @@ def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class QuantizedLinear(PlannedLinear):
     """A Linear whose weight is stored quantized; forward picks the kernel planned for the input's M."""
 
+    # buffers (register_buffer); `mins` exists only for the grouped (int4) methods
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, in_features: int, out_features: int, bias: bool, cfg: QuantConfig) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -100,6 +106,7 @@ class QuantizedLinear(PlannedLinear):
             self.qweight.copy_(q)
             self.scales.copy_(s)
         if bias is not None:
+            assert self.bias is not None  # built with bias=True for a biased source layer
             self.bias.copy_(bias)
 
     def dequantize(self) -> torch.Tensor:

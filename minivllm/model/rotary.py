@@ -146,13 +146,15 @@ class RotaryEmbedding(nn.Module):
     it on: identical to HF for every sequence within the pretraining length, consistent with the cached keys
     after it, and independent of how a prompt is chunked or batched."""
 
+    cos_sin_cache: torch.Tensor  # a buffer (register_buffer), [max_positions, rot_dim]
+
     def __init__(self, cfg: dict[str, Any], head_dim: int, max_positions: int, layer_type: str | None = None
                  ) -> None:
         super().__init__()
         self.cfg, self.layer_type, self.max_positions = cfg, layer_type, max_positions
         self.params = rope_parameters(cfg, layer_type)
         self.rot_dim = rotary_dim(self.params, head_dim)
-        self.half = self.rot_dim // 2
+        self.half_rot = self.rot_dim // 2  # (not `half`: that name is nn.Module.half())
         _inv_freq(self.params, self.rot_dim, cfg, long=False)  # unsupported settings fail at build, not at load
         self.register_buffer("cos_sin_cache", torch.empty(max_positions, self.rot_dim), persistent=False)
         self.reset_buffers()
@@ -178,7 +180,7 @@ class RotaryEmbedding(nn.Module):
         if self.cos_sin_cache.device.type == "cpu" and self.cos_sin_cache.dtype == torch.float32 \
                 and cpu_kernels.available():
             return RopeInput(positions, None, None)
-        cs = self.cos_sin_cache[positions].view(-1, 1, 2, self.half)
+        cs = self.cos_sin_cache[positions].view(-1, 1, 2, self.half_rot)
         return RopeInput(positions, cs[:, :, 0], cs[:, :, 1])
 
     def forward(self, x: torch.Tensor, rope: RopeInput) -> torch.Tensor:
@@ -187,13 +189,14 @@ class RotaryEmbedding(nn.Module):
         inside Attention.rope_and_cache instead; a step whose lookup left cos/sin to the kernel gathers them
         here."""
         if rope.cos is None:
-            cs = self.cos_sin_cache[rope.positions].view(-1, 1, 2, self.half)
+            cs = self.cos_sin_cache[rope.positions].view(-1, 1, 2, self.half_rot)
             rope = RopeInput(rope.positions, cs[:, :, 0], cs[:, :, 1])
         cos, sin = rope.cos, rope.sin
+        assert cos is not None and sin is not None
         xf = x.float()
         out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        x1, x2 = xf[..., :self.half], xf[..., self.half:self.rot_dim]
-        o1, o2 = out[..., :self.half], out[..., self.half:self.rot_dim]
+        x1, x2 = xf[..., :self.half_rot], xf[..., self.half_rot:self.rot_dim]
+        o1, o2 = out[..., :self.half_rot], out[..., self.half_rot:self.rot_dim]
         torch.mul(x1, cos, out=o1)
         o1.addcmul_(x2, sin, value=-1)
         torch.mul(x2, cos, out=o2)

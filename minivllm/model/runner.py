@@ -7,6 +7,7 @@ import logging
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import psutil
@@ -69,6 +70,11 @@ class SequenceInput:
 
 class ModelRunner:
     """Owns the model and the KV pool; turns SequenceInputs into logits."""
+
+    # A registry class (model/models/): its forward, compute_logits, layers and decode_stack are its own, not
+    # nn.Module's, which types every such attribute `Tensor | Module`. (Declared here: `self.model: Any = ...` in
+    # __init__ would be narrowed to load_model's nn.Module for the rest of __init__.)
+    model: Any
 
     def __init__(self, mc: ModelConfig, dtype: torch.dtype, device: torch.device, num_blocks: int,
                  block_size: int, max_model_len: int, attention_backend: str = "auto",
@@ -190,7 +196,7 @@ class ModelRunner:
         if not all("native" in m.candidates() for m in projs):
             return
         inputs = [SequenceInput([0], i, [0] * (i // self.block_size + 1), True,
-                                group_tables=((0,) * (i // self.block_size + 1),) * (self.num_kv_groups - 1))
+                                group_tables=([0] * (i // self.block_size + 1),) * (self.num_kv_groups - 1))
                   for i in range(4)]
         planned = [m.kernels for m in projs]
         module_time = best_time(lambda: self.execute(inputs))
@@ -205,8 +211,8 @@ class ModelRunner:
         if stack_time < module_time:
             self.linear_kernels["m<=6"] = "native"
             return
-        for m, ks in zip(projs, planned, strict=True):
-            m.kernels = ks
+        for m, kernels in zip(projs, planned, strict=True):
+            m.kernels = kernels
         stack.native_classes = tuple(c and i != handful for i, c in enumerate(stack.native_classes))
 
     @torch.inference_mode()

@@ -20,8 +20,10 @@ def make_lora(base: str, out: str, rank: int = 8, alpha: float = 16.0, targets: 
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets),
-                                                  lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"))
+    # peft annotates lora_alpha int; a fractional alpha scales just the same (alpha / r) and the engine reads it so
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets),  # type: ignore[arg-type]
+                        lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+    peft_model = get_peft_model(model, config)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_A" in name or "lora_B" in name:

@@ -130,6 +130,7 @@ class DraftModelProposer:
                     tables = self._tables([rows[r][1].block_table for r in now])
                     positions = torch.tensor([rows[r][2] + i - 2 for r in now], device=tables.device)
                 live = now
+                assert positions is not None  # packed with the tables on the first of these forwards
                 positions = positions + 1
                 ids = torch.tensor([proposals[r][-1] for r in live], device=tables.device)
                 logits = self.runner.execute_decodes(ids, positions, tables)
@@ -138,11 +139,11 @@ class DraftModelProposer:
                 if dist is not None:
                     dists[r].append(dist)
         out = []
-        for (seq, sh, total, _), spec, dist in zip(rows, proposals, dists, strict=True):
+        for (seq, sh, total, _), spec, seq_dists in zip(rows, proposals, dists, strict=True):
             sh.num_computed_tokens = total  # the proposals' K/V counts once the target accepts them
             bm.cache_blocks(sh)
             self.pending.append((seq, sh, total, spec))
-            out.append((seq, spec, torch.stack(dist) if dist else None))
+            out.append((seq, spec, torch.stack(seq_dists) if seq_dists else None))
         if not prompt:
             # A round's cost by what the adaptive rule decides (positions and proposed tokens), catch-ups
             # included: a sequence that skipped steps catches up on them in its next round (at 8 streams,

@@ -42,7 +42,7 @@ class NgramProposer:
 
     def propose(self, batch: list[tuple[Sequence, int]]) -> list[tuple[Sequence, list[int], torch.Tensor | None]]:
         """(sequence, up to k proposals, None) for each (sequence, k) whose suffix occurred before."""
-        out = []
+        out: list[tuple[Sequence, list[int], torch.Tensor | None]] = []
         for seq, k in batch:
             if spec := ngram_propose(seq.token_ids, k, self.n_min, self.n_max):
                 out.append((seq, spec, None))

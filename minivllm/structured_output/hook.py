@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 class GuidedDecodingHook(StepHook):
     """The structured-output manager's part in the step; `fail(request_id, reason)` fails a request after the step."""
 
-    def __init__(self, manager: StructuredOutputManager, fail: Callable[[str, str], None]) -> None:
+    def __init__(self, manager: StructuredOutputManager, fail: Callable[[str, str], object]) -> None:
         self.manager = manager
         self.fail = fail
         self.masks: StepMasks | None = None  # this step's, while it runs

@@ -35,6 +35,8 @@ from minivllm.sampling_params import GuidedDecodingParams
 from minivllm.structured_output.reasoning import reasoning_ended
 
 if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # (declared in llguidance's stub only)
+
     from minivllm.engine.sequence import Sequence
 
 # Field names the request APIs use for each kind (error messages name them).
@@ -134,14 +136,17 @@ class StructuredOutputManager:
                 raise ValueError(f"guided_json: a JSON schema is an object, got {type(schema).__name__}")
             # Compact JSON by default: flexible whitespace lets a sampled answer wander through blank lines until
             # max_tokens; vLLM's whitespace_pattern widens it again.
-            options: dict[str, Any] = {"whitespace_flexible": False}
+            options: JsonCompileOptions = {"whitespace_flexible": False}
             if params.whitespace_pattern is not None:
                 options = {"whitespace_flexible": True, "whitespace_pattern": params.whitespace_pattern}
             try:
-                return LLMatcher.grammar_from_json_schema(schema, overrides=options)
+                # llguidance's stub takes str | dict; a boolean schema reaches it too (and is refused with the
+                # options: a ValueError, reported below)
+                return LLMatcher.grammar_from_json_schema(schema, overrides=options)  # type: ignore[arg-type]
             except (ValueError, TypeError) as e:
                 raise ValueError(f"guided_json: {e}") from None
         if kind == "regex":
+            assert params.regex is not None  # the kind is the field that is set
             return LLMatcher.grammar_from_regex(params.regex)
         if kind == "choice":
             return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice or []))

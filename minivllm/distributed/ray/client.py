@@ -80,7 +80,7 @@ class RayEngineClient:
                                               reasoning_parser=self.reasoning_parser)
         self.stat_loggers: list[StatLogger] = []  # build_app adds the server's metrics; the replicas feed their own
         # The front never exits for a replica: Serve restarts a dead one, and routing goes around it meanwhile.
-        self.death_callbacks: list[Callable[[], None]] = []
+        self.death_callbacks: list[Callable[[], object]] = []
         self.dead_error: BaseException | None = None
         self.reports: dict[str, dict[str, Any]] = {}
         self._snapshot = SchedulerSnapshot(0, 0, 0.0)

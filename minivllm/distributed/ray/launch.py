@@ -88,6 +88,7 @@ def run_replicated_server(engine_args: EngineArgs, server_args: ServerArgs) -> N
         raise ValueError("enable_lora with replicas is not supported yet: the front routes by load, not by adapter, "
                          "and cannot load adapters into the replicas; serve LoRA adapters from one server")
     # What the replicas would fail on, checked here in a second rather than after the cluster starts.
+    assert engine_args.model is not None  # EngineArgs.__post_init__ fills in the default model
     ModelConfig.from_pretrained(engine_args.model)
     tokenizer = get_tokenizer(engine_args.model)
     if engine_args.num_threads is None:  # the cores shared between the replicas of a local cluster
@@ -108,16 +109,18 @@ def run_replicated_server(engine_args: EngineArgs, server_args: ServerArgs) -> N
         from minivllm.entrypoints.api_server import build_app
 
         serve.start(proxy_location="Disabled")  # the front below is the only ingress
-        board = ReplicaBoard.remote()
+        board = ReplicaBoard.remote()  # type: ignore[attr-defined]  # an actor class (@ray.remote), typed as the class
         model_name = served_model_name(str(engine_args.model), server_args)
-        deployment = serve.deployment(
+        # (Serve's overloads type deployment(cls, **options) as a decorator factory; given a class it is a Deployment)
+        deployment: Any = serve.deployment(
             EngineReplica, name="EngineReplica", num_replicas=n,
             # Serve's per-replica cap on calls in flight: above what the engine admits, so that its own 429
             # (max_waiting) answers overload rather than calls queueing unseen in the router.
             max_ongoing_requests=engine_args.max_num_seqs + engine_args.max_waiting,
             health_check_period_s=2.0, health_check_timeout_s=30.0, graceful_shutdown_timeout_s=5.0,
             ray_actor_options={"num_cpus": threads},
-            request_router_config=RequestRouterConfig(request_router_class=LeastLoadedRouter))
+            # (request_router_class takes a class or an import path; ray's pydantic model reaches mypy as taking a dict)
+            request_router_config=RequestRouterConfig(request_router_class=LeastLoadedRouter))  # type: ignore[arg-type]
         logger.info("deploying %d replica(s) of %s (%d thread(s) each) as Serve application %s", n,
                     engine_args.model, threads, app_name)
         handle = serve.run(deployment.bind(engine_args, model_name, board), name=app_name, route_prefix=None)

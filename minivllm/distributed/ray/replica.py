@@ -80,7 +80,8 @@ def families(metrics: ServerMetrics) -> list[Family]:
 class EngineReplica:
     """The deployment's class: one AsyncLLMEngine per replica process (see the module doc)."""
 
-    async def __init__(self, engine_args: EngineArgs, model_name: str, board: Any) -> None:
+    async def __init__(self, engine_args: EngineArgs, model_name: str, board: Any) -> None:  # type: ignore[misc]
+        # (an async constructor: Ray Serve awaits it in the replica)
         self.metrics = ServerMetrics(model_name)
         self.engine = AsyncLLMEngine.from_engine_args(engine_args, [LoggingStatLogger(), self.metrics])
         self.engine.start()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -194,20 +194,21 @@ class DecoderForCausalLM(nn.Module):
         rope_layers = spec.rope_layers or (True,) * n
         # One table per distinct rope (Gemma 3: local and global), shared by the layers that use it.
         self.rotaries = nn.ModuleDict()
+        rotaries: dict[str, RotaryEmbedding] = {}  # the same modules, typed (a ModuleDict's are nn.Module)
         rope_keys: list[str | None] = []
         for i in range(n):
             key = None
             if rope_layers[i]:
                 key = spec.layer_types[i] if spec.rope_per_layer_type else "default"
-                if key not in self.rotaries:
-                    self.rotaries[key] = RotaryEmbedding(cfg, mc.head_dim, max_model_len,
-                                                         key if spec.rope_per_layer_type else None)
+                if key not in rotaries:
+                    rotaries[key] = self.rotaries[key] = RotaryEmbedding(cfg, mc.head_dim, max_model_len,
+                                                                         key if spec.rope_per_layer_type else None)
             rope_keys.append(key)
         self.embed_tokens = nn.Embedding(mc.vocab_size, mc.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(mc, spec, spec.sliding_window if spec.layer_types[i] == SLIDING else None,
-                         None if rope_keys[i] is None else self.rotaries[rope_keys[i]], rope_keys[i], eps)
-            for i in range(n))
+                         None if key is None else rotaries[key], key, eps)
+            for i, key in enumerate(rope_keys))
         self.norm = RMSNorm(mc.hidden_size, eps, spec.unit_offset_norms)
         self.tie_word_embeddings = bool(cfg["tie_word_embeddings"])
         self.lm_head = Linear(mc.hidden_size, mc.vocab_size, bias=False)
@@ -241,7 +242,8 @@ class DecoderForCausalLM(nn.Module):
         h = self.embed(input_ids)
         if self.decode_stack is not None and self.decode_stack.accepts(h.shape[0]):
             return self.decode_stack(h, positions)
-        ropes: dict[str | None, RopeInput] = {key: r.lookup(positions) for key, r in self.rotaries.items()}
+        ropes: dict[str | None, RopeInput] = {key: cast(RotaryEmbedding, r).lookup(positions)
+                                              for key, r in self.rotaries.items()}
         ropes[None] = RopeInput(positions, None, None)  # NoPE layers
         residual = None
         for layer in self.layers:
@@ -263,10 +265,12 @@ class DecoderForCausalLM(nn.Module):
         ship them fused, as Phi-3's, load as they are) and adding Gemma's norm offset."""
         if self.tie_word_embeddings:
             # Tie here, not in __init__: the model is built on the meta device and materialised after.
-            self.lm_head.weight = self.embed_tokens.weight
+            # (a Parameter: torch's stub types nn.Embedding.weight Tensor)
+            self.lm_head.weight = cast(nn.Parameter, self.embed_tokens.weight)
         loader = WeightLoader(self, ignore=("rotary_emb.inv_freq",))
-        q, kv = self.layers[0].self_attn.q_size, self.layers[0].self_attn.kv_size
-        inter = self.layers[0].mlp.down_proj.in_features
+        first: Any = self.layers[0]  # walked by attribute name (a ModuleList's items are typed nn.Module)
+        q, kv = first.self_attn.q_size, first.self_attn.kv_size
+        inter = first.mlp.down_proj.in_features
         stacked = {
             "q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
             "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter),

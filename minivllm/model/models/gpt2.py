@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -105,7 +106,8 @@ class GPT2LMHeadModel(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF checkpoint tensors (with or without the 'transformer.' prefix)."""
-        self.lm_head.weight = self.wte.weight  # GPT-2's head is always tied (set after meta materialisation)
+        # GPT-2's head is always tied (set after meta materialisation); a Parameter, which torch's stub types Tensor
+        self.lm_head.weight = cast(nn.Parameter, self.wte.weight)
         loader = WeightLoader(self, ignore=(".attn.bias", ".attn.masked_bias", "lm_head.weight"))
         for source, tensor in weights:
             name = source.removeprefix("transformer.")
