@@ -174,6 +174,19 @@ def test_bad_constraints_are_value_errors_naming_the_field(llm, guided, message)
     assert llm.llm_engine.structured.num_live == 0 and not llm.llm_engine.has_unfinished_requests()
 
 
+def test_boolean_json_schemas(llm):
+    """A schema given as JSON text may be a boolean: `true` accepts any JSON document (it was a 400: llguidance takes
+    a boolean schema only without options), and every finished sample parses; `false` accepts none: a ValueError
+    naming the field."""
+    outs = _samples(llm, GuidedDecodingParams(json="true"), 16, max_tokens=120)
+    finished = [o for o in outs if o.finish_reason == "stop"]
+    assert finished
+    for o in finished:
+        json.loads(o.text)
+    with pytest.raises(ValueError, match="guided_json: the schema `false` accepts no document"):
+        llm.generate("x", SamplingParams(guided_decoding=GuidedDecodingParams(json="false")), use_tqdm=False)
+
+
 def test_beam_search_with_guided_decoding_is_refused():
     with pytest.raises(ValueError, match="guided_decoding is not supported with use_beam_search"):
         SamplingParams(use_beam_search=True, beam_width=2, temperature=0.0,

@@ -132,7 +132,11 @@ class StructuredOutputManager:
                     schema = json.loads(schema)
                 except ValueError as e:
                     raise ValueError(f"guided_json: not valid JSON: {e}") from None
-            if not isinstance(schema, dict | bool):
+            if schema is True:  # JSON Schema's `true`: any JSON value (llguidance takes only objects with options)
+                schema = {}
+            if schema is False:
+                raise ValueError("guided_json: the schema `false` accepts no document")
+            if not isinstance(schema, dict):
                 raise ValueError(f"guided_json: a JSON schema is an object, got {type(schema).__name__}")
             # Compact JSON by default: flexible whitespace lets a sampled answer wander through blank lines until
             # max_tokens; vLLM's whitespace_pattern widens it again.
@@ -140,9 +144,7 @@ class StructuredOutputManager:
             if params.whitespace_pattern is not None:
                 options = {"whitespace_flexible": True, "whitespace_pattern": params.whitespace_pattern}
             try:
-                # llguidance's stub takes str | dict; a boolean schema reaches it too (and is refused with the
-                # options: a ValueError, reported below)
-                return LLMatcher.grammar_from_json_schema(schema, overrides=options)  # type: ignore[arg-type]
+                return LLMatcher.grammar_from_json_schema(schema, overrides=options)
             except (ValueError, TypeError) as e:
                 raise ValueError(f"guided_json: {e}") from None
         if kind == "regex":
