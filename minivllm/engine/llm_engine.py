@@ -31,7 +31,7 @@ from minivllm.engine.request_lifecycle import TIMEOUT_REASON, RequestLifecycle
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from minivllm.engine.stats import StatsRecorder, StepTimings
-from minivllm.engine.step_guard import StepGuard
+from minivllm.engine.step_guard import Span, StepGuard
 from minivllm.engine.swap_manager import SwapCostHook, build_swap_manager
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.model.input_batch import InputBatch, SlotParams
@@ -189,8 +189,8 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
             for seq, n in sched.scheduled:
                 self.block_manager.check_writable(seq, n)
         hooks.before_forward(sched.scheduled)
-        guarded = self.guard.forward(sched.scheduled, self._runner_inputs(sched.scheduled))
-        sched.scheduled, inputs, logits = guarded.scheduled, guarded.inputs, guarded.logits
+        guarded = self.guard.forward(sched.scheduled, *self._runner_inputs(sched.scheduled))
+        sched.scheduled, logits = guarded.scheduled, guarded.logits
         failures = self._failures  # request id → reason: no outputs, aborted after the step
         failures.clear()
         failures.update(guarded.failed)
@@ -198,7 +198,7 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
             hooks.after_forward(sched, self.runner.last_forward_time, moves_s)
         t2 = time.perf_counter()
         self._sample_time = 0.0
-        touched = self._process(sched, inputs, logits)
+        touched = self._process(sched, guarded.inputs, guarded.spans, logits)
         hooks.end_step()
         t3 = time.perf_counter()
         now = self.scheduler.clock()  # time.time() but for tests, which script it (deadlines in steps)
@@ -243,49 +243,48 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
             seconds += self.runner.move_blocks(*swaps, copies, g)
         return seconds
 
-    def _runner_inputs(self, scheduled: list[tuple[Sequence, int]]) -> list[SequenceInput]:
-        """One input per scheduled sequence; a speculating one gives one per token (see spec_decode)."""
-        inputs = []
+    def _runner_inputs(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[SequenceInput], list[Span]]:
+        """One input per scheduled sequence (a speculating one gives one per token: see spec_decode), and the
+        step's layout, built here once: each entry's inputs and the logits rows the runner returns for them."""
+        inputs: list[SequenceInput] = []
+        spans: list[Span] = []
+        r = 0
         for seq, n in scheduled:
-            start = seq.num_computed_tokens
+            start, i = seq.num_computed_tokens, len(inputs)
             if seq.spec_token_ids:
                 inputs += verify_rows(seq, n)
+                spans.append((i, i + n, r, r + n))
+                r += n
                 continue
             group = seq.group
             assert group is not None
             lps = group.prompt_logprobs
             wants_prompt_lp = (lps is not None and seq.index == 0 and len(lps) < seq.num_prompt_tokens
                                and start < seq.num_prompt_tokens - 1)
-            inputs.append(SequenceInput(seq.token_ids[start:start + n], start, seq.block_table,
-                                        start + n == seq.num_tokens, wants_prompt_lp,
-                                        group.lora.slot if group.lora is not None else -1,
-                                        tuple(v.block_table for v in seq.kv_views)))
-        return inputs
+            inp = SequenceInput(seq.token_ids[start:start + n], start, seq.block_table, start + n == seq.num_tokens,
+                                wants_prompt_lp, group.lora.slot if group.lora is not None else -1,
+                                tuple(v.block_table for v in seq.kv_views))
+            inputs.append(inp)
+            rows = inp.num_logits_rows
+            spans.append((i, i + 1, r, r + rows))
+            r += rows
+        return inputs, spans
 
-    def _process(self, sched: SchedulerOutput, inputs: list[SequenceInput], logits: torch.Tensor
-                 ) -> list[SequenceGroup]:
+    def _process(self, sched: SchedulerOutput, inputs: list[SequenceInput], spans: list[Span],
+                 logits: torch.Tensor) -> list[SequenceGroup]:
         """Everything after the forward: prompt logprobs, sampling, beams, stops. Returns touched groups."""
-        row = 0
         sample_rows: list[tuple[Sequence, int]] = []
         prompt_jobs: list[tuple[Sequence, int, int, int]] = []
         spec_jobs: list[tuple[Sequence, int, int]] = []
-        i = 0
-        for seq, n in sched.scheduled:
-            inp = inputs[i]
+        for (seq, n), (i0, _, r0, r1) in zip(sched.scheduled, spans, strict=True):
             if seq.spec_token_ids:
-                spec_jobs.append((seq, n, row))
-                row += n
-                i += n
+                spec_jobs.append((seq, n, r0))
                 continue  # computed tokens and cached blocks follow verification
-            i += 1
+            inp = inputs[i0]
             if inp.all_logits:
-                prompt_jobs.append((seq, inp.start_pos, n, row))
-                row += n
-                if inp.sample:
-                    sample_rows.append((seq, row - 1))
-            elif inp.sample:
-                sample_rows.append((seq, row))
-                row += 1
+                prompt_jobs.append((seq, inp.start_pos, n, r0))
+            if inp.sample:
+                sample_rows.append((seq, r1 - 1))
             seq.num_computed_tokens += n
             self.block_manager.cache_blocks(seq)
         if prompt_jobs:

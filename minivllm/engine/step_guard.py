@@ -26,29 +26,33 @@ from minivllm.model.runner import SequenceInput
 
 logger = logging.getLogger(__name__)
 
+Span = tuple[int, int, int, int]  # one scheduled entry's inputs [i0, i1) and logits rows [r0, r1)
+
 
 @dataclass(slots=True)
 class GuardedForward:
-    """What a guarded forward left to process: the entries that ran, their inputs and logits rows, and
+    """What a guarded forward left to process: the entries that ran, their inputs, spans and logits rows, and
     request id → why each failed request failed."""
 
     scheduled: list[Entry]
     inputs: list[SequenceInput]
+    spans: list[Span]
     logits: torch.Tensor
     failed: dict[str, str]
 
 
-def entry_spans(scheduled: list[Entry], inputs: list[SequenceInput]) -> list[tuple[int, int, int, int]]:
-    """Per scheduled entry: its inputs [i0, i1) and logits rows [r0, r1) (a verification has one input and
-    row per token; a prompt-logprobs chunk a row per token; a sampling input one row; a mid-prompt chunk none)."""
+def entry_spans(scheduled: list[Entry], inputs: list[SequenceInput]) -> list[Span]:
+    """Per scheduled entry: its inputs [i0, i1) and logits rows [r0, r1). The engine builds a step's layout once,
+    with its inputs (LLMEngine._runner_inputs); this rebuilds it for a part of a step (a fault hook's wrapper
+    around a bisection's half): a verification has one input and row per scheduled token, any other entry one
+    input with SequenceInput.num_logits_rows rows."""
     spans, i, r = [], 0, 0
     for seq, n in scheduled:
         if seq.spec_token_ids:
             spans.append((i, i + n, r, r + n))
             i, r = i + n, r + n
             continue
-        inp = inputs[i]
-        rows = len(inp.token_ids) if inp.all_logits else int(inp.sample)
+        rows = inputs[i].num_logits_rows
         spans.append((i, i + 1, r, r + rows))
         i, r = i + 1, r + rows
     return spans
@@ -63,8 +67,9 @@ class StepGuard:
         # rank 0 mid-command would leave them out of step; the whole step fails there, as before.
         self.isolate = isolate
 
-    def forward(self, scheduled: list[Entry], inputs: list[SequenceInput]) -> GuardedForward:
-        """The step's logits; entries whose requests failed (forward error, non-finite logits) dropped."""
+    def forward(self, scheduled: list[Entry], inputs: list[SequenceInput], spans: list[Span]) -> GuardedForward:
+        """The step's logits; entries whose requests failed (forward error, non-finite logits) dropped. `spans`:
+        each entry's inputs and logits rows (entry_spans)."""
         failed: dict[str, str] = {}
         try:
             logits = self._run(scheduled, inputs)
@@ -74,8 +79,7 @@ class StepGuard:
                 raise
             logger.warning("a step of %d requests raised (%r); isolating the request(s) that cause it",
                            len(groups), error)
-            logits = self._bisect(scheduled, inputs, entry_spans(scheduled, inputs), failed)
-        spans = entry_spans(scheduled, inputs)
+            logits = self._bisect(scheduled, inputs, spans, failed)
         if logits.numel():
             sums = logits.sum(dim=-1)
             bad = torch.isnan(sums) | torch.isposinf(sums)
@@ -86,11 +90,11 @@ class StepGuard:
                         failed.setdefault(seq.request_id, "the model produced non-finite logits (NaN or Inf) for "
                                                           "this request; it was aborted")
         if not failed:
-            return GuardedForward(scheduled, inputs, logits, failed)
+            return GuardedForward(scheduled, inputs, spans, logits, failed)
         return self._drop(scheduled, inputs, logits, spans, failed)
 
-    def _bisect(self, scheduled: list[Entry], inputs: list[SequenceInput],
-                spans: list[tuple[int, int, int, int]], failed: dict[str, str]) -> torch.Tensor:
+    def _bisect(self, scheduled: list[Entry], inputs: list[SequenceInput], spans: list[Span],
+                failed: dict[str, str]) -> torch.Tensor:
         """Logits of every entry whose forward succeeds, run in halves; an entry failing alone fails its request.
         Rows of failed entries are left as NaN (dropped with their entries afterwards)."""
         total = spans[-1][3] if spans else 0
@@ -123,16 +127,22 @@ class StepGuard:
         return logits
 
     @staticmethod
-    def _drop(scheduled: list[Entry], inputs: list[SequenceInput], logits: torch.Tensor,
-              spans: list[tuple[int, int, int, int]], failed: dict[str, str]) -> GuardedForward:
-        """The step without the failed requests' entries (all of a request's sequences go together)."""
-        kept, kept_inputs = [], []
+    def _drop(scheduled: list[Entry], inputs: list[SequenceInput], logits: torch.Tensor, spans: list[Span],
+              failed: dict[str, str]) -> GuardedForward:
+        """The step without the failed requests' entries (all of a request's sequences go together); the kept
+        entries' spans moved up to their new places."""
+        kept: list[Entry] = []
+        kept_inputs: list[SequenceInput] = []
+        kept_spans: list[Span] = []
         rows: list[int] = []
         for entry, (i0, i1, r0, r1) in zip(scheduled, spans, strict=True):
             if entry[0].request_id in failed:
                 continue
             kept.append(entry)
+            i, r = len(kept_inputs), len(rows)
+            kept_spans.append((i, i + i1 - i0, r, r + r1 - r0))
             kept_inputs += inputs[i0:i1]
             rows += range(r0, r1)
         index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-        return GuardedForward(kept, kept_inputs, logits.index_select(0, index) if logits.numel() else logits, failed)
+        return GuardedForward(kept, kept_inputs, kept_spans,
+                              logits.index_select(0, index) if logits.numel() else logits, failed)

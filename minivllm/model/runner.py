@@ -6,7 +6,6 @@ import itertools
 import logging
 import tempfile
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,6 +32,7 @@ from minivllm.model.loader import load_model
 from minivllm.model.lora import LoRAModelManager, build_mapping
 from minivllm.model.models import get_model_class
 from minivllm.model.quantization import QuantizedLinear, check_device
+from minivllm.model.sequence_input import SequenceInput
 from minivllm.quant_config import QuantConfig
 
 logger = logging.getLogger(__name__)
@@ -53,19 +53,6 @@ def _second_layout_affordable(linears: list[Linear]) -> bool:
     that (a 1B model in float32 on this 24 GiB machine), the packed layout alone serves every shape."""
     extra = sum(m.weight.numel() * m.weight.element_size() for m in linears if m.weight is not None)
     return extra <= psutil.virtual_memory().total // 10
-
-
-@dataclass(slots=True)
-class SequenceInput:
-    """What the runner needs of one scheduled sequence (plain data; the model knows no requests)."""
-
-    token_ids: list[int]  # tokens to compute this step
-    start_pos: int  # position of token_ids[0] == tokens already in the cache
-    block_table: list[int]  # covers start_pos + len(token_ids) tokens
-    sample: bool  # whether the logits of the last token are wanted
-    all_logits: bool = False  # logits of every token of the chunk (prompt logprobs), not just the last
-    lora: int = -1  # LoRA slot of its adapter (-1: the base model)
-    group_tables: tuple[list[int], ...] = ()  # its block tables in the window KV groups after the first
 
 
 class ModelRunner:
