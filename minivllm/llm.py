@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from minivllm.config import EngineArgs
 from minivllm.engine.input_processor import Prompt
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.engine.tokenizer import chat_prompt
+from minivllm.entrypoints.chat_utils import chat_prompt
 from minivllm.lora_request import LoRARequest
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams

@@ -312,7 +312,7 @@ def test_chat_template_from_chat_template_jinja(model_factory, tmp_path):
         f.write(cfg.pop("chat_template"))
     with open(f"{dst}/tokenizer_config.json", "w") as f:
         json.dump(cfg, f)
-    from minivllm.engine.tokenizer import chat_prompt
+    from minivllm.entrypoints.chat_utils import chat_prompt
 
     msgs = [{"role": "user", "content": "Hi"}]
     for kw in ({}, {"enable_thinking": False}):

@@ -18,7 +18,8 @@ from conftest import make_scripted_model
 from server_utils import ServerProcess
 
 from minivllm import LLM, GuidedDecodingParams, SamplingParams
-from minivllm.engine.tokenizer import chat_prompt, get_tokenizer
+from minivllm.engine.tokenizer import get_tokenizer
+from minivllm.entrypoints.chat_utils import chat_prompt
 
 QUESTION = [{"role": "user", "content": "What is two and two?"}]
 SMALL = ("--num-threads", "1", "--kv-cache-memory", "64MiB")  # servers of tiny models need no 2 GiB KV pool

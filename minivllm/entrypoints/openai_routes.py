@@ -15,9 +15,9 @@ from starlette.responses import JSONResponse, Response
 from minivllm.engine.async_engine import AsyncStream
 from minivllm.engine.input_processor import Prompt
 from minivllm.engine.lora_registry import LoadedLoRA
-from minivllm.engine.tokenizer import chat_prompt
 from minivllm.entrypoints.api_schema import OPENAI_GENERATION_ERRORS, ChatCompletion, Completion, ModelList, responses
 from minivllm.entrypoints.chat_reply import ChoiceStream, chat_message
+from minivllm.entrypoints.chat_utils import chat_prompt
 from minivllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, beam_search_fields
 from minivllm.entrypoints.serving import (
     APIError,
