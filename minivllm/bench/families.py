@@ -66,12 +66,17 @@ def _ours(model: str, mode: str, batches: list[int], steps: list[int], threads: 
         while any(q.num_computed_tokens < q.num_prompt_tokens for g in engine.groups.values() for q in g.seqs):
             engine.step()
         t1 = time.perf_counter()
+        before = sum(q.num_output_tokens for g in engine.groups.values() for q in g.seqs)
+        running = len(engine.scheduler.running)
         for _ in range(n):
             engine.step()
         t2 = time.perf_counter()
+        # The tokens the steps made (not num_seqs x n: a pool that admits fewer sequences must not look faster).
+        made = sum(q.num_output_tokens for g in engine.groups.values() for q in g.seqs) - before
         while engine.has_unfinished_requests():
             engine.step()
-        out[str(num_seqs)] = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "decode_tok_s": num_seqs * n / (t2 - t1)}
+        out[str(num_seqs)] = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "decode_tok_s": made / (t2 - t1),
+                              "running": running}
     return out
 
 

@@ -22,7 +22,7 @@ from typing import Any
 from minivllm.config import EngineArgs, ModelConfig
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.sequence import Sequence
-from minivllm.model.models import attention_windows
+from minivllm.model.models import attention_windows, kv_windows
 
 
 class GroupView:
@@ -192,11 +192,13 @@ class KVGroupsPlan:
         return {"layer_tokens_held": held, "layer_tokens_full_attention": full, "ratio": held / full}
 
 
-def plan_for_engine(args: EngineArgs, mc: ModelConfig, kv_bytes: int, bytes_per_token: int, token_budget: int
-                    ) -> KVGroupsPlan:
+def plan_for_engine(args: EngineArgs, mc: ModelConfig, kv_bytes: int, bytes_per_token: int, token_budget: int,
+                    max_model_len: int) -> KVGroupsPlan:
     """The engine's KV groups: the model's windows (or sink-window eviction's on every layer; none for the ablation
-    baselines, which keep whole sequences), its budget split among them."""
+    baselines, which keep whole sequences; none where a window is no shorter than max_model_len), its budget split
+    among them."""
     windows = attention_windows(mc) if args.sink_window is None else (args.sink_window[1],) * mc.num_layers
+    windows = kv_windows(windows, max_model_len)
     if args.kv_cache_mode != "paged":
         windows = (None,) * mc.num_layers
     plan = plan_kv_groups(windows, kv_bytes, args.block_size, bytes_per_token // mc.num_layers, args.max_num_seqs,

@@ -83,7 +83,7 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         # Ablation modes: neither a per-request contiguous cache nor a recomputed one can share prefix blocks.
         prefix_caching = args.enable_prefix_caching and args.kv_cache_mode == "paged"
         # KV groups (kv_groups.py): a pool and block tables per attention window among the layers.
-        self.kv_groups = plan_for_engine(args, mc, kv_bytes, per_token, token_budget)
+        self.kv_groups = plan_for_engine(args, mc, kv_bytes, per_token, token_budget, self.max_model_len)
         self.cache_config = CacheConfig(args.block_size, self.kv_groups.num_blocks[0], prefix_caching)
         cc = self.cache_config
         reserve = self.max_model_len if args.kv_cache_mode == "contiguous" else None

@@ -30,7 +30,7 @@ from minivllm.model.kv_swap import HostKVTier, block_bytes, check_capacity, uses
 from minivllm.model.layers import Linear, onednn_linear_available
 from minivllm.model.loader import load_model
 from minivllm.model.lora import LoRAModelManager, build_mapping
-from minivllm.model.models import get_model_class
+from minivllm.model.models import get_model_class, kv_windows
 from minivllm.model.quantization import QuantizedLinear, check_device
 from minivllm.model.sequence_input import SequenceInput
 from minivllm.quant_config import QuantConfig
@@ -121,8 +121,10 @@ class ModelRunner:
             for layer in layers:
                 layer.sliding_window = sink_window[1]
         # KV groups (engine/kv_groups.py): the layers of one window share a pool and a block table; with
-        # group_blocks, a pool per distinct window (full attention first), else one pool for every layer.
-        windows = sorted(set(self.layer_windows), key=lambda w: (w is not None, w or 0))
+        # group_blocks, a pool per distinct window (full attention first; a window no shorter than max_model_len
+        # counts as full: kv_windows), else one pool for every layer.
+        grouped = kv_windows(self.layer_windows, max_model_len)
+        windows = sorted(set(grouped), key=lambda w: (w is not None, w or 0))
         if group_blocks is None or len(windows) == 1:
             windows, group_blocks = [None], (num_blocks,)
         if len(group_blocks) != len(windows):
@@ -137,8 +139,7 @@ class ModelRunner:
         # swap) move the same block index in all of them.
         self.group_pools: list[list[torch.Tensor]] = []
         for g, (w, nb) in enumerate(zip(windows, group_blocks, strict=True)):
-            members = [layer for layer, lw in zip(layers, self.layer_windows, strict=True)
-                       if len(windows) == 1 or lw == w]
+            members = [layer for layer, lw in zip(layers, grouped, strict=True) if len(windows) == 1 or lw == w]
             cache = torch.zeros(2, len(members), nb, block_size, kv_heads, mc.head_dim, dtype=kv_dtype, device=device)
             scales = (torch.zeros(2, len(members), nb, block_size, kv_heads, dtype=torch.float16, device=device)
                       if is_quantized(kv_dtype) else None)

@@ -37,6 +37,13 @@ def attention_windows(mc: ModelConfig) -> tuple[int | None, ...]:
     return windows(mc) if windows is not None else (None,) * mc.num_layers
 
 
+def kv_windows(windows: tuple[int | None, ...], max_model_len: int) -> tuple[int | None, ...]:
+    """The layers' windows as the KV cache groups them: a window no shorter than the longest sequence the engine
+    runs (max_model_len) never leaves a token behind, so its layers keep their KV with the full-attention ones (one
+    pool and block table, sized for full sequences) rather than in a pool sized for window-long ones."""
+    return tuple(None if w is None or w >= max_model_len else w for w in windows)
+
+
 def get_model_class(mc: ModelConfig) -> type[nn.Module]:
     """The class implementing mc.architecture, or a ValueError naming the supported ones."""
     cls = MODEL_REGISTRY.get(mc.architecture)
