@@ -107,6 +107,28 @@ def test_greedy_outputs_identical_with_and_without_speculation(model_factory, tm
     assert sum(st.accepted_per_position) == st.num_accepted_tokens
 
 
+def test_a_detached_speculator_proposes_nothing_and_reattaches(model_factory):
+    """set_speculator(None) turns speculation off between requests (the speculative bench's A/B on one engine);
+    the outputs stay the greedy ones and the speculator, attached again, proposes again."""
+    path = model_factory("tiny-llama")
+    engine = LLMEngine(EngineArgs(model=path, num_kv_blocks=128, check_invariants=True, speculative_model="ngram",
+                                  num_speculative_tokens=3, speculative_adaptive=False))
+    text = corpus_token_ids(engine.tokenizer, 200)
+    prompts = [text[:30] + text[:12] for _ in range(2)]
+    sp = engine.speculator
+    assert sp is not None
+    with_spec = _run(engine, prompts)
+    drafts = sp.stats.num_draft_tokens
+    assert drafts > 0
+    engine.set_speculator(None)
+    assert _run(engine, prompts) == with_spec and sp.stats.num_draft_tokens == drafts
+    engine.set_speculator(sp)
+    assert _run(engine, prompts) == with_spec and sp.stats.num_draft_tokens > drafts
+    engine.add_request("busy", {"prompt_token_ids": prompts[0]}, SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="unfinished requests"):
+        engine.set_speculator(None)
+
+
 @pytest.mark.parametrize(("kw", "match"), [
     (dict(speculative_model="ngram", num_speculative_tokens=0), "num_speculative_tokens must be >= 1"),
     (dict(num_speculative_tokens=3), "needs speculative_model"),

@@ -139,7 +139,8 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
         if r is None:
             continue
         lines += section(r)
-        cmd = shlex.join(r.get("command", argv[name]))
+        # (families is not part of `bench all`: hours at real sizes; its JSON carries its own command)
+        cmd = shlex.join(r["command"] if "command" in r else argv[name])
         lines += ["", f"Command: `minivllm bench {cmd}`" + (f" (run {r['measured_at']})" if "measured_at" in r else ""),
                   ""]
     return "\n".join(lines).rstrip() + "\n"

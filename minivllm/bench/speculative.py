@@ -124,11 +124,11 @@ def run_speculative(ns: argparse.Namespace) -> int:
             _run(eng, big, 8)
             runs: dict[bool, list[float]] = {True: [], False: []}
             for attached in (False, True, True, False) * 3:
-                eng.speculator = sp if attached else None
+                eng.set_speculator(sp if attached else None)
                 rate, toks = _run(eng, big, ns.output_len // 2)
                 runs[attached].append(rate)
                 outputs[best if attached else "off"][col] = toks
-            eng.speculator = sp
+            eng.set_speculator(sp)
             tok_s[best][col] = runs[True]
             tok_s["off"].setdefault(col, []).extend(runs[False])
             big_ratio[best] = sum(runs[True]) / sum(runs[False])

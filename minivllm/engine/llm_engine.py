@@ -41,7 +41,7 @@ from minivllm.outputs import RequestOutput
 from minivllm.quant_config import QuantConfig
 from minivllm.spec_decode.factory import build_speculator
 from minivllm.spec_decode.hook import SpeculationHook
-from minivllm.spec_decode.speculator import verify_rows
+from minivllm.spec_decode.speculator import Speculator, verify_rows
 from minivllm.structured_output.hook import GuidedDecodingHook
 from minivllm.structured_output.manager import StructuredOutputManager
 
@@ -129,10 +129,7 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         self._failures: dict[str, str] = {}  # this step's: request id → reason (failed once the step is done)
         self.faults = FaultInjector.from_env()  # None unless the test-only hook is armed
         self.speculator = build_speculator(args, self) if args.speculative_model else None
-        self.hooks = HookSet(self._feature_hooks())
-        runner = self.runner  # (not self: a closure over the engine would keep a dropped engine alive in a cycle)
-        self.guard = StepGuard(self.hooks.wrap_forward(lambda scheduled, inputs: runner.execute(inputs)),
-                               isolate=args.tensor_parallel_size == 1)
+        self._install_hooks()
         self.groups: dict[str, SequenceGroup] = {}
         self.timings = StepTimings()
         self._arrivals = itertools.count()
@@ -146,6 +143,21 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
                     mc.architecture, args.model, self.dtype,
                     f", {self.quant_config.method} {self.runner.quant_kernels}" if self.quant_config else "",
                     self.device, cc.num_blocks, cc.block_size)
+
+    def _install_hooks(self) -> None:
+        """The feature hooks of the current features, and the step guard around the forward they wrap."""
+        self.hooks = HookSet(self._feature_hooks())
+        runner = self.runner  # (not self: a closure over the engine would keep a dropped engine alive in a cycle)
+        self.guard = StepGuard(self.hooks.wrap_forward(lambda scheduled, inputs: runner.execute(inputs)),
+                               isolate=self.args.tensor_parallel_size == 1)
+
+    def set_speculator(self, speculator: Speculator | None) -> None:
+        """Attach or detach speculative decoding between requests: the speculative bench compares one engine with
+        and without its speculator (the same weights and memory placement on both sides)."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("set_speculator: the engine has unfinished requests")
+        self.speculator = speculator
+        self._install_hooks()
 
     def _feature_hooks(self) -> list[StepHook]:
         """The optional features' hooks, in the order each point calls them (proposals are made before guided
