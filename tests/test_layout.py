@@ -82,7 +82,7 @@ def test_the_features_and_distributed_pieces_have_their_packages():
     """Speculative decoding, structured outputs and the distributed pieces each live in one package (issue 32)."""
     mods = _modules()
     for rel in ("spec_decode/speculator.py", "spec_decode/draft_proposer.py", "spec_decode/ngram_proposer.py",
-                "spec_decode/rejection_sampler.py", "structured_output/manager.py", "distributed/tp_group.py",
+                "model/rejection_sampler.py", "structured_output/manager.py", "distributed/tp_group.py",
                 "distributed/shm_comm.py", "distributed/ray/client.py", "distributed/ray/replica.py", "utils.py"):
         assert rel in mods, rel
     assert not [rel for rel in mods if rel.startswith(("engine/spec", "model/tp_", "entrypoints/ray_"))]

@@ -5,7 +5,6 @@ in both pools, clear errors. Sampled requests: tests/test_spec_sampling.py."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from minivllm.config import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine
@@ -250,7 +249,7 @@ def _cost_ms(rows: int, handful_ms: float = 4.0) -> float:
 
 
 def _ngram_speculator() -> Speculator:
-    return Speculator(NgramProposer(1, 3), k=3, max_model_len=1024, adaptive=True, generator=torch.Generator())
+    return Speculator(NgramProposer(1, 3), k=3, max_model_len=1024, adaptive=True)
 
 
 def _speculator(handful_ms: float = 4.0) -> Speculator:

@@ -145,15 +145,16 @@ def test_dense_penalties_equal_the_input_batch_ones():
 def test_verification_rows_count_the_proposals_before_them_as_outputs():
     """Row i of a verification is scored as sampling would score that position once proposals 0..i-1 are
     outputs: the same penalties as the input batch applies to a sequence holding those tokens."""
-    from minivllm.engine.sequence import Sequence
     from minivllm.model.input_batch import InputBatch, SlotParams
-    from minivllm.spec_decode.speculator import Speculator
+    from minivllm.model.rejection_sampler import penalized_rows
 
     vocab, prompt, output, proposed = 64, [3, 5, 9], [5, 7, 7], [7, 21, 21]
-    seq = Sequence("r", prompt, SamplingParams(temperature=1.0, **PENALTIES), 0)
-    seq.token_ids += output
     x = torch.randn(len(proposed) + 1, vocab, generator=torch.Generator().manual_seed(1))
-    got = Speculator._penalized(seq, x.clone(), proposed)
+    verifying = InputBatch()  # the speculating sequence's slot, as the runner's verification reads it
+    settings = verifying.verify_settings(verifying.add(SlotParams(temperature=1.0, **PENALTIES), prompt, output),
+                                         vocab)
+    assert settings.penalties is not None
+    got = penalized_rows(x.clone(), proposed, *settings.penalties)
     for i in range(len(proposed) + 1):
         batch = InputBatch()
         slot = batch.add(SlotParams(temperature=1.0, **PENALTIES), prompt, output + proposed[:i])

@@ -79,12 +79,10 @@ class BeamSearcher:
         self.scheduler, self.recorder = scheduler, recorder
         self.eos_token_ids, self.max_model_len = eos_token_ids, max_model_len
 
-    def step(self, logits: torch.Tensor, rows: list[tuple[Sequence, int]], touched: dict[str, SequenceGroup]
-             ) -> None:
-        """Take the beams' logits rows of this step; a group whose live beams all have theirs advances
-        (and is added to touched)."""
-        logprobs = torch.log_softmax(logits[[r for _, r in rows]].float(), dim=-1).cpu()
-        for (seq, _), lp in zip(rows, logprobs, strict=True):
+    def step(self, logprobs: torch.Tensor, beams: list[Sequence], touched: dict[str, SequenceGroup]) -> None:
+        """Take the live beams' next-token log-probs of this step (logprobs [len(beams), V], the runner's); a group
+        whose live beams all have theirs advances (and is added to touched)."""
+        for seq, lp in zip(beams, logprobs, strict=True):
             group = seq.group
             assert group is not None and group.beam is not None
             group.beam.pending[seq.seq_id] = lp

@@ -34,9 +34,10 @@ from minivllm.engine.stats import StatsRecorder, StepTimings
 from minivllm.engine.step_guard import Span, StepGuard
 from minivllm.engine.swap_manager import SwapCostHook, build_swap_manager
 from minivllm.engine.tokenizer import get_tokenizer
-from minivllm.model.input_batch import InputBatch, SlotParams
+from minivllm.model.input_batch import SlotParams
 from minivllm.model.runner import ModelRunner, SequenceInput
-from minivllm.model.sampler import Sampler, TokenLogprobs
+from minivllm.model.sampler import TokenLogprobs
+from minivllm.model.step_sampling import SamplingRequest
 from minivllm.outputs import RequestOutput
 from minivllm.quant_config import QuantConfig
 from minivllm.spec_decode.factory import build_speculator
@@ -101,12 +102,13 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
                                   args.attention_backend, args.linear_backend, self.quant_config,
                                   args.quantization_kernel, args.enforce_eager, args.tensor_parallel_size,
                                   kv_cache_dtype=args.kv_cache_dtype, sink_window=args.sink_window,
-                                  group_blocks=self.kv_groups.group_blocks)
+                                  group_blocks=self.kv_groups.group_blocks, seed=args.seed)
         self.block_manager = self.kv_groups.block_manager(cc.block_size, cc.enable_prefix_caching, args.sink_window)
         self.swap = build_swap_manager(args, self.runner, self.block_manager)  # None: preemption by recompute only
         self.scheduler = _scheduler_class(self.scheduler_config)(self.scheduler_config, self.block_manager, self.swap)
-        self.sampler = Sampler(self.device, args.seed)
-        self.input_batch = InputBatch()  # the sampled sequences' settings and penalty stores, by slot
+        # The runner samples (model/step_sampling.py); the engine gives sequences their slots in its input batch.
+        self.sampler = self.runner.sampling.sampler
+        self.input_batch = self.runner.sampling.input_batch  # the sampled sequences' settings and penalty stores
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
@@ -299,26 +301,54 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
                 sample_rows.append((seq, r1 - 1))
             seq.num_computed_tokens += n
             self.block_manager.cache_blocks(seq)
-        if prompt_jobs:
-            self.output_processor.prompt_logprobs(self.sampler, logits, prompt_jobs)
-        touched: dict[str, SequenceGroup] = {}
-        beam_rows = [(s, r) for s, r in sample_rows if s.group is not None and s.group.beam is not None]
-        if beam_rows:
-            self.beams.step(logits, beam_rows, touched)
+        # The runner samples every row in one call (the logits stay behind it): prompt logprobs, beams' log-probs,
+        # draws (n > 1 forks first, so each sample has its slot), verifications; the features' logits processors
+        # (guided masks) first. Then each new token goes through the stop checks and the hooks.
+        req = SamplingRequest()
+        owners = self.output_processor.prompt_logprob_rows(prompt_jobs, req) if prompt_jobs else []
+        beams = [(s, r) for s, r in sample_rows if s.group is not None and s.group.beam is not None]
+        req.beam_rows = [r for _, r in beams]
         plain = [(s, r) for s, r in sample_rows if s.group is not None and s.group.beam is None]
-        if plain:
-            self._sample(logits, plain, touched)
+        targets = self._sample_targets(plain)
+        req.samples = [(r, s.slot) for s, r in targets]
+        if spec_jobs:
+            assert self.speculator is not None
+            for seq, _, _ in spec_jobs:  # (a prompt cached up to its last token verifies before its first sample)
+                self._ensure_slot(seq)
+            req.verifications = [self.speculator.verification(seq, row, n) for seq, n, row in spec_jobs]
+        rows = [(s, r, 1) for s, r in plain] + [(s, row, n) for s, n, row in spec_jobs]
+        if rows:
+            hooks = self.hooks
+            req.logits_processors.append(lambda x: hooks.process_logits(x, rows))
+        out = self.runner.sample(logits, req)
+        self._sample_time += out.seconds
+        touched: dict[str, SequenceGroup] = {}
+        if owners:
+            self.output_processor.add_prompt_logprobs(owners, out.prompt_logprobs)
+        if beams:
+            assert out.beam_logprobs is not None
+            self.beams.step(out.beam_logprobs, [s for s, _ in beams], touched)
+        if out.sampled is not None:
+            for (seq, _), tok, lp in zip(targets, out.sampled.token_ids, out.sampled.logprobs, strict=True):
+                self._take_tokens(seq, [tok], lp, touched)
         for seq, _, _, _ in prompt_jobs:
             assert seq.group is not None
             touched.setdefault(seq.group.request_id, seq.group)
-        if spec_jobs:
-            self._verify(logits, spec_jobs, touched)
+        for (seq, _, _), v, kept in zip(spec_jobs, req.verifications, out.verified, strict=True):
+            assert self.speculator is not None
+            self.speculator.record(seq, v.proposed, kept)
+            self._take_tokens(seq, kept, None, touched)
+            if not seq.status.finished:
+                self.input_batch.extend(seq.slot, kept)  # its penalty counts, if it has penalties
+                # KV holds the last token and the accepted proposals; the new last token is computed next step.
+                seq.num_computed_tokens = seq.num_tokens - 1
+                self.block_manager.cache_blocks(seq)
         self.scheduler.update_from_output([s for s, _ in sample_rows])
         return list(touched.values())
 
-    def _sample(self, logits: torch.Tensor, rows: list[tuple[Sequence, int]], touched: dict[str, SequenceGroup]
-                ) -> None:
-        # A request with n > 1 forks at its first sample: n draws from the same logits row.
+    def _sample_targets(self, rows: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """The draws of this step's sampled rows: a request with n > 1 forks at its first sample (n draws from the
+        same row); each drawing sequence holds an input-batch slot with its settings (written once)."""
         targets: list[tuple[Sequence, int]] = []
         for seq, r in rows:
             group = seq.group
@@ -333,55 +363,32 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
                     self._init_sequence(child)
                     group.seqs.append(child)
                     targets.append((child, r))
-        t0 = time.perf_counter()
-        self.hooks.process_logits(logits, [(s, r, 1) for s, r in rows])  # guided rows' masks, say
-        self._sample_time += time.perf_counter() - t0
-        batch = self.input_batch
         for seq, _ in targets:
-            if seq.slot < 0:  # first sample (or first since a fork): the settings are written once
-                seq.slot = batch.add(self._slot_params(seq), seq.token_ids[:seq.num_prompt_tokens],
-                                     seq.output_token_ids)
-        step_rows = batch.rows([s.slot for s, _ in targets])
-        idx = [r for _, r in targets]
-        t0 = time.perf_counter()
-        # Usually every logits row is sampled once, in order: the sampler then works on the logits in place.
-        out = self.sampler.sample(logits if idx == list(range(logits.shape[0])) else logits[idx], batch, step_rows)
-        batch.append(step_rows, out.tokens)
-        self._sample_time += time.perf_counter() - t0
-        for (seq, _), tok, lp in zip(targets, out.token_ids, out.logprobs, strict=True):
+            self._ensure_slot(seq)
+        return targets
+
+    def _ensure_slot(self, seq: Sequence) -> None:
+        """seq's input-batch slot, its settings written at its first sample (or first since a fork)."""
+        if seq.slot >= 0:
+            return
+        p = seq.sampling_params
+        # Before min_tokens, EOS and stop tokens are masked rather than sampled then ignored.
+        banned = (*(self.eos_token_ids if not p.ignore_eos else ()), *p.stop_token_ids)
+        params = SlotParams(0.0 if p.greedy else p.temperature, p.top_k, p.top_p, p.min_p, p.presence_penalty,
+                            p.frequency_penalty, p.repetition_penalty, p.logprobs, p.min_tokens, banned, seq.generator)
+        seq.slot = self.input_batch.add(params, seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids)
+
+    def _take_tokens(self, seq: Sequence, tokens: list[int], lp: TokenLogprobs | None,
+                     touched: dict[str, SequenceGroup]) -> None:
+        """seq's new tokens, each through the stop checks and the hooks, until one finishes it."""
+        for tok in tokens:
             self.recorder.generated(seq.request_id, 1)
             status = self.hooks.token_accepted(seq, tok, self._append_token(seq, tok, lp))
             if status is not None:
                 self._finish(seq, status)
-            assert seq.group is not None
-            touched.setdefault(seq.group.request_id, seq.group)
-
-    def _verify(self, logits: torch.Tensor, jobs: list[tuple[Sequence, int, int]],
-                touched: dict[str, SequenceGroup]) -> None:
-        """Speculating sequences: keep the accepted proposals and the target's next token (each through
-        the same stop checks as a sampled one); their KV counts only up to what was kept."""
-        assert self.speculator is not None
-        t0 = time.perf_counter()
-        self.hooks.process_logits(logits, [(seq, row, n) for seq, n, row in jobs])
-        self._sample_time += time.perf_counter() - t0
-        for seq, n, row in jobs:
-            t0 = time.perf_counter()
-            tokens = self.speculator.verify(seq, logits[row:row + n], n)
-            self._sample_time += time.perf_counter() - t0
-            for tok in tokens:
-                self.recorder.generated(seq.request_id, 1)
-                status = self.hooks.token_accepted(seq, tok, self._append_token(seq, tok, None))
-                if status is not None:
-                    self._finish(seq, status)
-                    break
-            if not seq.status.finished:
-                if seq.slot >= 0:
-                    self.input_batch.extend(seq.slot, tokens)  # its penalty counts, if it has penalties
-                # KV holds the last token and the accepted proposals; the new last token is computed next step.
-                seq.num_computed_tokens = seq.num_tokens - 1
-                self.block_manager.cache_blocks(seq)
-            assert seq.group is not None
-            touched.setdefault(seq.group.request_id, seq.group)
+                break
+        assert seq.group is not None
+        touched.setdefault(seq.group.request_id, seq.group)
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> SequenceStatus | None:
         """output_processor.append_token; an error there (detokenizing) fails seq's request, not the step."""
@@ -390,10 +397,3 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         except Exception as e:
             self._failures.setdefault(seq.request_id, f"internal error detokenizing this request: {e!r}")
             return None
-
-    def _slot_params(self, seq: Sequence) -> SlotParams:
-        p = seq.sampling_params
-        # Before min_tokens, EOS and stop tokens are masked rather than sampled then ignored.
-        banned = (*(self.eos_token_ids if not p.ignore_eos else ()), *p.stop_token_ids)
-        return SlotParams(0.0 if p.greedy else p.temperature, p.top_k, p.top_p, p.min_p, p.presence_penalty,
-                          p.frequency_penalty, p.repetition_penalty, p.logprobs, p.min_tokens, banned, seq.generator)

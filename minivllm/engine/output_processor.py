@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-import torch
-
 from minivllm.engine.detokenizer import IncrementalDetokenizer
 from minivllm.engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from minivllm.model.sampler import Sampler, TokenLogprobs
+from minivllm.model.sampler import TokenLogprobs
+from minivllm.model.step_sampling import SamplingRequest
 from minivllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from minivllm.sampling_params import RequestOutputKind
 
@@ -128,23 +127,25 @@ class OutputProcessor:
                                         "abort" if group.aborted else reason))
         return out
 
-    def prompt_logprobs(self, sampler: Sampler, logits: torch.Tensor, jobs: list[tuple[Sequence, int, int, int]]
-                        ) -> None:
-        """Logprob of each prompt token given its prefix (logits at position j score token j + 1)."""
-        rows, targets, owners = [], [], []
+    def prompt_logprob_rows(self, jobs: list[tuple[Sequence, int, int, int]], req: SamplingRequest
+                            ) -> list[Sequence]:
+        """The rows that score prompt tokens, added to the runner's request (logits at position j score token
+        j + 1); returns each row's sequence, for add_prompt_logprobs."""
+        owners = []
         for seq, start, n, row in jobs:
             assert seq.group is not None and seq.group.prompt_logprobs is not None
             end = min(start + n, seq.num_prompt_tokens - 1)
             # After a preemption the prompt is recomputed from 0: positions already scored are skipped.
             for j in range(max(start, len(seq.group.prompt_logprobs) - 1), end):
-                rows.append(row + j - start)
-                targets.append(seq.token_ids[j + 1])
+                req.prompt_rows.append(row + j - start)
+                req.prompt_targets.append(seq.token_ids[j + 1])
+                # (set for every owner: a group keeps prompt logprobs only when its request asked for them)
+                req.prompt_nums.append(cast(int, seq.sampling_params.prompt_logprobs))
                 owners.append(seq)
-        if not rows:
-            return
-        # (set for every owner: a group keeps prompt logprobs only when its request asked for them)
-        num = [cast(int, s.sampling_params.prompt_logprobs) for s in owners]
-        tlps = sampler.logprobs_of(logits[rows], targets, num)
+        return owners
+
+    def add_prompt_logprobs(self, owners: list[Sequence], tlps: list[TokenLogprobs]) -> None:
+        """The runner's prompt logprobs, appended to each request's."""
         for seq, tlp in zip(owners, tlps, strict=True):
             assert seq.group is not None and seq.group.prompt_logprobs is not None
             seq.group.prompt_logprobs.append(self.position_logprobs(tlp))

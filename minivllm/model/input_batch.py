@@ -62,6 +62,18 @@ class StepRows:
     early: list[tuple[int, int]]  # (row, slot) of rows that ban ids this step (filled per step)
 
 
+@dataclass(slots=True)
+class VerifySettings:
+    """A slot's settings as speculative verification reads them (one sequence, a few rows)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    # (output-token counts [V], prompt tokens seen [V] bool, repetition, frequency, presence), or None: no penalties
+    penalties: tuple[torch.Tensor, torch.Tensor, float, float, float] | None
+
+
 class InputBatch:
     """Per-slot sampling settings and penalty token stores, grown on demand and updated by diffs."""
 
@@ -208,6 +220,24 @@ class InputBatch:
             ids, counts = torch.unique(out, return_counts=True)
             ids, row = ids.to(dev), (ids // vocab).to(dev)
             xf[ids] = xf[ids] - rows.frequency.to(dev)[row] * counts.to(dev, torch.float32) - rows.presence.to(dev)[row]
+
+    def verify_settings(self, slot: int, vocab: int) -> VerifySettings:
+        """What verifying a slot's proposals needs: its sampling settings and, if penalised, its token counts."""
+        temp, top_p, min_p, presence, frequency, repetition = self._floats[:, slot].tolist()
+        penalties = None
+        row = self._store_row[slot]
+        if row >= 0:
+            n, plen = int(self._len[row]), int(self._prompt_len[row])
+            toks = self._tokens[row, :n]
+            counts = torch.bincount(toks[plen:], minlength=vocab)[:vocab].float()
+            seen = torch.zeros(vocab, dtype=torch.bool)
+            seen[toks[:plen]] = True
+            penalties = (counts, seen, repetition, frequency, presence)
+        return VerifySettings(temp, int(self._top_k[slot]), top_p, min_p, penalties)
+
+    def generator(self, slot: int) -> torch.Generator | None:
+        """The slot's own seeded generator, if its request has a seed."""
+        return self._generators[slot]
 
     def extend(self, slot: int, tokens: list[int]) -> None:
         """Record tokens a sequence gained outside sampling (accepted speculative proposals) where a later

@@ -33,6 +33,7 @@ from minivllm.model.lora import LoRAModelManager, build_mapping
 from minivllm.model.models import get_model_class, kv_windows
 from minivllm.model.quantization import QuantizedLinear, check_device
 from minivllm.model.sequence_input import SequenceInput
+from minivllm.model.step_sampling import RunnerOutput, SamplingRequest, StepSampler
 from minivllm.quant_config import QuantConfig
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,8 @@ class ModelRunner:
                  linear_backend: str = "auto", quant: QuantConfig | None = None,
                  quantization_kernel: str = "auto", enforce_eager: bool = False, tensor_parallel_size: int = 1,
                  parallel: ParallelConfig | None = None, kv_cache_dtype: str = "auto",
-                 sink_window: tuple[int, int] | None = None, group_blocks: tuple[int, ...] | None = None) -> None:
+                 sink_window: tuple[int, int] | None = None, group_blocks: tuple[int, ...] | None = None,
+                 seed: int = 0) -> None:
         self.mc, self.dtype, self.device = mc, dtype, device
         self.block_size = block_size
         if quant is not None:
@@ -158,6 +160,7 @@ class ModelRunner:
         if self.decode_stack is not None:
             self.model.decode_stack = self.decode_stack
         self.last_forward_time = 0.0  # seconds in the model (forward + logits) during the last execute
+        self.sampling = StepSampler(device, seed)  # the step's sampler and persistent input batch (rank 0's)
         self.lora: LoRAModelManager | None = None  # adapter slots, when the engine enables LoRA (init_lora)
         self.host_tiers: list[HostKVTier | None] = []  # preemption by swap's host tier per KV group (init_swap)
         self._plan_handful_with_stack()
@@ -278,6 +281,10 @@ class ModelRunner:
         """Run one forward over all scheduled tokens; return float32 logits in the order of `seqs`: one row
         per token for `all_logits` inputs, else one row for a sampling input, none otherwise."""
         return self._forward(*self._prepare(seqs))
+
+    def sample(self, logits: torch.Tensor, req: SamplingRequest) -> RunnerOutput:
+        """The step's tokens and logprobs from the logits execute returned (model/step_sampling.py)."""
+        return self.sampling.run(logits, req)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
                  logits_indices: torch.Tensor | None) -> torch.Tensor:

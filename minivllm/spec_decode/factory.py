@@ -29,5 +29,4 @@ def build_speculator(args: EngineArgs, engine: LLMEngine) -> Speculator:
             args.speculative_model, engine.model_config, engine.tokenizer, engine.dtype, engine.device,
             cc.num_blocks, cc.block_size, cc.enable_prefix_caching, args.attention_backend, args.linear_backend,
             args.enforce_eager, generator)
-    return Speculator(proposer, args.num_speculative_tokens, engine.max_model_len, args.speculative_adaptive,
-                      generator)
+    return Speculator(proposer, args.num_speculative_tokens, engine.max_model_len, args.speculative_adaptive)

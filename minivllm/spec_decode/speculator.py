@@ -6,8 +6,9 @@ proposer: n-gram prompt lookup (spec_decode/ngram_proposer.py, no model) or a dr
 runner computes them as single-token decode rows (verify_rows) and returns logits for each. Verification
 keeps, for a greedy request, the longest run of proposals equal to the target's argmax plus the target's
 own token after it (exactly the tokens it would produce without speculation); for a sampled request,
-rejection sampling (spec_decode/rejection_sampler.py) keeps a run distributed exactly as the target's own
-samples under its penalties, temperature, top-k, top-p and min-p. The K/V written for rejected proposals lies beyond
+rejection sampling keeps a run distributed exactly as the target's own samples under its penalties, temperature,
+top-k, top-p and min-p (both in model/rejection_sampler.py, run by the runner's sampler on what `verification`
+describes; `record` takes the outcome). The K/V written for rejected proposals lies beyond
 the sequence's computed tokens: never read, overwritten later, and never hashed for prefix caching.
 
 Eligible: requests without logprobs or pending min_tokens, and not beam search (those decode as usual).
@@ -22,9 +23,8 @@ import torch
 
 from minivllm.engine.sequence import Sequence
 from minivllm.model.runner import SequenceInput
-from minivllm.model.sampler import penalize_dense, processed_probs
+from minivllm.model.step_sampling import Verification
 from minivllm.spec_decode.cost import StepCostTable
-from minivllm.spec_decode.rejection_sampler import rejection_sample
 
 
 def verify_rows(seq: Sequence, n: int) -> list[SequenceInput]:
@@ -109,11 +109,9 @@ class Speculator:
     # step-to-step spread of the measurements (contexts differ, the machine drifts), so not worth the risk.
     MARGIN = 1.05
 
-    def __init__(self, proposer: Proposer, k: int, max_model_len: int, adaptive: bool,
-                 generator: torch.Generator) -> None:
+    def __init__(self, proposer: Proposer, k: int, max_model_len: int, adaptive: bool) -> None:
         self.proposer, self.k, self.adaptive = proposer, k, adaptive
         self.max_model_len = max_model_len
-        self.generator = generator  # the engine sampler's stream, for sampled requests without a seed
         self.stats = SpecDecodeStats(accepted_per_position=[0] * k, proposed_per_position=[0] * k)
         self.steps = StepCostTable()  # all-decode steps' model time by rows
         self.num_skipped = 0  # proposal tokens withheld because they were not expected to pay
@@ -283,44 +281,16 @@ class Speculator:
         self.records.pop(seq.seq_id, None)
 
     # ---- verification ----------------------------------------------------------------------------
-    @staticmethod
-    def _penalized(seq: Sequence, logits: torch.Tensor, proposed: list[int]) -> torch.Tensor:
-        """The rows with the request's penalties as sampling would apply them at each position: row i counts
-        the first i proposals among the outputs (they precede that position if accepted)."""
-        n, vocab = logits.shape
-        counts = torch.zeros(n, vocab)
-        out = seq.output_token_ids
-        if out:
-            counts += torch.bincount(torch.tensor(out), minlength=vocab)[:vocab].float()
-        for i, tok in enumerate(proposed[:n - 1]):
-            counts[i + 1:, tok] += 1
-        prompt_seen = torch.zeros(vocab, dtype=torch.bool)
-        prompt_seen[torch.tensor(seq.token_ids[:seq.num_prompt_tokens])] = True
-        p = seq.sampling_params
-        return penalize_dense(logits, counts.to(logits.device), prompt_seen.to(logits.device),
-                              p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+    def verification(self, seq: Sequence, row: int, num_rows: int) -> Verification:
+        """What the runner verifies for seq this step (rows [row, row + num_rows): after its last token and after
+        each proposal the step budget kept)."""
+        assert seq.slot >= 0, "the engine gives a verifying sequence its slot first"
+        return Verification(row, num_rows, seq.slot, seq.spec_token_ids[:num_rows - 1],
+                            self.draft_probs.get(seq.seq_id))
 
-    def verify(self, seq: Sequence, logits: torch.Tensor, num_scheduled: int) -> list[int]:
-        """The tokens seq gains this step: logits [num_scheduled, V] are the target's at its last token and
-        at the proposals scheduled after it (the step budget may have cut some off)."""
-        proposed = seq.spec_token_ids[:num_scheduled - 1]
-        p = seq.sampling_params
-        if p.has_penalties:
-            logits = self._penalized(seq, logits.float(), proposed)
-        if p.greedy:
-            target = logits.argmax(dim=-1).tolist()
-            j = 0
-            while j < len(proposed) and proposed[j] == target[j]:
-                j += 1
-            kept = proposed[:j] + [target[j]]
-        else:
-            n = logits.shape[0]
-            probs = processed_probs(logits, torch.full((n,), p.temperature), torch.full((n,), p.top_k),
-                                    torch.full((n,), p.top_p), torch.full((n,), p.min_p))
-            dist = self.draft_probs.get(seq.seq_id)
-            kept = rejection_sample(probs, None if dist is None else dist[:len(proposed)], proposed,
-                                    seq.generator or self.generator)
-            j = len(kept) - 1
+    def record(self, seq: Sequence, proposed: list[int], kept: list[int]) -> None:
+        """A verification's outcome into the stats and seq's record: proposals 0..len(kept) - 2 held."""
+        j = len(kept) - 1
         st = self.stats
         if proposed:
             rec = self.records.setdefault(seq.seq_id, SpecRecord())
@@ -334,4 +304,3 @@ class Speculator:
                 st.proposed_per_position[i] += 1
             for i in range(j):
                 st.accepted_per_position[i] += 1
-        return kept

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.model.sampler import draw_from
+from minivllm.model.input_batch import VerifySettings
+from minivllm.model.sampler import draw_from, penalize_dense, processed_probs
 
 
 def rejection_sample(target: torch.Tensor, draft: torch.Tensor | None, proposed: list[int],
@@ -49,3 +50,36 @@ def rejection_sample(target: torch.Tensor, draft: torch.Tensor | None, proposed:
             last = p[j]
     tok = int(draw_from(last[None], u[n:]).item())
     return proposed[:j] + [tok]
+
+
+@torch.inference_mode()
+def verify_proposals(x: torch.Tensor, proposed: list[int], draft: torch.Tensor | None, settings: VerifySettings,
+                     generator: torch.Generator) -> list[int]:
+    """The tokens a speculating sequence keeps: x [n, V] are the target's logits at its last token and at each
+    proposal verified after it (n - 1 of them; the step budget may have cut some off). Greedy: the run of
+    proposals equal to the argmax, then the argmax after it; sampled: rejection_sample on the processed
+    probabilities. Penalties as sampling would apply them at each position (row i counts the first i proposals
+    among the outputs: they precede that position if accepted)."""
+    proposed = proposed[:x.shape[0] - 1]
+    if settings.penalties is not None:
+        x = penalized_rows(x.float(), proposed, *settings.penalties)
+    if settings.temperature == 0.0:
+        target = x.argmax(dim=-1).tolist()
+        j = 0
+        while j < len(proposed) and proposed[j] == target[j]:
+            j += 1
+        return proposed[:j] + [target[j]]
+    n = x.shape[0]
+    probs = processed_probs(x, torch.full((n,), settings.temperature), torch.full((n,), settings.top_k),
+                            torch.full((n,), settings.top_p), torch.full((n,), settings.min_p))
+    return rejection_sample(probs, None if draft is None else draft[:len(proposed)], proposed, generator)
+
+
+def penalized_rows(x: torch.Tensor, proposed: list[int], counts: torch.Tensor, prompt_seen: torch.Tensor,
+                   repetition: float, frequency: float, presence: float) -> torch.Tensor:
+    """A verification's rows with its slot's penalties (counts [V] of its outputs so far, prompt_seen [V]): row i
+    also counts the first i proposals as outputs."""
+    rows = counts[None, :].repeat(x.shape[0], 1)
+    for i, tok in enumerate(proposed):
+        rows[i + 1:, tok] += 1
+    return penalize_dense(x, rows.to(x.device), prompt_seen.to(x.device), repetition, frequency, presence)
