@@ -7,7 +7,7 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +17,9 @@ from minivllm.sampling_params import MAX_LOGPROBS
 from minivllm.slo import TtftSlo
 from minivllm.spec_decode.config import parse_speculative_config
 from minivllm.structured_output.reasoning import REASONING_PARSER_NAMES
+
+if TYPE_CHECKING:
+    from minivllm.engine_config import EngineConfig
 
 __all__ = ["ModelConfig"]  # re-exported: config is where EngineArgs' users find it
 
@@ -72,6 +75,25 @@ KV_CACHE_MODES = ("paged", "contiguous", "none")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 KV_EVICTION_MODES = ("none", "sink-window")
+
+
+# Each flag's section of the engine's config (engine_config.EngineConfig), which is also its group in --help.
+ARG_SECTIONS: dict[str, tuple[str, ...]] = {
+    "model": ("model", "dtype", "device", "max_model_len", "quantization", "quantization_group_size",
+              "quantize_lm_head", "quantization_kernel", "linear_backend", "attention_backend", "enforce_eager", "seed",
+              "num_threads"),
+    "cache": ("kv_cache_memory", "num_kv_blocks", "kv_cache_dtype", "block_size", "enable_prefix_caching",
+              "kv_cache_mode", "kv_eviction", "sink_tokens", "window_tokens", "preemption_mode", "swap_space",
+              "swap_dir"),
+    "scheduler": ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "batching"),
+    "parallel": ("tensor_parallel_size",),
+    "speculative": ("speculative_model", "num_speculative_tokens", "speculative_adaptive", "prompt_lookup_max",
+                    "prompt_lookup_min", "speculative_config"),
+    "lora": ("enable_lora", "lora_modules", "max_loras", "max_lora_rank"),
+    "observability": ("check_invariants",),
+    "serving": ("batch_wait_ms", "max_waiting", "client_stall_timeout", "ttft_slo_ms", "reasoning_parser",
+                "max_prompt_tokens", "max_n", "max_logprobs"),
+}
 
 
 def _arg(default: Any, help: str, **kw: Any) -> Any:
@@ -299,10 +321,16 @@ class EngineArgs:
         if self.kv_cache_mode != "paged":
             raise ValueError(f"speculative decoding needs kv_cache_mode=paged, got {self.kv_cache_mode!r}")
 
+    def create_engine_config(self, model_config: ModelConfig | None = None) -> EngineConfig:
+        """The engine's frozen, nested config, resolved once (engine_config.py)."""
+        from minivllm.engine_config import EngineConfig
+
+        return EngineConfig.from_args(self, model_config)
+
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
-        """Add one --flag per field, with the field's default and help."""
-        add_dataclass_args(cls, parser, positional="model" if positional_model else None)
+        """Add one --flag per field, with the field's default and help, grouped by the config's sections."""
+        add_dataclass_args(cls, parser, positional="model" if positional_model else None, sections=ARG_SECTIONS)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
@@ -313,73 +341,25 @@ class EngineArgs:
 _CLI_TYPES = {"int": int, "int | None": int, "float": float, "float | None": float}
 
 
-def add_dataclass_args(cls: type, parser: argparse.ArgumentParser, positional: str | None = None) -> None:
+def add_dataclass_args(cls: type, parser: argparse.ArgumentParser, positional: str | None = None,
+                       sections: dict[str, tuple[str, ...]] | None = None) -> None:
     """One --flag per field of an args dataclass (help in the field's metadata); `positional` names an
-    optional positional field instead."""
+    optional positional field instead; `sections` puts each field in an argument group of its section."""
+    groups = {section: parser.add_argument_group(f"engine: {section}") for section in sections or {}}
+    group_of = {name: groups[section] for section, names in (sections or {}).items() for name in names}
     for f in dataclasses.fields(cls):
+        target: argparse._ActionsContainer = group_of.get(f.name, parser)  # the parser or its section's group
         flag = "--" + f.name.replace("_", "-")
         if f.name == positional:
-            parser.add_argument(f.name, nargs="?", default=f.default, help=f.metadata["help"])
+            target.add_argument(f.name, nargs="?", default=f.default, help=f.metadata["help"])
         elif str(f.type) == "list[str] | None":
-            parser.add_argument(flag, nargs="+", default=f.default, help=f.metadata["help"])
+            target.add_argument(flag, nargs="+", default=f.default, help=f.metadata["help"])
         elif f.type in ("bool", bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+            target.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                                 help=f.metadata["help"])
         else:
-            parser.add_argument(flag, type=_CLI_TYPES.get(str(f.type), str), default=f.default,
+            target.add_argument(flag, type=_CLI_TYPES.get(str(f.type), str), default=f.default,
                                 help=f.metadata["help"])
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    """Paged KV pool geometry, derived from the memory budget and the model."""
-
-    block_size: int
-    num_blocks: int
-    enable_prefix_caching: bool
-
-    @staticmethod
-    def from_budget(budget_bytes: int, block_size: int, bytes_per_token: int,
-                    enable_prefix_caching: bool) -> CacheConfig:
-        """Size the pool to fit the budget; at least one block is required."""
-        num_blocks = budget_bytes // (block_size * bytes_per_token)
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory: {budget_bytes} bytes cannot hold one block of {block_size} tokens "
-                f"({block_size * bytes_per_token} bytes); raise the budget")
-        return CacheConfig(block_size, int(num_blocks), enable_prefix_caching)
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Limits of one scheduling step."""
-
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    enable_chunked_prefill: bool
-    # Benchmark-only ablation modes (engine/ablation_scheduler.py runs them; the default scheduler has no
-    # branch for them):
-    static_batching: bool = False  # admit a new batch only when the running one has finished
-    reserve_tokens: int | None = None  # contiguous cache: slots each sequence reserves at admission
-    recompute_kv: bool = False  # no KV reuse: every step recomputes each sampled sequence from its start
-    preemption_mode: str = "recompute"  # recompute | swap | auto (EngineArgs.preemption_mode)
-
-    @property
-    def is_ablation(self) -> bool:
-        """Whether any ablation mode is on."""
-        return self.static_batching or self.reserve_tokens is not None or self.recompute_kv
-
-
-def default_batched_tokens(device: torch.device, max_model_len: int, chunked_prefill: bool) -> int:
-    """Step token budget when none is given.
-
-    On CPU, 512-1024 measured fastest (benchmarks/step_budget.py): prefill ran 1.1-1.3x faster than with
-    2048 because a step's activations stay in cache, while re-reading the weights each step costs ~3%
-    of a 512-token step. The smaller of the two keeps decode steps short when prefills join them.
-    Without chunked prefill a whole prompt must fit one step.
-    """
-    budget = 512 if device.type == "cpu" else 2048
-    return budget if chunked_prefill else max(budget, max_model_len)
 
 
 def cpu_count() -> int:

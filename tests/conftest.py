@@ -5,11 +5,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from minivllm.config import ModelConfig
+from minivllm.engine_config import EngineConfig
+from minivllm.model.runner import ModelRunner
 from minivllm.modelgen.make_model import make_model
 
 TINY_FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gpt2"]
@@ -153,3 +157,11 @@ def noisy_copy(path: str, out: str, noise: float, seed: int = 0) -> str:
             save_file({k: (v + noise * torch.randn(v.shape, generator=g)).to(v.dtype) if v.is_floating_point() else v
                        for k, v in tensors.items()}, os.path.join(out, name), metadata={"format": "pt"})
     return out
+
+
+def make_runner(mc: ModelConfig, num_blocks: int = 16, dtype: torch.dtype = torch.float32, **kw: Any) -> ModelRunner:
+    """A model runner on its own, built as the engine builds one: from mc's checkpoint at EngineArgs settings (on
+    the CPU; max_model_len 256 and block size 16 unless given)."""
+    kw = {"max_model_len": 256, "block_size": 16, **kw}
+    return ModelRunner(EngineConfig.of_model(mc, dtype=str(dtype).removeprefix("torch."), device="cpu", **kw),
+                       num_blocks)

@@ -14,7 +14,7 @@ from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.model import cpu_kernels
 from minivllm.model.decode_stack import DecodeStack
 from minivllm.model.runner import ModelRunner, SequenceInput
-from minivllm.quant_config import QuantConfig
+from tests.conftest import make_runner
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="native CPU kernels did not build here")
 
@@ -35,10 +35,8 @@ def stack_calls(monkeypatch):
 
 def _runner(path: str, method: str | None, dtype: torch.dtype = torch.float32) -> ModelRunner:
     mc = ModelConfig.from_pretrained(path)
-    quant = QuantConfig(method, 32) if method else None
     # Native kernels for every shape class, so the stack takes 1 and 3 decode tokens alike.
-    return ModelRunner(mc, dtype, torch.device("cpu"), num_blocks=32, block_size=16, max_model_len=256,
-                       linear_backend="native", quant=quant, quantization_kernel="native")
+    return make_runner(mc, 32, dtype, linear_backend="native", quantization=method, quantization_kernel="native")
 
 
 def _decode_steps(runner: ModelRunner, path: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -118,11 +116,10 @@ def test_engine_greedy_output_same_with_enforce_eager(model_factory, stack_calls
 def test_stack_only_where_it_runs_the_same_kernels(model_factory):
     path = model_factory("tiny-llama")
     mc = ModelConfig.from_pretrained(path)
-    cpu = torch.device("cpu")
     # The torch attention backend, GPT-2 and forced non-native kernels: no stack.
-    assert ModelRunner(mc, torch.float32, cpu, 8, 16, 256, attention_backend="torch").decode_stack is None
-    assert ModelRunner(mc, torch.float32, cpu, 8, 16, 256, linear_backend="torch").decode_stack is None
+    assert make_runner(mc, 8, attention_backend="torch").decode_stack is None
+    assert make_runner(mc, 8, linear_backend="torch").decode_stack is None
     gpt2 = ModelConfig.from_pretrained(model_factory("tiny-gpt2"))
-    assert ModelRunner(gpt2, torch.float32, cpu, 8, 16, 256).decode_stack is None
-    w8a8 = ModelRunner(mc, torch.float32, cpu, 8, 16, 256, quant=QuantConfig("w8a8", 32), quantization_kernel="int_mm")
+    assert make_runner(gpt2, 8).decode_stack is None
+    w8a8 = make_runner(mc, 8, quantization="w8a8", quantization_kernel="int_mm")
     assert w8a8.decode_stack is None

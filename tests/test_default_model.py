@@ -57,7 +57,7 @@ def test_shipped_within_budget():
 
 def test_llm_without_a_model_loads_the_embedded_one():
     llm = LLM(kv_cache_memory="64MiB")
-    assert llm.llm_engine.args.model == MAIN
+    assert llm.llm_engine.config.model.path == MAIN
     out = llm.generate("def fibonacci(n):", SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) > 0 and out.outputs[0].text.strip()
 

@@ -9,12 +9,13 @@ from conftest import PROMPTS
 from minivllm import LLM, SamplingParams
 from minivllm.config import ModelConfig
 from minivllm.engine.tokenizer import get_tokenizer
-from minivllm.model.runner import ModelRunner, SequenceInput
+from minivllm.model.runner import SequenceInput
+from tests.conftest import make_runner
 
 
 def _prefill_logits(path: str, dtype: torch.dtype) -> torch.Tensor:
     mc = ModelConfig.from_pretrained(path)
-    runner = ModelRunner(mc, dtype, torch.device("cpu"), num_blocks=16, block_size=16, max_model_len=256)
+    runner = make_runner(mc, 16, dtype)
     assert all(p.dtype == dtype for p in runner.model.parameters())
     assert runner.kv_cache.dtype == dtype
     ids = get_tokenizer(path).encode(PROMPTS[1])
@@ -51,8 +52,7 @@ def test_bf16_decode_through_the_native_attention_kernel_matches_the_portable_ba
     ids = get_tokenizer(path).encode(PROMPTS[1])
     decode_logits = {}
     for backend in ("cpu_native", "torch"):
-        runner = ModelRunner(mc, torch.bfloat16, torch.device("cpu"), num_blocks=16, block_size=16,
-                             max_model_len=256, attention_backend=backend)
+        runner = make_runner(mc, 16, torch.bfloat16, attention_backend=backend)
         assert type(runner.attention_backend).__name__ == {"cpu_native": "CpuNativePagedAttention",
                                                            "torch": "TorchPagedAttention"}[backend]
         runner.execute([SequenceInput(ids, 0, list(range(16)), True)])

@@ -22,10 +22,10 @@ from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.model import cpu_kernels
 from minivllm.model.decode_stack import DecodeStack
-from minivllm.model.runner import ModelRunner, SequenceInput
+from minivllm.model.runner import SequenceInput
 from minivllm.modelgen.make_lora import make_lora
 from minivllm.modelgen.presets import NEW_FAMILIES, PRESETS
-from minivllm.quant_config import QuantConfig
+from tests.conftest import make_runner
 
 FAMILIES = list(NEW_FAMILIES)
 N = 24  # greedy tokens per prompt
@@ -112,7 +112,7 @@ def test_real_width_checkpoint_loads_and_matches_hf(model_factory, tiny):
     path = model_factory(NEW_FAMILIES[tiny], dtype="bfloat16", overrides=(("num_hidden_layers", 2),))
     mc = ModelConfig.from_pretrained(path)
     ids = corpus_token_ids(get_tokenizer(path), 40)
-    runner = ModelRunner(mc, torch.float32, torch.device("cpu"), num_blocks=8, block_size=16, max_model_len=64)
+    runner = make_runner(mc, 8, max_model_len=64)
     got = runner.execute([SequenceInput(ids, 0, list(range(8)), True, all_logits=True)])
     del runner
     with torch.no_grad():
@@ -145,7 +145,7 @@ def test_bfloat16_close_to_float32(family):
     mc = ModelConfig.from_pretrained(path)
     logits = {}
     for dtype in (torch.float32, torch.bfloat16):
-        runner = ModelRunner(mc, dtype, torch.device("cpu"), num_blocks=16, block_size=16, max_model_len=256)
+        runner = make_runner(mc, 16, dtype)
         logits[dtype] = runner.execute([SequenceInput(ids[1], 0, list(range(16)), True, all_logits=True)])
     ref, got = logits[torch.float32], logits[torch.bfloat16]
     rel = ((got - ref).norm() / ref.norm()).item()
@@ -162,9 +162,8 @@ def test_quantized_modes_run_close_to_float32(family, method):
     assert all(len(t) == N for t in _greedy(llm, ids))
     mc = ModelConfig.from_pretrained(path)
     logits = []
-    for quant in (None, QuantConfig.resolve(method, 32, True, mc)):
-        runner = ModelRunner(mc, torch.float32, torch.device("cpu"), num_blocks=16, block_size=16, max_model_len=256,
-                             quant=quant)
+    for quant in ({}, {"quantization": method}):
+        runner = make_runner(mc, 16, **quant)
         logits.append(runner.execute([SequenceInput(ids[1], 0, list(range(16)), True, all_logits=True)]))
     ref, got = logits
     rel = ((got - ref).norm() / ref.norm()).item()

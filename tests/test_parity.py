@@ -9,8 +9,9 @@ from conftest import PROMPTS, TINY_FAMILIES, hf_greedy, hf_model
 from minivllm import LLM, SamplingParams
 from minivllm.config import ModelConfig
 from minivllm.engine.tokenizer import get_tokenizer
-from minivllm.model.runner import ModelRunner, SequenceInput
+from minivllm.model.runner import SequenceInput
 from minivllm.modelgen.presets import NEW_FAMILIES
+from tests.conftest import make_runner
 
 LAYER_ATTR = {"tiny-gpt2": ("transformer", "h")}
 
@@ -35,7 +36,7 @@ def test_hidden_states_and_logits_match_hf(model_factory, preset):
     with torch.no_grad():
         ref = hf(torch.tensor([ids]), output_hidden_states=True)
 
-    runner = ModelRunner(mc, torch.float32, torch.device("cpu"), num_blocks=16, block_size=16, max_model_len=256)
+    runner = make_runner(mc, 16)
     ours = []
     decoder_layers = [m for m in runner.model.modules() if type(m).__name__ in ("DecoderLayer", "GPT2Block")]
     assert len(decoder_layers) == mc.num_layers

@@ -24,8 +24,9 @@ from minivllm.model.quantization import (
     quantize_rows_int8,
     unpack_int4,
 )
-from minivllm.model.runner import ModelRunner, SequenceInput
+from minivllm.model.runner import SequenceInput
 from minivllm.quant_config import QuantConfig
+from tests.conftest import make_runner
 
 METHODS = ["int8", "int4", "w8a8", "w4a8"]
 GROUPED = ("int4", "w4a8")  # int4 weights
@@ -105,10 +106,9 @@ def _quantized_layers(llm: LLM) -> tuple[list[QuantizedLinear], list[Linear]]:
 
 def _prefill_logits(path: str, quant: QuantConfig | None, kernel: str = "auto") -> torch.Tensor:
     mc = ModelConfig.from_pretrained(path)
-    quant = QuantConfig.resolve(quant.method if quant else None, quant.group_size if quant else 32,
-                                quant.quantize_lm_head if quant else True, mc)
-    runner = ModelRunner(mc, torch.float32, torch.device("cpu"), num_blocks=16, block_size=16, max_model_len=256,
-                         quant=quant, quantization_kernel=kernel)
+    asked = {} if quant is None else {"quantization": quant.method, "quantization_group_size": quant.group_size,
+                                      "quantize_lm_head": quant.quantize_lm_head}
+    runner = make_runner(mc, 16, quantization_kernel=kernel, **asked)  # a saved quantized checkpoint loads as saved
     ids = get_tokenizer(path).encode(PROMPTS[1])
     return runner.execute([SequenceInput(ids, 0, list(range(16)), True, all_logits=True)])
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from minivllm.config import SchedulerConfig
 from minivllm.engine.ablation_scheduler import AblationScheduler
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.engine_config import SchedulerConfig
 from minivllm.sampling_params import SamplingParams
 
 _arrival = iter(range(10**9))

@@ -17,13 +17,13 @@ from server_utils import free_port, in_process_server, metrics, wait_idle
 from websockets.sync.client import connect
 
 from minivllm import EngineArgs
-from minivllm.config import SchedulerConfig
 from minivllm.engine.async_engine import AsyncLLMEngine
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.engine.stats import SchedulerSnapshot
+from minivllm.engine_config import SchedulerConfig
 from minivllm.entrypoints.api_server import build_app
 from minivllm.entrypoints.metrics import ServerMetrics
 from minivllm.entrypoints.proto import inference_pb2 as pb

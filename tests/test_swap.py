@@ -15,7 +15,7 @@ from conftest import corpus_token_ids, run_staggered
 from prometheus_client.parser import text_string_to_metric_families
 
 from minivllm import LLM, SamplingParams
-from minivllm.config import EngineArgs, SchedulerConfig
+from minivllm.config import EngineArgs
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.scheduler import Scheduler
@@ -23,6 +23,7 @@ from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.engine.stats import IterationStats, SchedulerSnapshot
 from minivllm.engine.step_trace import StepTracer
 from minivllm.engine.swap_manager import PreemptionCosts, SwapManager
+from minivllm.engine_config import SchedulerConfig
 from minivllm.entrypoints.metrics import ServerMetrics
 from minivllm.model.kv_swap import HostKVTier, block_bytes, check_capacity
 from minivllm.sampling_params import BeamSearchParams

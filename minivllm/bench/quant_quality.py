@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from minivllm.config import ModelConfig
+from minivllm.engine_config import EngineConfig
 from minivllm.model.runner import ModelRunner, SequenceInput
-from minivllm.quant_config import QuantConfig
 
 MODES = ("fp32", "bf16", "int8", "int4", "w8a8", "w4a8")
 
@@ -28,12 +28,9 @@ def mode_engine_kwargs(mode: str, group_size: int = 32) -> dict[str, Any]:
 
 def runner_for(path: str, mode: str, max_len: int, group_size: int = 32) -> ModelRunner:
     """The engine's model runner for one mode, with a KV pool for one window."""
-    mc = ModelConfig.from_pretrained(path)
-    kw = mode_engine_kwargs(mode, group_size)
-    quant = QuantConfig(kw["quantization"], group_size) if "quantization" in kw else None
-    dtype = torch.bfloat16 if mode == "bf16" else torch.float32
-    blocks = -(-max_len // 16)
-    return ModelRunner(mc, dtype, torch.device("cpu"), blocks, 16, max_len, quant=quant)
+    config = EngineConfig.of_model(ModelConfig.from_pretrained(path), device="cpu", max_model_len=max_len,
+                                   block_size=16, **mode_engine_kwargs(mode, group_size))
+    return ModelRunner(config, -(-max_len // 16))
 
 
 def window_logprobs(runner: ModelRunner, wins: list[list[int]]) -> list[torch.Tensor]:

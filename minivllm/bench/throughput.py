@@ -251,10 +251,10 @@ def run_throughput(ns: argparse.Namespace) -> int:
     print(f"model {path} ({mc.architecture}), threads {threads}")
     ceil = measure_ceilings_for(mc)
     engine: LLMEngine | None  # None once the ablations have replaced it
-    engine = LLMEngine(EngineArgs(model=path, dtype=ns.dtype, kv_cache_memory=ns.kv_cache_memory,
-                                  max_num_seqs=max(256, ns.num_requests), num_threads=threads,
-                                  max_num_batched_tokens=ns.max_num_batched_tokens,
-                                  attention_backend=ns.attention_backend))
+    base = EngineArgs(model=path, dtype=ns.dtype, kv_cache_memory=ns.kv_cache_memory,
+                      max_num_seqs=max(256, ns.num_requests), num_threads=threads,
+                      max_num_batched_tokens=ns.max_num_batched_tokens, attention_backend=ns.attention_backend)
+    engine = LLMEngine(base)
     vocab = min(len(engine.tokenizer), mc.vocab_size)
     prompts = random_prompts(ns.num_requests, ns.input_len_min, ns.input_len_max, vocab, ns.seed)
     warm = random_prompts(4, 8, 32, vocab, ns.seed + 1)
@@ -291,7 +291,6 @@ def run_throughput(ns: argparse.Namespace) -> int:
                                                         ns.seed + 3, min(ns.output_len, 64), levels, cost, ceil,
                                                         run_engine, greedy)
     if not ns.no_ablations:
-        base = engine.args
         del engine
         wls = make_workloads(ns.ablation_requests, (ns.input_len_min, ns.input_len_max),
                              (max(1, ns.output_len // 8), ns.output_len), vocab, ns.seed + 2, greedy)

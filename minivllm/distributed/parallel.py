@@ -13,7 +13,6 @@ before quantization and kernel planning, so every later stage sees only the rank
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,14 +20,7 @@ from torch import nn
 
 from minivllm.config import ModelConfig
 from minivllm.distributed.shm_comm import get_comm
-
-
-@dataclass(slots=True, frozen=True)
-class ParallelConfig:
-    """This process's place in the tensor-parallel group."""
-
-    rank: int = 0
-    size: int = 1
+from minivllm.engine_config import ParallelConfig
 
 
 def check_tensor_parallel(mc: ModelConfig, size: int, intermediate: int | None) -> None:

@@ -55,11 +55,11 @@ def _connect(rank: int, size: int, shm_path: str | None, peers_dead: Any = None)
 def worker_main(rank: int, size: int, port: int, threads: int, runner_kwargs: dict[str, Any],
                 shm_path: str | None = None) -> None:
     """A rank > 0: join the group, build this rank's shard, then run whatever rank 0 broadcasts."""
-    from minivllm.distributed.parallel import ParallelConfig
+    from minivllm.engine_config import ParallelConfig
     from minivllm.model.runner import ModelRunner
 
     torch.set_num_threads(threads)
-    device = runner_kwargs["device"]
+    device = runner_kwargs["config"].model.device
     if device.type == "cuda":
         torch.cuda.set_device(rank)
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=JOIN_TIMEOUT)
@@ -103,7 +103,7 @@ class TensorParallelGroup:
         if dist.is_initialized():
             raise RuntimeError("tensor parallelism: this process already belongs to a torch.distributed group")
         port = free_port()
-        device = runner_kwargs["device"]
+        device = runner_kwargs["config"].model.device
         shm_path = None
         if shm_supported(device) and os.environ.get("MINIVLLM_TP_COMM", "shm") == "shm":
             shm_path = f"/dev/shm/minivllm-tp-{os.getpid()}-{port}"

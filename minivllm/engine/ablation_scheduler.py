@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from minivllm.config import SchedulerConfig
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import Sequence
+from minivllm.engine_config import SchedulerConfig
 
 if TYPE_CHECKING:
     from minivllm.engine.swap_manager import SwapManager

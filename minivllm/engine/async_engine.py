@@ -123,7 +123,7 @@ class AsyncLLMEngine:
     @property
     def model_path(self) -> str:
         """The model directory the engine loaded."""
-        return str(self.engine.args.model)
+        return self.engine.config.model.path
 
     @property
     def max_model_len(self) -> int:
@@ -144,7 +144,7 @@ class AsyncLLMEngine:
     @property
     def reasoning_parser(self) -> str | None:
         """How the model's thinking is told from its answer (--reasoning-parser), None for a model that does not."""
-        return self.engine.args.reasoning_parser
+        return self.engine.config.serving.reasoning_parser
 
     @property
     def tokenizer(self) -> Any:

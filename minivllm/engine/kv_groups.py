@@ -19,9 +19,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from minivllm.config import EngineArgs, ModelConfig
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.sequence import Sequence
+from minivllm.engine_config import EngineConfig
 from minivllm.model.models import attention_windows, kv_windows
 
 
@@ -192,18 +192,18 @@ class KVGroupsPlan:
         return {"layer_tokens_held": held, "layer_tokens_full_attention": full, "ratio": held / full}
 
 
-def plan_for_engine(args: EngineArgs, mc: ModelConfig, kv_bytes: int, bytes_per_token: int, token_budget: int,
-                    max_model_len: int) -> KVGroupsPlan:
+def plan_for_engine(config: EngineConfig) -> KVGroupsPlan:
     """The engine's KV groups: the model's windows (or sink-window eviction's on every layer; none for the ablation
     baselines, which keep whole sequences; none where a window is no shorter than max_model_len), its budget split
     among them."""
-    windows = attention_windows(mc) if args.sink_window is None else (args.sink_window[1],) * mc.num_layers
-    windows = kv_windows(windows, max_model_len)
-    if args.kv_cache_mode != "paged":
+    mc, c = config.model_config, config.cache
+    windows = attention_windows(mc) if c.sink_window is None else (c.sink_window[1],) * mc.num_layers
+    windows = kv_windows(windows, config.model.max_model_len)
+    if c.kv_cache_mode != "paged":
         windows = (None,) * mc.num_layers
-    plan = plan_kv_groups(windows, kv_bytes, args.block_size, bytes_per_token // mc.num_layers, args.max_num_seqs,
-                          token_budget, args.num_kv_blocks)
-    return plan
+    per_token = mc.kv_bytes_per_token(config.model.dtype, config.parallel.size, c.kv_cache_dtype)  # one rank's
+    return plan_kv_groups(windows, c.kv_cache_bytes, c.block_size, per_token // mc.num_layers,
+                          config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens, c.num_kv_blocks)
 
 
 def plan_kv_groups(layer_windows: tuple[int | None, ...], budget_bytes: int, block_size: int,

@@ -8,17 +8,7 @@ import time
 
 import torch
 
-from minivllm.config import (
-    CacheConfig,
-    EngineArgs,
-    ModelConfig,
-    SchedulerConfig,
-    cpu_count,
-    default_batched_tokens,
-    default_device,
-    parse_size,
-    resolve_dtype,
-)
+from minivllm.config import EngineArgs, cpu_count
 from minivllm.engine.beam_search import BeamSearcher
 from minivllm.engine.fault_injection import FaultInjectionHook, FaultInjector
 from minivllm.engine.hooks import HookSet, StepHook
@@ -34,12 +24,12 @@ from minivllm.engine.stats import StatsRecorder, StepTimings
 from minivllm.engine.step_guard import Span, StepGuard
 from minivllm.engine.swap_manager import SwapCostHook, build_swap_manager
 from minivllm.engine.tokenizer import get_tokenizer
+from minivllm.engine_config import CacheConfig, EngineConfig, SchedulerConfig
 from minivllm.model.input_batch import SlotParams
 from minivllm.model.runner import ModelRunner, SequenceInput
 from minivllm.model.sampler import TokenLogprobs
 from minivllm.model.step_sampling import SamplingRequest
 from minivllm.outputs import RequestOutput
-from minivllm.quant_config import QuantConfig
 from minivllm.spec_decode.factory import build_speculator
 from minivllm.spec_decode.hook import SpeculationHook
 from minivllm.spec_decode.speculator import Speculator, verify_rows
@@ -61,50 +51,27 @@ def _scheduler_class(config: SchedulerConfig) -> type[Scheduler]:
 class LLMEngine(RequestLifecycle, EngineIntrospection):
     """The synchronous engine core: one `step()` = schedule, one forward, sample, update."""
 
-    def __init__(self, args: EngineArgs, log_stats: bool = False) -> None:
-        self.args = args
-        torch.set_num_threads(args.num_threads or cpu_count())
-        self.device = torch.device(args.device) if args.device else default_device()
-        assert args.model is not None  # EngineArgs.__post_init__ fills in the default model
-        self.model_config = mc = ModelConfig.from_pretrained(args.model)
-        self.dtype = resolve_dtype(args.dtype, mc.checkpoint_dtype, self.device)
-        self.max_model_len = args.max_model_len or mc.max_position_embeddings
-        if self.max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context length "
-                             f"{mc.max_position_embeddings}")
-        token_budget = args.max_num_batched_tokens or default_batched_tokens(self.device, self.max_model_len,
-                                                                             args.enable_chunked_prefill)
-        if not args.enable_chunked_prefill and token_budget < self.max_model_len:
-            raise ValueError(f"max_num_batched_tokens ({token_budget}) must be >= max_model_len "
-                             f"({self.max_model_len}) when chunked prefill is disabled")
-        self.tokenizer = get_tokenizer(args.model)
-        per_token = mc.kv_bytes_per_token(self.dtype, args.tensor_parallel_size, args.kv_cache_dtype)  # one rank's
-        kv_bytes = (args.num_kv_blocks * args.block_size * per_token if args.num_kv_blocks
-                    else parse_size(args.kv_cache_memory, "kv_cache_memory"))
-        # Ablation modes: neither a per-request contiguous cache nor a recomputed one can share prefix blocks.
-        prefix_caching = args.enable_prefix_caching and args.kv_cache_mode == "paged"
+    def __init__(self, config: EngineConfig | EngineArgs, log_stats: bool = False) -> None:
+        # The config, resolved once (engine_config.py), goes whole to the runner and the features' builders.
+        self.config = config = config if isinstance(config, EngineConfig) else config.create_engine_config()
+        ms, c = config.model, config.cache
+        torch.set_num_threads(ms.num_threads or cpu_count())
+        self.device, self.dtype, self.max_model_len = ms.device, ms.dtype, ms.max_model_len
+        self.model_config = mc = config.model_config
+        self.tokenizer = get_tokenizer(ms.path)
         # KV groups (kv_groups.py): a pool and block tables per attention window among the layers.
-        self.kv_groups = plan_for_engine(args, mc, kv_bytes, per_token, token_budget, self.max_model_len)
-        self.cache_config = CacheConfig(args.block_size, self.kv_groups.num_blocks[0], prefix_caching)
-        cc = self.cache_config
-        reserve = self.max_model_len if args.kv_cache_mode == "contiguous" else None
+        self.kv_groups = plan_for_engine(config)
+        self.cache_config = cc = CacheConfig(c.block_size, self.kv_groups.num_blocks[0], c.enable_prefix_caching)
+        reserve = config.scheduler.reserve_tokens
         if reserve is not None and -(-reserve // cc.block_size) > cc.num_blocks:
             raise ValueError(f"kv_cache_mode=contiguous reserves max_model_len ({reserve}) slots per sequence but the "
                              f"pool holds {cc.num_blocks * cc.block_size}; give the KV cache more memory or lower "
                              "max_model_len")
-        self.scheduler_config = SchedulerConfig(args.max_num_seqs, token_budget, args.enable_chunked_prefill,
-                                                static_batching=args.batching == "static", reserve_tokens=reserve,
-                                                recompute_kv=args.kv_cache_mode == "none",
-                                                preemption_mode=args.preemption_mode)
-        self.quant_config = QuantConfig.resolve(args.quantization, args.quantization_group_size,
-                                                args.quantize_lm_head, mc)
-        self.runner = ModelRunner(mc, self.dtype, self.device, cc.num_blocks, cc.block_size, self.max_model_len,
-                                  args.attention_backend, args.linear_backend, self.quant_config,
-                                  args.quantization_kernel, args.enforce_eager, args.tensor_parallel_size,
-                                  kv_cache_dtype=args.kv_cache_dtype, sink_window=args.sink_window,
-                                  group_blocks=self.kv_groups.group_blocks, seed=args.seed)
-        self.block_manager = self.kv_groups.block_manager(cc.block_size, cc.enable_prefix_caching, args.sink_window)
-        self.swap = build_swap_manager(args, self.runner, self.block_manager)  # None: preemption by recompute only
+        self.scheduler_config = config.scheduler
+        self.quant_config = ms.quantization
+        self.runner = ModelRunner(config, cc.num_blocks, self.kv_groups.group_blocks)
+        self.block_manager = self.kv_groups.block_manager(cc.block_size, cc.enable_prefix_caching, c.sink_window)
+        self.swap = build_swap_manager(c, self.runner, self.block_manager)  # None: preemption by recompute only
         self.scheduler = _scheduler_class(self.scheduler_config)(self.scheduler_config, self.block_manager, self.swap)
         # The runner samples (model/step_sampling.py); the engine gives sequences their slots in its input batch.
         self.sampler = self.runner.sampling.sampler
@@ -114,23 +81,22 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         spare_core = self.device.type != "cpu" or cpu_count() > torch.get_num_threads()
         self.structured = StructuredOutputManager(self.tokenizer, mc.vocab_size, self.eos_token_ids, spare_core)
-        pool = f"num_kv_blocks={n}" if (n := args.num_kv_blocks) else f"kv_cache_memory={args.kv_cache_memory}"
-        cap = self.kv_groups.sequence_block_cap(args.sink_window, token_budget, cc.block_size)
-        self.input_processor = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len, args.kv_cache_mode,
-                                              self.block_manager.blocks_needed, cc.num_blocks, pool, args.ttft_slo_ms,
-                                              cap,
-                                              RequestLimits(args.max_prompt_tokens, args.max_n, args.max_logprobs,
-                                                            args.max_num_seqs, args.max_waiting),
-                                              self.structured, args.reasoning_parser)
-        self.loras = LoRARegistry(self.runner.init_lora(args.max_loras, args.max_lora_rank) if args.enable_lora
-                                  else None)
-        for spec in args.lora_modules or []:
-            name, _, path = spec.partition("=")
+        sv = config.serving
+        cap = self.kv_groups.sequence_block_cap(c.sink_window, config.scheduler.max_num_batched_tokens, cc.block_size)
+        self.input_processor = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len, c.kv_cache_mode,
+                                              self.block_manager.blocks_needed, cc.num_blocks, c.pool_flag,
+                                              sv.ttft_slo_ms, cap,
+                                              RequestLimits(sv.max_prompt_tokens, sv.max_n, sv.max_logprobs,
+                                                            config.scheduler.max_num_seqs, sv.max_waiting),
+                                              self.structured, sv.reasoning_parser)
+        lora = config.lora
+        self.loras = LoRARegistry(None if lora is None else self.runner.init_lora(lora.max_loras, lora.max_lora_rank))
+        for name, path in lora.modules if lora is not None else ():
             self.loras.add(name, path)
         self.failed_requests: dict[str, str] = {}
         self._failures: dict[str, str] = {}  # this step's: request id → reason (failed once the step is done)
         self.faults = FaultInjector.from_env()  # None unless the test-only hook is armed
-        self.speculator = build_speculator(args, self) if args.speculative_model else None
+        self.speculator = build_speculator(config.speculative, self) if config.speculative else None
         self._install_hooks()
         self.groups: dict[str, SequenceGroup] = {}
         self.timings = StepTimings()
@@ -142,7 +108,7 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         self._in_flight: SchedulerOutput | None = None  # the step in progress (to name its requests on error)
         self.last_schedule: SchedulerOutput | None = None  # the last step's, for the live view (step_trace.py)
         logger.info("engine: %s (%s, %s%s) on %s, KV pool %d blocks x %d tokens",
-                    mc.architecture, args.model, self.dtype,
+                    mc.architecture, config.model.path, self.dtype,
                     f", {self.quant_config.method} {self.runner.quant_kernels}" if self.quant_config else "",
                     self.device, cc.num_blocks, cc.block_size)
 
@@ -151,7 +117,7 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         self.hooks = HookSet(self._feature_hooks())
         runner = self.runner  # (not self: a closure over the engine would keep a dropped engine alive in a cycle)
         self.guard = StepGuard(self.hooks.wrap_forward(lambda scheduled, inputs: runner.execute(inputs)),
-                               isolate=self.args.tensor_parallel_size == 1)
+                               isolate=self.config.parallel.size == 1)
 
     def set_speculator(self, speculator: Speculator | None) -> None:
         """Attach or detach speculative decoding between requests: the speculative bench compares one engine with
@@ -199,7 +165,7 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         self._in_flight = sched
         if self.log_stats:
             self.recorder.scheduled(sched.scheduled, sched.num_batched_tokens, sched.now)
-        if self.args.check_invariants:
+        if self.config.observability.check_invariants:
             for seq, n in sched.scheduled:
                 self.block_manager.check_writable(seq, n)
         hooks.before_forward(sched.scheduled)
@@ -245,7 +211,7 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         tm.forward += forward
         tm.sample += self._sample_time
         tm.update += (t3 - t2 - self._sample_time) + (t4 - t3)
-        if self.args.check_invariants:
+        if self.config.observability.check_invariants:
             self.check_invariants()
         return outputs
 

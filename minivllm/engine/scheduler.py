@@ -22,9 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from minivllm.config import SchedulerConfig
 from minivllm.engine.block_manager import EVICTED, BlockManager
 from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.engine_config import SchedulerConfig
 from minivllm.slo import CLASS_NAMES, class_rank
 
 if TYPE_CHECKING:

@@ -16,10 +16,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from minivllm.config import EngineArgs, parse_size
 from minivllm.engine.block_manager import EVICTED, BlockManager
 from minivllm.engine.hooks import StepHook
 from minivllm.engine.sequence import Sequence
+from minivllm.engine_config import CacheSettings
 
 if TYPE_CHECKING:
     from minivllm.engine.scheduler import SchedulerOutput
@@ -208,12 +208,12 @@ class GroupedSwap(SwapManager):
             m.check_invariants([self.windows.views(s)[g] for s in seqs])
 
 
-def build_swap_manager(args: EngineArgs, runner: ModelRunner, block_manager: BlockManager) -> SwapManager | None:
+def build_swap_manager(cache: CacheSettings, runner: ModelRunner, block_manager: BlockManager) -> SwapManager | None:
     """The host tier for preemption_mode swap or auto (None with recompute), sized from swap_space (split among
     the KV groups in proportion to their pools)."""
-    if args.preemption_mode == "recompute":
+    if cache.preemption_mode == "recompute":
         return None
-    swap_bytes = parse_size(args.swap_space, "swap_space")
+    swap_bytes = cache.swap_space
     groups = runner.num_kv_groups
     pool_bytes = [runner.group_block_bytes(g) * runner.group_pools[g][0].shape[2] for g in range(groups)]
     tiers = []
@@ -224,7 +224,7 @@ def build_swap_manager(args: EngineArgs, runner: ModelRunner, block_manager: Blo
             where = f" of KV group {g} (one per attention window)" if groups > 1 else ""
             raise ValueError(f"swap_space: {swap_bytes} bytes cannot hold one KV block{where} ("
                              f"{block_bytes} bytes: {block_manager.block_size} tokens of K and V); raise it")
-        tiers.append((num_blocks, block_bytes, runner.init_swap(num_blocks, args.swap_dir, g)))
+        tiers.append((num_blocks, block_bytes, runner.init_swap(num_blocks, cache.swap_dir, g)))
     (num_blocks, block_bytes, seconds_per_block), *rest = tiers
     if block_manager.groups is None:
         swap = SwapManager(num_blocks, block_bytes, block_manager)

@@ -13,7 +13,8 @@ from safetensors import safe_open
 from torch import nn
 
 from minivllm.config import ModelConfig
-from minivllm.distributed.parallel import ParallelConfig, attach_collectives, shard_model
+from minivllm.distributed.parallel import attach_collectives, shard_model
+from minivllm.engine_config import ParallelConfig
 from minivllm.model.models import get_model_class
 from minivllm.model.quantization import quantize_model
 from minivllm.model.quantized_checkpoint import load_quantized

@@ -12,9 +12,9 @@ import numpy as np
 import psutil
 import torch
 
-from minivllm.config import ModelConfig
-from minivllm.distributed.parallel import ParallelConfig, check_tensor_parallel, intermediate_size
+from minivllm.distributed.parallel import check_tensor_parallel, intermediate_size
 from minivllm.distributed.tp_group import TensorParallelGroup
+from minivllm.engine_config import EngineConfig, ParallelConfig
 from minivllm.model.attention import (
     Attention,
     AttentionMetadata,
@@ -34,7 +34,6 @@ from minivllm.model.models import get_model_class, kv_windows
 from minivllm.model.quantization import QuantizedLinear, check_device
 from minivllm.model.sequence_input import SequenceInput
 from minivllm.model.step_sampling import RunnerOutput, SamplingRequest, StepSampler
-from minivllm.quant_config import QuantConfig
 
 logger = logging.getLogger(__name__)
 
@@ -64,47 +63,44 @@ class ModelRunner:
     # __init__ would be narrowed to load_model's nn.Module for the rest of __init__.)
     model: Any
 
-    def __init__(self, mc: ModelConfig, dtype: torch.dtype, device: torch.device, num_blocks: int,
-                 block_size: int, max_model_len: int, attention_backend: str = "auto",
-                 linear_backend: str = "auto", quant: QuantConfig | None = None,
-                 quantization_kernel: str = "auto", enforce_eager: bool = False, tensor_parallel_size: int = 1,
-                 parallel: ParallelConfig | None = None, kv_cache_dtype: str = "auto",
-                 sink_window: tuple[int, int] | None = None, group_blocks: tuple[int, ...] | None = None,
-                 seed: int = 0) -> None:
-        self.mc, self.dtype, self.device = mc, dtype, device
-        self.block_size = block_size
+    def __init__(self, config: EngineConfig, num_blocks: int, group_blocks: tuple[int, ...] | None = None,
+                 parallel: ParallelConfig | None = None) -> None:
+        """The model of config (engine_config.EngineConfig, whole) with a KV pool of num_blocks blocks, or with
+        group_blocks, a pool per attention window; `parallel` is set on the ranks a tensor-parallel rank 0 spawns."""
+        self.config = config
+        ms, c = config.model, config.cache
+        self.mc, self.dtype, self.device = mc, dtype, device = config.model_config, ms.dtype, ms.device
+        self.block_size = block_size = c.block_size
+        max_model_len, quant, sink_window = ms.max_model_len, ms.quantization, c.sink_window
         if quant is not None:
             check_device(quant, device)
         # Tensor parallelism: as rank 0 (tensor_parallel_size > 1) spawn the other ranks, which build their own
-        # runner with the same arguments and `parallel` set; each loads the model and keeps its shard.
+        # runner from the same config with `parallel` set; each loads the model and keeps its shard.
         self.group: TensorParallelGroup | None = None
         if parallel is None:
+            parallel = config.parallel
             refusal = getattr(get_model_class(mc), "tensor_parallel_refusal", None)
-            if tensor_parallel_size > 1 and refusal:
+            if parallel.size > 1 and refusal:
                 raise ValueError(f"tensor_parallel_size: {mc.architecture} cannot be split across ranks: {refusal}")
-            check_tensor_parallel(mc, tensor_parallel_size, intermediate_size(mc))
-            parallel = ParallelConfig(0, tensor_parallel_size)
-            if tensor_parallel_size > 1:
-                threads = max(1, torch.get_num_threads() // tensor_parallel_size)
+            check_tensor_parallel(mc, parallel.size, intermediate_size(mc))
+            if parallel.size > 1:
+                threads = max(1, torch.get_num_threads() // parallel.size)
                 torch.set_num_threads(threads)  # the ranks share this machine's cores
-                self.group = TensorParallelGroup(tensor_parallel_size, threads, dict(
-                    mc=mc, dtype=dtype, device=device, num_blocks=num_blocks, block_size=block_size,
-                    max_model_len=max_model_len, attention_backend=attention_backend, linear_backend=linear_backend,
-                    quant=quant, quantization_kernel=quantization_kernel, enforce_eager=enforce_eager,
-                    kv_cache_dtype=kv_cache_dtype, sink_window=sink_window, group_blocks=group_blocks))
+                self.group = TensorParallelGroup(parallel.size, threads, dict(
+                    config=config, num_blocks=num_blocks, group_blocks=group_blocks))
         self.parallel = parallel
         self.model = load_model(mc, dtype, device, max_model_len, quant, parallel)
         # Shape class → kernel of the full-precision and of the quantized projections, timed on this machine.
         linears = [m for m in self.model.modules() if isinstance(m, Linear)]
-        if _use_onednn(linear_backend, device, dtype):
-            keep = linear_backend == "auto" and _second_layout_affordable(linears)
+        if _use_onednn(ms.linear_backend, device, dtype):
+            keep = ms.linear_backend == "auto" and _second_layout_affordable(linears)
             for m in linears:
                 m.pack(keep_weight=keep)
-        self.linear_kernels = plan_kernels(linears, linear_backend, "linear_backend", dtype)
+        self.linear_kernels = plan_kernels(linears, ms.linear_backend, "linear_backend", dtype)
         for m in linears:
             m.release_unused()
         quantized = [m for m in self.model.modules() if isinstance(m, QuantizedLinear)]
-        self.quant_kernels = plan_kernels(quantized, quantization_kernel, f"quantization {quant and quant.method}",
+        self.quant_kernels = plan_kernels(quantized, ms.quantization_kernel, f"quantization {quant and quant.method}",
                                           dtype)
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         assert len(layers) == mc.num_layers
@@ -134,9 +130,9 @@ class ModelRunner:
         self.num_kv_groups = len(windows)
         # One allocation per group: [2, layers, blocks, block_size, kv_heads, head_dim]; a quantized cache adds
         # float16 scales [2, layers, blocks, block_size, kv_heads] (model/kv_quant.py).
-        self.kv_cache_dtype = kv_dtype = kv_storage_dtype(kv_cache_dtype, dtype, device)
+        self.kv_cache_dtype = kv_dtype = kv_storage_dtype(c.kv_cache_dtype, dtype, device)
         kv_heads = mc.kv_heads_per_rank(parallel.size)
-        self.attention_backend = backend = get_backend(attention_backend, device, dtype)
+        self.attention_backend = backend = get_backend(ms.attention_backend, device, dtype)
         # Per group, every tensor of its pool, each [2, layers, num_blocks, ...]: whole-block copies (copy-on-write,
         # swap) move the same block index in all of them.
         self.group_pools: list[list[torch.Tensor]] = []
@@ -156,11 +152,11 @@ class ModelRunner:
         self.kv_scales = self.kv_pools[1] if len(self.kv_pools) > 1 else None
         # All-decode steps in one native call where the stack runs the kernels planned above.
         # (Not with tensor parallelism: the stack's layers have no all-reduce between them.)
-        self.decode_stack = None if enforce_eager or parallel.size > 1 else DecodeStack.build(self.model)
+        self.decode_stack = None if ms.enforce_eager or parallel.size > 1 else DecodeStack.build(self.model)
         if self.decode_stack is not None:
             self.model.decode_stack = self.decode_stack
         self.last_forward_time = 0.0  # seconds in the model (forward + logits) during the last execute
-        self.sampling = StepSampler(device, seed)  # the step's sampler and persistent input batch (rank 0's)
+        self.sampling = StepSampler(device, ms.seed)  # the step's sampler and persistent input batch (rank 0's)
         self.lora: LoRAModelManager | None = None  # adapter slots, when the engine enables LoRA (init_lora)
         self.host_tiers: list[HostKVTier | None] = []  # preemption by swap's host tier per KV group (init_swap)
         self._plan_handful_with_stack()

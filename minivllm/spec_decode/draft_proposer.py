@@ -22,6 +22,7 @@ from minivllm.config import ModelConfig
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.tokenizer import get_tokenizer
+from minivllm.engine_config import EngineConfig
 from minivllm.model.runner import ModelRunner, SequenceInput
 from minivllm.model.sampler import draw_from, processed_probs
 from minivllm.spec_decode.cost import ProposerCostModel
@@ -66,14 +67,13 @@ class DraftModelProposer:
         self.cost = ProposerCostModel()  # a round's seconds by forwards and rows
 
     @classmethod
-    def build(cls, path: str, target: ModelConfig, target_tokenizer: object, dtype: torch.dtype,
-              device: torch.device, num_blocks: int, block_size: int, prefix_caching: bool, attention_backend: str,
-              linear_backend: str, enforce_eager: bool, generator: torch.Generator) -> DraftModelProposer:
-        """Check the draft against the target, load it, and give it a pool of num_blocks blocks."""
-        mc = load_draft_config(path, target, target_tokenizer)
-        runner = ModelRunner(mc, dtype, device, num_blocks, block_size, mc.max_position_embeddings,
-                             attention_backend, linear_backend, None, "auto", enforce_eager)
-        return cls(mc, runner, BlockManager(num_blocks, block_size, prefix_caching), generator)
+    def build(cls, path: str, target: EngineConfig, target_tokenizer: object, num_blocks: int, prefix_caching: bool,
+              generator: torch.Generator) -> DraftModelProposer:
+        """Check the draft against the target, load it (the target's dtype, device and kernels), and give it a pool
+        of num_blocks blocks."""
+        mc = load_draft_config(path, target.model_config, target_tokenizer)
+        runner = ModelRunner(target.for_draft(mc), num_blocks)
+        return cls(mc, runner, BlockManager(num_blocks, target.cache.block_size, prefix_caching), generator)
 
     def _shadow(self, seq: Sequence) -> Sequence:
         sh = self.shadows.get(seq.seq_id)

@@ -1,5 +1,5 @@
-"""Builds the engine's Speculator from EngineArgs: the n-gram proposer, or a draft model checked against
-the target and given its own KV pool."""
+"""Builds the engine's Speculator from its speculative settings (engine_config.SpeculativeSettings): the n-gram
+proposer, or a draft model checked against the target and given its own KV pool."""
 
 from __future__ import annotations
 
@@ -10,23 +10,20 @@ from minivllm.spec_decode.ngram_proposer import NgramProposer
 from minivllm.spec_decode.speculator import Proposer, Speculator
 
 if TYPE_CHECKING:
-    from minivllm.config import EngineArgs
     from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.engine_config import SpeculativeSettings
 
 
-def build_speculator(args: EngineArgs, engine: LLMEngine) -> Speculator:
-    """The speculator for args.speculative_model ('ngram' or a draft model directory)."""
-    assert args.speculative_model is not None
+def build_speculator(spec: SpeculativeSettings, engine: LLMEngine) -> Speculator:
+    """The speculator for spec.model ('ngram' or a draft model directory)."""
     generator = engine.sampler.generator
     proposer: Proposer
-    if args.speculative_model == "ngram":
-        proposer = NgramProposer(args.prompt_lookup_min, args.prompt_lookup_max)
+    if spec.model == "ngram":
+        proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     else:
         cc = engine.cache_config
         # The draft's pool holds as many tokens as the target's (at a fraction of its bytes: a draft is small),
         # so it runs short no sooner than the target does; where it does, a sequence just proposes nothing.
-        proposer = DraftModelProposer.build(
-            args.speculative_model, engine.model_config, engine.tokenizer, engine.dtype, engine.device,
-            cc.num_blocks, cc.block_size, cc.enable_prefix_caching, args.attention_backend, args.linear_backend,
-            args.enforce_eager, generator)
-    return Speculator(proposer, args.num_speculative_tokens, engine.max_model_len, args.speculative_adaptive)
+        proposer = DraftModelProposer.build(spec.model, engine.config, engine.tokenizer, cc.num_blocks,
+                                            cc.enable_prefix_caching, generator)
+    return Speculator(proposer, spec.num_speculative_tokens, engine.max_model_len, spec.adaptive)

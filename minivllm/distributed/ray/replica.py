@@ -95,15 +95,15 @@ class EngineReplica:
     def describe(self) -> dict[str, Any]:
         """What the front needs to validate requests as this replica would (same model, same flags)."""
         eng = self.engine.engine
-        cc = eng.cache_config
+        cc, sv = eng.cache_config, eng.config.serving
         return {"model_path": self.engine.model_path, "max_model_len": self.engine.max_model_len,
                 "max_num_seqs": self.engine.max_num_seqs, "max_waiting": self.engine.max_waiting,
                 "num_speculative_tokens": self.engine.num_speculative_tokens,
-                "vocab_size": eng.model_config.vocab_size, "kv_cache_mode": eng.args.kv_cache_mode,
+                "vocab_size": eng.model_config.vocab_size, "kv_cache_mode": eng.config.cache.kv_cache_mode,
                 "block_size": cc.block_size, "num_blocks": cc.num_blocks, "pool": eng.input_processor.pool,
-                "ttft_slo_ms": eng.args.ttft_slo_ms, "limits": dataclasses.astuple(eng.input_processor.limits),
+                "ttft_slo_ms": sv.ttft_slo_ms, "limits": dataclasses.astuple(eng.input_processor.limits),
                 "eos_token_ids": sorted(eng.eos_token_ids), "replica": self.replica_id, "pid": self.pid,
-                "reasoning_parser": eng.args.reasoning_parser,
+                "reasoning_parser": sv.reasoning_parser,
                 "client_stall_timeout_s": self.engine.client_stall_timeout_s}
 
     def _report(self) -> dict[str, Any]:
