@@ -6,6 +6,7 @@ samples, beams and tensor parallelism swap too; bad settings are clear errors; t
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -223,6 +224,22 @@ def test_host_tier_moves_every_pool_tensor_and_leaves_no_file(tmp_path):
     for p, b in zip(pools, before, strict=True):
         assert torch.equal(p[:, :, 2], b[:, :, 1]) and torch.equal(p[:, :, 9], b[:, :, 7])
         assert torch.equal(p[:, :, 3], b[:, :, 3]) and not p[:, :, 0].any()
+
+
+def test_host_tier_reserves_its_file_space_when_made(tmp_path):
+    """The swap file's blocks are allocated when the tier is made, not at a first write, where a disk that filled up
+    meanwhile would be a SIGBUS mid-step (issue 33, item 9): the free space drops by the tier's size; a tier the disk
+    cannot hold is an error naming swap_space, and leaves no file."""
+    pools = [torch.zeros(2, 4, 8, 16, 8, 64)]  # a block: 2 x 4 layers x 16 tokens x 8 heads x 64 x 4 bytes = 256 KiB
+    before = shutil.disk_usage(tmp_path).free
+    tier = HostKVTier(pools, 1024, str(tmp_path))
+    assert tier.nbytes == 256 << 20
+    assert before - shutil.disk_usage(tmp_path).free >= 0.9 * tier.nbytes
+    del tier
+    with pytest.raises(ValueError, match=r"swap_space: cannot reserve the host KV tier's .* GiB .* in .*; lower "
+                                         r"--swap-space or point --swap-dir at a larger disk"):
+        HostKVTier(pools, 1 << 32, str(tmp_path))  # 1 PiB
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize(("kw", "match"), [

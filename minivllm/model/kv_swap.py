@@ -5,7 +5,8 @@ each laid out block-major, [host_blocks, 2, layers, ...], so one block is one co
 writes and reads whole spans, which an SSD and the page cache serve far better than the strided layout
 of the pool. On CUDA the tier is pinned host memory; on CPU (or wherever --swap-dir is given) a
 memory-mapped file, since there host RAM is already the pool's own memory and a swap only pays off on
-other storage. The file is unlinked as soon as it is mapped, so nothing is left behind whatever happens.
+other storage. The file's space is reserved when it is made (a disk that fills later is then no SIGBUS), and it
+is unlinked as soon as it is mapped, so nothing is left behind whatever happens.
 """
 
 from __future__ import annotations
@@ -62,7 +63,17 @@ class HostKVTier:
         if uses_pinned_memory(pools[0].device, swap_dir):
             self.storage = torch.empty(total, dtype=torch.uint8, pin_memory=True)
         else:
-            fd, path = tempfile.mkstemp(prefix="minivllm-kv-swap-", dir=swap_dir)
+            fd, path = tempfile.mkstemp(prefix="minivllm-kv-swap-", dir=swap_dir)  # O_EXCL, mode 0600
+            try:
+                # Reserve every block now: a sparse file's pages are allocated when first written, and on a disk
+                # that filled up since, that write is a SIGBUS that kills the server mid-step.
+                os.posix_fallocate(fd, 0, total)
+            except OSError as e:
+                os.close(fd)
+                os.unlink(path)
+                raise ValueError(f"swap_space: cannot reserve the host KV tier's {_fmt(total)} in "
+                                 f"{os.path.dirname(path)} ({e.strerror}); lower --swap-space or point --swap-dir "
+                                 "at a larger disk") from None
             os.close(fd)
             try:
                 # shared=True: writes go to the file's pages, not to anonymous memory.
