@@ -143,6 +143,22 @@ def _comm_rank(rank: int, port: int, path: str, out) -> None:
     dist.destroy_process_group()
 
 
+def test_the_shared_memory_file_is_private_and_unguessable(tmp_path):
+    """Issue 33, item 8: the ranks' shared file (whose broadcasts they unpickle) has a random name, is made with
+    O_EXCL and mode 0600 by this user, so another local user can neither pre-create it, point it at a file of ours
+    through a symlink, nor write into it."""
+    import stat
+
+    from minivllm.distributed.shm_comm import ShmComm
+
+    paths = [ShmComm.create(2, str(tmp_path)) for _ in range(2)]
+    assert paths[0] != paths[1]
+    for p in paths:
+        st = os.lstat(p)
+        assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
+        assert str(os.getpid()) not in os.path.basename(p) and os.path.dirname(p) == str(tmp_path)
+
+
 def test_shared_memory_collectives_agree_with_plain_sums_on_every_rank(tmp_path):
     """ShmComm between two real processes: all-reduce equal to the sum and bit-identical on both ranks,
     all-gather in rank order, broadcasts in order; payloads over a slot fall back to gloo on every rank."""
@@ -151,8 +167,7 @@ def test_shared_memory_collectives_agree_with_plain_sums_on_every_rank(tmp_path)
     from minivllm.distributed.shm_comm import ShmComm
     from minivllm.distributed.tp_group import free_port
 
-    path = f"/dev/shm/minivllm-test-{free_port()}"
-    ShmComm.create(path, 2)
+    path = ShmComm.create(2)
     ctx = mp.get_context("spawn")
     out, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_comm_rank, args=(r, port, path, out)) for r in range(2)]

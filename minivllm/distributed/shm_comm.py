@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import pickle
 import platform
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -85,10 +86,19 @@ class ShmComm(GlooComm):
     """All-reduce, all-gather and broadcast through a shared file; gloo for what does not fit a slot."""
 
     @staticmethod
-    def create(path: str, size: int) -> None:
-        """The zeroed file for `size` ranks (rank 0, before the others start)."""
-        with open(path, "wb") as f:
-            f.truncate(_nbytes(size))
+    def create(size: int, directory: str = "/dev/shm") -> str:
+        """The zeroed file for `size` ranks (rank 0, before the others start); returns its path. Its name is random
+        and it is made with O_EXCL (no existing file or symlink is reused or followed) and mode 0600: another local
+        user can neither guess it nor write the pickled broadcasts the ranks load from it."""
+        fd, path = tempfile.mkstemp(prefix="minivllm-tp-", dir=directory)
+        try:
+            os.ftruncate(fd, _nbytes(size))
+        except OSError:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        return path
 
     def __init__(self, path: str, rank: int, size: int, peers_dead: Callable[[], str | None] | None = None) -> None:
         self.rank, self.size, self.path = rank, size, path

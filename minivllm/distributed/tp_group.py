@@ -106,8 +106,7 @@ class TensorParallelGroup:
         device = runner_kwargs["config"].model.device
         shm_path = None
         if shm_supported(device) and os.environ.get("MINIVLLM_TP_COMM", "shm") == "shm":
-            shm_path = f"/dev/shm/minivllm-tp-{os.getpid()}-{port}"
-            ShmComm.create(shm_path, size)  # every rank maps it in _connect
+            shm_path = ShmComm.create(size)  # every rank maps it in _connect
         store = dist.TCPStore("127.0.0.1", port, size, is_master=True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
         ctx = mp.get_context("spawn")
         self.procs = [ctx.Process(target=worker_main, args=(r, size, port, threads, runner_kwargs, shm_path),
