@@ -92,9 +92,7 @@ def all_reduce_us(size: int, hidden: int, shm: bool, reps: int = 200) -> float:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    path = f"/dev/shm/minivllm-probe-{os.getpid()}-{port}" if shm else None
-    if path:
-        ShmComm.create(path, size)
+    path = ShmComm.create(size) if shm else None
     try:
         procs = [ctx.Process(target=_probe_rank, args=(r, size, port, hidden, reps, out, path)) for r in range(size)]
         for p in procs:
