@@ -155,6 +155,8 @@ class ServingSettings:
     max_prompt_tokens: int | None
     max_n: int
     max_logprobs: int
+    max_stop_strings: int
+    max_stop_string_length: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +214,8 @@ class EngineConfig:
             args.max_loras, args.max_lora_rank,
             tuple((name, path) for name, _, path in (s.partition("=") for s in args.lora_modules or [])))
         serving = ServingSettings(args.batch_wait_ms, args.max_waiting, args.client_stall_timeout, args.ttft_slo_ms,
-                                  args.reasoning_parser, args.max_prompt_tokens, args.max_n, args.max_logprobs)
+                                  args.reasoning_parser, args.max_prompt_tokens, args.max_n, args.max_logprobs,
+                                  args.max_stop_strings, args.max_stop_string_length)
         return EngineConfig(mc, model, cache, scheduler, ParallelConfig(0, args.tensor_parallel_size), speculative,
                             lora, ObservabilitySettings(args.check_invariants), serving)
 

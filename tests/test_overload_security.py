@@ -133,6 +133,27 @@ def test_request_limits_name_their_flag(model_factory):
         server.stop()
 
 
+def test_stop_strings_are_bounded(model_factory):
+    """Issue 33, item 2 (the bound): stop strings are matched against every sequence's new text each step, so their
+    number and length are bounded per request (400 naming the flag), on each route; within the bounds they work."""
+    server = ServerProcess(model_factory("tiny-llama"), "--num-threads", "1", "--kv-cache-memory", "64MiB",
+                           "--max-stop-strings", "4", "--max-stop-string-length", "16")
+    try:
+        url = server.url
+        many, long = [f"zz{i}" for i in range(5)], ["z" * 17]
+        for route, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+                            ("/generate", {"prompt": "hi", "max_new_tokens": 2})):
+            for stop, flag in ((many, "--max-stop-strings"), (long, "--max-stop-string-length")):
+                r = httpx.post(url + route, json={**body, "stop": stop}, timeout=30)
+                assert r.status_code == 400 and flag in r.text, r.text
+            ok = httpx.post(url + route, json={**body, "stop": many[:4]}, timeout=30)
+            assert ok.status_code == 200, ok.text
+        assert httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stop": ["y" * 16]},
+                          timeout=30).status_code == 200
+    finally:
+        server.stop()
+
+
 def test_api_key_never_logged_and_defaults_are_safe(model_factory, monkeypatch):
     assert ServerArgs().host == "127.0.0.1" and SECRET not in repr(ServerArgs(api_key=SECRET))
     monkeypatch.setenv("MINIVLLM_API_KEY", SECRET)  # from the environment: not in the process list either

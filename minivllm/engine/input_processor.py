@@ -55,6 +55,8 @@ class RequestLimits:
     max_logprobs: int = 20  # --max-logprobs
     max_num_seqs: int | None = None  # a request's samples or beams run at once: at most the step's seats
     max_call_requests: int | None = None  # prompts in one API call: at most the waiting queue (--max-waiting)
+    max_stop_strings: int = 64  # --max-stop-strings: each is matched against new text every step
+    max_stop_string_length: int = 1024  # --max-stop-string-length, in characters
 
     def check(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """ValueError naming the field and the flag when a request asks for more than the limits allow."""
@@ -68,6 +70,13 @@ class RequestLimits:
         if self.max_num_seqs is not None and width > self.max_num_seqs:
             raise ValueError(f"{name}: {width} exceeds max_num_seqs ({self.max_num_seqs}), the sequences one step "
                              "runs (--max-num-seqs)")
+        if len(params.stop) > self.max_stop_strings:
+            raise ValueError(f"stop: {len(params.stop)} stop strings exceed the server's limit of "
+                             f"{self.max_stop_strings} (--max-stop-strings)")
+        longest = max(map(len, params.stop), default=0)
+        if longest > self.max_stop_string_length:
+            raise ValueError(f"stop: a stop string of {longest} characters exceeds the server's limit of "
+                             f"{self.max_stop_string_length} (--max-stop-string-length)")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > self.max_logprobs:
