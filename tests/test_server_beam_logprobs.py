@@ -78,7 +78,8 @@ def test_echo_with_logprobs_scores_the_prompt(client, offline):
 
 def test_beam_search_bad_combinations_are_clear_errors(client):
     model = client.models.list().data[0].id
-    with pytest.raises(openai.BadRequestError, match="use_beam_search is not supported with stream=true"):
+    with pytest.raises(openai.BadRequestError, match="use_beam_search / beam_width: beam search is not supported with "
+                       "stream=true"):
         client.completions.create(model=model, prompt="x", n=2, max_tokens=2, stream=True,
                                   extra_body={"use_beam_search": True})
     with pytest.raises(openai.BadRequestError, match="logprobs is not supported with use_beam_search"):

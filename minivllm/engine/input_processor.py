@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minivllm.engine.lora_registry import LoadedLoRA
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.slo import TtftSlo, resolve_priority
 from minivllm.structured_output.manager import StructuredOutputManager
 from minivllm.structured_output.reasoning import prompt_closes_thinking
@@ -210,6 +210,10 @@ class InputProcessor:
             # Samples and beams share KV blocks copy-on-write, which only the paged cache does.
             raise ValueError(f"n / use_beam_search: kv_cache_mode={self.kv_cache_mode} serves only n=1 requests "
                              "without beam search; use kv_cache_mode=paged")
+        if params.use_beam_search and params.output_kind == RequestOutputKind.DELTA:
+            # Beams are reordered and pruned until the end: there is nothing final to stream before it.
+            raise ValueError("use_beam_search / beam_width: beam search is not supported with stream=true or "
+                             "GenerateStream; beams are reordered until the last step")
         vocab = self.vocab_size
         for i, t in enumerate(ids):
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:

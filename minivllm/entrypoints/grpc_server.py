@@ -70,8 +70,6 @@ def sampling_params(msg: pb.GenerateRequest | pb.BatchGenerateRequest, kind: Req
     if isinstance(msg, pb.GenerateRequest):
         extra["prompt_logprobs"] = _opt(msg, "prompt_logprobs")
         if msg.HasField("beam_width"):
-            if kind == RequestOutputKind.DELTA:
-                raise APIError(400, "beam_width: beam search is not supported with GenerateStream", "beam_width")
             extra.update(beam_search_fields(msg.beam_width, _opt(msg, "length_penalty"), _opt(msg, "early_stopping")))
     try:
         sampling = SamplingFields.model_validate(fields)

@@ -54,9 +54,6 @@ def _check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
         raise APIError(400, "logit_bias is not supported by this server", "logit_bias")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
-    if req.use_beam_search and req.stream:
-        # Beams are reordered and pruned until the end: there is nothing final to stream before it.
-        raise APIError(400, "use_beam_search is not supported with stream=true", "use_beam_search")
 
 
 def _params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None,

@@ -44,8 +44,6 @@ def _params(body: GenerateRequest | BatchGenerateRequest, kind: RequestOutputKin
     if isinstance(body, GenerateRequest):
         extra["prompt_logprobs"] = body.prompt_logprobs
         if body.beam_width is not None:
-            if kind == RequestOutputKind.DELTA:
-                raise APIError(400, "beam_width: beam search is not supported with stream=true", "beam_width")
             extra.update(beam_search_fields(body.beam_width, body.length_penalty, body.early_stopping))
     try:
         return body.sampling_params(body.max_new_tokens, kind, **extra)
