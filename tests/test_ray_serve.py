@@ -155,6 +155,31 @@ def test_every_route_through_the_front(replicated):
         assert health.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_the_local_cluster_listens_on_loopback_only(replicated):
+    """Ray's servers (GCS, raylet, object manager, agents, workers) bind the node's address, which Ray makes the
+    machine's outward one: the local cluster a server starts must not be reachable from the network."""
+    import ipaddress
+
+    import psutil
+
+    server = psutil.Process(replicated.proc.pid)
+    tree = [server, *server.children(recursive=True)]
+    names = {p.name() for p in tree}
+    assert {"gcs_server", "raylet"} <= names, names  # the cluster is this server's own
+    listening = [(p.name(), c.laddr) for p in tree for c in p.net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN]
+    assert len(listening) >= 5, listening  # the front, gRPC, GCS, raylet, workers...
+
+    def loopback(ip: str) -> bool:
+        addr = ipaddress.ip_address(ip.split("%")[0])
+        if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+            addr = addr.ipv4_mapped
+        return addr.is_loopback
+
+    exposed = [(name, addr) for name, addr in listening if not loopback(addr.ip)]
+    assert not exposed, f"listening beyond loopback: {exposed}"
+
+
 def test_killed_replica_fails_only_its_requests_and_is_replaced(replicated):
     url = replicated.url
     before = metrics(url)

@@ -54,14 +54,32 @@ def _import_ray() -> Any:
     return ray
 
 
+def _loopback_only() -> None:
+    """Make the local cluster this process starts listen on loopback only.
+
+    Ray binds its servers (GCS, raylet, object manager, workers' and agents' gRPC) to the node's address, and
+    turns a loopback node address given to ray.init or `ray start` into the machine's outward address, so every
+    port is reachable from the network, with no authentication a client has to know about. Its single-machine
+    mode (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, the default on Windows and macOS) takes 127.0.0.1 as the node
+    address instead. The environment variable reaches the processes Ray starts; the constant is the value this
+    process read when it imported ray (possibly before this call)."""
+    import ray._private.ray_constants as ray_constants
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
 def _connect(ray: Any, address: str | None, num_cpus: int) -> bool:
-    """Join the cluster at `address`, or start a local one (True: this process owns it)."""
+    """Join the cluster at `address` (whose network its operator secures), or start a local one bound to
+    loopback (True: this process owns it)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no telemetry calls from an offline machine
     if address:
         check_reachable(address)
         ray.init(address=address, logging_level=logging.WARNING, configure_logging=False)
         return False
-    ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING, configure_logging=False)
+    _loopback_only()
+    ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING, configure_logging=False,
+             _node_ip_address="127.0.0.1")
     return True
 
 

@@ -77,11 +77,31 @@ def families(metrics: ServerMetrics) -> list[Family]:
     return out
 
 
+def _serve_grpc_on_loopback() -> None:
+    """On a loopback-only local cluster (launch.py), bind the inter-deployment gRPC server Serve starts in each
+    replica once it is constructed to 127.0.0.1 rather than every interface ("[::]", fixed in Ray Serve): the
+    replicas and the front share this machine, and nothing else should reach them."""
+    import ray._private.ray_constants as ray_constants
+    import ray.serve._private.replica as serve_replica
+
+    if ray_constants.ENABLE_RAY_CLUSTER or getattr(serve_replica.add_port_to_grpc_server, "loopback", False):
+        return
+    add_port = serve_replica.add_port_to_grpc_server
+
+    def add_loopback_port(server: Any, address: str) -> int:
+        host, _, port = address.rpartition(":")
+        return add_port(server, f"127.0.0.1:{port}" if host in ("[::]", "0.0.0.0", "") else address)
+
+    add_loopback_port.loopback = True  # type: ignore[attr-defined]
+    serve_replica.add_port_to_grpc_server = add_loopback_port
+
+
 class EngineReplica:
     """The deployment's class: one AsyncLLMEngine per replica process (see the module doc)."""
 
     async def __init__(self, engine_args: EngineArgs, model_name: str, board: Any) -> None:  # type: ignore[misc]
         # (an async constructor: Ray Serve awaits it in the replica)
+        _serve_grpc_on_loopback()
         self.metrics = ServerMetrics(model_name)
         self.engine = AsyncLLMEngine.from_engine_args(engine_args, [LoggingStatLogger(), self.metrics])
         self.engine.start()
