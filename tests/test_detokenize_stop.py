@@ -98,7 +98,7 @@ def test_stop_token_id_and_special_tokens(scripted, llm):
 def test_incremental_detokenizer_equals_full_decode(model_factory, text):
     tok = AutoTokenizer.from_pretrained(model_factory("tiny-qwen2"))
     ids = tok.encode(text, add_special_tokens=False)
-    det = IncrementalDetokenizer(tok, tok.encode("prefix"), True, [], False)
+    det = IncrementalDetokenizer(tok, tok.encode("prefix"), True, None, False)
     pieces = []
     for t in ids:
         det.append(t)

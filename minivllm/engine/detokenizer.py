@@ -2,8 +2,9 @@
 
 Text grows one token at a time through tokenizers' `DecodeStream` (it buffers tokens until their
 bytes form whole UTF-8 characters, so a multi-byte character is never split). Stop strings are
-matched on the text, so a stop split across token boundaries is caught; while streaming, the tail
-that could still grow into a stop string is held back, so a stop string never leaks into a delta.
+matched on the text as it grows (stop_matcher.py: each new character read once), so a stop split across
+token boundaries is caught; while streaming, the tail that could still grow into a stop string is held
+back, so a stop string never leaks into a delta.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from tokenizers.decoders import DecodeStream
+
+from minivllm.engine.stop_matcher import StopMatcher
 
 # Prompt tokens fed to the stream first, so the first generated token decodes in context (leading
 # spaces of SentencePiece-style tokenizers); vLLM uses the same small window.
@@ -20,7 +23,7 @@ PROMPT_CONTEXT = 5
 class IncrementalDetokenizer:
     """Output text of one sequence, grown token by token; knows its stop strings."""
 
-    def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool, stop: list[str],
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool, stop: StopMatcher | None,
                  include_stop_str_in_output: bool) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -29,8 +32,8 @@ class IncrementalDetokenizer:
         self._stream = DecodeStream(ids=prompt_ids[-PROMPT_CONTEXT:], skip_special_tokens=skip_special_tokens) \
             if backend is not None else None
         self._ids: list[int] = []  # only for slow tokenizers (no DecodeStream)
-        self.stop = stop
-        self.max_stop_len = max((len(s) for s in stop), default=0)
+        self.stop = stop  # the request's stop strings (None: none)
+        self._stop_state = 0  # the automaton's state after the text so far
         self.include_stop = include_stop_str_in_output
         self.text = ""
         self.emitted = 0  # characters already handed out as deltas
@@ -46,31 +49,25 @@ class IncrementalDetokenizer:
             piece = None if full.endswith("\ufffd") else full[len(self.text):]
         if not piece:
             return None
-        start = max(0, len(self.text) - self.max_stop_len + 1)
+        offset = len(self.text)
         self.text += piece
-        return self._match_stop(start) if self.stop and check_stop else None
-
-    def _match_stop(self, start: int) -> str | None:
-        best, best_at = None, len(self.text)
-        for s in self.stop:
-            at = self.text.find(s, start)
-            if at != -1 and at < best_at:
-                best, best_at = s, at
-        if best is not None:
-            self.text = self.text[:best_at + (len(best) if self.include_stop else 0)]
+        if self.stop is None:
+            return None
+        # (before min_tokens the state still follows the text, so a stop completed by a later token is found)
+        self._stop_state, index, at = self.stop.feed(self._stop_state, piece, offset)
+        if index == -1 or not check_stop:
+            return None
+        best = self.stop.stops[index]
+        self.text = self.text[:at + (len(best) if self.include_stop else 0)]
         return best
 
     def holdback(self) -> int:
         """Length of the text's tail that is a proper prefix of some stop string."""
-        for k in range(min(self.max_stop_len - 1, len(self.text)), 0, -1):
-            tail = self.text[-k:]
-            if any(s.startswith(tail) for s in self.stop):
-                return k
-        return 0
+        return self.stop.holdback(self._stop_state) if self.stop is not None else 0
 
     def visible_text(self, finished: bool) -> str:
         """The text so far, minus a tail that may still become a stop string (unless finished)."""
-        return self.text if finished or not self.stop else self.text[:len(self.text) - self.holdback()]
+        return self.text if finished or self.stop is None else self.text[:len(self.text) - self.holdback()]
 
     def delta(self, finished: bool) -> str:
         """Text not handed out yet, minus a tail that may still become a stop string (unless finished)."""

@@ -6,6 +6,7 @@ from typing import Any, cast
 
 from minivllm.engine.detokenizer import IncrementalDetokenizer
 from minivllm.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from minivllm.engine.stop_matcher import StopMatcher
 from minivllm.model.sampler import TokenLogprobs
 from minivllm.model.step_sampling import SamplingRequest
 from minivllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
@@ -26,9 +27,12 @@ class OutputProcessor:
     def init_sequence(self, seq: Sequence, prompt_ids: list[int]) -> None:
         """Give a (new or forked) sequence its detokenizer and logprob accumulators."""
         p = seq.sampling_params
-        if seq.group is not None and seq.group.beam is None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, p.skip_special_tokens, p.stop,
-                                                     p.include_stop_str_in_output)
+        group = seq.group
+        if group is not None and group.beam is None:
+            if p.stop and group.stop_matcher is None:  # (one automaton for all of a request's samples)
+                group.stop_matcher = StopMatcher(p.stop)
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, p.skip_special_tokens,
+                                                     group.stop_matcher, p.include_stop_str_in_output)
         if p.logprobs is not None:
             seq.logprobs, seq.cumulative_logprob = [], 0.0
 

@@ -15,6 +15,7 @@ from minivllm.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from minivllm.engine.detokenizer import IncrementalDetokenizer
     from minivllm.engine.lora_registry import LoadedLoRA
+    from minivllm.engine.stop_matcher import StopMatcher
     from minivllm.outputs import PositionLogprobs
 
 
@@ -153,6 +154,7 @@ class SequenceGroup:
     grammar: str | None = None  # guided decoding: the compiled constraint each of its sequences follows
     grammar_after_reasoning: bool = False  # ... from the end of the thinking on (structured_output/reasoning.py)
     lora: LoadedLoRA | None = None  # the LoRA adapter it runs with
+    stop_matcher: StopMatcher | None = None  # its stop strings' automaton, built for its first sequence
 
     @property
     def finished(self) -> bool:
