@@ -13,8 +13,9 @@ server bounds the wait for each next piece of a body with --client-stall-timeout
 GuardMiddleware); a client that trickles its body in steadily is served. A request head (request line and
 headers) that never completes is held open by uvicorn without a timeout (its h11_max_incomplete_event_size caps
 only its size, 16 KiB); the ASGI app never sees it, so only a front proxy's header timeout bounds those. Either
-way the event loop keeps serving everyone else. A WebSocket frame over 16 MiB (uvicorn's ws_max_size) closes the
-connection with 1009 (message too big).
+way the event loop keeps serving everyone else. A WebSocket frame over --max-body-size (4 MiB; uvicorn's
+ws_max_size) closes the connection with 1009 (message too big), and a connection that floods requests gets a 429
+for each beyond the few it may have waiting.
 """
 
 from __future__ import annotations
@@ -240,10 +241,28 @@ def test_websocket_garbage_frames(server):
         assert final["generated_text"] == server.expected, final
 
 
-def test_websocket_huge_frame_closes_with_1009(server):
-    """A frame over uvicorn's 16 MiB ws_max_size: the connection is closed with 1009 (message too big)."""
+def test_websocket_flood_gets_429s_and_is_not_buffered(server):
+    """100 requests sent on one connection without reading: the running one and WS_MAX_QUEUED waiting ones are
+    answered, every other one gets a 429 naming the bound (nothing is buffered past it)."""
+    from minivllm.entrypoints.serving import WS_MAX_QUEUED
+
     with connect(server.ws_url, max_size=None, open_timeout=TIMEOUT, close_timeout=5) as ws:
-        ws.send("x" * 17 * 2**20)
+        for _ in range(100):
+            ws.send(json.dumps(GOOD))
+        finals = [_ws_final(ws) for _ in range(100)]
+    answered = [f for f in finals if "error" not in f]
+    refused = [f["error"] for f in finals if "error" in f]
+    assert all(f["generated_text"] == server.expected for f in answered)
+    assert 1 <= len(answered) <= 100 - len(refused) and len(refused) >= 100 - 1 - WS_MAX_QUEUED - 8, len(answered)
+    assert all(e["code"] == 429 and "already wait on this connection" in e["message"] for e in refused)
+    COUNTS["websocket"] += 1
+
+
+def test_websocket_huge_frame_closes_with_1009(server):
+    """A frame over --max-body-size (4 MiB, uvicorn's ws_max_size): the connection is closed with 1009 (message too
+    big) before the frame is buffered whole."""
+    with connect(server.ws_url, max_size=None, open_timeout=TIMEOUT, close_timeout=5) as ws:
+        ws.send("x" * (4 * 2**20 + 1))
         with pytest.raises(ConnectionClosed) as closed:
             ws.recv(timeout=TIMEOUT)
     assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009, closed.value
@@ -308,7 +327,7 @@ def test_grpc_unknown_field_is_ignored(channel):
 def test_case_count(capsys):
     """How many bad inputs this file holds (and, run after the cases above, how many ran)."""
     defined = {"http": len(HTTP_CASES) + 1, "http model names": len(list(model_name_cases("/m"))),
-               "slow loris": 9, "websocket": len(WS_CASES) + 1, "grpc": len(GRPC_RAW) + len(GRPC_TYPED)}
+               "slow loris": 9, "websocket": len(WS_CASES) + 2, "grpc": len(GRPC_RAW) + len(GRPC_TYPED)}
     with capsys.disabled():
         print(f"\nbad-input cases: {sum(defined.values())} defined {defined}; "
               f"{sum(COUNTS.values())} run {dict(COUNTS)}")

@@ -112,6 +112,50 @@ def test_timeouts_drop_waiting_requests_before_prefill(busy_server):
     assert bad.status_code == 400 and "timeout" in bad.json()["error"]["message"]
 
 
+def test_websocket_input_is_bounded(busy_server):
+    """Issue 33, item 3: a WebSocket holds at most WS_MAX_QUEUED requests behind its running one (each further
+    message gets a 429 and is dropped, not buffered), and a message over --max-body-size (4 MiB) ends the
+    connection with 1009 before it is buffered; the server keeps serving."""
+    import json
+
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    from minivllm.entrypoints.serving import WS_MAX_QUEUED
+
+    url = busy_server.url
+    ws_url = url.replace("http", "ws") + "/ws/generate"
+    with connect(ws_url, max_size=None) as ws:
+        ws.send(json.dumps(LONG))
+        deadline = time.time() + 60
+        while metrics(url)["minivllm:num_requests_running"] < 1:  # taken off the connection's queue
+            assert time.time() < deadline
+            time.sleep(0.02)
+        for i in range(WS_MAX_QUEUED + 6):
+            ws.send(json.dumps({"prompt": f"q{i}", "max_new_tokens": 2}))
+        refused = []
+        while len(refused) < 6:
+            msg = json.loads(ws.recv(timeout=60))
+            assert "error" in msg or "finish_reason" not in msg, msg  # the long request's deltas, and the 429s
+            if "error" in msg:
+                refused.append(msg["error"])
+        assert all(e["code"] == 429 and "already wait on this connection" in e["message"] for e in refused), refused
+    # (closing the socket aborted the running request and dropped the queued ones)
+    with connect(ws_url, max_size=None) as ws:
+        ws.send("x" * (4 * 1024 * 1024 + 1))
+        with pytest.raises(ConnectionClosed) as closed:
+            while True:
+                ws.recv(timeout=60)
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009, closed.value
+    wait_idle(url)
+    with connect(ws_url) as ws:  # the server serves the next connection as before
+        ws.send(json.dumps({"prompt": "hi", "max_new_tokens": 2}))
+        msgs = [json.loads(ws.recv(timeout=60))]
+        while "finish_reason" not in msgs[-1]:
+            msgs.append(json.loads(ws.recv(timeout=60)))
+        assert msgs[-1]["usage"]["completion_tokens"] == 2
+
+
 def test_request_limits_name_their_flag(model_factory):
     server = ServerProcess(model_factory("tiny-llama"), "--num-threads", "1", "--kv-cache-memory", "64MiB",
                            "--max-prompt-tokens", "8", "--max-n", "2", "--max-logprobs", "3")

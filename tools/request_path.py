@@ -53,6 +53,7 @@ def main() -> int:
     from minivllm.config import EngineArgs
     from minivllm.engine.async_engine import AsyncLLMEngine
     from minivllm.entrypoints.api_server import ServerArgs, build_app
+    from minivllm.entrypoints.serving import uvicorn_limits
     from minivllm.utils import free_port
 
     threading.setprofile(_profile)  # threads started from here on (the engine's, uvicorn's, workers')
@@ -61,7 +62,8 @@ def main() -> int:
     engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=model, kv_cache_memory="64MiB"), [])
     port = free_port()
     app = build_app(engine, ServerArgs(port=port))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           **uvicorn_limits(app.state.server.args)))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:

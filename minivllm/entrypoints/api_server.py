@@ -31,6 +31,7 @@ from minivllm.entrypoints.serving import (
     ServerArgs,
     ServerState,
     served_model_name,
+    uvicorn_limits,
     validation_message,
 )
 
@@ -235,7 +236,8 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
     engine = AsyncLLMEngine.from_engine_args(engine_args)
     app = build_app(engine, server_args)
     server = uvicorn.Server(uvicorn.Config(app, host=server_args.host, port=server_args.port,
-                                           log_level=server_args.log_level, timeout_graceful_shutdown=5))
+                                           log_level=server_args.log_level, timeout_graceful_shutdown=5,
+                                           **uvicorn_limits(server_args)))
     app.state.request_exit = lambda: setattr(server, "should_exit", True)
     logger.info("serving %s on http://%s:%d", app.state.server.model_name, server_args.host, server_args.port)
     server.run()

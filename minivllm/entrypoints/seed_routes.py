@@ -23,6 +23,7 @@ from minivllm.entrypoints.api_schema import (
 )
 from minivllm.entrypoints.protocol import BatchGenerateRequest, GenerateRequest, beam_search_fields
 from minivllm.entrypoints.serving import (
+    WS_MAX_QUEUED,
     APIError,
     ClientDisconnected,
     ServerState,
@@ -118,10 +119,11 @@ async def ws_generate(ws: WebSocket) -> None:
 async def _serve_websocket(state: ServerState, ws: WebSocket) -> None:
     """WS /ws/generate: each JSON request gets one message per delta, then a final one with usage.
     Requests on one connection run one after another; closing the socket aborts the current one and
-    drops any still queued."""
-    inbox: asyncio.Queue[str | bytes] = asyncio.Queue()
+    drops any still queued. At most WS_MAX_QUEUED wait (more get a 429 each), and a message over
+    --max-body-size ends the connection (uvicorn_limits stops it earlier, before buffering it whole)."""
+    inbox: asyncio.Queue[str | bytes] = asyncio.Queue(maxsize=WS_MAX_QUEUED)
 
-    async def reader() -> None:  # ends when the client goes away
+    async def reader() -> None:  # ends when the client goes away or sends a message over the size bound
         with contextlib.suppress(WebSocketDisconnect, RuntimeError, KeyError):
             while True:
                 message = await ws.receive()
@@ -129,7 +131,22 @@ async def _serve_websocket(state: ServerState, ws: WebSocket) -> None:
                     return
                 # A binary frame gets a 400 (in _ws_request), not a silently dropped connection.
                 text = message.get("text")
-                await inbox.put(text if text is not None else message.get("bytes") or b"")
+                payload = text if text is not None else message.get("bytes") or b""
+                if len(payload) > state.max_body_bytes:
+                    err = APIError(413, f"a message of {len(payload)} characters exceeds the server's limit of "
+                                        f"{state.max_body_bytes} bytes (--max-body-size)")
+                    await ws.send_json(err.body())
+                    await ws.close(1009)
+                    state.count("/ws/generate", "client_error", time.monotonic())
+                    return
+                if inbox.full():  # (the reader keeps reading, so a client that leaves still aborts its request)
+                    err = APIError(429, f"{WS_MAX_QUEUED} requests already wait on this connection behind the one "
+                                        "running; wait for an answer before sending more")
+                    async with asyncio.timeout(state.stall_timeout_s):
+                        await ws.send_json(err.body())
+                    state.count("/ws/generate", "client_error", time.monotonic())
+                    continue
+                inbox.put_nowait(payload)
 
     reading = asyncio.ensure_future(reader())
     try:

@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -36,6 +36,11 @@ from minivllm.sampling_params import SamplingParams
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 _INLINE_TOKENIZE_CHARS = 4096  # longer prompts are tokenized on a worker thread
+
+
+# Requests one WebSocket may have waiting behind the one it runs (each further one gets a 429), and the unread
+# messages uvicorn holds for a connection.
+WS_MAX_QUEUED = 4
 
 
 def _arg(default: Any, help: str) -> Any:
@@ -166,6 +171,17 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+class UvicornLimits(TypedDict):
+    ws_max_size: int
+    ws_max_queue: int
+
+
+def uvicorn_limits(args: ServerArgs) -> UvicornLimits:
+    """uvicorn's bounds on WebSocket input: a message over --max-body-size closes its connection (1009, "message
+    too big") before it is buffered whole, and a connection holds at most WS_MAX_QUEUED unread messages."""
+    return {"ws_max_size": parse_size(args.max_body_size, "max_body_size"), "ws_max_queue": WS_MAX_QUEUED}
+
+
 def served_model_name(model_path: str, args: ServerArgs) -> str:
     """The model's name in the API: --served-model-name, else the model directory's name."""
     return args.served_model_name or os.path.basename(os.path.normpath(model_path))
@@ -185,6 +201,7 @@ class ServerState:
         self.tokenizer = engine.tokenizer
         self.reasoning_parser = engine.reasoning_parser
         self.created = int(time.time())
+        self.max_body_bytes = parse_size(args.max_body_size, "max_body_size")
         # A write the client does not take within this long (its buffers are full: it stopped reading) ends the
         # response; the engine side drops such a request's stream alike (AsyncLLMEngine.MAX_UNREAD).
         self.stall_timeout_s = engine.client_stall_timeout_s

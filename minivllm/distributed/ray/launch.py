@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 from minivllm.config import EngineArgs, cpu_count
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.entrypoints.metrics import ServerMetrics
-from minivllm.entrypoints.serving import ServerArgs, served_model_name
+from minivllm.entrypoints.serving import ServerArgs, served_model_name, uvicorn_limits
 from minivllm.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ def run_replicated_server(engine_args: EngineArgs, server_args: ServerArgs) -> N
         logger.info("serving %s from %d replica(s) on http://%s:%d", model_name, n, server_args.host,
                     server_args.port)
         uvicorn.run(app, host=server_args.host, port=server_args.port, log_level=server_args.log_level,
-                    timeout_graceful_shutdown=5)
+                    timeout_graceful_shutdown=5, **uvicorn_limits(server_args))
     finally:
         _teardown(ray, app_name, owns_cluster)
 
