@@ -74,3 +74,25 @@ def test_live_view_follows_a_burst(tmp_path):
     assert steps_points > 0 and tput_points > 0
     assert "admitted" in log and "finished (length)" in log and "prefill chunk" in log
     assert (tmp_path / "live_view_busy.png").stat().st_size > 0
+
+
+def test_live_view_behind_the_key_in_a_browser():
+    """With --api-key the page is opened as /dashboard?token=<key>: the token leaves the address bar, the feed gets
+    it as a WebSocket subprotocol and goes live; a reload keeps it for the tab; another tab without it is refused."""
+    key = "sk-browser-0a9b8c7d"
+    server = ServerProcess(None, "--api-key", key, "--log-level", "warning")
+    try:
+        with sync_api.sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+            page = browser.new_page()
+            page.goto(server.url + f"/dashboard?token={key}")
+            page.wait_for_selector('#status[data-state="live"]', timeout=30_000)
+            assert "token" not in page.url
+            page.reload()
+            page.wait_for_selector('#status[data-state="live"]', timeout=30_000)
+            other = browser.new_context().new_page()
+            response = other.goto(server.url + "/dashboard")
+            assert response is not None and response.status == 401
+            browser.close()
+    finally:
+        server.stop()

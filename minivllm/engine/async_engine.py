@@ -323,7 +323,7 @@ class AsyncLLMEngine:
             return
         try:
             if self.tracer.active and stats is not None:  # a live view is watching
-                self._loop.call_soon_threadsafe(self.tracer.publish, self.tracer.build(self.engine, stats))
+                self._loop.call_soon_threadsafe(self.tracer.publish, self.tracer.record(self.engine, stats))
             if self.stat_loggers:
                 self._loop.call_soon_threadsafe(self._log_stats, stats, snap)
         except RuntimeError:  # the event loop closed under us (server shutdown)

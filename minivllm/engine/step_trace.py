@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import itertools
+import logging
 import sys
 import time
 from array import array
@@ -24,6 +25,7 @@ from minivllm.engine.stats import IterationStats
 if TYPE_CHECKING:
     from minivllm.engine.llm_engine import LLMEngine
 
+logger = logging.getLogger(__name__)
 KV_PERIOD_S = 0.2
 QUEUE_STEPS = 256  # records a viewer may fall behind before it loses some
 MAX_WAITING_LISTED = 128
@@ -70,6 +72,15 @@ class StepTracer:
                 self.dropped += 1
 
     # ---- engine thread ------------------------------------------------------------------------------
+    def record(self, eng: LLMEngine, stats: IterationStats) -> dict[str, Any]:
+        """The step's record; one that cannot be built is an error record, never an exception in the engine
+        loop (the view only observes)."""
+        try:
+            return self.build(eng, stats)
+        except Exception as e:
+            logger.exception("live view: the step record could not be built")
+            return {"type": "error", "message": f"the step record could not be built ({type(e).__name__})"}
+
     def build(self, eng: LLMEngine, stats: IterationStats) -> dict[str, Any]:
         """The record of the step just run (and of aborts since the last one)."""
         sched = eng.last_schedule

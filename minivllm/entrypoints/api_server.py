@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import time
@@ -24,6 +23,7 @@ from minivllm.engine.async_engine import AsyncLLMEngine
 from minivllm.engine.protocol import EngineClient
 from minivllm.entrypoints import dashboard, lora_routes, openai_routes, seed_routes
 from minivllm.entrypoints.api_schema import HealthResponse
+from minivllm.entrypoints.auth import KeyPolicy, redact_access_logs
 from minivllm.entrypoints.metrics import HTTP_ENDPOINTS, ServerMetrics
 from minivllm.entrypoints.serving import (
     APIError,
@@ -39,9 +39,6 @@ logger = logging.getLogger(__name__)
 
 _LAG_PROBE_S = 0.01
 _DEATH_EXIT_DELAY_S = 1.0
-# Routes that need no API key: monitoring stays open, as Prometheus scrapes without one, and so does the
-# live view (a browser cannot put a header on a WebSocket; it shows request ids and counts, no text).
-_OPEN_PATHS = frozenset({"/health", "/metrics", "/docs", "/openapi.json", "/dashboard", "/ws/events"})
 
 
 class BodyTooLarge(StarletteHTTPException):
@@ -55,29 +52,31 @@ class BodyStalled(StarletteHTTPException):
 class GuardMiddleware:
     """API key and body-size checks before any route runs (pure ASGI, so streaming is untouched)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, stall_timeout_s: float = 30.0) -> None:
+    def __init__(self, app: ASGIApp, keys: KeyPolicy, max_body_bytes: int, stall_timeout_s: float = 30.0) -> None:
         self.app = app
-        self.api_key = api_key
+        self.keys = keys
         self.max_body_bytes = max_body_bytes
         self.stall_timeout_s = stall_timeout_s
-
-    def _authorized(self, scope: Scope) -> bool:
-        if not self.api_key or scope["path"] in _OPEN_PATHS or scope["path"].startswith("/dashboard/"):
-            return True
-        headers = dict(scope.get("headers") or [])
-        auth = headers.get(b"authorization", b"").decode("latin-1")
-        return hmac.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         scope.setdefault("state", {})["t0"] = time.monotonic()  # request.state.t0: latency from arrival
-        if not self._authorized(scope):
+        if not self.keys.allows(scope):
+            message = self.keys.denial(scope["path"])
             if scope["type"] == "websocket":
-                await send({"type": "websocket.close", "code": 1008, "reason": "invalid or missing API key"})
+                await send({"type": "websocket.close", "code": 1008, "reason": message[:120]})
                 return
-            err = APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'")
-            return await err.response()(scope, receive, send)
+            return await APIError(401, message).response()(scope, receive, send)
+        cookie = self.keys.page_set_cookie(scope)
+        if cookie is not None:  # the live view's page opened with ?token=: a reload then needs none
+            inner_send = send
+
+            async def send(message: Message) -> None:
+                if message["type"] == "http.response.start":
+                    message = {**message, "headers": [*message.get("headers", []), (b"set-cookie", cookie)]}
+                await inner_send(message)
+
         if scope["type"] == "websocket":
             return await self.app(scope, receive, send)
         limit = self.max_body_bytes
@@ -215,7 +214,8 @@ def build_app(engine: EngineClient, args: ServerArgs, metrics: ServerMetrics | N
     app.include_router(seed_routes.router)
     app.include_router(openai_routes.router)
     app.include_router(lora_routes.router)
-    app.add_middleware(GuardMiddleware, api_key=args.api_key,
+    redact_access_logs()  # a key may come as ?token= (the live view), and uvicorn logs query strings
+    app.add_middleware(GuardMiddleware, keys=KeyPolicy(args.api_key, args.admin_api_key),
                        max_body_bytes=parse_size(args.max_body_size, "max_body_size"),
                        stall_timeout_s=engine.client_stall_timeout_s)
     if args.allowed_origins:  # CORS is off unless asked for: browsers then refuse other origins' scripts

@@ -1,5 +1,7 @@
 """The live view (SPEC §7): `GET /dashboard` (HTML, JS and CSS from the package: no build step, no CDN)
-and `WS /ws/events`, which streams the engine's step records (engine/step_trace.py) to the page."""
+and `WS /ws/events`, which streams the engine's step records (engine/step_trace.py) to the page. Both take the
+admin key (or the API key) when one is set (auth.py): the page is opened as /dashboard?token=<key> and hands the
+key to its WebSocket as a subprotocol; at most --max-live-viewers feeds run at once."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import os
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from starlette.responses import FileResponse, Response
+
+from minivllm.entrypoints.auth import key_subprotocol
 
 router = APIRouter()
 STATIC = os.path.join(os.path.dirname(__file__), "static")
@@ -33,7 +37,13 @@ async def events(ws: WebSocket) -> None:
     """A hello with the engine's shape, then lists of step records as steps run."""
     state = ws.app.state.server
     tracer = state.engine.tracer
-    await ws.accept()
+    await ws.accept(subprotocol=key_subprotocol(ws.scope))
+    if tracer is not None and tracer.active >= state.args.max_live_viewers:
+        # Each viewer costs the engine thread a record per step and the loop a copy of it: a bounded few.
+        await ws.send_json({"type": "error", "message": f"{tracer.active} live views are open, the server's limit "
+                                                        "(--max-live-viewers); close one and retry"})
+        await ws.close(1013)  # try again later
+        return
     if tracer is None:  # a front of Ray replicas: each replica has its own engine and no feed here
         await ws.send_json({"type": "error", "message": "the live view follows one engine; it is not available "
                                                         "through --replicas (open a replica's own server)"})

@@ -21,6 +21,7 @@ from minivllm.entrypoints.api_schema import (
     GenerateResponse,
     responses,
 )
+from minivllm.entrypoints.auth import key_subprotocol
 from minivllm.entrypoints.protocol import BatchGenerateRequest, GenerateRequest, beam_search_fields
 from minivllm.entrypoints.serving import (
     WS_MAX_QUEUED,
@@ -112,7 +113,7 @@ async def batch_generate(body: BatchGenerateRequest, request: Request) -> Respon
 @router.websocket("/ws/generate")
 async def ws_generate(ws: WebSocket) -> None:
     """Streaming over a WebSocket."""
-    await ws.accept()
+    await ws.accept(subprotocol=key_subprotocol(ws.scope))
     await _serve_websocket(ws.app.state.server, ws)
 
 

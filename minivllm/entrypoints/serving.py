@@ -58,6 +58,10 @@ class ServerArgs:
     api_key: str | None = field(default=None, repr=False, metadata={"help": (
         "when set, generation endpoints need 'Authorization: Bearer <key>' (default: $MINIVLLM_API_KEY, which keeps "
         "the key out of the process list); the key is never logged")})
+    admin_api_key: str | None = field(default=None, repr=False, metadata={"help": (
+        "when set, the live view (/dashboard, /ws/events) and runtime LoRA loading need this key instead of "
+        "--api-key (default: $MINIVLLM_ADMIN_API_KEY); without it they need --api-key")})
+    max_live_viewers: int = _arg(4, "live views (/ws/events) open at once; more are refused (1013)")
     allowed_origins: str | None = _arg(None, "CORS: comma-separated origins whose browser scripts may call the API, "
                                              "or *; off by default")
     served_model_name: str | None = _arg(None, "model name in the OpenAI API (default: the model directory's name)")
@@ -80,6 +84,10 @@ class ServerArgs:
     def __post_init__(self) -> None:
         if self.api_key is None:
             self.api_key = os.environ.get("MINIVLLM_API_KEY") or None
+        if self.admin_api_key is None:
+            self.admin_api_key = os.environ.get("MINIVLLM_ADMIN_API_KEY") or None
+        if self.max_live_viewers < 0:
+            raise ValueError(f"max_live_viewers must be >= 0, got {self.max_live_viewers}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.grpc_port is not None and not 0 <= self.grpc_port < 65536:

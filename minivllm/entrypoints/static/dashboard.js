@@ -47,6 +47,7 @@ function setState(rid, state, tokens) {
 }
 
 function onStep(rec) {
+  if (rec.type !== "step") { log(rec.message || "an unreadable record"); return; }
   stepsSeen += 1;
   for (const rid of rec.waiting) {
     const r = requests.get(rid);
@@ -154,10 +155,38 @@ function drawCharts() {
   lv.dataset.points = recent.length;
 }
 
+// The server's admin (or API) key, when it has one: opened as /dashboard?token=<key>, kept for this tab only
+// and taken out of the address bar; the feed gets it as a WebSocket subprotocol (a browser cannot set headers).
+const token = (() => {
+  const params = new URLSearchParams(location.search);
+  const given = params.get("token");
+  if (given !== null) {
+    sessionStorage.setItem("minivllm-token", given);
+    params.delete("token");
+    history.replaceState(null, "", location.pathname + (params.toString() ? `?${params}` : ""));
+  }
+  return sessionStorage.getItem("minivllm-token");
+})();
+
+function openFeed() {
+  const url = `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/ws/events`;
+  if (!token) return new WebSocket(url);
+  try {
+    return new WebSocket(url, [`minivllm-key.${token}`]);
+  } catch (e) {  // a key with characters a subprotocol cannot hold: the query parameter instead
+    return new WebSocket(`${url}?token=${encodeURIComponent(token)}`);
+  }
+}
+
 function connect() {
-  const ws = new WebSocket(`${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/ws/events`);
+  const ws = openFeed();
   ws.onopen = () => { $("status").textContent = "live"; $("status").dataset.state = "live"; };
-  ws.onclose = () => { $("status").textContent = "disconnected (retrying)"; $("status").dataset.state = "closed"; setTimeout(connect, 2000); };
+  ws.onclose = (ev) => {
+    $("status").dataset.state = "closed";
+    if (ev.code === 1008) { $("status").textContent = "refused: open /dashboard?token=<key>"; return; }
+    $("status").textContent = ev.code === 1013 ? "too many live views open (retrying)" : "disconnected (retrying)";
+    setTimeout(connect, ev.code === 1013 ? 10000 : 2000);
+  };
   ws.onmessage = (ev) => {
     const msg = JSON.parse(ev.data);
     if (msg.type === "hello") $("model").textContent = msg.model;
