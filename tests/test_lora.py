@@ -157,3 +157,49 @@ def test_lora_needs_enable_lora(base, adapters):
         LLM(base, lora_modules=[f"a={adapters['qv']}"])
     with pytest.raises(ValueError, match="NAME=DIR"):
         LLM(base, enable_lora=True, lora_modules=["just-a-path"])
+
+
+def test_adapter_files_over_the_bound_are_refused_before_reading(base, adapters, tmp_path):
+    """Issue 33, item 6: an adapter file larger than any adapter the slots can hold (every module at
+    --max-lora-rank in fp32) is refused by its size, without being read; a real adapter is far inside."""
+    import os
+    import shutil
+
+    llm = LLM(base, enable_lora=True, max_lora_rank=8, num_kv_blocks=64)
+    bound = llm.llm_engine.loras.max_adapter_bytes
+    real = os.path.getsize(os.path.join(adapters["all"], "adapter_model.safetensors"))
+    assert real < bound < 4 * real + (1 << 20)  # rank 8 on every module is the largest adapter: the bound is near
+    huge = tmp_path / "huge"
+    shutil.copytree(adapters["qv"], huge)
+    with open(huge / "adapter_model.safetensors", "r+b") as f:
+        f.truncate(bound + 1)  # sparse: the test writes nothing, and a read would fail on the header anyway
+    with pytest.raises(ValueError, match=f"adapter_model.safetensors is {bound + 1} bytes, over the largest adapter"):
+        llm.generate("x", SamplingParams(max_tokens=2), lora_request=LoRARequest("huge", 1, str(huge)),
+                     use_tqdm=False)
+    (huge / "adapter_config.json").write_bytes(b" " * ((1 << 20) + 1))
+    with pytest.raises(ValueError, match="adapter_config.json is"):
+        llm.llm_engine.add_lora("huge", str(huge))
+
+
+def test_a_request_prepared_under_an_unloaded_adapter_is_refused(base, adapters):
+    """Issue 33, item 6: the unload/load race. A request prepared under adapter a (the servers prepare off the
+    engine thread) is queued after a was unloaded and b loaded into the same slot: it is refused, never run
+    under b."""
+    llm = LLM(base, enable_lora=True, max_lora_rank=8, max_loras=1, num_kv_blocks=64)
+    eng = llm.llm_engine
+    a = eng.add_lora("a", adapters["qv"])
+    req = eng.process_request("r", "x", SamplingParams(max_tokens=2), lora=a)
+    eng.remove_lora("a")
+    b = eng.add_lora("b", adapters["mlp"])
+    assert b.slot == a.slot
+    with pytest.raises(ValueError, match="'a' was unloaded or reloaded while the request was being prepared"):
+        eng.add_engine_request(req)
+    assert not eng.has_unfinished_requests()
+    eng.remove_lora("b")
+    a2 = eng.add_lora("a", adapters["qv"])  # the same name loaded again is another load: still refused
+    with pytest.raises(ValueError, match="unloaded or reloaded"):
+        eng.add_engine_request(req)
+    req2 = eng.process_request("r2", "x", SamplingParams(max_tokens=2), lora=a2)
+    eng.add_engine_request(req2)
+    while eng.has_unfinished_requests():
+        eng.step()

@@ -169,6 +169,10 @@ class AsyncLLMEngine:
         return self.engine.loras.manager is not None
 
     @property
+    def max_lora_bytes(self) -> int | None:
+        return self.engine.loras.max_adapter_bytes
+
+    @property
     def loras(self) -> dict[str, LoadedLoRA]:
         """The adapters served, by name."""
         return self.engine.loras.loaded

@@ -43,7 +43,7 @@ class LoRARegistry:
             raise ValueError(f"lora_name: expected a non-empty name, got {name!r}")
         if name in self.loaded:
             raise ValueError(f"lora_name: an adapter named {name!r} is already loaded")
-        adapter = adapter or read_adapter(path)
+        adapter = adapter or read_adapter(path, manager.max_adapter_bytes)
         slot = manager.load(adapter, name)
         loaded = self.loaded[name] = LoadedLoRA(name, path, slot, adapter.rank, f"lora:{next(_loads)}:".encode())
         return loaded
@@ -56,6 +56,18 @@ class LoRARegistry:
             raise ValueError(f"lora_name: adapter {name!r} is in use by {in_use} request(s); unload it when they "
                              "finish")
         self._need().unload(self.loaded.pop(name).slot)
+
+    def check_current(self, lora: LoadedLoRA | None) -> None:
+        """ValueError when a request prepared under an adapter would run under another: it was unloaded (and its
+        slot perhaps given to another adapter) between the request's preparation and its queueing."""
+        if lora is not None and self.loaded.get(lora.name) != lora:
+            raise ValueError(f"model: LoRA adapter {lora.name!r} was unloaded or reloaded while the request was "
+                             "being prepared; send it again")
+
+    @property
+    def max_adapter_bytes(self) -> int | None:
+        """The largest adapter weights file accepted (None: LoRA off)."""
+        return self.manager.max_adapter_bytes if self.manager is not None else None
 
     def resolve(self, request: LoRARequest | None) -> LoadedLoRA | None:
         """The loaded adapter of a request (loading it on first use, as vLLM's offline API does)."""

@@ -115,6 +115,11 @@ class EngineClient(Protocol):
         ...
 
     @property
+    def max_lora_bytes(self) -> int | None:
+        """The largest adapter weights file the engine's slots can hold (None: LoRA off)."""
+        ...
+
+    @property
     def loras(self) -> dict[str, LoadedLoRA]:
         """The adapters served, by name."""
         ...

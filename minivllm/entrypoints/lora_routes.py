@@ -54,7 +54,8 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> P
     if body.lora_name == st.model_name:
         raise APIError(400, f"lora_name: {body.lora_name!r} is the base model's name", "lora_name")
     try:
-        adapter = await asyncio.to_thread(read_adapter, body.lora_path)  # disk I/O off the loop and the engine
+        # Disk I/O off the loop and the engine; a file larger than any adapter the model holds is not read.
+        adapter = await asyncio.to_thread(read_adapter, body.lora_path, st.engine.max_lora_bytes)
         await st.engine.add_lora(body.lora_name, body.lora_path, adapter)
     except ValueError as e:
         raise bad_request(e) from None

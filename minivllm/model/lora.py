@@ -47,11 +47,21 @@ class LoRAAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
-def read_adapter(path: str) -> LoRAAdapter:
-    """adapter_config.json + adapter_model.safetensors (or .bin) of a PEFT LoRA; ValueError naming what is wrong."""
+_MAX_CONFIG_BYTES = 1 << 20
+
+
+def read_adapter(path: str, max_bytes: int | None = None) -> LoRAAdapter:
+    """adapter_config.json + adapter_model.safetensors (or .bin) of a PEFT LoRA; ValueError naming what is wrong.
+    With max_bytes (LoRAModelManager.max_adapter_bytes), a weights file larger than any adapter the model's slots
+    can hold is refused before it is read."""
     cfg_path = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(cfg_path):
         raise ValueError(f"lora_path: no adapter_config.json in {path!r} (expected a PEFT LoRA directory)")
+    _check_size(cfg_path, _MAX_CONFIG_BYTES, "the largest adapter_config.json read")
+    if max_bytes is not None:
+        for name in ("adapter_model.safetensors", "adapter_model.bin"):
+            _check_size(os.path.join(path, name), max_bytes, "the largest adapter this model's slots hold "
+                        "(--max-lora-rank, fp32)")
     with open(cfg_path) as f:
         cfg = json.load(f)
     if cfg.get("peft_type", "LORA") != "LORA":
@@ -84,6 +94,12 @@ def read_adapter(path: str) -> LoRAAdapter:
     if not weights:
         raise ValueError(f"lora_path: adapter {path!r} holds no LoRA weights")
     return LoRAAdapter(rank, scaling, weights)
+
+
+def _check_size(path: str, limit: int, what: str) -> None:
+    size = os.path.getsize(path) if os.path.isfile(path) else 0
+    if size > limit:
+        raise ValueError(f"lora_path: {os.path.basename(path)} is {size} bytes, over {what}: {limit} bytes")
 
 
 def _load_tensors(path: str) -> dict[str, torch.Tensor]:
@@ -196,6 +212,16 @@ class LoRAModelManager:
                     self.weights[id(proj)] = w
                     proj.lora = w
         self.free = list(range(max_loras - 1, -1, -1))
+
+    @property
+    def max_adapter_bytes(self) -> int:
+        """The largest weights file an adapter these slots can hold needs: every adaptable module of every layer
+        at --max-lora-rank in fp32, plus room for the file's header."""
+        per_rank = 0
+        for (_, module), (proj, _, size) in self.targets.items():
+            if module not in ("qkv_proj", "gate_up_proj"):  # (the fused names cover the same weights again)
+                per_rank += proj.in_features + size
+        return per_rank * self.max_rank * 4 + (1 << 20)
 
     def check(self, adapter: LoRAAdapter, name: str) -> None:
         """ValueError naming the problem when the adapter does not fit this model or the server's limits."""

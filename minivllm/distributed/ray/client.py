@@ -106,6 +106,7 @@ class RayEngineClient:
 
     # The front routes by load, not by adapter: --enable-lora with --replicas is refused at start-up.
     lora_enabled = False
+    max_lora_bytes = None
 
     @property
     def loras(self) -> dict[str, LoadedLoRA]:
