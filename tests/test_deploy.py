@@ -75,17 +75,31 @@ def test_every_dashboard_query_names_an_exported_metric(live_metrics):
     assert {p["datasource"]["uid"] for p in dash["panels"]} == {"prometheus"}
 
 
-def test_compose_file_validates():
+def test_compose_file_validates(tmp_path):
     docker = shutil.which("docker")
     has_plugin = docker is not None and subprocess.run([docker, "compose", "version"], capture_output=True,
                                                        timeout=30).returncode == 0
     cmd = [docker, "compose"] if has_plugin else [_tool("docker-compose")]
-    out = subprocess.run([*cmd, "-f", os.path.join(DEPLOY, "docker-compose.yml"), "config"], capture_output=True,
-                         text=True, timeout=60)
+    compose = os.path.join(DEPLOY, "docker-compose.yml")
+    example = os.path.abspath(os.path.join(DEPLOY, "env.example"))
+    out = subprocess.run([*cmd, "--env-file", example, "-f", compose, "config"], capture_output=True, text=True,
+                         timeout=60)
     assert out.returncode == 0, out.stderr
     for service in ("minivllm:", "prometheus:", "grafana:"):
         assert service in out.stdout
     assert "/etc/grafana/provisioning" in out.stdout and "/etc/prometheus/prometheus.yml" in out.stdout
+    # Issue 33, item 11: every port on loopback only; the API key and Grafana's admin password from the env file,
+    # and no anonymous Grafana.
+    ports = re.findall(r"^\s*- (?:['\"])?([0-9.]*:?\d+:\d+)", out.stdout, re.M)
+    assert sorted(p.split(":", 1)[1] for p in ports) == ["3000:3000", "8000:8000", "9090:9090"], ports
+    assert all(p.startswith("127.0.0.1:") for p in ports), ports
+    assert "replace-me-with-a-long-random-key" in out.stdout and "replace-me-too" in out.stdout
+    assert 'GF_AUTH_ANONYMOUS_ENABLED: "false"' in out.stdout or "GF_AUTH_ANONYMOUS_ENABLED: 'false'" in out.stdout
+    empty = tmp_path / "empty.env"
+    empty.write_text("")
+    out = subprocess.run([*cmd, "--env-file", str(empty), "-f", compose, "config"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode != 0 and "set MINIVLLM_API_KEY in deploy/.env" in out.stdout + out.stderr
 
 
 def test_dockerfile_lints_clean():
