@@ -92,7 +92,8 @@ ARG_SECTIONS: dict[str, tuple[str, ...]] = {
     "lora": ("enable_lora", "lora_modules", "max_loras", "max_lora_rank"),
     "observability": ("check_invariants",),
     "serving": ("batch_wait_ms", "max_waiting", "client_stall_timeout", "ttft_slo_ms", "reasoning_parser",
-                "max_prompt_tokens", "max_n", "max_logprobs", "max_stop_strings", "max_stop_string_length"),
+                "max_prompt_tokens", "max_n", "max_logprobs", "max_stop_strings", "max_stop_string_length",
+                "max_constraint_chars"),
 }
 
 
@@ -161,6 +162,9 @@ class EngineArgs:
     max_stop_strings: int = _arg(64, "most stop strings one request may give (each is matched against new text on "
                                      "every step of each of its sequences)")
     max_stop_string_length: int = _arg(1024, "longest stop string accepted, in characters")
+    max_constraint_chars: int = _arg(
+        131072, "largest guided-decoding constraint accepted (JSON schema, regex, choices or grammar, in characters "
+        "of its JSON form): compiling one costs the server time and memory")
     ttft_slo_ms: str | float | None = _arg(
         None, "default time-to-first-token SLO per priority class, e.g. interactive=500,batch=30000 (a class not "
         "named has no deadline; one number is interactive's). A request's deadline is its arrival plus its own "
@@ -237,7 +241,8 @@ class EngineArgs:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSER_NAMES:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSER_NAMES)}, got "
                              f"{self.reasoning_parser!r}")
-        for name in ("max_prompt_tokens", "max_n", "max_stop_strings", "max_stop_string_length"):
+        for name in ("max_prompt_tokens", "max_n", "max_stop_strings", "max_stop_string_length",
+                     "max_constraint_chars"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:

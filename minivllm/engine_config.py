@@ -157,6 +157,7 @@ class ServingSettings:
     max_logprobs: int
     max_stop_strings: int
     max_stop_string_length: int
+    max_constraint_chars: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +216,7 @@ class EngineConfig:
             tuple((name, path) for name, _, path in (s.partition("=") for s in args.lora_modules or [])))
         serving = ServingSettings(args.batch_wait_ms, args.max_waiting, args.client_stall_timeout, args.ttft_slo_ms,
                                   args.reasoning_parser, args.max_prompt_tokens, args.max_n, args.max_logprobs,
-                                  args.max_stop_strings, args.max_stop_string_length)
+                                  args.max_stop_strings, args.max_stop_string_length, args.max_constraint_chars)
         return EngineConfig(mc, model, cache, scheduler, ParallelConfig(0, args.tensor_parallel_size), speculative,
                             lora, ObservabilitySettings(args.check_invariants), serving)
 

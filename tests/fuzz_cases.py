@@ -159,6 +159,8 @@ OUT_OF_RANGE: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     (G, {"stop": ["x" * 1025]}, ("stop", "--max-stop-string-length")),
     (C, {"stop": [f"s{i}" for i in range(10_000)], "stream": True}, ("stop", "--max-stop-strings")),
     (CH, {"stop": ["y" * 100_000]}, ("stop", "--max-stop-string-length")),
+    (C, {"guided_regex": "ab|" * 50_000}, ("guided_regex", "--max-constraint-chars")),
+    (CH, {"guided_choice": [f"choice {i}" for i in range(20_000)]}, ("guided_choice", "--max-constraint-chars")),
     (G, {"priority": "urgent"}, ("priority",)), (G, {"priority": ""}, ("priority",)),
     (G, {"priority": "1.5"}, ("priority",)),
     (G, {"ttft_slo_ms": 0}, ("ttft_slo_ms",)), (G, {"ttft_slo_ms": -1}, ("ttft_slo_ms",)),

@@ -59,14 +59,17 @@ def test_429_comes_at_once_with_retry_after(busy_server):
             t = time.perf_counter()
             responses.append(await http.post(url + "/generate", json=LONG))
             times.append(time.perf_counter() - t)
+        # A guided request is refused before its constraint is compiled (an invalid one would be a 400).
+        guided = await http.post(url + "/v1/completions", json={"prompt": "x", "guided_regex": "(unclosed"})
         running = metrics(url)["minivllm:num_requests_running"]
         for w in waiting:
             w.cancel()
         await asyncio.gather(*waiting, return_exceptions=True)
-        return responses, times, running
+        return responses, times, running, guided
 
-    responses, times, running = asyncio.run(_while_busy(url, work))
+    responses, times, running, guided = asyncio.run(_while_busy(url, work))
     assert all(r.status_code == 429 and r.headers["Retry-After"] == "1" for r in responses)
+    assert guided.status_code == 429 and guided.headers["Retry-After"] == "1", guided.text
     assert "max_waiting" in responses[0].json()["error"]["message"]
     assert running == 1  # answered while the long request still ran: nobody waited for the engine
     times.sort()

@@ -208,3 +208,34 @@ def test_mask_applies_to_the_model_vocabulary_beyond_the_tokenizer(model_factory
     allowed = [t for t in range(eng.structured.vocab_size) if (int(bits[0, t // 32]) >> (t % 32)) & 1]
     assert allowed and max(allowed) < eng.model_config.vocab_size
     eng.abort_request("v")
+
+
+def test_constraints_are_bounded_in_size_and_the_compile_cache_in_bytes(model_factory, monkeypatch):
+    """Issue 33, item 7: a constraint over --max-constraint-chars is refused before it is compiled (naming the
+    flag), whatever its kind; matchers get the engine's llguidance limits; the compile cache holds at most
+    CACHE_BYTES of text, however many distinct constraints arrive."""
+    from minivllm.structured_output.manager import LIMITS, StructuredOutputManager
+
+    llm = LLM(model_factory("tiny-llama"), num_kv_blocks=64, max_constraint_chars=2000)
+    big = {"type": "object", "properties": {f"f{i}": {"type": "string"} for i in range(200)}}
+    compiled = []
+    real = StructuredOutputManager.compile
+    monkeypatch.setattr(StructuredOutputManager, "compile", lambda self, p: compiled.append(p) or real(self, p))
+    for guided, field in ((dict(json=big), "guided_json"), (dict(regex="|".join(f"w{i}" for i in range(500))),
+                          "guided_regex"), (dict(choice=[f"c{i}" for i in range(500)]), "guided_choice"),
+                          (dict(grammar="start: " + " | ".join(f'"t{i}"' for i in range(500))), "guided_grammar")):
+        with pytest.raises(ValueError, match=rf"{field}: the constraint is \d+ characters, over the server's limit "
+                                             r"of 2000 \(--max-constraint-chars\)"):
+            llm.generate("x", SamplingParams(guided_decoding=GuidedDecodingParams(**guided)), use_tqdm=False)
+    assert compiled == []  # refused before compiling
+    ok = llm.generate("x", SamplingParams(max_tokens=4, guided_decoding=GuidedDecodingParams(choice=CHOICES)),
+                      use_tqdm=False)[0].outputs[0].text
+    assert ok in CHOICES and len(compiled) == 1
+    manager = llm.llm_engine.structured
+    assert {k: getattr(manager.limits(), k) for k in LIMITS} == LIMITS
+    monkeypatch.setattr(StructuredOutputManager, "CACHE_BYTES", 20_000)
+    for i in range(60):  # ~1,500 characters of constraint and more of grammar each
+        manager.compile(GuidedDecodingParams(regex="|".join(f"v{i}x{j}" for j in range(250))))
+        assert manager.cache_chars <= 20_000
+    assert 0 < len(manager._cache) < 60
+    assert manager.cache_chars == sum(len(k) + len(v) for k, v in manager._cache.items())

@@ -119,36 +119,30 @@ class AsyncLLMEngine:
         """Whether the engine loop is alive and serving (what /health reports)."""
         return self._loop is not None and self._thread.is_alive() and self.dead_error is None
 
-    # What the front ends read of the engine (they never reach into it).
+    # What the front ends read of the engine (they never reach into it; engine/protocol.py documents each).
     @property
     def model_path(self) -> str:
-        """The model directory the engine loaded."""
         return self.engine.config.model.path
 
     @property
     def max_model_len(self) -> int:
-        """Longest prompt + output."""
         return self.engine.max_model_len
 
     @property
     def num_speculative_tokens(self) -> int:
-        """Tokens proposed per speculating sequence and step (0: speculative decoding off)."""
         spec = self.engine.speculator
         return spec.k if spec is not None else 0
 
     @property
     def max_num_seqs(self) -> int:
-        """Most sequences running in one step."""
         return self.engine.scheduler_config.max_num_seqs
 
     @property
     def reasoning_parser(self) -> str | None:
-        """How the model's thinking is told from its answer (--reasoning-parser), None for a model that does not."""
         return self.engine.config.serving.reasoning_parser
 
     @property
     def tokenizer(self) -> Any:
-        """The model's tokenizer."""
         return self.engine.tokenizer
 
     @property
@@ -194,16 +188,20 @@ class AsyncLLMEngine:
         self._inbox.put([Call(fn, future)])
         return await future
 
-    def add_requests(self, requests: Sequence[EngineRequest]) -> list[AsyncStream]:
-        """Queue requests together (they reach the engine in the same step); one stream each."""
+    def check_room(self, n: int) -> None:
+        """QueueFullError when n more requests would pass max_waiting; EngineDeadError when the loop is down."""
         if not self.is_running:
             raise EngineDeadError(f"the engine loop is not running ({self.dead_error!r})")
         # Exact on this thread: every request in flight has a stream; the running count lags by at most
         # one step, which only overstates the queue for a moment.
         waiting = len(self._streams) - self._snapshot.num_running - self._snapshot.num_swapped
-        if waiting + len(requests) > self.max_waiting:  # (a call larger than the queue: process_requests' 400)
+        if waiting + n > self.max_waiting:  # (a call larger than the queue: process_requests' 400)
             raise QueueFullError(f"server overloaded: {waiting} requests are waiting (max_waiting="
                                  f"{self.max_waiting}); retry later")
+
+    def add_requests(self, requests: Sequence[EngineRequest]) -> list[AsyncStream]:
+        """Queue requests together (they reach the engine in the same step); one stream each."""
+        self.check_room(len(requests))
         seen: set[str] = set()
         for r in requests:  # the stream map must stay one stream per id
             if r.request_id in self._streams or r.request_id in seen:

@@ -8,6 +8,7 @@ is safe to call off the engine thread (the servers tokenize large prompts on a w
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from typing import Any
 from minivllm.engine.lora_registry import LoadedLoRA
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.slo import TtftSlo, resolve_priority
-from minivllm.structured_output.manager import StructuredOutputManager
+from minivllm.structured_output.manager import FIELD_NAMES, StructuredOutputManager
 from minivllm.structured_output.reasoning import prompt_closes_thinking
 
 Prompt = str | list[int] | dict[str, Any]
@@ -57,6 +58,7 @@ class RequestLimits:
     max_call_requests: int | None = None  # prompts in one API call: at most the waiting queue (--max-waiting)
     max_stop_strings: int = 64  # --max-stop-strings: each is matched against new text every step
     max_stop_string_length: int = 1024  # --max-stop-string-length, in characters
+    max_constraint_chars: int = 131072  # --max-constraint-chars: a guided-decoding constraint's JSON form
 
     def check(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """ValueError naming the field and the flag when a request asks for more than the limits allow."""
@@ -77,6 +79,12 @@ class RequestLimits:
         if longest > self.max_stop_string_length:
             raise ValueError(f"stop: a stop string of {longest} characters exceeds the server's limit of "
                              f"{self.max_stop_string_length} (--max-stop-string-length)")
+        gd = params.guided_decoding
+        if gd is not None:
+            size = len(json.dumps(getattr(gd, gd.kind)))  # (the compile cache keys on the same text)
+            if size > self.max_constraint_chars:
+                raise ValueError(f"{FIELD_NAMES[gd.kind]}: the constraint is {size} characters, over the server's "
+                                 f"limit of {self.max_constraint_chars} (--max-constraint-chars)")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > self.max_logprobs:

@@ -88,7 +88,8 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
                                               sv.ttft_slo_ms, cap,
                                               RequestLimits(sv.max_prompt_tokens, sv.max_n, sv.max_logprobs,
                                                             config.scheduler.max_num_seqs, sv.max_waiting,
-                                                            sv.max_stop_strings, sv.max_stop_string_length),
+                                                            sv.max_stop_strings, sv.max_stop_string_length,
+                                                            sv.max_constraint_chars),
                                               self.structured, sv.reasoning_parser)
         lora = config.lora
         self.loras = LoRARegistry(None if lora is None else self.runner.init_lora(lora.max_loras, lora.max_lora_rank))

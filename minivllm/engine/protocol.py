@@ -100,6 +100,11 @@ class EngineClient(Protocol):
         queueing (any thread); ValueError naming the problem."""
         ...
 
+    def check_room(self, n: int) -> None:
+        """QueueFullError when n more requests would find the waiting queue full (checked before costly preparation
+        such as grammar compilation; submit checks again)."""
+        ...
+
     async def submit(self, requests: Sequence[EngineRequest]) -> list[AsyncStream]:
         """Queue one call's requests together; one stream of outputs each (QueueFullError past max_waiting)."""
         ...

@@ -239,15 +239,21 @@ class ServerState:
         processor; APIError(400) naming the problem. Large inputs are tokenized on a worker thread, off the loop."""
         spec = RequestSpec(params, priority, time.time(), True, default_max_tokens, ttft_slo_ms, timeout_s, lora)
         size = sum(len(p) if isinstance(p, str) else 64 for p in prompts)
-        # A guided request compiles its grammar (ms; the first one also indexes the vocabulary): off the loop too.
+        # A guided request compiles its grammar (ms; the first one also indexes the vocabulary): off the loop too,
+        # and not at all when the queue is full (the 429 comes first).
         inline = size <= _INLINE_TOKENIZE_CHARS and params.guided_decoding is None
         try:
+            if params.guided_decoding is not None:
+                self.engine.check_room(len(prompts))
             if inline:
                 return self.engine.process_requests(request_id, prompts, spec)
             return await asyncio.to_thread(self.engine.process_requests, request_id, prompts, spec)
+        except QueueFullError as e:
+            raise APIError(429, str(e), None, {"Retry-After": str(e.retry_after_s)}) from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e)) from None
         except ValueError as e:
             raise bad_request(e) from None
-
 
     async def submit(self, requests: list[EngineRequest]) -> list[AsyncStream]:
         """Queue requests together; 429 when the waiting queue is full, 503 when the engine is dead."""

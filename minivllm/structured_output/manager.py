@@ -62,10 +62,24 @@ class StepMasks:
         return self._mask
 
 
+# llguidance's resource limits, tighter than its defaults where a client's constraint could otherwise take the server's
+# time or memory: fuel bounds the work of analysing the grammar's regexes (~50k units per ms) and of one token mask
+# (~14k per ms); lexer states (~1-2 kB each) bound a matcher's memory; grammar size bounds the symbols compiled.
+LIMITS: dict[str, Any] = {"initial_lexer_fuel": 500_000, "step_lexer_fuel": 200_000, "step_max_items": 50_000,
+                          "max_lexer_states": 50_000, "max_grammar_size": 200_000, "max_items_in_row": 2000}
+
+
+def _limits() -> Any:
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(**LIMITS)
+
+
 class StructuredOutputManager:
     """Compiles constraints (cached) and computes bitmasks for the engine; llguidance is loaded on first use."""
 
-    CACHE_SIZE = 256  # compiled grammars kept (text only: cheap), keyed by the constraint
+    CACHE_SIZE = 256  # compiled grammars kept, keyed by the constraint...
+    CACHE_BYTES = 16 << 20  # ...and at most this much text (constraint + grammar) between them
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int], overlap: bool = True) -> None:
         self.tokenizer = tokenizer
@@ -74,6 +88,8 @@ class StructuredOutputManager:
         self._lock = threading.Lock()  # compile runs on request threads, matchers on the engine thread
         self._ll_tokenizer: Any = None
         self._cache: OrderedDict[str, str] = OrderedDict()
+        self._cache_chars = 0
+        self._ll_limits: Any = None
         self._pool: ThreadPoolExecutor | None = None
         self.words = (vocab_size + 31) // 32  # int32 words per mask row
         self.mask_time = 0.0  # seconds spent filling masks (the worker's), for the step split and benchmarks
@@ -111,14 +127,28 @@ class StructuredOutputManager:
         grammar = self._grammar(params, kind)
         from llguidance import LLMatcher
 
-        ok_error = LLMatcher.validate_grammar(grammar, self._tokenizer())
+        ok_error = LLMatcher.validate_grammar(grammar, self._tokenizer(), limits=self.limits())
         if ok_error and not ok_error.startswith("WARNING"):
             raise ValueError(f"{FIELD_NAMES[kind]}: {_one_line(ok_error)}")
         with self._lock:
-            self._cache[key] = grammar
-            if len(self._cache) > self.CACHE_SIZE:
-                self._cache.popitem(last=False)
+            if key not in self._cache:
+                self._cache[key] = grammar
+                self._cache_chars += len(key) + len(grammar)
+            while self._cache and (len(self._cache) > self.CACHE_SIZE or self._cache_chars > self.CACHE_BYTES):
+                old_key, old = self._cache.popitem(last=False)
+                self._cache_chars -= len(old_key) + len(old)
         return grammar
+
+    def limits(self) -> Any:
+        """llguidance's LLParserLimits (LIMITS), made once."""
+        if self._ll_limits is None:
+            self._ll_limits = _limits()
+        return self._ll_limits
+
+    @property
+    def cache_chars(self) -> int:
+        """Characters held by the compile cache (bounded by CACHE_BYTES)."""
+        return self._cache_chars
 
     @staticmethod
     def _grammar(params: GuidedDecodingParams, kind: str) -> str:
@@ -164,7 +194,7 @@ class StructuredOutputManager:
         """A matcher at the start of the grammar."""
         from llguidance import LLMatcher
 
-        m = LLMatcher(self._tokenizer(), grammar, log_level=0)
+        m = LLMatcher(self._tokenizer(), grammar, log_level=0, limits=self.limits())
         if m.is_error():
             raise ValueError(f"guided decoding: {_one_line(m.get_error())}")
         return m

@@ -170,6 +170,11 @@ class RayEngineClient:
             await asyncio.sleep(REFRESH_S)
 
     # ---- calls --------------------------------------------------------------------------------------
+    def check_room(self, n: int) -> None:
+        """The replicas' queues are theirs: the front learns they are full when one refuses (submit's 429)."""
+        if not self.is_running:
+            raise EngineDeadError(str(self.dead_error or "no healthy replica"))
+
     async def submit(self, requests: Sequence[EngineRequest]) -> list[AsyncStream]:
         """Route the requests (one call) to a replica and wait until it accepts them; one stream each.
         QueueFullError (429), ValueError (400) or EngineDeadError (503) when no replica takes them."""
