@@ -3,6 +3,8 @@ for max_tokens, and errors that name the problem."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from minivllm.config import EngineArgs
@@ -49,3 +51,25 @@ def test_bad_prompts_name_the_problem(processor, fit):
         processor.process("c", "", RequestSpec(fit_context=fit))
     with pytest.raises(ValueError, match="a dict prompt needs 'prompt' or 'prompt_token_ids'"):
         processor.process("d", {"text": "x"}, RequestSpec(fit_context=fit))
+
+
+BAD_IDS = [([5, 1.0, 7], "position 1 holds 1.0"), ([5, 6, True], "position 2 holds True"),
+           ([5, "7"], "position 1 holds '7'"), ([5] * 40 + [2**70], "position 40"),
+           ([5] * 40 + [10**6], "position 40 holds 1000000"), ([None], "holds None")]
+
+
+@pytest.mark.parametrize(("ids", "bad"), BAD_IDS)
+def test_token_id_prompts_are_checked_whole_and_name_the_culprit(processor, ids, bad):
+    """Issue 33, item 10: the check runs in C over the whole list (types, then min and max); a bad list is then
+    walked once to name the first bad position."""
+    with pytest.raises(ValueError, match=re.escape(bad)):
+        processor.process("a", ids, RequestSpec())
+
+
+def test_large_token_id_prompts_are_prepared_off_the_event_loop():
+    """A token-id prompt counts its ids (it counted as 64 whatever its length): a long one is prepared on a worker
+    thread, as long text is."""
+    from minivllm.entrypoints.serving import _INLINE_TOKENIZE_CHARS, _prompt_size
+
+    assert _prompt_size([1] * 50_000) == 50_000 > _INLINE_TOKENIZE_CHARS
+    assert _prompt_size({"prompt_token_ids": [1] * 9000}) == 9000 and _prompt_size("abc") == 3

@@ -184,6 +184,12 @@ class UvicornLimits(TypedDict):
     ws_max_queue: int
 
 
+def _prompt_size(prompt: Prompt) -> int:
+    """A prompt's size for choosing where to prepare it: characters of text, or token ids (each checked)."""
+    inner: Any = prompt.get("prompt_token_ids", prompt.get("prompt", "")) if isinstance(prompt, dict) else prompt
+    return len(inner) if isinstance(inner, str | list) else 64
+
+
 def uvicorn_limits(args: ServerArgs) -> UvicornLimits:
     """uvicorn's bounds on WebSocket input: a message over --max-body-size closes its connection (1009, "message
     too big") before it is buffered whole, and a connection holds at most WS_MAX_QUEUED unread messages."""
@@ -238,7 +244,7 @@ class ServerState:
         clipped to what is left), tokenized and checked against every limit by the engine client's input
         processor; APIError(400) naming the problem. Large inputs are tokenized on a worker thread, off the loop."""
         spec = RequestSpec(params, priority, time.time(), True, default_max_tokens, ttft_slo_ms, timeout_s, lora)
-        size = sum(len(p) if isinstance(p, str) else 64 for p in prompts)
+        size = sum(map(_prompt_size, prompts))
         # A guided request compiles its grammar (ms; the first one also indexes the vocabulary): off the loop too,
         # and not at all when the queue is full (the 429 comes first).
         inline = size <= _INLINE_TOKENIZE_CHARS and params.guided_decoding is None
