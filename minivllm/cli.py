@@ -35,7 +35,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     import dataclasses
 
     from minivllm.entrypoints.api_server import run_server
-    from minivllm.entrypoints.serving import ServerArgs
+    from minivllm.entrypoints.server_args import ServerArgs
 
     server_args = ServerArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs)})
     logging.getLogger().setLevel(server_args.log_level.upper())
@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate)
 
     from minivllm.config import add_dataclass_args
-    from minivllm.entrypoints.serving import ServerArgs
+    from minivllm.entrypoints.server_args import ServerArgs
 
     srv = sub.add_parser("serve", help="serve a model over HTTP (seed endpoints, OpenAI API, SSE, WebSocket)")
     EngineArgs.add_cli_args(srv, positional_model=True)

@@ -80,7 +80,7 @@ def in_process_server(app) -> Iterator[str]:
     """Serve a FastAPI app with uvicorn on a thread of this process (for fault-injection tests)."""
     import uvicorn
 
-    from minivllm.entrypoints.serving import uvicorn_limits
+    from minivllm.entrypoints.server_args import uvicorn_limits
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",

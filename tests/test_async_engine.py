@@ -14,7 +14,7 @@ from minivllm import EngineArgs, SamplingParams
 from minivllm.engine.async_engine import AsyncLLMEngine
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.entrypoints.api_server import build_app
-from minivllm.entrypoints.serving import ServerArgs
+from minivllm.entrypoints.server_args import ServerArgs
 
 KV = "64MiB"  # these engines live in pytest's memory: a small pool (the default is 2 GiB)
 POISON = 777  # a prompt holding this token id makes the forward raise (fault injection)

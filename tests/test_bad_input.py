@@ -157,7 +157,7 @@ def test_sampling_params_reject_with_the_field_named(kwargs, field):
 
 
 def test_size_settings_name_themselves_in_errors():
-    from minivllm.entrypoints.serving import ServerArgs
+    from minivllm.entrypoints.server_args import ServerArgs
 
     with pytest.raises(ValueError, match="kv_cache_memory: cannot parse size 'lots'"):
         EngineArgs(kv_cache_memory="lots")

@@ -22,7 +22,7 @@ from minivllm.engine.async_stream import ClientStalledError
 from minivllm.engine.fault_injection import ENV_VAR, FaultInjector
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.entrypoints.api_server import build_app
-from minivllm.entrypoints.serving import ServerArgs
+from minivllm.entrypoints.server_args import ServerArgs
 
 SPEC = "step_raise=<<raise>>,nan_logits=<<nan>>,detokenize=<<detok>>,kill_loop=<<kill>>"
 GOOD = ["def add(a, b):\n    return", "import os\nimport sys\n", "class Foo:\n    def", "for i in range(10):",

@@ -244,7 +244,7 @@ def test_websocket_garbage_frames(server):
 def test_websocket_flood_gets_429s_and_is_not_buffered(server):
     """100 requests sent on one connection without reading: the running one and WS_MAX_QUEUED waiting ones are
     answered, every other one gets a 429 naming the bound (nothing is buffered past it)."""
-    from minivllm.entrypoints.serving import WS_MAX_QUEUED
+    from minivllm.entrypoints.server_args import WS_MAX_QUEUED
 
     with connect(server.ws_url, max_size=None, open_timeout=TIMEOUT, close_timeout=5) as ws:
         for _ in range(100):

@@ -23,7 +23,7 @@ from minivllm.engine.async_engine import AsyncLLMEngine
 from minivllm.entrypoints.api_server import build_app
 from minivllm.entrypoints.proto import inference_pb2 as pb
 from minivllm.entrypoints.proto import inference_pb2_grpc as pb_grpc
-from minivllm.entrypoints.serving import ServerArgs
+from minivllm.entrypoints.server_args import ServerArgs
 
 MAX_NEW = 12
 SERVICE = "minivllm.v1.InferenceService"

@@ -17,7 +17,7 @@ from server_utils import ServerProcess, free_port, metrics, wait_idle
 
 from minivllm.entrypoints.proto import inference_pb2 as pb
 from minivllm.entrypoints.proto import inference_pb2_grpc as pb_grpc
-from minivllm.entrypoints.serving import ServerArgs
+from minivllm.entrypoints.server_args import ServerArgs
 
 LONG = {"prompt": "count", "max_new_tokens": 1000, "ignore_eos": True}
 SECRET = "sk-test-9f8e7d6c5b4a"
@@ -124,7 +124,7 @@ def test_websocket_input_is_bounded(busy_server):
     from websockets.exceptions import ConnectionClosed
     from websockets.sync.client import connect
 
-    from minivllm.entrypoints.serving import WS_MAX_QUEUED
+    from minivllm.entrypoints.server_args import WS_MAX_QUEUED
 
     url = busy_server.url
     ws_url = url.replace("http", "ws") + "/ws/generate"

@@ -28,7 +28,7 @@ from minivllm.entrypoints.api_server import build_app
 from minivllm.entrypoints.metrics import ServerMetrics
 from minivllm.entrypoints.proto import inference_pb2 as pb
 from minivllm.entrypoints.proto import inference_pb2_grpc as pb_grpc
-from minivllm.entrypoints.serving import ServerArgs
+from minivllm.entrypoints.server_args import ServerArgs
 from minivllm.sampling_params import SamplingParams
 from minivllm.slo import TtftSlo, priority_class, resolve_priority
 

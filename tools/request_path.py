@@ -52,8 +52,8 @@ def main() -> int:
 
     from minivllm.config import EngineArgs
     from minivllm.engine.async_engine import AsyncLLMEngine
-    from minivllm.entrypoints.api_server import ServerArgs, build_app
-    from minivllm.entrypoints.serving import uvicorn_limits
+    from minivllm.entrypoints.api_server import build_app
+    from minivllm.entrypoints.server_args import ServerArgs, uvicorn_limits
     from minivllm.utils import free_port
 
     threading.setprofile(_profile)  # threads started from here on (the engine's, uvicorn's, workers')

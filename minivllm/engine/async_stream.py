@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from minivllm.outputs import RequestOutput
 
@@ -40,19 +40,50 @@ class AsyncStream:
     def __init__(self, request_id: str, prompt_token_ids: list[int]) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
-        self.finished = False
+        self._finished = False
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.last_read = time.monotonic()  # when the consumer last took an output (or the stream began)
+        self._on_end: list[Callable[[AsyncStream], None]] = []
+        self._ended = False
+
+    @property
+    def finished(self) -> bool:
+        """The consumer has the last output (or the error), or the request was aborted."""
+        return self._finished
+
+    @finished.setter
+    def finished(self, value: bool) -> None:
+        self._finished = value
+        if value:
+            self._end()
+
+    def on_end(self, callback: Callable[[AsyncStream], None]) -> None:
+        """Call back (once, on the event loop) when the request leaves the engine: finished, failed or aborted.
+        Per-client admission (entrypoints/clients.py) counts requests in flight with it."""
+        if self._ended:
+            callback(self)
+        else:
+            self._on_end.append(callback)
+
+    def _end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            callbacks, self._on_end = self._on_end, []
+            for cb in callbacks:
+                cb(self)
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Deliver an output (or the error that ends the request); event-loop thread only."""
         self._queue.put_nowait(item)
+        if isinstance(item, BaseException) or item.finished:
+            self._end()
 
     def fail(self, error: BaseException) -> None:
         """End the stream with error, dropping the outputs not yet read (the consumer gets the error next)."""
         while not self._queue.empty():
             self._queue.get_nowait()
         self._queue.put_nowait(error)
+        self._end()
 
     @property
     def num_unread(self) -> int:

@@ -24,14 +24,14 @@ from minivllm.engine.protocol import EngineClient
 from minivllm.entrypoints import dashboard, lora_routes, openai_routes, seed_routes
 from minivllm.entrypoints.api_schema import HealthResponse
 from minivllm.entrypoints.auth import KeyPolicy, redact_access_logs
+from minivllm.entrypoints.clients import current_client
 from minivllm.entrypoints.metrics import HTTP_ENDPOINTS, ServerMetrics
+from minivllm.entrypoints.server_args import ServerArgs, uvicorn_limits
 from minivllm.entrypoints.serving import (
     APIError,
     ClientDisconnected,
-    ServerArgs,
     ServerState,
     served_model_name,
-    uvicorn_limits,
     validation_message,
 )
 
@@ -62,12 +62,14 @@ class GuardMiddleware:
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         scope.setdefault("state", {})["t0"] = time.monotonic()  # request.state.t0: latency from arrival
-        if not self.keys.allows(scope):
+        allowed, client = self.keys.identify(scope)
+        if not allowed:
             message = self.keys.denial(scope["path"])
             if scope["type"] == "websocket":
                 await send({"type": "websocket.close", "code": 1008, "reason": message[:120]})
                 return
             return await APIError(401, message).response()(scope, receive, send)
+        current_client.set(client)  # (this request's task and those it starts see it: clients.py)
         cookie = self.keys.page_set_cookie(scope)
         if cookie is not None:  # the live view's page opened with ?token=: a reload then needs none
             inner_send = send
@@ -195,6 +197,8 @@ def build_app(engine: EngineClient, args: ServerArgs, metrics: ServerMetrics | N
 
     app = FastAPI(title="Mini-vLLM", lifespan=lifespan)
     app.state.server = ServerState(engine, metrics, args)
+    if app.state.server.clients.gates:
+        metrics.registry.register(app.state.server.clients)
     app.state.request_exit = lambda: None  # run_server: stop serving (a test's in-process server: keep answering 503)
     _install_error_handlers(app)
 
@@ -215,7 +219,7 @@ def build_app(engine: EngineClient, args: ServerArgs, metrics: ServerMetrics | N
     app.include_router(openai_routes.router)
     app.include_router(lora_routes.router)
     redact_access_logs()  # a key may come as ?token= (the live view), and uvicorn logs query strings
-    app.add_middleware(GuardMiddleware, keys=KeyPolicy(args.api_key, args.admin_api_key),
+    app.add_middleware(GuardMiddleware, keys=app.state.server.keys,
                        max_body_bytes=parse_size(args.max_body_size, "max_body_size"),
                        stall_timeout_s=engine.client_stall_timeout_s)
     if args.allowed_origins:  # CORS is off unless asked for: browsers then refuse other origins' scripts

@@ -20,6 +20,8 @@ from urllib.parse import parse_qsl
 
 from starlette.types import Scope
 
+from minivllm.entrypoints.clients import ClientKey
+
 # Monitoring stays open, as Prometheus scrapes without a key.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/docs", "/openapi.json"})
 # The live view (every request's id, state and prefix-cache hits) and runtime LoRA loading (opens a server-side
@@ -33,37 +35,50 @@ PAGE_COOKIE = "minivllm_dashboard"
 
 @dataclass(slots=True, frozen=True)
 class KeyPolicy:
-    """The keys a server was started with (None: that key is not set)."""
+    """The keys a server was started with (None: that key is not set; clients: the named keys of
+    --api-keys-file, each taken wherever the API key is)."""
 
     api_key: str | None = None
     admin_key: str | None = None
+    clients: tuple[ClientKey, ...] = ()
 
-    def required(self, path: str) -> str | None:
-        """The key a path needs (None: open). Admin paths take the admin key, or the API key when there is no
-        admin key."""
+    def accepted(self, path: str) -> list[tuple[str, str | None]]:
+        """The (key, client name) pairs a path takes; empty: the path is open. Admin paths take the admin key
+        when one is set, else the user keys; user paths take the API key and every named client's key."""
         if path in OPEN_PATHS or path.startswith(STATIC_PREFIX):
-            return None
-        if path in ADMIN_PATHS:
-            return self.admin_key or self.api_key
-        return self.api_key
+            return []
+        if path in ADMIN_PATHS and self.admin_key:
+            return [(self.admin_key, None)]
+        return ([(self.api_key, None)] if self.api_key else []) + [(c.key, c.name) for c in self.clients]
+
+    def identify(self, scope: Scope) -> tuple[bool, str | None]:
+        """(whether the request carries a key its path takes, the named client whose key it is)."""
+        accepted = self.accepted(scope["path"])
+        if not accepted:
+            return True, None
+        presented = [c.encode() for c in credentials(scope)]
+        found: tuple[bool, str | None] = (False, None)
+        for key, name in accepted:  # every key compared (each in constant time), whichever matches
+            expected = key.encode()
+            if any(hmac.compare_digest(p, expected) for p in presented) and not found[0]:
+                found = (True, name)
+        if found[0]:
+            return found
+        cookie = page_cookie(scope) if scope["path"] == "/dashboard" else None
+        good = page_cookie_value(accepted[0][0]).encode()
+        return cookie is not None and hmac.compare_digest(cookie.encode(), good), None
 
     def allows(self, scope: Scope) -> bool:
-        """Whether the request carries the key its path needs."""
-        key = self.required(scope["path"])
-        if key is None:
-            return True
-        expected = key.encode()
-        if any(hmac.compare_digest(c.encode(), expected) for c in credentials(scope)):
-            return True
-        cookie = page_cookie(scope) if scope["path"] == "/dashboard" else None
-        return cookie is not None and hmac.compare_digest(cookie.encode(), page_cookie_value(key).encode())
+        """Whether the request carries a key its path takes."""
+        return self.identify(scope)[0]
 
     def page_set_cookie(self, scope: Scope) -> bytes | None:
-        """The Set-Cookie header of GET /dashboard opened with a valid token (None otherwise)."""
-        key = self.required("/dashboard")
-        if scope["path"] != "/dashboard" or key is None or not _query_tokens(scope):
+        """The Set-Cookie header of GET /dashboard opened with a token (None otherwise; the guard has checked it)."""
+        accepted = self.accepted("/dashboard")
+        if scope["path"] != "/dashboard" or not accepted or not _query_tokens(scope):
             return None
-        return (f"{PAGE_COOKIE}={page_cookie_value(key)}; Path=/dashboard; HttpOnly; SameSite=Strict").encode()
+        return (f"{PAGE_COOKIE}={page_cookie_value(accepted[0][0])}; Path=/dashboard; HttpOnly; "
+                "SameSite=Strict").encode()
 
     def denial(self, path: str) -> str:
         """What a refused request is told."""

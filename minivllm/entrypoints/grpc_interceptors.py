@@ -72,11 +72,11 @@ _OPEN_METHODS = (f"/{SERVICE_NAME}/Health", "/grpc.health.v1.Health/", "/grpc.re
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """--api-key for gRPC: generation calls need metadata `authorization: Bearer <key>` (UNAUTHENTICATED
-    otherwise)."""
+    """--api-key (and the named keys of --api-keys-file) for gRPC: generation calls need metadata
+    `authorization: Bearer <key>` (UNAUTHENTICATED otherwise)."""
 
-    def __init__(self, api_key: str) -> None:
-        self._expected = f"Bearer {api_key}".encode()
+    def __init__(self, keys: list[str]) -> None:
+        self._expected = [f"Bearer {k}".encode() for k in keys]
 
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]],
                                 details: grpc.HandlerCallDetails) -> Any:
@@ -84,7 +84,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or details.method.startswith(_OPEN_METHODS):
             return handler
         auth = next((v for k, v in details.invocation_metadata or () if k == "authorization"), "")
-        if hmac.compare_digest(auth.encode() if isinstance(auth, str) else auth, self._expected):
+        given = auth.encode() if isinstance(auth, str) else auth
+        if sum(hmac.compare_digest(given, e) for e in self._expected):  # (every key compared)
             return handler
         return _denied(handler)
 

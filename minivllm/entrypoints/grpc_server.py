@@ -12,6 +12,7 @@ abort their engine requests on the way out, so the KV blocks are freed before th
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import re
 import time
@@ -26,6 +27,7 @@ from pydantic import ValidationError
 from minivllm.config import parse_size
 from minivllm.engine.async_engine import EngineDeadError, RequestFailedError
 from minivllm.engine.input_processor import check_timeout
+from minivllm.entrypoints.clients import current_client
 from minivllm.entrypoints.grpc_interceptors import SERVICE_NAME, ApiKeyInterceptor, RequestDecodingInterceptor
 from minivllm.entrypoints.proto import inference_pb2 as pb
 from minivllm.entrypoints.proto import inference_pb2_grpc as pb_grpc
@@ -146,6 +148,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def _prepare(self, msg: pb.GenerateRequest | pb.BatchGenerateRequest, kind: RequestOutputKind,
                        prompts: list[Any], request_id: str = "", context: grpc.aio.ServicerContext | None = None
                        ) -> list:
+        if context is not None:  # a named key's client: its seats and what it may ask for (clients.py)
+            auth = dict(context.invocation_metadata() or ()).get("authorization", "")
+            token = auth[len("Bearer "):] if isinstance(auth, str) and auth.startswith("Bearer ") else ""
+            current_client.set(next((name for key, name in self.state.keys.accepted("/generate")
+                                     if hmac.compare_digest(token.encode(), key.encode())), None))
         params = sampling_params(msg, kind)
         if len(request_id) > 256 or not request_id.isprintable():  # it reaches logs and metrics' exemplars
             raise APIError(400, "request_id: at most 256 printable characters", "request_id")
@@ -318,7 +325,8 @@ async def start_grpc_server(state: ServerState) -> GrpcServer:
     assert args.grpc_port is not None
     options = [("grpc.so_reuseport", 0),  # gRPC's default on Linux would let a second server share the port
                ("grpc.max_receive_message_length", parse_size(args.max_body_size, "max_body_size"))]
-    interceptors = [ApiKeyInterceptor(args.api_key)] if args.api_key else []
+    keys = [k for k, _ in state.keys.accepted("/generate")]
+    interceptors = [ApiKeyInterceptor(keys)] if keys else []
     interceptors.append(RequestDecodingInterceptor())  # after the key check: a caller without one parses nothing
     server = grpc.aio.server(options=options, interceptors=interceptors)
     pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(state), server)

@@ -23,8 +23,8 @@ from minivllm.entrypoints.api_schema import (
 )
 from minivllm.entrypoints.auth import key_subprotocol
 from minivllm.entrypoints.protocol import BatchGenerateRequest, GenerateRequest, beam_search_fields
+from minivllm.entrypoints.server_args import WS_MAX_QUEUED
 from minivllm.entrypoints.serving import (
-    WS_MAX_QUEUED,
     APIError,
     ClientDisconnected,
     ServerState,

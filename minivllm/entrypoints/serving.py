@@ -1,4 +1,4 @@
-"""What every route (HTTP and gRPC) shares: the server's flags, errors in OpenAI's shape, request preparation
+"""What every route (HTTP and gRPC) shares: errors in OpenAI's shape, request preparation
 (tokenize, validate, limits), submission with overload handling, and disconnect-aware waiting."""
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterable
-from dataclasses import dataclass, field
-from typing import Any, TypedDict, TypeVar
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -27,94 +26,17 @@ from minivllm.engine.async_engine import (
 from minivllm.engine.input_processor import EngineRequest, Prompt, RequestSpec
 from minivllm.engine.lora_registry import LoadedLoRA
 from minivllm.engine.protocol import EngineClient
+from minivllm.entrypoints.auth import KeyPolicy
+from minivllm.entrypoints.clients import ClientRegistry, load_keys_file
 from minivllm.entrypoints.metrics import ServerMetrics
+from minivllm.entrypoints.server_args import ServerArgs
 from minivllm.entrypoints.streaming import EngineStreamingResponse, sse
-from minivllm.entrypoints.tool_calls import TOOL_CALL_PARSERS
 from minivllm.outputs import PositionLogprobs, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 _INLINE_TOKENIZE_CHARS = 4096  # longer prompts are tokenized on a worker thread
-
-
-# Requests one WebSocket may have waiting behind the one it runs (each further one gets a 429), and the unread
-# messages uvicorn holds for a connection.
-WS_MAX_QUEUED = 4
-
-
-def _arg(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
-
-
-@dataclass
-class ServerArgs:
-    """Front-end flags of `minivllm serve` (the engine's own flags live in EngineArgs)."""
-
-    host: str = _arg("127.0.0.1", "address to listen on")
-    port: int = _arg(8000, "HTTP port")
-    grpc_port: int | None = _arg(None, "also serve gRPC (InferenceService, grpc.health.v1, reflection) on this port, "
-                                       "on the same engine (0: any free port)")
-    api_key: str | None = field(default=None, repr=False, metadata={"help": (
-        "when set, generation endpoints need 'Authorization: Bearer <key>' (default: $MINIVLLM_API_KEY, which keeps "
-        "the key out of the process list); the key is never logged")})
-    admin_api_key: str | None = field(default=None, repr=False, metadata={"help": (
-        "when set, the live view (/dashboard, /ws/events) and runtime LoRA loading need this key instead of "
-        "--api-key (default: $MINIVLLM_ADMIN_API_KEY); without it they need --api-key")})
-    max_live_viewers: int = _arg(4, "live views (/ws/events) open at once; more are refused (1013)")
-    allowed_origins: str | None = _arg(None, "CORS: comma-separated origins whose browser scripts may call the API, "
-                                             "or *; off by default")
-    served_model_name: str | None = _arg(None, "model name in the OpenAI API (default: the model directory's name)")
-    max_body_size: str = _arg("4MiB", "largest request body accepted (413 beyond)")
-    log_level: str = _arg("info", "log level of the server and engine")
-    replicas: int | None = _arg(None, "serve N engine replicas on Ray Serve behind this front (least-loaded routing; "
-                                      "needs the [ray] extra); engine flags apply to each replica")
-    ray_address: str | None = _arg(None, "with --replicas: join the Ray cluster at HOST:PORT (or ray://..., auto) "
-                                         "instead of starting a local one")
-    allow_runtime_lora_updating: bool = _arg(False, "with --enable-lora: allow POST /v1/load_lora_adapter and "
-                                                    "/v1/unload_lora_adapter (loading opens a server-side directory "
-                                                    "a client names)")
-    enable_auto_tool_choice: bool = _arg(False, 'allow tool_choice "auto" (the model decides whether to call a tool; '
-                                                "needs --tool-call-parser)")
-    tool_call_parser: str | None = _arg(
-        None, "how tool calls are read from a reply under tool_choice auto: hermes (<tool_call>{...}</tool_call>: "
-        "Hermes, Qwen2.5/3, SmolLM3 and the embedded model), llama3_json (Llama 3.x JSON calls), mistral "
-        "([TOOL_CALLS]...), pythonic (Llama 3.2/4: [f(a=1), g(b=2)])")
-
-    def __post_init__(self) -> None:
-        if self.api_key is None:
-            self.api_key = os.environ.get("MINIVLLM_API_KEY") or None
-        if self.admin_api_key is None:
-            self.admin_api_key = os.environ.get("MINIVLLM_ADMIN_API_KEY") or None
-        if self.max_live_viewers < 0:
-            raise ValueError(f"max_live_viewers must be >= 0, got {self.max_live_viewers}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.grpc_port is not None and not 0 <= self.grpc_port < 65536:
-            raise ValueError(f"grpc_port must be in [0, 65535], got {self.grpc_port}")
-        if self.grpc_port is not None and self.grpc_port == self.port != 0:
-            raise ValueError(f"grpc_port and port are both {self.port}; give gRPC a port of its own")
-        if self.replicas is not None and self.replicas < 1:
-            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
-        if self.ray_address is not None and self.replicas is None:
-            raise ValueError("ray_address needs replicas: give --replicas N to deploy on that cluster")
-        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
-            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
-                             f"{self.tool_call_parser!r}")
-        if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError(f"enable_auto_tool_choice needs --tool-call-parser ({', '.join(TOOL_CALL_PARSERS)})")
-        if parse_size(self.max_body_size, "max_body_size") <= 0:
-            raise ValueError(f"max_body_size must be positive, got {self.max_body_size!r}")
-
-    @property
-    def auto_tool_parser(self) -> str | None:
-        """The parser of tool_choice auto replies, None when auto is off."""
-        return self.tool_call_parser if self.enable_auto_tool_choice else None
-
-    @property
-    def origins(self) -> list[str]:
-        """--allowed-origins as a list (empty: CORS off)."""
-        return [o.strip() for o in (self.allowed_origins or "").split(",") if o.strip()]
 
 
 class APIError(Exception):
@@ -179,21 +101,10 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-class UvicornLimits(TypedDict):
-    ws_max_size: int
-    ws_max_queue: int
-
-
 def _prompt_size(prompt: Prompt) -> int:
     """A prompt's size for choosing where to prepare it: characters of text, or token ids (each checked)."""
     inner: Any = prompt.get("prompt_token_ids", prompt.get("prompt", "")) if isinstance(prompt, dict) else prompt
     return len(inner) if isinstance(inner, str | list) else 64
-
-
-def uvicorn_limits(args: ServerArgs) -> UvicornLimits:
-    """uvicorn's bounds on WebSocket input: a message over --max-body-size closes its connection (1009, "message
-    too big") before it is buffered whole, and a connection holds at most WS_MAX_QUEUED unread messages."""
-    return {"ws_max_size": parse_size(args.max_body_size, "max_body_size"), "ws_max_queue": WS_MAX_QUEUED}
 
 
 def served_model_name(model_path: str, args: ServerArgs) -> str:
@@ -216,6 +127,9 @@ class ServerState:
         self.reasoning_parser = engine.reasoning_parser
         self.created = int(time.time())
         self.max_body_bytes = parse_size(args.max_body_size, "max_body_size")
+        named = load_keys_file(args.api_keys_file) if args.api_keys_file else ()
+        self.keys = KeyPolicy(args.api_key, args.admin_api_key, named)
+        self.clients = ClientRegistry(named)  # per-key seats and queues, and what a key may ask for
         # A write the client does not take within this long (its buffers are full: it stopped reading) ends the
         # response; the engine side drops such a request's stream alike (AsyncLLMEngine.MAX_UNREAD).
         self.stall_timeout_s = engine.client_stall_timeout_s
@@ -243,6 +157,10 @@ class ServerState:
         servers' rules (vLLM's: an explicit max_tokens must fit the context with the prompt, a default one is
         clipped to what is left), tokenized and checked against every limit by the engine client's input
         processor; APIError(400) naming the problem. Large inputs are tokenized on a worker thread, off the loop."""
+        try:
+            priority, ttft_slo_ms = self.clients.clamp(priority, ttft_slo_ms)  # a named key may not jump queues
+        except ValueError as e:
+            raise bad_request(e) from None
         spec = RequestSpec(params, priority, time.time(), True, default_max_tokens, ttft_slo_ms, timeout_s, lora)
         size = sum(map(_prompt_size, prompts))
         # A guided request compiles its grammar (ms; the first one also indexes the vocabulary): off the loop too,
@@ -263,8 +181,18 @@ class ServerState:
 
     async def submit(self, requests: list[EngineRequest]) -> list[AsyncStream]:
         """Queue requests together; 429 when the waiting queue is full, 503 when the engine is dead."""
+        gate = self.clients.gate()
         try:
-            return await self.engine.submit(requests)
+            if gate is None:
+                return await self.engine.submit(requests)
+            await gate.enter(len(requests))  # the key's seats in the engine: waits in its own queue for them
+            try:
+                streams = await self.engine.submit(requests)
+            except BaseException:
+                gate.leave(len(requests))
+                raise
+            gate.track(streams)
+            return streams
         except QueueFullError as e:
             raise APIError(429, str(e), None, {"Retry-After": str(e.retry_after_s)}) from None
         except EngineDeadError as e:

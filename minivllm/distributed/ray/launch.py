@@ -19,7 +19,8 @@ from urllib.parse import urlsplit
 from minivllm.config import EngineArgs, cpu_count
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.entrypoints.metrics import ServerMetrics
-from minivllm.entrypoints.serving import ServerArgs, served_model_name, uvicorn_limits
+from minivllm.entrypoints.server_args import ServerArgs, uvicorn_limits
+from minivllm.entrypoints.serving import served_model_name
 from minivllm.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)

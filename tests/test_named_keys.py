@@ -1,0 +1,140 @@
+"""Issue 33, item 5: named API keys (--api-keys-file) on a real server: each key's requests take at most its seats
+in the engine (the rest wait in the key's own queue, bounded: 429 naming the key), a light client is served while
+a heavy one's backlog waits, a key may not raise its priority or set its own SLO unless allowed, gRPC takes the
+same keys, and a bad keys file is a clear error naming the entry."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+import grpc
+import httpx
+import pytest
+from server_utils import ServerProcess, free_port, metrics
+
+from minivllm.entrypoints.clients import ClientKey, ClientRegistry, current_client, load_keys_file
+
+LIGHT, HEAVY, BOSS = "sk-light-0123456789ab", "sk-heavy-0123456789ab", "sk-boss-0123456789abcd"
+LONG = {"prompt": "count", "max_new_tokens": 1000, "ignore_eos": True}
+
+
+def _keys_file(path) -> str:
+    doc = {"clients": [{"name": "light", "key": LIGHT},
+                       {"name": "heavy", "key": HEAVY, "max_concurrency": 2, "max_queued": 3},
+                       {"name": "boss", "key": BOSS, "may_prioritize": True}]}
+    path.write_text(json.dumps(doc))
+    os.chmod(path, 0o600)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def keyed(model_factory, tmp_path_factory):
+    grpc_port = free_port()
+    server = ServerProcess(model_factory("tiny-llama"), "--num-threads", "1", "--kv-cache-memory", "64MiB",
+                           "--max-num-seqs", "8", "--api-keys-file",
+                           _keys_file(tmp_path_factory.mktemp("keys") / "keys.json"), "--grpc-port", str(grpc_port))
+    server.grpc_target = f"127.0.0.1:{grpc_port}"
+    yield server
+    server.stop()
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_a_keys_seats_bound_what_it_has_in_the_engine(keyed):
+    url = keyed.url
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as http:
+            heavy = [asyncio.ensure_future(http.post(url + "/generate", json=LONG, headers=_auth(HEAVY)))
+                     for _ in range(5)]  # 2 seats + 3 queued
+            deadline = time.time() + 60
+            while metrics(url)["minivllm:num_requests_running"] < 2:
+                assert time.time() < deadline
+                await asyncio.sleep(0.02)
+            over = await http.post(url + "/generate", json=LONG, headers=_auth(HEAVY))
+            t0 = time.perf_counter()
+            light = asyncio.ensure_future(http.post(url + "/generate", json={"prompt": "hi", "max_new_tokens": 4},
+                                                    headers=_auth(LIGHT)))
+            most = queued = 0  # the most requests in the engine (running or waiting there), and in heavy's queue
+            while not all(h.done() for h in heavy):
+                m = metrics(url)
+                most = max(most, m["minivllm:num_requests_running"] + m["minivllm:num_requests_waiting"])
+                assert m['minivllm:client_requests_in_engine{client="heavy"}'] <= 2
+                queued = max(queued, m['minivllm:client_requests_queued{client="heavy"}'])
+                if light.done() and not hasattr(run, "light_s"):
+                    run.light_s = time.perf_counter() - t0
+                await asyncio.sleep(0.05)
+            return most, queued, over, await light, await asyncio.gather(*heavy)
+
+    most, queued, over, light, done = asyncio.run(run())
+    assert queued == 3
+    # 8 seats in the engine, but the key holds 2 (3 with the light request); its other 3 wait in its own queue.
+    assert 2 <= most <= 3, most
+    assert over.status_code == 429 and "client 'heavy'" in over.json()["error"]["message"]
+    assert "max_queued=3" in over.json()["error"]["message"] and over.headers["Retry-After"] == "1"
+    assert light.status_code == 200 and light.json()["tokens_generated"] == 4
+    assert all(r.status_code == 200 and r.json()["tokens_generated"] == 1000 for r in done)
+    # The light request did not wait for the heavy backlog (5 x 1000 tokens two at a time).
+    assert hasattr(run, "light_s"), "the light request finished only after the heavy backlog"
+    print(f"light request beside a full heavy key: {1000 * run.light_s:.0f} ms")
+    m = metrics(url)
+    assert m["minivllm:num_requests_running"] == 0 and m['minivllm:client_requests_in_engine{client="heavy"}'] == 0
+
+
+def test_unknown_keys_are_refused_and_grpc_takes_named_keys(keyed):
+    from minivllm.entrypoints.proto import inference_pb2 as pb
+    from minivllm.entrypoints.proto import inference_pb2_grpc as pb_grpc
+
+    assert httpx.post(keyed.url + "/generate", json={"prompt": "hi"}, timeout=30).status_code == 401
+    assert httpx.post(keyed.url + "/generate", json={"prompt": "hi"}, headers=_auth("sk-nobody-0123456789"),
+                      timeout=30).status_code == 401
+    with grpc.insecure_channel(keyed.grpc_target) as channel:
+        stub = pb_grpc.InferenceServiceStub(channel)
+        req = pb.GenerateRequest(prompt="hi", max_new_tokens=3, ignore_eos=True)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(req, timeout=30)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        out = stub.Generate(req, metadata=[("authorization", f"Bearer {LIGHT}")], timeout=60)
+        assert out.tokens_generated == 3
+
+
+def test_priority_and_slo_are_clamped_unless_the_key_allows_them():
+    registry = ClientRegistry([ClientKey("light", LIGHT), ClientKey("boss", BOSS, may_prioritize=True)])
+    token = current_client.set("light")
+    try:
+        assert registry.clamp(-5, 50.0) == (0, None)  # no jumping the default class's queue, no own deadline
+        assert registry.clamp("batch", None) == (1, None)  # lowering is fine
+        with pytest.raises(ValueError, match="priority"):
+            registry.clamp("urgent", None)
+    finally:
+        current_client.reset(token)
+    token = current_client.set("boss")
+    try:
+        assert registry.clamp(-5, 50.0) == (-5, 50.0)
+    finally:
+        current_client.reset(token)
+    assert registry.clamp(-5, 50.0) == (-5, 50.0)  # the unnamed --api-key (one operator) is not clamped
+
+
+@pytest.mark.parametrize(("doc", "message"), [
+    ("[]", "needs {\"clients\""), ('{"clients": [{"name": "a"}]}', "client 0: expected name and key"),
+    ('{"clients": [{"name": "a b", "key": "k"}]}', "name must be an identifier"),
+    ('{"clients": [{"name": "a", "key": "short"}]}', "at least 16 printable characters"),
+    ('{"clients": [{"name": "a", "key": "0123456789abcdefg", "max_concurrency": 0}]}', "max_concurrency must be"),
+    ('{"clients": [{"name": "a", "key": "0123456789abcdefg", "colour": 1}]}', "only key, max_concurrency"),
+    ('{"clients": [{"name": "a", "key": "0123456789abcdefg"}, {"name": "b", "key": "0123456789abcdefg"}]}',
+     "two clients share a key"),
+    ("{not json", "is not JSON"),
+])
+def test_a_bad_keys_file_names_the_problem(tmp_path, doc, message):
+    path = tmp_path / "keys.json"
+    path.write_text(doc)
+    with pytest.raises(ValueError, match=message.replace("{", r"\{").replace("(", r"\(")):
+        load_keys_file(str(path))
+    with pytest.raises(ValueError, match="cannot read"):
+        load_keys_file(str(tmp_path / "missing.json"))
