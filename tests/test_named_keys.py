@@ -1,6 +1,6 @@
 """Issue 33, item 5: named API keys (--api-keys-file) on a real server: each key's requests take at most its seats
-in the engine (the rest wait in the key's own queue, bounded: 429 naming the key), a light client is served while
-a heavy one's backlog waits, a key may not raise its priority or set its own SLO unless allowed, gRPC takes the
+in the engine (the rest wait for them, bounded: 429 naming the key), a light client is served while a heavy one's
+backlog waits, a key may not raise its priority or set its own SLO unless allowed, gRPC takes the
 same keys, and a bad keys file is a clear error naming the entry."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def test_a_keys_seats_bound_what_it_has_in_the_engine(keyed):
     async def run():
         async with httpx.AsyncClient(timeout=300) as http:
             heavy = [asyncio.ensure_future(http.post(url + "/generate", json=LONG, headers=_auth(HEAVY)))
-                     for _ in range(5)]  # 2 seats + 3 queued
+                     for _ in range(5)]  # 2 seats + 3 waiting for them
             deadline = time.time() + 60
             while metrics(url)["minivllm:num_requests_running"] < 2:
                 assert time.time() < deadline
@@ -60,21 +60,20 @@ def test_a_keys_seats_bound_what_it_has_in_the_engine(keyed):
             t0 = time.perf_counter()
             light = asyncio.ensure_future(http.post(url + "/generate", json={"prompt": "hi", "max_new_tokens": 4},
                                                     headers=_auth(LIGHT)))
-            most = queued = 0  # the most requests in the engine (running or waiting there), and in heavy's queue
+            most = in_flight = 0  # the most requests running in the engine, and the most heavy ones in flight
             while not all(h.done() for h in heavy):
                 m = metrics(url)
-                most = max(most, m["minivllm:num_requests_running"] + m["minivllm:num_requests_waiting"])
-                assert m['minivllm:client_requests_in_engine{client="heavy"}'] <= 2
-                queued = max(queued, m['minivllm:client_requests_queued{client="heavy"}'])
+                most = max(most, m["minivllm:num_requests_running"])
+                in_flight = max(in_flight, m['minivllm:client_requests_in_flight{client="heavy"}'])
                 if light.done() and not hasattr(run, "light_s"):
                     run.light_s = time.perf_counter() - t0
                 await asyncio.sleep(0.05)
-            return most, queued, over, await light, await asyncio.gather(*heavy)
+            return most, in_flight, over, await light, await asyncio.gather(*heavy)
 
-    most, queued, over, light, done = asyncio.run(run())
-    assert queued == 3
-    # 8 seats in the engine, but the key holds 2 (3 with the light request); its other 3 wait in its own queue.
+    most, in_flight, over, light, done = asyncio.run(run())
+    # 8 seats in the engine, but the key holds 2 (3 with the light request); its other 3 wait for them.
     assert 2 <= most <= 3, most
+    assert in_flight == 5
     assert over.status_code == 429 and "client 'heavy'" in over.json()["error"]["message"]
     assert "max_queued=3" in over.json()["error"]["message"] and over.headers["Retry-After"] == "1"
     assert light.status_code == 200 and light.json()["tokens_generated"] == 4
@@ -83,7 +82,7 @@ def test_a_keys_seats_bound_what_it_has_in_the_engine(keyed):
     assert hasattr(run, "light_s"), "the light request finished only after the heavy backlog"
     print(f"light request beside a full heavy key: {1000 * run.light_s:.0f} ms")
     m = metrics(url)
-    assert m["minivllm:num_requests_running"] == 0 and m['minivllm:client_requests_in_engine{client="heavy"}'] == 0
+    assert m["minivllm:num_requests_running"] == 0 and m['minivllm:client_requests_in_flight{client="heavy"}'] == 0
 
 
 def test_unknown_keys_are_refused_and_grpc_takes_named_keys(keyed):
@@ -138,3 +137,31 @@ def test_a_bad_keys_file_names_the_problem(tmp_path, doc, message):
         load_keys_file(str(path))
     with pytest.raises(ValueError, match="cannot read"):
         load_keys_file(str(tmp_path / "missing.json"))
+
+
+def test_admission_passes_over_a_client_holding_all_its_seats(model_factory):
+    """The scheduler admits past a waiting sequence whose client runs max_running sequences already; the passed-over
+    keep their order (first come, first served within the client) and run as seats free."""
+    import dataclasses
+
+    from minivllm import SamplingParams
+    from minivllm.config import EngineArgs
+    from minivllm.engine.client_seats import ClientSeats
+    from minivllm.engine.llm_engine import LLMEngine
+
+    eng = LLMEngine(EngineArgs(model=model_factory("tiny-llama"), num_kv_blocks=128, max_num_seqs=8,
+                               check_invariants=True))
+    heavy, light = ClientSeats("heavy", 2), ClientSeats("light", 8)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    for i in range(6):
+        eng.add_engine_request(dataclasses.replace(eng.process_request(f"h{i}", "x y", params), seats=heavy))
+    eng.add_engine_request(dataclasses.replace(eng.process_request("l0", "x y", params), seats=light))
+    eng.add_request("anon", "x y", params)  # no seats of its own: admitted as ever
+    order: list[str] = []
+    while eng.has_unfinished_requests():
+        eng.step()
+        running = [s.request_id for s in eng.scheduler.running]
+        assert sum(r.startswith("h") for r in running) <= 2, running
+        order += [r for r in running if r not in order]
+    assert set(order[:4]) == {"h0", "h1", "l0", "anon"}  # the light and the anonymous requests did not wait
+    assert [r for r in order if r.startswith("h")] == [f"h{i}" for i in range(6)]  # first come, first served

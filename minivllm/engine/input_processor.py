@@ -8,6 +8,7 @@ is safe to call off the engine thread (the servers tokenize large prompts on a w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from minivllm.engine.client_seats import ClientSeats
 from minivllm.engine.lora_registry import LoadedLoRA
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.slo import TtftSlo, resolve_priority
@@ -111,6 +113,7 @@ class RequestSpec:
     ttft_slo_ms: float | None = None  # overrides its class's TTFT SLO
     timeout_s: float | None = None  # the longest it may wait to start (then dropped before any prefill)
     lora: LoadedLoRA | None = None  # the adapter it runs with (None: the base model)
+    seats: ClientSeats | None = None  # a named API key's share of the engine (engine/client_seats.py)
 
 
 @dataclass
@@ -128,6 +131,7 @@ class EngineRequest:
     grammar: str | None = None  # guided decoding: the compiled constraint (structured_output/manager.py)
     lora: LoadedLoRA | None = None  # the adapter it runs with (None: the base model)
     grammar_after_reasoning: bool = False  # the grammar applies from the end of the thinking on (reasoning.py)
+    seats: ClientSeats | None = None  # a named API key's share of the engine (engine/client_seats.py)
 
 
 class InputProcessor:
@@ -170,8 +174,7 @@ class InputProcessor:
         """The requests of one API call (ids request_id-0, -1, ...), all under one spec and arrival time."""
         self.limits.check_call(len(prompts))
         if spec.arrival_time is None:
-            spec = RequestSpec(spec.params, spec.priority, time.time(), spec.fit_context, spec.default_max_tokens,
-                               spec.ttft_slo_ms, spec.timeout_s, spec.lora)
+            spec = dataclasses.replace(spec, arrival_time=time.time())
         return [self.process(f"{request_id}-{i}", p, spec) for i, p in enumerate(prompts)]
 
     def process(self, request_id: str, prompt: Prompt, spec: RequestSpec) -> EngineRequest:
@@ -209,7 +212,7 @@ class InputProcessor:
             fill = max(1, room) if default_max_tokens is None else min(default_max_tokens, room)
             params = params.clone(max_tokens=fill)
         return EngineRequest(request_id, text, ids, params, arrival_time, priority, deadline, start_deadline, grammar,
-                             lora, waits)
+                             lora, waits, spec.seats)
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:

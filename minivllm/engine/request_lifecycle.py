@@ -74,7 +74,7 @@ class RequestLifecycle:
         request_id, ids, params = req.request_id, req.prompt_token_ids, req.params
         group = SequenceGroup(request_id, req.prompt, ids, params, req.arrival_time, ttft_deadline=req.ttft_deadline,
                               start_deadline=req.start_deadline, grammar=req.grammar, lora=req.lora,
-                              grammar_after_reasoning=req.grammar_after_reasoning)
+                              grammar_after_reasoning=req.grammar_after_reasoning, seats=req.seats)
         self.hooks.request_added(group)
         seq = Sequence(request_id, ids, params, next(self._arrivals), req.priority, group, 0)
         group.seqs.append(seq)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from minivllm.engine.block_manager import EVICTED, BlockManager
+from minivllm.engine.client_seats import SeatCounter
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.engine_config import SchedulerConfig
 from minivllm.slo import CLASS_NAMES, class_rank
@@ -107,12 +108,15 @@ class Scheduler:
         self.clock: Callable[[], float] = time.time
         # (start deadline, seq_id, seq) of waiting requests that have a timeout; stale entries are skipped when due.
         self._deadlines: list[tuple[float, int, Sequence]] = []
+        self.seats = SeatCounter()  # named API keys' shares of the seats (client_seats.py)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence."""
         seq.status = SequenceStatus.WAITING
         bisect.insort_left(self.waiting, seq, key=_reversed_order)  # equal keys: first come, first served
         group = seq.group
+        if group is not None and group.seats is not None:
+            self.seats.active = True
         if group is not None and group.start_deadline != math.inf and seq.num_preemptions == 0:
             heapq.heappush(self._deadlines, (group.start_deadline, seq.seq_id, seq))
 
@@ -228,14 +232,23 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
         """Admit waiting sequences in order while they fit; returns the budget left and whether the step
         budget (rather than the seats, the pool, or an empty queue) is what stopped admission."""
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            if budget == 0:
-                return budget, True
-            n = self._admit_head(out, budget)
-            if not n:
-                return budget, n == 0
-            budget -= n
-        return budget, False
+        seats = self.seats.start(self.running)
+        passed: list[Sequence] = []  # waiting sequences whose client holds all its seats: they keep their place
+        try:
+            while self.waiting and len(self.running) < self.config.max_num_seqs:
+                if budget == 0:
+                    return budget, True
+                if seats is not None and not seats.admits(self.waiting[-1]):
+                    passed.append(self.waiting.pop())
+                    continue
+                n = self._admit_head(out, budget)
+                if not n:
+                    return budget, n == 0
+                budget -= n
+            return budget, False
+        finally:
+            if passed:  # they were the queue's tail, in order: put back as they were
+                self.waiting.extend(reversed(passed))
 
     def _admit_head(self, out: SchedulerOutput, budget: int) -> int | None:
         """Admit the next waiting sequence for at most budget (> 0) tokens; returns how many it was scheduled

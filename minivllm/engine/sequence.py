@@ -13,6 +13,7 @@ import torch
 from minivllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from minivllm.engine.client_seats import ClientSeats
     from minivllm.engine.detokenizer import IncrementalDetokenizer
     from minivllm.engine.lora_registry import LoadedLoRA
     from minivllm.engine.stop_matcher import StopMatcher
@@ -155,6 +156,7 @@ class SequenceGroup:
     grammar_after_reasoning: bool = False  # ... from the end of the thinking on (structured_output/reasoning.py)
     lora: LoadedLoRA | None = None  # the LoRA adapter it runs with
     stop_matcher: StopMatcher | None = None  # its stop strings' automaton, built for its first sequence
+    seats: ClientSeats | None = None  # its client's share of the engine (client_seats.py)
 
     @property
     def finished(self) -> bool:

@@ -1,11 +1,11 @@
 """Named API keys (`--api-keys-file`): one key per client, each with its own bounds, so that one client's backlog
 cannot take the server from the others.
 
-Per key: `max_concurrency` requests in the engine at once (waiting or running there); further requests of that key
-wait here, in the key's own first-come queue, up to `max_queued` (beyond: 429 naming the key's limit). The engine
-thus holds at most each key's concurrency, and a light client's request waits behind those few, not behind a
-heavy client's whole backlog. A key may not raise its requests' priority (below 0, the default class's best) or
-set its own TTFT SLO unless `may_prioritize` is true: either would let it jump the other keys' queues.
+Per key: `max_concurrency` of its sequences run at once (its seats: the scheduler passes over its waiting ones
+while it holds them all, engine/client_seats.py), and at most `max_queued` more of its requests wait (beyond: 429
+naming the key's limit). A heavy client's backlog thus never fills the engine's seats or its steps, and a light
+client's request finds a free seat at once. A key may not raise its requests' priority (below 0, the default
+class's best) or set its own TTFT SLO unless `may_prioritize` is true: either would let it jump the others' queues.
 
 The keys file is JSON: {"clients": [{"name": "alice", "key": "sk-...", "max_concurrency": 32, "max_queued": 256,
 "may_prioritize": false}, ...]}. Names show in logs and metrics; keys never do.
@@ -13,11 +13,9 @@ The keys file is JSON: {"clients": [{"name": "alice", "key": "sk-...", "max_conc
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import json
 import os
-from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +23,7 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily
 
 from minivllm.engine.async_stream import AsyncStream, QueueFullError
+from minivllm.engine.client_seats import ClientSeats
 
 # The named client the request being served belongs to (set by the HTTP guard and the gRPC servicer).
 current_client: contextvars.ContextVar[str | None] = contextvars.ContextVar("minivllm_client", default=None)
@@ -37,8 +36,8 @@ class ClientKey:
 
     name: str
     key: str = field(repr=False)
-    max_concurrency: int | None = None  # requests in the engine at once (None: no bound of its own)
-    max_queued: int = 1024  # requests waiting here for one of its engine seats
+    max_concurrency: int | None = None  # its sequences running at once (None: no bound of its own)
+    max_queued: int = 1024  # its requests waiting for one of its seats
     may_prioritize: bool = False  # may set priority below 0 or its own ttft_slo_ms
 
 
@@ -85,58 +84,29 @@ def load_keys_file(path: str) -> tuple[ClientKey, ...]:
 
 
 class ClientGate:
-    """One client's seats in the engine and its queue for them (event-loop thread only)."""
+    """One client's requests in the engine (event-loop thread only)."""
 
     def __init__(self, client: ClientKey) -> None:
         self.client = client
         self.in_flight = 0
-        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
-        self.queued = 0  # requests waiting here (summed over the calls that wait)
+        # Its seats (running) and its queue (waiting for them), both in the engine.
+        c = client
+        self.limit = None if c.max_concurrency is None else c.max_concurrency + c.max_queued
 
-    async def enter(self, n: int) -> None:
-        """Wait for n seats (first come, first served); QueueFullError when the client's queue is full or one
-        call asks for more than its concurrency."""
+    def enter(self, n: int) -> None:
+        """Count n more requests in; QueueFullError (429) when the client's seats and queue are full."""
         c = self.client
-        if c.max_concurrency is None:
-            self.in_flight += n
-            return
-        if n > c.max_concurrency:
-            raise QueueFullError(f"client {c.name!r}: {n} prompts in one call exceed its max_concurrency "
-                                 f"({c.max_concurrency}); split the batch")
-        if not self._waiters and self.in_flight + n <= c.max_concurrency:
-            self.in_flight += n
-            return
-        if self.queued + n > c.max_queued:
-            raise QueueFullError(f"client {c.name!r}: {self.queued} requests already wait for its "
-                                 f"{c.max_concurrency} seats (max_queued={c.max_queued}); retry later")
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append((n, future))
-        self.queued += n
-        try:
-            await future  # seats are counted for us when granted
-        except BaseException:
-            if future.done() and not future.cancelled():
-                self.leave(n)  # granted, then cancelled before use
-            else:
-                self._waiters.remove((n, future))
-                self.queued -= n
-            raise
+        if self.limit is not None and self.in_flight + n > self.limit:
+            raise QueueFullError(f"client {c.name!r}: {self.in_flight} requests in flight fill its "
+                                 f"{c.max_concurrency} seats and its queue (max_queued={c.max_queued}); retry later")
+        self.in_flight += n
 
     def leave(self, n: int = 1) -> None:
-        """Seats back (a request left the engine); grants the queue's head while it fits."""
+        """n requests left the engine."""
         self.in_flight -= n
-        c = self.client
-        while self._waiters and c.max_concurrency is not None:
-            n_next, future = self._waiters[0]
-            if self.in_flight + n_next > c.max_concurrency:
-                break
-            self._waiters.popleft()
-            self.queued -= n_next
-            self.in_flight += n_next
-            future.set_result(None)
 
     def track(self, streams: Sequence[AsyncStream]) -> None:
-        """Give each stream's seat back when its request leaves the engine."""
+        """Count each stream's request out when it leaves the engine."""
         for s in streams:
             s.on_end(lambda _s: self.leave(1))
 
@@ -164,19 +134,18 @@ class ClientRegistry:
 
         return max(resolve_priority(priority), 0), None
 
-    def snapshot(self) -> dict[str, dict[str, Any]]:
-        """Per client: requests in the engine and waiting here (metrics, tests)."""
-        return {name: {"in_flight": g.in_flight, "queued": g.queued} for name, g in self.gates.items()}
+    def seats(self) -> ClientSeats | None:
+        """The current client's share of the engine's seats (None: no bound of its own)."""
+        name = current_client.get()
+        client = self.clients.get(name) if name is not None else None
+        if client is None or client.max_concurrency is None:
+            return None
+        return ClientSeats(client.name, client.max_concurrency)
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        """/metrics: each named client's requests in the engine and waiting for its seats (a Prometheus
-        collector, read at scrape time)."""
-        in_engine = GaugeMetricFamily("minivllm:client_requests_in_engine", "Requests of a named API key in the "
-                                      "engine (running or waiting there)", labels=["client"])
-        queued = GaugeMetricFamily("minivllm:client_requests_queued", "Requests of a named API key waiting for "
-                                   "one of its seats (max_concurrency)", labels=["client"])
+        """/metrics: each named client's requests in the engine (a Prometheus collector, read at scrape time)."""
+        in_engine = GaugeMetricFamily("minivllm:client_requests_in_flight", "Requests of a named API key in the "
+                                      "engine (running, or waiting for one of its seats)", labels=["client"])
         for name, g in self.gates.items():
             in_engine.add_metric([name], g.in_flight)
-            queued.add_metric([name], g.queued)
         yield in_engine
-        yield queued

@@ -161,7 +161,8 @@ class ServerState:
             priority, ttft_slo_ms = self.clients.clamp(priority, ttft_slo_ms)  # a named key may not jump queues
         except ValueError as e:
             raise bad_request(e) from None
-        spec = RequestSpec(params, priority, time.time(), True, default_max_tokens, ttft_slo_ms, timeout_s, lora)
+        spec = RequestSpec(params, priority, time.time(), True, default_max_tokens, ttft_slo_ms, timeout_s, lora,
+                           self.clients.seats())
         size = sum(map(_prompt_size, prompts))
         # A guided request compiles its grammar (ms; the first one also indexes the vocabulary): off the loop too,
         # and not at all when the queue is full (the 429 comes first).
@@ -185,7 +186,7 @@ class ServerState:
         try:
             if gate is None:
                 return await self.engine.submit(requests)
-            await gate.enter(len(requests))  # the key's seats in the engine: waits in its own queue for them
+            gate.enter(len(requests))  # 429 past the key's seats and queue
             try:
                 streams = await self.engine.submit(requests)
             except BaseException:
