@@ -141,7 +141,7 @@ def test_bench_all_quick_regenerates_the_markdown(model_factory, tmp_path):
                     "Beam search: inside the step vs as a driver", "Speculative decoding (`bench speculative`)",
                     "Scale-out: Ray Serve replicas vs one server", "added by the router",
                     "KV cache storage at one budget", "Preemption: swap vs recompute", "SLO-aware scheduling",
-                    "Soak: a real server under constant load"):
+                    "Soak: a real server under constant load", "Fairness between clients"):
         assert heading in text, heading
     beam = json.loads((results / "beam.json").read_text())
     assert beam["same_beams"] == 2  # the driver and the engine's own beam search agree

@@ -75,6 +75,8 @@ def _argv(quick: bool, model: str | None) -> dict[str, list[str]]:
                     "--rounds", "1", "--kv-cache-memory", "8MiB"],
             "soak": ["soak", *m, "--minutes", "0.1", "--warmup-minutes", "0.02", "--request-rate", "10",
                      "--output-len", "2-6", "--sample-every", "1", "--num-kv-blocks", "256"],
+            "fairness": ["fairness", *m, "--batch", "8", "--light-requests", "3", "--shared-light-requests", "2",
+                         "--tokens", "4", "--heavy-concurrency", "2", "--kv-cache-memory", "64MiB"],
             "guided": ["guided", *m, "--requests", "4", "--max-num-seqs", "4", "--max-tokens", "24", "--rounds", "1"],
             "lora": ["lora", *m, "--requests", "4", "--max-num-seqs", "4", "--output-len", "4", "--rounds", "1"],
         }
@@ -101,13 +103,15 @@ def _argv(quick: bool, model: str | None) -> dict[str, list[str]]:
         "preemption": ["preemption"],
         "slo": ["slo"],
         "soak": ["soak", "--minutes", "10"],
+        "fairness": ["fairness"],
         "guided": ["guided"],
         "lora": ["lora"],
     }
 
 
 BENCHES = ("seed", "throughput", "latency", "transports", "perplexity", "quantization", "step", "beam",
-           "speculative", "parallel", "replicas", "liveview", "kvcache", "preemption", "slo", "soak", "guided", "lora")
+           "speculative", "parallel", "replicas", "liveview", "kvcache", "preemption", "slo", "soak", "fairness",
+           "guided", "lora")
 
 
 def machine_info() -> dict[str, Any]:

@@ -21,6 +21,7 @@ def _load(out_dir: str, name: str) -> dict[str, Any] | None:
 def render(out_dir: str, argv: dict[str, list[str]]) -> str:
     """BENCHMARKS.md from the JSON files in out_dir (a section per bench found)."""
     from minivllm.bench import (
+        fairness,
         families,
         guided,
         kv_cache,
@@ -119,6 +120,10 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
         ("soak", lambda r: ["## Soak: a real server under constant load with hang-ups (`bench soak`)", "",
                             f"`{os.path.basename(r['model'].rstrip('/'))}`, served by `minivllm serve` in a "
                             "subprocess (HTTP, WebSocket and gRPC on one engine).", "", soak.report(r)]),
+        ("fairness", lambda r: ["## Fairness between clients: one shared key vs named keys (`bench fairness`)", "",
+                                f"`{os.path.basename(r['model'].rstrip('/'))}`, served by `minivllm serve` in a "
+                                "subprocess per mode; the two modes run one after the other in one run.", "",
+                                fairness.report(r)]),
         ("guided", lambda r: ["## Guided decoding: JSON schema vs unguided (`bench guided`)", "",
                               f"`{os.path.basename(r['model'].rstrip('/'))}` in {r['dtype']}, offline engine; the "
                               "unguided twin of each request generates exactly as many tokens as the guided one did.",

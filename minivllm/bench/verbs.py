@@ -55,6 +55,8 @@ VERBS: dict[str, tuple[str, str, str, str]] = {
     "soak": ("soak", "add_soak_args", "run_soak",
              "a real server under constant open-loop load with random hang-ups: RSS over time, leaked KV blocks, "
              "errors by cause, latency per minute"),
+    "fairness": ("fairness", "add_fairness_args", "run_fairness",
+                 "a light client's latency beside two heavy batch clients, one shared key vs named keys with seats"),
     "guided": ("guided", "add_guided_args", "run_guided",
                "guided JSON decoding vs the same requests unguided (16 sequences), mask time per step, and what "
                "overlapping the masks with the forward hides"),
