@@ -141,3 +141,24 @@ def test_a_record_that_cannot_be_built_never_stops_the_engine(model_factory):
     final, record = asyncio.run(run())
     assert final.finished and len(final.outputs[0].token_ids) == 4
     assert record["type"] == "error" and "KeyError" in record["message"]
+
+
+def test_low_items_models_metrics_and_internal_errors(keyed, model_factory):
+    """Issue 33, low items: /v1/models shows names, never the server's paths; /metrics takes the key with
+    --metrics-need-key (open by default); a bug's exception reaches the client as its type only."""
+    from minivllm.entrypoints.serving import internal_error
+
+    models = httpx.get(keyed.url + "/v1/models", headers={"Authorization": f"Bearer {USER}"}, timeout=30).json()
+    assert models["data"][0]["root"] == models["data"][0]["id"] and "/" not in json.dumps(models["data"][0]["root"])
+    assert httpx.get(keyed.url + "/metrics", timeout=30).status_code == 200
+    server = ServerProcess(model_factory("tiny-llama"), "--num-threads", "1", "--kv-cache-memory", "64MiB",
+                           "--api-key", USER, "--metrics-need-key")
+    try:
+        assert httpx.get(server.url + "/metrics", timeout=30).status_code == 401
+        r = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {USER}"}, timeout=30)
+        assert r.status_code == 200 and "minivllm:num_requests_running" in r.text
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+    finally:
+        server.stop()
+    err = internal_error(KeyError("/srv/models/secret-path"))
+    assert err.status == 500 and "KeyError" in err.message and "secret-path" not in err.message

@@ -35,6 +35,7 @@ from minivllm.engine.async_stream import (
     QueueFullError,
     RequestFailedError,
     RequestTimeoutError,
+    failure_text,
 )
 from minivllm.engine.engine_inbox import Abort, Call, EngineInbox, Item, settle
 from minivllm.engine.input_processor import EngineRequest, Prompt, RequestSpec, duplicate_request_id
@@ -183,7 +184,7 @@ class AsyncLLMEngine:
         """fn(engine) on the engine thread between two steps (state such as LoRA slots belongs to that thread):
         its result, or its exception raised here."""
         if not self.is_running:
-            raise EngineDeadError(f"the engine loop is not running ({self.dead_error!r})")
+            raise EngineDeadError(f"the engine loop is not running ({type(self.dead_error).__name__})")
         future = asyncio.get_running_loop().create_future()
         self._inbox.put([Call(fn, future)])
         return await future
@@ -191,7 +192,7 @@ class AsyncLLMEngine:
     def check_room(self, n: int) -> None:
         """QueueFullError when n more requests would pass max_waiting; EngineDeadError when the loop is down."""
         if not self.is_running:
-            raise EngineDeadError(f"the engine loop is not running ({self.dead_error!r})")
+            raise EngineDeadError(f"the engine loop is not running ({type(self.dead_error).__name__})")
         # Exact on this thread: every request in flight has a stream; the running count lags by at most
         # one step, which only overstates the queue for a moment.
         waiting = len(self._streams) - self._snapshot.num_running - self._snapshot.num_swapped
@@ -379,7 +380,8 @@ class AsyncLLMEngine:
             self.dead_error = e
             loop = self._loop
             if loop is not None and not loop.is_closed():
-                loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"the engine loop died: {e!r}"))
+                died = EngineDeadError(f"the engine loop died ({type(e).__name__}; the server's log has the details)")
+                loop.call_soon_threadsafe(self._fail_all, died)
                 for callback in self.death_callbacks:
                     loop.call_soon_threadsafe(callback)
 
@@ -392,7 +394,7 @@ class AsyncLLMEngine:
         for rid in failed:
             self.engine.abort_request(rid)  # if this raises too, the engine state is broken: the loop dies
         self._record(self.engine.take_stats())
-        err = RequestFailedError(f"internal error in an engine step: {error!r}")
+        err = RequestFailedError(f"internal error in an engine step: {failure_text(error)}")
         self._post([], [(rid, err) for rid in failed])
         self._post_failed()
 

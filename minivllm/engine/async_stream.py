@@ -10,6 +10,15 @@ from collections.abc import AsyncIterator, Callable
 from minivllm.outputs import RequestOutput
 
 
+def failure_text(e: BaseException) -> str:
+    """What a client is told of an exception that failed its request: the package's own exceptions carry messages
+    written for clients; any other (a bug's KeyError, an ATen error) only its type, since its text can hold the
+    server's internals (paths, other requests' ids). The server's log has the traceback."""
+    if type(e).__module__.startswith("minivllm."):
+        return str(e)
+    return f"{type(e).__name__}; the request was not at fault and the server's log has the details"
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can be served."""
 

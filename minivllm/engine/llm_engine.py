@@ -9,6 +9,7 @@ import time
 import torch
 
 from minivllm.config import EngineArgs, cpu_count
+from minivllm.engine.async_stream import failure_text
 from minivllm.engine.beam_search import BeamSearcher
 from minivllm.engine.fault_injection import FaultInjectionHook, FaultInjector
 from minivllm.engine.hooks import HookSet, StepHook
@@ -193,7 +194,7 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
             try:
                 out = self.output_processor.make_output(group)
             except Exception as e:  # e.g. detokenizing: fails this request only
-                failures[group.request_id] = f"internal error building this request's output: {e!r}"
+                failures[group.request_id] = f"internal error building this request's output: {failure_text(e)}"
                 continue
             if out is not None:
                 outputs.append(out)
@@ -363,5 +364,5 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         try:
             return self.output_processor.append_token(seq, token, lp)
         except Exception as e:
-            self._failures.setdefault(seq.request_id, f"internal error detokenizing this request: {e!r}")
+            self._failures.setdefault(seq.request_id, f"internal error detokenizing this request: {failure_text(e)}")
             return None

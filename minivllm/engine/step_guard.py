@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minivllm.engine.async_stream import failure_text
 from minivllm.engine.hooks import Entry, Forward
 from minivllm.model.runner import SequenceInput
 
@@ -107,7 +108,7 @@ class StepGuard:
                 parts.append(self._run(sub, sub_inputs))
             except Exception as e:
                 if hi - lo == 1:
-                    failed.setdefault(sub[0][0].request_id, f"internal error in an engine step: {e!r}")
+                    failed.setdefault(sub[0][0].request_id, f"internal error in an engine step: {failure_text(e)}")
                     rows = spans[lo][3] - spans[lo][2]
                     parts.append(torch.full((rows, 0), float("nan")))  # width fixed below
                     return

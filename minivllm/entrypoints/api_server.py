@@ -31,6 +31,8 @@ from minivllm.entrypoints.serving import (
     APIError,
     ClientDisconnected,
     ServerState,
+    dead_engine,
+    internal_error,
     served_model_name,
     validation_message,
 )
@@ -149,7 +151,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
-        return counted(request, APIError(500, f"internal server error: {exc!r}"))
+        return counted(request, internal_error(exc))
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, exc: ClientDisconnected) -> Response:
@@ -207,7 +209,7 @@ def build_app(engine: EngineClient, args: ServerArgs, metrics: ServerMetrics | N
     async def health() -> JSONResponse:
         if engine.is_running:
             return JSONResponse({"status": "ok"})
-        err = APIError(503, f"engine loop is not running ({engine.dead_error!r})")
+        err = APIError(503, dead_engine(engine.dead_error))
         return JSONResponse({"status": "error", **err.body()}, status_code=503)
 
     @app.get("/metrics", response_class=PlainTextResponse)  # the OpenAPI schema: text, not JSON

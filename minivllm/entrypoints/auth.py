@@ -41,11 +41,13 @@ class KeyPolicy:
     api_key: str | None = None
     admin_key: str | None = None
     clients: tuple[ClientKey, ...] = ()
+    metrics_need_key: bool = False  # --metrics-need-key: /metrics takes the user keys too
 
     def accepted(self, path: str) -> list[tuple[str, str | None]]:
         """The (key, client name) pairs a path takes; empty: the path is open. Admin paths take the admin key
         when one is set, else the user keys; user paths take the API key and every named client's key."""
-        if path in OPEN_PATHS or path.startswith(STATIC_PREFIX):
+        keyed_metrics = path == "/metrics" and self.metrics_need_key
+        if path.startswith(STATIC_PREFIX) or (path in OPEN_PATHS and not keyed_metrics):
             return []
         if path in ADMIN_PATHS and self.admin_key:
             return [(self.admin_key, None)]

@@ -36,7 +36,9 @@ from minivllm.entrypoints.serving import (
     APIError,
     ServerState,
     bad_request,
+    dead_engine,
     engine_error,
+    internal_error,
     new_request_id,
     validation_message,
 )
@@ -140,7 +142,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         except Exception as e:  # a bug: INTERNAL, as HTTP answers 500
             status = "server_error"
             logger.exception("unhandled error in %s", method)
-            await _abort(context, APIError(500, f"internal server error: {e!r}"))
+            await _abort(context, internal_error(e))
             raise AssertionError("unreachable: context.abort raises") from None
         finally:
             self.state.count(f"/{SERVICE_NAME}/{method}", status, t0)
@@ -248,7 +250,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         if engine.is_running:
             status, message = pb.SERVING, ""
         else:
-            status, message = pb.NOT_SERVING, f"engine loop is not running ({engine.dead_error!r})"
+            status, message = pb.NOT_SERVING, dead_engine(engine.dead_error)
         return pb.HealthResponse(status=status, message=message, num_requests_running=snap.num_running,
                                  num_requests_waiting=snap.num_waiting, kv_cache_usage=snap.kv_cache_usage)
 

@@ -45,8 +45,9 @@ async def list_models(request: Request) -> JSONResponse:
     st = _state(request)
     card = {"object": "model", "created": st.created, "owned_by": "minivllm", "max_model_len": st.max_model_len}
     return JSONResponse({"object": "list", "data": [
-        {"id": st.model_name, "root": st.model_path, "parent": None, **card},
-        *({"id": name, "root": lora.path, "parent": st.model_name, **card} for name, lora in st.loras.items())]})
+        # "root" names, never a server path (vLLM puts the model directory there; a client needs no file layout).
+        {"id": st.model_name, "root": st.model_name, "parent": None, **card},
+        *({"id": name, "root": name, "parent": st.model_name, **card} for name in st.loras)]})
 
 
 def _check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:

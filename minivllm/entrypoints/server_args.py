@@ -36,6 +36,8 @@ class ServerArgs:
     api_keys_file: str | None = _arg(
         None, "named API keys, one per client, each with its own bounds (JSON: "
         '{"clients": [{"name", "key", "max_concurrency", "max_queued", "may_prioritize"}]}); taken beside --api-key')
+    metrics_need_key: bool = _arg(False, "/metrics takes the API key too (Prometheus then sends it: "
+                                         "authorization.credentials in its scrape config); open by default")
     max_live_viewers: int = _arg(4, "live views (/ws/events) open at once; more are refused (1013)")
     allowed_origins: str | None = _arg(None, "CORS: comma-separated origins whose browser scripts may call the API, "
                                              "or *; off by default")

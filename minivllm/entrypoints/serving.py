@@ -23,6 +23,7 @@ from minivllm.engine.async_engine import (
     RequestFailedError,
     RequestTimeoutError,
 )
+from minivllm.engine.async_stream import failure_text
 from minivllm.engine.input_processor import EngineRequest, Prompt, RequestSpec
 from minivllm.engine.lora_registry import LoadedLoRA
 from minivllm.engine.protocol import EngineClient
@@ -128,7 +129,7 @@ class ServerState:
         self.created = int(time.time())
         self.max_body_bytes = parse_size(args.max_body_size, "max_body_size")
         named = load_keys_file(args.api_keys_file) if args.api_keys_file else ()
-        self.keys = KeyPolicy(args.api_key, args.admin_api_key, named)
+        self.keys = KeyPolicy(args.api_key, args.admin_api_key, named, args.metrics_need_key)
         self.clients = ClientRegistry(named)  # per-key seats and queues, and what a key may ask for
         # A write the client does not take within this long (its buffers are full: it stopped reading) ends the
         # response; the engine side drops such a request's stream alike (AsyncLLMEngine.MAX_UNREAD).
@@ -254,7 +255,19 @@ def engine_error(e: BaseException) -> APIError:
         return APIError(503, str(e), "timeout", {"Retry-After": "1"})
     if isinstance(e, RequestFailedError):
         return APIError(500, str(e))
-    return APIError(500, f"internal error: {e!r}")
+    logger.error("request failed inside the server", exc_info=e)
+    return internal_error(e)
+
+
+def internal_error(e: BaseException) -> APIError:
+    """A bug's 500: a foreign exception's type, not its text (which can hold the server's internals: keys, paths,
+    other requests' ids; async_stream.failure_text); the log has the traceback."""
+    return APIError(500, f"internal server error: {failure_text(e)}")
+
+
+def dead_engine(error: BaseException | None) -> str:
+    """What /health and the gRPC health check say of a dead engine loop (open routes: the type only)."""
+    return f"engine loop is not running ({type(error).__name__ if error is not None else 'stopped'})"
 
 
 async def final_output(stream: AsyncStream) -> RequestOutput:

@@ -166,7 +166,7 @@ class RayEngineClient:
             try:
                 self.update(await self.board.snapshot.remote())
             except Exception as e:  # noqa: BLE001 - the board (or the cluster) is gone
-                self.dead_error = EngineDeadError(f"the Ray cluster is unreachable: {e!r}")
+                self.dead_error = EngineDeadError(f"the Ray cluster is unreachable ({type(e).__name__})")
             await asyncio.sleep(REFRESH_S)
 
     # ---- calls --------------------------------------------------------------------------------------
@@ -205,7 +205,8 @@ class RayEngineClient:
                     self.metrics.on_retry("replica_died")
                     continue
                 self.metrics.on_failure("no_replica")
-                raise EngineDeadError(f"no replica could take the request: the last one failed with {e!r}") from None
+                raise EngineDeadError("no replica could take the request: the last one failed "
+                                      f"({type(e).__name__})") from None
             if first[0] == "accepted":
                 call.replica = first[1]
                 self.metrics.on_routed(first[1], time.perf_counter() - t0)
