@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextvars
 import json
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from prometheus_client.core import GaugeMetricFamily
 from minivllm.engine.async_stream import AsyncStream, QueueFullError
 from minivllm.engine.client_seats import ClientSeats
 
+logger = logging.getLogger(__name__)
 # The named client the request being served belongs to (set by the HTTP guard and the gRPC servicer).
 current_client: contextvars.ContextVar[str | None] = contextvars.ContextVar("minivllm_client", default=None)
 _FIELDS = {"name", "key", "max_concurrency", "max_queued", "may_prioritize"}
@@ -77,9 +79,7 @@ def load_keys_file(path: str) -> tuple[ClientKey, ...]:
         if len(set(values)) != len(values):
             raise ValueError(f"api_keys_file: {path!r}: two clients share a {attr}")
     if os.name == "posix" and os.stat(path).st_mode & 0o077:
-        import logging
-
-        logging.getLogger(__name__).warning("api_keys_file %s is readable by other users (chmod 600 it)", path)
+        logger.warning("api_keys_file %s is readable by other users (chmod 600 it)", path)
     return tuple(clients)
 
 

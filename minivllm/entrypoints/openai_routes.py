@@ -102,11 +102,11 @@ def _chat_logprobs(c: CompletionOutput, k: int) -> dict[str, Any]:
 
 
 async def _submit(st: ServerState, prompts: list[Prompt], params: SamplingParams,
-                  body: CompletionRequest | ChatCompletionRequest, prefix: str, lora: LoadedLoRA | None
-                  ) -> tuple[str, list[AsyncStream]]:
+                  body: CompletionRequest | ChatCompletionRequest, prefix: str, lora: LoadedLoRA | None,
+                  request: Request) -> tuple[str, list[AsyncStream]]:
     rid = new_request_id(prefix)
     return rid, await st.submit(await st.prepare(rid, prompts, params, body.priority, ttft_slo_ms=body.ttft_slo_ms,
-                                                      timeout_s=body.timeout, lora=lora))
+                                                      timeout_s=body.timeout, lora=lora, request=request))
 
 
 # ---- /v1/completions -----------------------------------------------------------------------------------
@@ -129,7 +129,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     # echo with logprobs scores the prompt too (OpenAI's legacy behaviour): through prompt_logprobs.
     prompt_lp = max(body.prompt_logprobs or 0, body.logprobs or 0) if echo_logprobs else body.prompt_logprobs
     params = _params(body, body.max_tokens, body.logprobs, prompt_lp)
-    rid, streams = await _submit(st, prompts, params, body, "cmpl", lora)
+    rid, streams = await _submit(st, prompts, params, body, "cmpl", lora, request)
     created = int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -262,7 +262,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                                          plan.tools, body.template_kwargs())
     except ValueError as e:
         raise bad_request(e) from None
-    rid, streams = await _submit(st, [prompt], params, body, "chatcmpl", lora)
+    rid, streams = await _submit(st, [prompt], params, body, "chatcmpl", lora, request)
     created = int(time.time())
     k = body.top_logprobs or 0
     if body.stream:

@@ -61,7 +61,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     params = _params(body, RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY)
     (req,) = await state.prepare(new_request_id("gen"), [body.prompt], params, body.priority,
                                  default_max_tokens=_DEFAULT_MAX_TOKENS, ttft_slo_ms=body.ttft_slo_ms,
-                                     timeout_s=body.timeout)
+                                 timeout_s=body.timeout, request=request)
     streams = await state.submit([req])
     if body.stream:
         return state.stream_response("/generate", t0, _deltas(streams[0]), streams)
@@ -100,7 +100,7 @@ async def batch_generate(body: BatchGenerateRequest, request: Request) -> Respon
     params = _params(body, RequestOutputKind.FINAL_ONLY)
     reqs = await state.prepare(new_request_id("batch"), list(body.prompts), params, body.priority,
                                default_max_tokens=_DEFAULT_MAX_TOKENS, ttft_slo_ms=body.ttft_slo_ms,
-                                     timeout_s=body.timeout)
+                               timeout_s=body.timeout, request=request)
     streams = await state.submit(reqs)  # one inbox entry: the engine sees them together and batches them
     outs = await state.wait_finals(request, streams)
     state.count("/batch_generate", "success", t0)

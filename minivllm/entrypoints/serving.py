@@ -153,7 +153,8 @@ class ServerState:
 
     async def prepare(self, request_id: str, prompts: list[Prompt], params: SamplingParams, priority: int | str = 0,
                       default_max_tokens: int | None = None, ttft_slo_ms: float | None = None,
-                      timeout_s: float | None = None, lora: LoadedLoRA | None = None) -> list[EngineRequest]:
+                      timeout_s: float | None = None, lora: LoadedLoRA | None = None,
+                      request: Request | None = None) -> list[EngineRequest]:
         """The requests of one call (ids request_id-0, -1, ...), from the route's fields: one RequestSpec under the
         servers' rules (vLLM's: an explicit max_tokens must fit the context with the prompt, a default one is
         clipped to what is left), tokenized and checked against every limit by the engine client's input
@@ -173,7 +174,11 @@ class ServerState:
                 self.engine.check_room(len(prompts))
             if inline:
                 return self.engine.process_requests(request_id, prompts, spec)
-            return await asyncio.to_thread(self.engine.process_requests, request_id, prompts, spec)
+            prepared = await asyncio.to_thread(self.engine.process_requests, request_id, prompts, spec)
+            # (a compile or a long tokenization cannot be interrupted, but a client gone meanwhile queues nothing)
+            if request is not None and await request.is_disconnected():
+                raise ClientDisconnected("the client left while its request was prepared")
+            return prepared
         except QueueFullError as e:
             raise APIError(429, str(e), None, {"Retry-After": str(e.retry_after_s)}) from None
         except EngineDeadError as e:
