@@ -83,8 +83,9 @@ def in_process_server(app) -> Iterator[str]:
     from minivllm.entrypoints.server_args import uvicorn_limits
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           **uvicorn_limits(app.state.server.args)))
+    server_state = getattr(app.state, "server", None)  # (a test's own app has none: uvicorn's defaults)
+    limits = uvicorn_limits(server_state.args) if server_state is not None else {}
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **limits))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"

@@ -43,13 +43,15 @@ def test_step_error_fails_its_requests_and_the_loop_keeps_serving(model):
     with in_process_server(build_app(engine, ServerArgs())) as url:
         r = httpx.post(url + "/v1/completions", json={"prompt": [5, POISON, 9], "max_tokens": 4}, timeout=60)
         assert r.status_code == 500
-        assert "injected fault" in r.json()["error"]["message"]
+        # A foreign exception reaches the client as its type only (its text stays in the log: issue 33)
+        message = r.json()["error"]["message"]
+        assert "RuntimeError" in message and "injected fault" not in message
         events = []
         with httpx.stream("POST", url + "/v1/completions", timeout=60,
                           json={"prompt": [POISON, 3], "max_tokens": 4, "stream": True}) as resp:
             assert resp.status_code == 200  # headers went out before the step failed
             events = [line for line in resp.iter_lines() if line.startswith("data: ")]
-        assert len(events) == 1 and "injected fault" in events[0] and '"code": 500' in events[0]
+        assert len(events) == 1 and "RuntimeError" in events[0] and '"code": 500' in events[0]
         # Everyone else is served, nothing leaked, and the loop is alive.
         ok = httpx.post(url + "/generate", json={"prompt": "def f(x):", "max_new_tokens": 5}, timeout=60)
         assert ok.status_code == 200 and ok.json()["tokens_generated"] <= 5
@@ -72,7 +74,8 @@ def test_dead_engine_loop_answers_503(model):
         r = httpx.post(url + "/generate", json={"prompt": "hello", "max_new_tokens": 4}, timeout=60)
         assert r.status_code == 503 and "engine loop" in r.json()["error"]["message"]
         h = httpx.get(url + "/health")
-        assert h.status_code == 503 and "scheduler state corrupted" in h.json()["error"]["message"]
+        assert h.status_code == 503 and "RuntimeError" in h.json()["error"]["message"]
+        assert "scheduler state corrupted" not in h.json()["error"]["message"]  # /health is open: the type only
         r = httpx.post(url + "/generate", json={"prompt": "hello", "max_new_tokens": 4}, timeout=60)
         assert r.status_code == 503
         assert metrics(url)['inference_requests_total{endpoint="/generate",status="server_error"}'] == 2
