@@ -70,7 +70,8 @@ class RequestLifecycle:
         """Queue a request that process_request() built."""
         if req.request_id in self.groups:
             raise ValueError(duplicate_request_id(req.request_id))
-        self.loras.check_current(req.lora)
+        if req.lora is not None:
+            self.loras.check_current(req.lora)
         request_id, ids, params = req.request_id, req.prompt_token_ids, req.params
         group = SequenceGroup(request_id, req.prompt, ids, params, req.arrival_time, ttft_deadline=req.ttft_deadline,
                               start_deadline=req.start_deadline, grammar=req.grammar, lora=req.lora,

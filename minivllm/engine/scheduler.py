@@ -232,7 +232,7 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
         """Admit waiting sequences in order while they fit; returns the budget left and whether the step
         budget (rather than the seats, the pool, or an empty queue) is what stopped admission."""
-        seats = self.seats.start(self.running)
+        seats = self.seats.start(self.running) if self.seats.active else None
         passed: list[Sequence] = []  # waiting sequences whose client holds all its seats: they keep their place
         try:
             while self.waiting and len(self.running) < self.config.max_num_seqs:

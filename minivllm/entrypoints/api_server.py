@@ -57,6 +57,7 @@ class GuardMiddleware:
     def __init__(self, app: ASGIApp, keys: KeyPolicy, max_body_bytes: int, stall_timeout_s: float = 30.0) -> None:
         self.app = app
         self.keys = keys
+        self.keyed = bool(keys.api_key or keys.admin_key or keys.clients)  # no key set: every route is open
         self.max_body_bytes = max_body_bytes
         self.stall_timeout_s = stall_timeout_s
 
@@ -64,15 +65,16 @@ class GuardMiddleware:
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         scope.setdefault("state", {})["t0"] = time.monotonic()  # request.state.t0: latency from arrival
-        allowed, client = self.keys.identify(scope)
-        if not allowed:
-            message = self.keys.denial(scope["path"])
-            if scope["type"] == "websocket":
-                await send({"type": "websocket.close", "code": 1008, "reason": message[:120]})
-                return
-            return await APIError(401, message).response()(scope, receive, send)
-        current_client.set(client)  # (this request's task and those it starts see it: clients.py)
-        cookie = self.keys.page_set_cookie(scope)
+        if self.keyed:
+            allowed, client = self.keys.identify(scope)
+            if not allowed:
+                message = self.keys.denial(scope["path"])
+                if scope["type"] == "websocket":
+                    await send({"type": "websocket.close", "code": 1008, "reason": message[:120]})
+                    return
+                return await APIError(401, message).response()(scope, receive, send)
+            current_client.set(client)  # (this request's task and those it starts see it: clients.py)
+        cookie = self.keys.page_set_cookie(scope) if self.keyed else None
         if cookie is not None:  # the live view's page opened with ?token=: a reload then needs none
             inner_send = send
 

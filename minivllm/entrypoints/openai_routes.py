@@ -289,7 +289,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 def _tool_plan(st: ServerState, body: ChatCompletionRequest) -> ToolPlan:
     """How the request uses tools (400 naming the field when tools, tool_choice and the server do not fit)."""
     try:
-        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, st.args.auto_tool_parser)
+        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, st.auto_tool_parser)
         if plan.constraint is not None and body.guided_decoding() is not None:
             raise ValueError("tool_choice: a required or named tool call is already constrained; drop "
                              "response_format / guided_* from this request")

@@ -131,6 +131,8 @@ class ServerState:
         named = load_keys_file(args.api_keys_file) if args.api_keys_file else ()
         self.keys = KeyPolicy(args.api_key, args.admin_api_key, named, args.metrics_need_key)
         self.clients = ClientRegistry(named)  # per-key seats and queues, and what a key may ask for
+        self.named_keys = bool(named)  # (without named keys the request path never calls into clients.py)
+        self.auto_tool_parser = args.auto_tool_parser  # the parser of tool_choice auto replies (None: auto off)
         # A write the client does not take within this long (its buffers are full: it stopped reading) ends the
         # response; the engine side drops such a request's stream alike (AsyncLLMEngine.MAX_UNREAD).
         self.stall_timeout_s = engine.client_stall_timeout_s
@@ -159,12 +161,15 @@ class ServerState:
         servers' rules (vLLM's: an explicit max_tokens must fit the context with the prompt, a default one is
         clipped to what is left), tokenized and checked against every limit by the engine client's input
         processor; APIError(400) naming the problem. Large inputs are tokenized on a worker thread, off the loop."""
-        try:
-            priority, ttft_slo_ms = self.clients.clamp(priority, ttft_slo_ms)  # a named key may not jump queues
-        except ValueError as e:
-            raise bad_request(e) from None
+        seats = None
+        if self.named_keys:
+            try:
+                priority, ttft_slo_ms = self.clients.clamp(priority, ttft_slo_ms)  # a named key may not jump queues
+            except ValueError as e:
+                raise bad_request(e) from None
+            seats = self.clients.seats()
         spec = RequestSpec(params, priority, time.time(), True, default_max_tokens, ttft_slo_ms, timeout_s, lora,
-                           self.clients.seats())
+                           seats)
         size = sum(map(_prompt_size, prompts))
         # A guided request compiles its grammar (ms; the first one also indexes the vocabulary): off the loop too,
         # and not at all when the queue is full (the 429 comes first).
@@ -188,7 +193,7 @@ class ServerState:
 
     async def submit(self, requests: list[EngineRequest]) -> list[AsyncStream]:
         """Queue requests together; 429 when the waiting queue is full, 503 when the engine is dead."""
-        gate = self.clients.gate()
+        gate = self.clients.gate() if self.named_keys else None
         try:
             if gate is None:
                 return await self.engine.submit(requests)
