@@ -58,21 +58,23 @@ class KeyPolicy:
         accepted = self.accepted(scope["path"])
         if not accepted:
             return True, None
-        presented = [c.encode() for c in credentials(scope)]
-        found: tuple[bool, str | None] = (False, None)
-        for key, name in accepted:  # every key compared (each in constant time), whichever matches
-            expected = key.encode()
-            if any(hmac.compare_digest(p, expected) for p in presented) and not found[0]:
-                found = (True, name)
+        found = self.match(credentials(scope), accepted)
         if found[0]:
             return found
         cookie = page_cookie(scope) if scope["path"] == "/dashboard" else None
         good = page_cookie_value(accepted[0][0]).encode()
         return cookie is not None and hmac.compare_digest(cookie.encode(), good), None
 
-    def allows(self, scope: Scope) -> bool:
-        """Whether the request carries a key its path takes."""
-        return self.identify(scope)[0]
+    @staticmethod
+    def match(presented: list[str], accepted: list[tuple[str, str | None]]) -> tuple[bool, str | None]:
+        """(whether a presented key is accepted, its client's name); every key compared, each in constant time."""
+        given = [p.encode() for p in presented]
+        found: tuple[bool, str | None] = (False, None)
+        for key, name in accepted:
+            expected = key.encode()
+            if any(hmac.compare_digest(g, expected) for g in given) and not found[0]:
+                found = (True, name)
+        return found
 
     def page_set_cookie(self, scope: Scope) -> bytes | None:
         """The Set-Cookie header of GET /dashboard opened with a token (None otherwise; the guard has checked it)."""

@@ -12,7 +12,6 @@ abort their engine requests on the way out, so the KV blocks are freed before th
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import re
 import time
@@ -150,11 +149,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def _prepare(self, msg: pb.GenerateRequest | pb.BatchGenerateRequest, kind: RequestOutputKind,
                        prompts: list[Any], request_id: str = "", context: grpc.aio.ServicerContext | None = None
                        ) -> list:
-        if context is not None:  # a named key's client: its seats and what it may ask for (clients.py)
+        if context is not None and self.state.named_keys:  # a named key's client: its seats and bounds (clients.py)
             auth = dict(context.invocation_metadata() or ()).get("authorization", "")
             token = auth[len("Bearer "):] if isinstance(auth, str) and auth.startswith("Bearer ") else ""
-            current_client.set(next((name for key, name in self.state.keys.accepted("/generate")
-                                     if hmac.compare_digest(token.encode(), key.encode())), None))
+            current_client.set(self.state.keys.match([token], self.state.keys.accepted("/generate"))[1])
         params = sampling_params(msg, kind)
         if len(request_id) > 256 or not request_id.isprintable():  # it reaches logs and metrics' exemplars
             raise APIError(400, "request_id: at most 256 printable characters", "request_id")
