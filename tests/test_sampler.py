@@ -17,7 +17,7 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 
 from minivllm.model import cpu_kernels
 from minivllm.model.input_batch import InputBatch, SlotParams
-from minivllm.model.sampler import Sampler
+from minivllm.model.sampler import Sampler, sample_torch
 
 VOCAB, N = 24, 20_000
 BOUND = 0.5 * math.sqrt(VOCAB / N) + math.sqrt(math.log(1e6) / (2 * N))
@@ -292,3 +292,24 @@ def test_slots_are_reused_and_views_follow_membership():
     assert d == b and batch.num_active == 3
     rows = batch.rows([a, d, c])
     assert rows.penalty_rows.numel() == 0 and rows.temperature.tolist() == pytest.approx([0.5, 0.0, 0.7])
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no cc")
+@pytest.mark.parametrize("top_k", [1, 5, 50, 256])
+def test_small_top_k_rows_draw_as_the_torch_path_with_ties_and_bans(top_k):
+    # The native kernel samples a small-top_k row on its candidates only (found from block maxima); bf16-rounded
+    # logits tie often, and ties at the k-th value must stay in the set, as the torch path keeps them.
+    g = torch.Generator().manual_seed(top_k)
+    rows, vocab = 48, 3000
+    logits = (torch.randn(rows, vocab, generator=g) * 2).bfloat16().float()
+    logits[::3, :40] = float("-inf")  # banned tokens
+    logits[-1] = 0.5  # every entry tied: the kernel falls back to its whole-row path
+    temp = torch.full((rows,), 0.9)
+    k = torch.full((rows,), top_k)
+    top_p = torch.tensor([1.0, 0.9, 0.5] * (rows // 3))
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.05] * (rows // 4))
+    for seed in range(4):
+        u = torch.rand(rows, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        native = cpu_kernels.sample_rows(logits.clone(), temp, k, top_p, min_p, u)
+        portable = sample_torch(logits.clone(), temp, k, top_p, min_p, u)
+        assert native.tolist() == portable.tolist()

@@ -179,6 +179,9 @@ def processed_probs(x: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, to
         p = probs * keep
         sorted_p, order = p.sort(dim=-1)
         cums = sorted_p.cumsum(dim=-1)
+        # The mass of all tokens with p <= p_i: a tie group's cumulative sum at its last member (tied tokens are
+        # kept or dropped together, as the kernel does), not wherever the sort happened to put each of them.
+        cums = cums.gather(1, torch.searchsorted(sorted_p, sorted_p, right=True) - 1)
         drop = cums <= (1 - top_p[:, None]) * cums[:, -1:]
         drop[:, -1] = False  # the most likely token always stays
         keep &= ~torch.zeros_like(drop).scatter(1, order, drop)

@@ -3,7 +3,8 @@
  * O(vocab) per row. Sorting a 49k-entry row costs ~2 ms here (125 ms for 64 rows). Instead, the
  * top-k / top-p boundaries are found with a histogram over the top 16 bits of the (positive) float
  * probabilities, whose bit patterns order like their values, then a quickselect inside the one
- * boundary bucket: two linear passes (a quickselect over the whole row measured 7x slower).
+ * boundary bucket: two linear passes (a quickselect over the whole row measured 7x slower). A row with a
+ * small top_k (<= 256, the common case) never runs the exp pass over the row: see sample_top_k.
  *
  * Semantics (identical to the portable torch path, minimal-set definitions as vLLM / HF):
  *   p_i      = exp((x_i - max x) / T)                      (unnormalised; the max token has p = 1)
@@ -198,6 +199,81 @@ static int64_t draw(const float *p, int64_t vocab, float thr, double target) {
     return i;
 }
 
+/* A row with a small top_k: everything happens on its candidates, never on the whole vocabulary. The maxima of
+ * blocks of the row (one vectorised pass) give a floor: the k-th largest block maximum has at least k entries at
+ * or above it. The blocks that reach it (about k) list their entries at or above it in id order (a few times k);
+ * a quickselect on them gives the k-th largest logit, and the candidates are the entries at or above it (ties at
+ * the boundary kept, as the general path keeps them). Then exp, min_p, top_p and the draw run over those few
+ * entries: the same sets and the same id-order draw as the general path (p is monotone in x), without its exp
+ * and selection passes over the row. ids: vocab int32, cp: vocab floats, bmax: 2 * NBUCKETS floats of scratch.
+ * Returns -1 where the general path must run instead (a row of mass ties). */
+static int64_t sample_top_k(const float *x, int64_t vocab, int64_t k, float temperature, float top_p, float min_p,
+                            double u, int32_t *ids, float *cp, float *bmax) {
+    int64_t bs = 128;
+    while (bs > 8 && vocab / bs < 2 * k) bs /= 2;
+    const int64_t nb = (vocab + bs - 1) / bs;
+    if (nb < k || nb > NBUCKETS) return -1;
+    float *sel = bmax + nb; /* a copy the quickselect may reorder */
+    float m = -FLT_MAX;
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t e = (b + 1) * bs < vocab ? (b + 1) * bs : vocab;
+        float v = x[b * bs];
+#pragma omp simd reduction(max : v)
+        for (int64_t i = b * bs + 1; i < e; i++) v = x[i] > v ? x[i] : v;
+        bmax[b] = sel[b] = v;
+        m = v > m ? v : m;
+    }
+    const float floor_x = kth_largest(sel, nb, k);
+    int64_t c = 0;
+    for (int64_t b = 0; b < nb; b++) { /* only the blocks that reach the floor: about k of them */
+        if (!(bmax[b] >= floor_x)) continue;
+        const int64_t e = (b + 1) * bs < vocab ? (b + 1) * bs : vocab;
+        for (int64_t i = b * bs; i < e; i++)
+            if (x[i] >= floor_x) ids[c++] = (int32_t)i;
+    }
+    if (2 * c > vocab) return -1; /* the selection below needs c more floats */
+    for (int64_t j = 0; j < c; j++) cp[c + j] = x[ids[j]];
+    const float xk = kth_largest(cp + c, c, k);
+    int64_t kept_c = 0;
+    for (int64_t j = 0; j < c; j++)
+        if (x[ids[j]] >= xk) ids[kept_c++] = ids[j];
+    c = kept_c;
+    const float inv_t = 1.0f / temperature;
+    const float thr0 = min_p > FLT_MIN ? min_p : FLT_MIN; /* max p is exactly 1 */
+    double kept = 0.0;
+    int64_t n = 0;
+    for (int64_t j = 0; j < c; j++) {
+        const float d = (x[ids[j]] - m) * inv_t;
+        cp[j] = d > -87.f ? expf(d) : 0.f;
+        if (cp[j] >= thr0) {
+            kept += cp[j];
+            n++;
+        }
+    }
+    float thr = thr0;
+    if (top_p < 1.f && n > 1) {
+        float *sel = cp + c; /* the free tail of cp (c <= vocab / 2) */
+        int64_t s = 0;
+        for (int64_t j = 0; j < c; j++)
+            if (cp[j] >= thr0) sel[s++] = cp[j];
+        thr = mass_threshold(sel, s, (1.0 - (double)top_p) * kept);
+        kept = 0.0;
+        for (int64_t j = 0; j < c; j++)
+            if (cp[j] >= thr) kept += cp[j];
+    }
+    const double target = u * kept;
+    double acc = 0.0;
+    int64_t last = ids[0];
+    for (int64_t j = 0; j < c; j++) {
+        if (cp[j] >= thr) {
+            acc += cp[j];
+            last = ids[j];
+            if (acc > target) return ids[j];
+        }
+    }
+    return last;
+}
+
 /* The first index of the largest entry (torch.argmax's choice among ties): a vectorised max, then a
  * scan that stops at it. */
 static int64_t argmax_first(const float *x, int64_t vocab) {
@@ -225,6 +301,11 @@ void sample_rows_f32(const float *logits, int64_t rows, int64_t vocab, const flo
         float *p = scratch + (size_t)omp_get_thread_num() * (2 * vocab + 2 * NBUCKETS);
         float *work = p + vocab;
         double *hist = (double *)(work + vocab);
+        if (top_k[r] > 0 && top_k[r] <= TOPK_INSERT_MAX && top_k[r] < vocab) {
+            out[r] = sample_top_k(x, vocab, top_k[r], temperature[r], top_p[r], min_p[r], u[r], (int32_t *)p, work,
+                                  (float *)hist);
+            if (out[r] >= 0) continue;
+        }
         float m = x[0];
 #pragma omp simd reduction(max : m)
         for (int64_t i = 1; i < vocab; i++) m = x[i] > m ? x[i] : m;
