@@ -64,3 +64,28 @@ def test_the_engine_registers_only_the_features_it_runs(model_factory):
                                 preemption_mode="swap", swap_space="1MiB"))
     assert [type(h) for h in spec.hooks.hooks] == [SpeculationHook, GuidedDecodingHook, SwapCostHook]
     assert spec.hooks.find(FaultInjectionHook) is None
+
+
+def test_guided_decoding_stays_off_every_point_until_a_guided_request(model_factory):
+    # An on-demand hook (guided decoding) is registered but dormant: plain traffic never calls its code; the first
+    # request with a grammar turns it on (before its sequence is set up, so it gets its matcher) and it stays on.
+    from minivllm.config import EngineArgs
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.sampling_params import GuidedDecodingParams, SamplingParams
+    from minivllm.structured_output.hook import GuidedDecodingHook
+
+    engine = LLMEngine(EngineArgs(model=model_factory("tiny-llama"), num_kv_blocks=64))
+    guided = engine.hooks.find(GuidedDecodingHook)
+    assert guided is not None and not any(guided in at for at in engine.hooks.at.values())
+    engine.add_request("plain", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not any(guided in at for at in engine.hooks.at.values())
+    engine.add_request("guided", {"prompt_token_ids": [1, 2, 3]},
+                       SamplingParams(max_tokens=8, guided_decoding=GuidedDecodingParams(choice=["yes", "no"])))
+    assert guided in engine.hooks.at["token_accepted"] and guided in engine.hooks.at["process_logits"]
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].outputs[0].text in ("yes", "no")
+    engine.check_invariants()

@@ -14,6 +14,9 @@ loop. Points, in step order:
   token_accepted    a sequence's new token passed the stop checks: a feature may finish it
   end_step          the step is done (proposals cleared, masks dropped)
 and outside the step: request_added, sequence_added, sequence_finished (finished, aborted or preempted).
+
+A hook made `on_demand` stays out of every point until the first request it is `wanted_by` arrives: traffic
+that never uses a feature (guided decoding, say) never runs its code.
 """
 
 from __future__ import annotations
@@ -36,6 +39,12 @@ Forward = Callable[[list[Entry], list["SequenceInput"]], "torch.Tensor"]
 
 class StepHook:
     """One feature's part in the step; every point is a no-op here (see the module doc)."""
+
+    on_demand = False  # True: dormant until a request it is wanted_by arrives (it may not wrap the forward)
+
+    def wanted_by(self, group: SequenceGroup) -> bool:
+        """An on-demand hook: whether this request needs it (it is then on for good)."""
+        return False
 
     def request_added(self, group: SequenceGroup) -> None:
         """A request was queued (its first sequence not yet set up)."""
@@ -81,9 +90,19 @@ class HookSet:
     """The engine's hooks, grouped by the points each overrides (in registration order)."""
 
     def __init__(self, hooks: list[StepHook]) -> None:
+        self.install(hooks)
+
+    def install(self, hooks: list[StepHook]) -> None:
+        """Replace the hooks (the on-demand ones dormant again)."""
         self.hooks = hooks
+        self._dormant = [h for h in hooks if h.on_demand]
+        assert all(type(h).forward is StepHook.forward for h in self._dormant), "an on-demand hook may not wrap"
+        self._group()
+
+    def _group(self) -> None:
+        active = [h for h in self.hooks if h not in self._dormant]
         self.at: dict[str, list[StepHook]] = {
-            point: [h for h in hooks if getattr(type(h), point) is not getattr(StepHook, point)] for point in _POINTS}
+            point: [h for h in active if getattr(type(h), point) is not getattr(StepHook, point)] for point in _POINTS}
         self._before_schedule = self.at["before_schedule"]
         self._after_schedule = self.at["after_schedule"]
         self._before_forward = self.at["before_forward"]
@@ -106,6 +125,9 @@ class HookSet:
         return inner
 
     def request_added(self, group: SequenceGroup) -> None:
+        if self._dormant and any(h.wanted_by(group) for h in self._dormant):
+            self._dormant = [h for h in self._dormant if not h.wanted_by(group)]
+            self._group()  # (between steps: the engine thread adds requests)
         for h in self._request_added:
             h.request_added(group)
 

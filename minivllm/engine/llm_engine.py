@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,29 +13,32 @@ from minivllm.engine.async_stream import failure_text
 from minivllm.engine.beam_search import BeamSearcher
 from minivllm.engine.fault_injection import FaultInjectionHook, FaultInjector
 from minivllm.engine.hooks import HookSet, StepHook
-from minivllm.engine.input_processor import InputProcessor, RequestLimits
-from minivllm.engine.introspection import EngineIntrospection
+from minivllm.engine.input_processor import EngineRequest, InputProcessor, Prompt, RequestLimits
 from minivllm.engine.kv_groups import plan_for_engine
-from minivllm.engine.lora_registry import LoRARegistry
+from minivllm.engine.lora_registry import LoadedLoRA, LoRARegistry
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.engine.request_lifecycle import TIMEOUT_REASON, RequestLifecycle
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from minivllm.engine.stats import StatsRecorder, StepTimings
-from minivllm.engine.step_guard import Span, StepGuard
+from minivllm.engine.stats import IterationStats, SchedulerSnapshot, StatsRecorder, StepTimings, scheduler_snapshot
+from minivllm.engine.step_guard import Span, StepGuard, runner_inputs
 from minivllm.engine.swap_manager import SwapCostHook, build_swap_manager
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.engine_config import CacheConfig, EngineConfig, SchedulerConfig
-from minivllm.model.input_batch import SlotParams
 from minivllm.model.runner import ModelRunner, SequenceInput
 from minivllm.model.sampler import TokenLogprobs
 from minivllm.model.step_sampling import SamplingRequest
 from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
 from minivllm.spec_decode.factory import build_speculator
 from minivllm.spec_decode.hook import SpeculationHook
-from minivllm.spec_decode.speculator import Speculator, verify_rows
+from minivllm.spec_decode.speculator import Speculator
 from minivllm.structured_output.hook import GuidedDecodingHook
 from minivllm.structured_output.manager import StructuredOutputManager
+
+if TYPE_CHECKING:
+    from minivllm.lora_request import LoRARequest
+    from minivllm.model.lora import LoRAAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +52,9 @@ def _scheduler_class(config: SchedulerConfig) -> type[Scheduler]:
     return AblationScheduler
 
 
-class LLMEngine(RequestLifecycle, EngineIntrospection):
-    """The synchronous engine core: one `step()` = schedule, one forward, sample, update."""
+class LLMEngine:
+    """The synchronous engine core: one `step()` = schedule, one forward, sample, update; requests come and go
+    through its RequestLifecycle."""
 
     def __init__(self, config: EngineConfig | EngineArgs, log_stats: bool = False) -> None:
         # The config, resolved once (engine_config.py), goes whole to the runner and the features' builders.
@@ -96,17 +100,18 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         self.loras = LoRARegistry(None if lora is None else self.runner.init_lora(lora.max_loras, lora.max_lora_rank))
         for name, path in lora.modules if lora is not None else ():
             self.loras.add(name, path)
-        self.failed_requests: dict[str, str] = {}
         self._failures: dict[str, str] = {}  # this step's: request id → reason (failed once the step is done)
         self.faults = FaultInjector.from_env()  # None unless the test-only hook is armed
         self.speculator = build_speculator(config.speculative, self) if config.speculative else None
+        self.hooks = HookSet([])
         self._install_hooks()
-        self.groups: dict[str, SequenceGroup] = {}
         self.timings = StepTimings()
-        self._arrivals = itertools.count()
         self._sample_time = 0.0  # sampler seconds within the current step
-        self.log_stats = log_stats  # gather IterationStats (the server's metrics); off for offline use
         self.recorder = StatsRecorder(self.eos_token_ids)  # IterationStats since the last take_stats()
+        self.log_stats = log_stats  # gather IterationStats (the server's metrics); off for offline use
+        self.requests = RequestLifecycle(self.device, self.scheduler, self.hooks, self.recorder, self.input_batch,
+                                         self.input_processor, self.loras, self.output_processor, self.eos_token_ids)
+        self.groups = self.requests.groups  # the unfinished requests (the same dict)
         self.beams = BeamSearcher(self.scheduler, self.recorder, self.eos_token_ids, self.max_model_len)
         self._in_flight: SchedulerOutput | None = None  # the step in progress (to name its requests on error)
         self.last_schedule: SchedulerOutput | None = None  # the last step's, for the live view (step_trace.py)
@@ -117,7 +122,7 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
 
     def _install_hooks(self) -> None:
         """The feature hooks of the current features, and the step guard around the forward they wrap."""
-        self.hooks = HookSet(self._feature_hooks())
+        self.hooks.install(self._feature_hooks())  # (in place: the request lifecycle holds the same HookSet)
         runner = self.runner  # (not self: a closure over the engine would keep a dropped engine alive in a cycle)
         self.guard = StepGuard(self.hooks.wrap_forward(lambda scheduled, inputs: runner.execute(inputs)),
                                isolate=self.config.parallel.size == 1)
@@ -148,6 +153,83 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         """Build an engine from EngineArgs."""
         return cls(args, log_stats)
 
+    # ---- requests (engine/request_lifecycle.py) ------------------------------------------------
+    def add_request(self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                    priority: int | str = 0, arrival_time: float | None = None, ttft_slo_ms: float | None = None,
+                    timeout_s: float | None = None, lora_request: LoRARequest | None = None) -> None:
+        """Validate and queue a request; ValueError naming the problem if it can never run."""
+        self.requests.add_request(request_id, prompt, sampling_params, priority, arrival_time, ttft_slo_ms,
+                                  timeout_s, lora_request)
+
+    def process_request(self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                        priority: int | str = 0, arrival_time: float | None = None,
+                        ttft_slo_ms: float | None = None, timeout_s: float | None = None,
+                        lora: LoadedLoRA | None = None) -> EngineRequest:
+        """Tokenize and validate without touching engine state (safe off the engine thread)."""
+        return self.requests.process_request(request_id, prompt, sampling_params, priority, arrival_time,
+                                             ttft_slo_ms, timeout_s, lora)
+
+    def add_engine_request(self, req: EngineRequest) -> None:
+        """Queue a request that process_request() built."""
+        self.requests.add_engine_request(req)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output (None if unknown or done)."""
+        return self.requests.abort_request(request_id)
+
+    abort = abort_request
+
+    def take_failed_requests(self) -> dict[str, str]:
+        """Requests failed since the last call (request id → reason); they produce no further outputs."""
+        return self.requests.take_failed_requests()
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self.groups)
+
+    def add_lora(self, name: str, path: str, adapter: LoRAAdapter | None = None) -> LoadedLoRA:
+        """Load a PEFT adapter under a name; ValueError naming the problem."""
+        return self.requests.add_lora(name, path, adapter)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter (KeyError if unknown; ValueError while requests use it)."""
+        self.requests.remove_lora(name)
+
+    @property
+    def log_stats(self) -> bool:
+        """Whether the engine gathers IterationStats (the server's metrics)."""
+        return self.recorder.enabled
+
+    @log_stats.setter
+    def log_stats(self, on: bool) -> None:
+        self.recorder.enabled = on
+
+    # ---- what the metrics and the live view read -----------------------------------------------
+    def take_stats(self) -> IterationStats:
+        """The stats gathered since the previous call (scheduler counters as deltas)."""
+        return self.recorder.take(self.scheduler.stats, self.speculator.stats if self.speculator else None,
+                                  self.block_manager.num_evicted_blocks)
+
+    def snapshot(self, extra_waiting: int = 0) -> SchedulerSnapshot:
+        """Requests running, waiting and swapped, and KV usage of both tiers, now."""
+        return scheduler_snapshot(self.scheduler, len(self.groups), extra_waiting)
+
+    def check_invariants(self) -> None:
+        """Block accounting of both tiers agrees with the live sequences, and every sampling slot belongs to one."""
+        live = self.scheduler.running + self.scheduler.waiting + self.scheduler.swapped
+        self.block_manager.check_invariants(live)
+        if self.swap is not None:
+            self.swap.check_invariants(self.scheduler.swapped)
+        if self.speculator is not None:
+            self.speculator.proposer.check_invariants()
+        slots = [s.slot for s in live if s.slot >= 0]
+        assert len(set(slots)) == len(slots) == self.input_batch.num_active, (slots, self.input_batch.num_active)
+
+    def take_failed_step(self) -> list[str]:
+        """The request ids of a step that raised (empty if none was in progress); clears it."""
+        sched, self._in_flight = self._in_flight, None
+        return list(dict.fromkeys(seq.request_id for seq, _ in sched.scheduled)) if sched else []
+
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; return the outputs it produced (per each request's output kind)."""
@@ -158,7 +240,7 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         hooks.after_schedule(sched)
         for seq in sched.expired:  # not started within its timeout: dropped before any prefill
             assert seq.group is not None
-            self.fail_request(seq.request_id, f"{TIMEOUT_REASON}: not started within its timeout of "
+            self.requests.fail_request(seq.request_id, f"{TIMEOUT_REASON}: not started within its timeout of "
                                               f"{seq.group.start_deadline - seq.group.arrival_time:.3g} s (the "
                                               "server is busy); dropped before prefill, retry later")
         t1 = time.perf_counter()
@@ -172,7 +254,7 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
             for seq, n in sched.scheduled:
                 self.block_manager.check_writable(seq, n)
         hooks.before_forward(sched.scheduled)
-        guarded = self.guard.forward(sched.scheduled, *self._runner_inputs(sched.scheduled))
+        guarded = self.guard.forward(sched.scheduled, *runner_inputs(sched.scheduled))
         sched.scheduled, logits = guarded.scheduled, guarded.logits
         failures = self._failures  # request id → reason: no outputs, aborted after the step
         failures.clear()
@@ -205,7 +287,7 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         self.recorder.produced.clear()
         self.last_schedule, self._in_flight = sched, None
         for rid, reason in list(failures.items()):
-            self.fail_request(rid, reason)
+            self.requests.fail_request(rid, reason)
         t4 = time.perf_counter()
         tm, forward = self.timings, self.runner.last_forward_time
         tm.steps += 1
@@ -225,33 +307,6 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
             swaps = sched.group_swaps[g - 1] if sched.group_swaps else ([], [])
             seconds += self.runner.move_blocks(*swaps, copies, g)
         return seconds
-
-    def _runner_inputs(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[SequenceInput], list[Span]]:
-        """One input per scheduled sequence (a speculating one gives one per token: see spec_decode), and the
-        step's layout, built here once: each entry's inputs and the logits rows the runner returns for them."""
-        inputs: list[SequenceInput] = []
-        spans: list[Span] = []
-        r = 0
-        for seq, n in scheduled:
-            start, i = seq.num_computed_tokens, len(inputs)
-            if seq.spec_token_ids:
-                inputs += verify_rows(seq, n)
-                spans.append((i, i + n, r, r + n))
-                r += n
-                continue
-            group = seq.group
-            assert group is not None
-            lps = group.prompt_logprobs
-            wants_prompt_lp = (lps is not None and seq.index == 0 and len(lps) < seq.num_prompt_tokens
-                               and start < seq.num_prompt_tokens - 1)
-            inp = SequenceInput(seq.token_ids[start:start + n], start, seq.block_table, start + n == seq.num_tokens,
-                                wants_prompt_lp, group.lora.slot if group.lora is not None else -1,
-                                tuple(v.block_table for v in seq.kv_views))
-            inputs.append(inp)
-            rows = inp.num_logits_rows
-            spans.append((i, i + 1, r, r + rows))
-            r += rows
-        return inputs, spans
 
     def _process(self, sched: SchedulerOutput, inputs: list[SequenceInput], spans: list[Span],
                  logits: torch.Tensor) -> list[SequenceGroup]:
@@ -278,12 +333,12 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         beams = [(s, r) for s, r in sample_rows if s.group is not None and s.group.beam is not None]
         req.beam_rows = [r for _, r in beams]
         plain = [(s, r) for s, r in sample_rows if s.group is not None and s.group.beam is None]
-        targets = self._sample_targets(plain)
+        targets = self.requests.sample_targets(plain)
         req.samples = [(r, s.slot) for s, r in targets]
         if spec_jobs:
             assert self.speculator is not None
             for seq, _, _ in spec_jobs:  # (a prompt cached up to its last token verifies before its first sample)
-                self._ensure_slot(seq)
+                self.requests.ensure_slot(seq)
             req.verifications = [self.speculator.verification(seq, row, n) for seq, n, row in spec_jobs]
         rows = [(s, r, 1) for s, r in plain] + [(s, row, n) for s, n, row in spec_jobs]
         if rows:
@@ -315,38 +370,6 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
         self.scheduler.update_from_output([s for s, _ in sample_rows])
         return list(touched.values())
 
-    def _sample_targets(self, rows: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
-        """The draws of this step's sampled rows: a request with n > 1 forks at its first sample (n draws from the
-        same row); each drawing sequence holds an input-batch slot with its settings (written once)."""
-        targets: list[tuple[Sequence, int]] = []
-        for seq, r in rows:
-            group = seq.group
-            assert group is not None
-            targets.append((seq, r))
-            if group.params.n > 1 and not group.forked:
-                group.forked = True
-                for i in range(1, group.params.n):
-                    child = Sequence(group.request_id, group.prompt_token_ids, group.params, seq.arrival_index,
-                                     seq.priority, group, i)
-                    self.scheduler.fork(seq, child)
-                    self._init_sequence(child)
-                    group.seqs.append(child)
-                    targets.append((child, r))
-        for seq, _ in targets:
-            self._ensure_slot(seq)
-        return targets
-
-    def _ensure_slot(self, seq: Sequence) -> None:
-        """seq's input-batch slot, its settings written at its first sample (or first since a fork)."""
-        if seq.slot >= 0:
-            return
-        p = seq.sampling_params
-        # Before min_tokens, EOS and stop tokens are masked rather than sampled then ignored.
-        banned = (*(self.eos_token_ids if not p.ignore_eos else ()), *p.stop_token_ids)
-        params = SlotParams(0.0 if p.greedy else p.temperature, p.top_k, p.top_p, p.min_p, p.presence_penalty,
-                            p.frequency_penalty, p.repetition_penalty, p.logprobs, p.min_tokens, banned, seq.generator)
-        seq.slot = self.input_batch.add(params, seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids)
-
     def _take_tokens(self, seq: Sequence, tokens: list[int], lp: TokenLogprobs | None,
                      touched: dict[str, SequenceGroup]) -> None:
         """seq's new tokens, each through the stop checks and the hooks, until one finishes it."""
@@ -354,7 +377,7 @@ class LLMEngine(RequestLifecycle, EngineIntrospection):
             self.recorder.generated(seq.request_id, 1)
             status = self.hooks.token_accepted(seq, tok, self._append_token(seq, tok, lp))
             if status is not None:
-                self._finish(seq, status)
+                self.requests.finish(seq, status)
                 break
         assert seq.group is not None
         touched.setdefault(seq.group.request_id, seq.group)

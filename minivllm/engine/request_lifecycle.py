@@ -1,29 +1,28 @@
-"""LLMEngine's request lifecycle: add (validated), abort, finish, and fail (a request a fault touched is
-aborted and its reason kept for the front end), a base class of LLMEngine so llm_engine.py keeps to the
-step itself."""
+"""The engine's requests from queued to retired: add (validated), fork (n > 1), a sampling slot per sequence, finish,
+abort, and fail (a request a fault touched is aborted and its reason kept for the front end). A component LLMEngine
+composes: it holds the request table; the step calls it where a request's life changes."""
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
 
 from minivllm.engine.input_processor import EngineRequest, InputProcessor, Prompt, RequestSpec, duplicate_request_id
-from minivllm.engine.lora_registry import LoadedLoRA
+from minivllm.engine.lora_registry import LoadedLoRA, LoRARegistry
 from minivllm.engine.sequence import BeamState, Sequence, SequenceGroup, SequenceStatus
 from minivllm.lora_request import LoRARequest
+from minivllm.model.input_batch import InputBatch, SlotParams
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from minivllm.engine.hooks import HookSet
-    from minivllm.engine.lora_registry import LoRARegistry
     from minivllm.engine.output_processor import OutputProcessor
     from minivllm.engine.scheduler import Scheduler
     from minivllm.engine.stats import StatsRecorder
-    from minivllm.model.input_batch import InputBatch
     from minivllm.model.lora import LoRAAdapter
 
 logger = logging.getLogger(__name__)
@@ -31,22 +30,21 @@ TIMEOUT_REASON = "request timed out"  # how the reason of a request dropped for 
 
 
 class RequestLifecycle:
-    """Requests in and out of the engine (set up by LLMEngine.__init__)."""
+    """Requests in and out of the engine, and the table of those not yet finished."""
 
-    device: torch.device
-    scheduler: Scheduler
-    hooks: HookSet  # the optional features' (engine/hooks.py)
-    recorder: StatsRecorder
-    input_batch: InputBatch
-    input_processor: InputProcessor
-    loras: LoRARegistry
-    output_processor: OutputProcessor
-    groups: dict[str, SequenceGroup]
-    log_stats: bool
-    # request id → why it failed, for requests a fault touched (aborted; see fail_request)
-    failed_requests: dict[str, str]
-    _arrivals: Iterator[int]  # arrival order of the requests' sequences (an itertools.count)
+    def __init__(self, device: torch.device, scheduler: Scheduler, hooks: HookSet, recorder: StatsRecorder,
+                 input_batch: InputBatch, input_processor: InputProcessor, loras: LoRARegistry,
+                 output_processor: OutputProcessor, eos_token_ids: frozenset[int]) -> None:
+        # No reference back to the engine: a cycle would keep a dropped engine's weights and KV pool alive.
+        self.device, self.scheduler, self.hooks, self.recorder = device, scheduler, hooks, recorder
+        self.input_batch, self.input_processor, self.loras = input_batch, input_processor, loras
+        self.output_processor, self.eos_token_ids = output_processor, eos_token_ids
+        self.groups: dict[str, SequenceGroup] = {}
+        # request id → why it failed, for requests a fault touched (aborted; see fail_request)
+        self.failed_requests: dict[str, str] = {}
+        self._arrivals = itertools.count()  # arrival order of the requests' sequences
 
+    # ---- in ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None = None,
                     priority: int | str = 0, arrival_time: float | None = None, ttft_slo_ms: float | None = None,
                     timeout_s: float | None = None, lora_request: LoRARequest | None = None) -> None:
@@ -85,11 +83,12 @@ class RequestLifecycle:
             assert params.max_tokens is not None  # process_request filled it in
             group.beam = BeamState(params.beam_width, params.length_penalty, params.early_stopping,
                                    params.max_tokens, [seq], [0.0])
-        self._init_sequence(seq)
+        self.init_sequence(seq)
         self.groups[request_id] = group
         self.scheduler.add(seq)
 
-    def _init_sequence(self, seq: Sequence) -> None:
+    def init_sequence(self, seq: Sequence) -> None:
+        """A new sequence's detokenizer, seeded generator and features' state."""
         p = seq.sampling_params
         if p.seed is not None and not p.greedy:
             # Sample i of a request draws from its own stream, so n > 1 stays reproducible.
@@ -98,6 +97,40 @@ class RequestLifecycle:
         self.output_processor.init_sequence(seq, seq.group.prompt_token_ids)
         self.hooks.sequence_added(seq)
 
+    # ---- sampling ------------------------------------------------------------------------------
+    def sample_targets(self, rows: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """The draws of a step's sampled rows: a request with n > 1 forks at its first sample (n draws from the
+        same row); each drawing sequence holds an input-batch slot with its settings (written once)."""
+        targets: list[tuple[Sequence, int]] = []
+        for seq, r in rows:
+            group = seq.group
+            assert group is not None
+            targets.append((seq, r))
+            if group.params.n > 1 and not group.forked:
+                group.forked = True
+                for i in range(1, group.params.n):
+                    child = Sequence(group.request_id, group.prompt_token_ids, group.params, seq.arrival_index,
+                                     seq.priority, group, i)
+                    self.scheduler.fork(seq, child)
+                    self.init_sequence(child)
+                    group.seqs.append(child)
+                    targets.append((child, r))
+        for seq, _ in targets:
+            self.ensure_slot(seq)
+        return targets
+
+    def ensure_slot(self, seq: Sequence) -> None:
+        """seq's input-batch slot, its settings written at its first sample (or first since a fork)."""
+        if seq.slot >= 0:
+            return
+        p = seq.sampling_params
+        # Before min_tokens, EOS and stop tokens are masked rather than sampled then ignored.
+        banned = (*(self.eos_token_ids if not p.ignore_eos else ()), *p.stop_token_ids)
+        params = SlotParams(0.0 if p.greedy else p.temperature, p.top_k, p.top_p, p.min_p, p.presence_penalty,
+                            p.frequency_penalty, p.repetition_penalty, p.logprobs, p.min_tokens, banned, seq.generator)
+        seq.slot = self.input_batch.add(params, seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids)
+
+    # ---- out -----------------------------------------------------------------------------------
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output (None if unknown or done)."""
         group = self.groups.pop(request_id, None)
@@ -107,40 +140,20 @@ class RequestLifecycle:
         live = group.beam.live if group.beam is not None else group.seqs
         for seq in live:
             if not seq.status.finished:
-                self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+                self.finish(seq, SequenceStatus.FINISHED_ABORTED)
         if group.beam is not None:
             group.beam.live = []
-        if self.log_stats:
+        if self.recorder.enabled:
             self.recorder.finished(group, self.scheduler.clock())
         return self.output_processor.make_output(group)
 
-    abort = abort_request
-
-    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Retire a sequence: its blocks go back to the pool, its sampling slot to the input batch."""
         self.scheduler.finish(seq, status)
         if seq.slot >= 0:
             self.input_batch.remove(seq.slot)
             seq.slot = -1
         self.hooks.sequence_finished(seq)
-
-    def lora_in_use(self, name: str) -> int:
-        """Requests running or waiting with the named adapter."""
-        return sum(1 for g in self.groups.values() if g.lora is not None and g.lora.name == name)
-
-    def add_lora(self, name: str, path: str, adapter: LoRAAdapter | None = None) -> LoadedLoRA:
-        """Load a PEFT adapter under a name (vLLM's /v1/load_lora_adapter): from `path`, or the adapter already
-        read from it; ValueError naming the problem."""
-        return self.loras.add(name, path, adapter)
-
-    def remove_lora(self, name: str) -> None:
-        """Unload an adapter (KeyError if unknown; ValueError while requests use it)."""
-        self.loras.remove(name, self.lora_in_use(name))
-
-    def has_unfinished_requests(self) -> bool:
-        """Whether any request is waiting or running."""
-        return bool(self.groups)
-
 
     def fail_request(self, request_id: str, reason: str) -> None:
         """Abort a request a fault touched (its blocks freed now) and keep why, for take_failed_requests."""
@@ -156,3 +169,13 @@ class RequestLifecycle:
         failed, self.failed_requests = self.failed_requests, {}
         return failed
 
+    # ---- adapters ------------------------------------------------------------------------------
+    def add_lora(self, name: str, path: str, adapter: LoRAAdapter | None = None) -> LoadedLoRA:
+        """Load a PEFT adapter under a name (vLLM's /v1/load_lora_adapter): from `path`, or the adapter already
+        read from it; ValueError naming the problem."""
+        return self.loras.add(name, path, adapter)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter (KeyError if unknown; ValueError while requests use it)."""
+        in_use = sum(1 for g in self.groups.values() if g.lora is not None and g.lora.name == name)
+        self.loras.remove(name, in_use)

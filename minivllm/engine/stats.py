@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 from minivllm.slo import priority_class
 
 if TYPE_CHECKING:
-    from minivllm.engine.scheduler import SchedulerStats
+    from minivllm.engine.scheduler import Scheduler, SchedulerStats
     from minivllm.engine.sequence import Sequence, SequenceGroup
     from minivllm.spec_decode.speculator import SpecDecodeStats
 
@@ -73,6 +73,18 @@ class SchedulerSnapshot:
     num_swapped_blocks: int = 0  # those blocks
 
 
+def scheduler_snapshot(scheduler: Scheduler, num_requests: int, extra_waiting: int = 0) -> SchedulerSnapshot:
+    """Requests running, waiting and swapped, and KV usage of both tiers, now (num_requests: those unfinished)."""
+    bm, swap = scheduler.bm, scheduler.swap
+    running_ids = {seq.request_id for seq in scheduler.running}
+    # A request with one sequence running and another swapped out counts as running.
+    swapped = len({seq.request_id for seq in scheduler.swapped} - running_ids)
+    return SchedulerSnapshot(len(running_ids), num_requests - len(running_ids) - swapped + extra_waiting,
+                             bm.num_used / bm.num_blocks, num_swapped=swapped,
+                             cpu_cache_usage=swap.num_used / swap.num_blocks if swap else 0.0,
+                             num_swapped_blocks=swap.num_used if swap else 0)
+
+
 @dataclass
 class StepTimings:
     """Seconds per phase of the step, summed over steps (the step-time split)."""
@@ -96,6 +108,7 @@ class StatsRecorder:
 
     def __init__(self, eos_token_ids: frozenset[int]) -> None:
         self.eos_token_ids = eos_token_ids
+        self.enabled = False  # gather at all (the server's metrics); off for offline use
         self.stats = IterationStats()
         self.produced: set[str] = set()  # request ids that got a new token in the current step
         self._base = (0, 0, 0, 0, 0, 0, 0)  # scheduler (and block manager) counters at the last take()

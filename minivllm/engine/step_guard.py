@@ -24,10 +24,39 @@ import torch
 from minivllm.engine.async_stream import failure_text
 from minivllm.engine.hooks import Entry, Forward
 from minivllm.model.runner import SequenceInput
+from minivllm.spec_decode.speculator import verify_rows
 
 logger = logging.getLogger(__name__)
 
 Span = tuple[int, int, int, int]  # one scheduled entry's inputs [i0, i1) and logits rows [r0, r1)
+
+
+def runner_inputs(scheduled: list[Entry]) -> tuple[list[SequenceInput], list[Span]]:
+    """One input per scheduled sequence (a speculating one gives one per token: see spec_decode), and the
+    step's layout, built here once: each entry's inputs and the logits rows the runner returns for them."""
+    inputs: list[SequenceInput] = []
+    spans: list[Span] = []
+    r = 0
+    for seq, n in scheduled:
+        start, i = seq.num_computed_tokens, len(inputs)
+        if seq.spec_token_ids:
+            inputs += verify_rows(seq, n)
+            spans.append((i, i + n, r, r + n))
+            r += n
+            continue
+        group = seq.group
+        assert group is not None
+        lps = group.prompt_logprobs
+        wants_prompt_lp = (lps is not None and seq.index == 0 and len(lps) < seq.num_prompt_tokens
+                           and start < seq.num_prompt_tokens - 1)
+        inp = SequenceInput(seq.token_ids[start:start + n], start, seq.block_table, start + n == seq.num_tokens,
+                            wants_prompt_lp, group.lora.slot if group.lora is not None else -1,
+                            tuple(v.block_table for v in seq.kv_views))
+        inputs.append(inp)
+        rows = inp.num_logits_rows
+        spans.append((i, i + 1, r, r + rows))
+        r += rows
+    return inputs, spans
 
 
 @dataclass(slots=True)
@@ -44,7 +73,7 @@ class GuardedForward:
 
 def entry_spans(scheduled: list[Entry], inputs: list[SequenceInput]) -> list[Span]:
     """Per scheduled entry: its inputs [i0, i1) and logits rows [r0, r1). The engine builds a step's layout once,
-    with its inputs (LLMEngine._runner_inputs); this rebuilds it for a part of a step (a fault hook's wrapper
+    with its inputs (runner_inputs); this rebuilds it for a part of a step (a fault hook's wrapper
     around a bisection's half): a verification has one input and row per scheduled token, any other entry one
     input with SequenceInput.num_logits_rows rows."""
     spans, i, r = [], 0, 0

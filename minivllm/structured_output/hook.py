@@ -16,11 +16,16 @@ if TYPE_CHECKING:
     import torch
 
     from minivllm.engine.scheduler import Scheduler
-    from minivllm.engine.sequence import Sequence
+    from minivllm.engine.sequence import Sequence, SequenceGroup
 
 
 class GuidedDecodingHook(StepHook):
     """The structured-output manager's part in the step; `fail(request_id, reason)` fails a request after the step."""
+
+    on_demand = True  # requests without a grammar never run this hook's code
+
+    def wanted_by(self, group: SequenceGroup) -> bool:
+        return group.grammar is not None
 
     def __init__(self, manager: StructuredOutputManager, fail: Callable[[str, str], object]) -> None:
         self.manager = manager
