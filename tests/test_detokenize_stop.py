@@ -7,7 +7,7 @@ from conftest import make_scripted_model
 from transformers import AutoTokenizer
 
 from minivllm import LLM, SamplingParams
-from minivllm.engine.detokenizer import IncrementalDetokenizer
+from minivllm.engine.output_processor import IncrementalDetokenizer
 from minivllm.sampling_params import RequestOutputKind
 
 SCRIPT = "猫😀 ok 世"  # 13 distinct byte-level tokens: the emoji alone spans 4

@@ -29,15 +29,19 @@ import torch
 
 from minivllm.config import EngineArgs, cpu_count
 from minivllm.engine.async_stream import (
+    Abort,
     AsyncStream,
+    Call,
     ClientStalledError,
     EngineDeadError,
+    EngineInbox,
+    Item,
     QueueFullError,
     RequestFailedError,
     RequestTimeoutError,
     failure_text,
+    settle,
 )
-from minivllm.engine.engine_inbox import Abort, Call, EngineInbox, Item, settle
 from minivllm.engine.input_processor import EngineRequest, Prompt, RequestSpec, duplicate_request_id
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.lora_registry import LoadedLoRA
@@ -62,15 +66,11 @@ class AsyncLLMEngine:
                  idle_tick_s: float = 1.0, client_stall_timeout_s: float = 30.0) -> None:
         """engine: an LLMEngine, or a factory that builds one on the engine thread (see the module doc);
         a factory runs now, and its errors are raised here."""
-        self.stat_loggers = list(stat_loggers)
-        self.client_stall_timeout_s = client_stall_timeout_s
+        self.stat_loggers, self.client_stall_timeout_s = list(stat_loggers), client_stall_timeout_s
         self.death_callbacks: list[Callable[[], object]] = []  # run on the event loop once the engine loop died
-        self.batch_wait_s = batch_wait_ms / 1000.0
-        self.max_waiting = max_waiting
-        self.num_threads = num_threads or cpu_count()
-        self.idle_tick_s = idle_tick_s
-        self._inbox = EngineInbox()
-        self._snapshot = SchedulerSnapshot(0, 0, 0.0)
+        self.batch_wait_s, self.max_waiting = batch_wait_ms / 1000.0, max_waiting
+        self.num_threads, self.idle_tick_s = num_threads or cpu_count(), idle_tick_s
+        self._inbox, self._snapshot = EngineInbox(), SchedulerSnapshot(0, 0, 0.0)
         self._streams: dict[str, AsyncStream] = {}  # event-loop thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_ready = threading.Event()

@@ -15,8 +15,8 @@ loop. Points, in step order:
   end_step          the step is done (proposals cleared, masks dropped)
 and outside the step: request_added, sequence_added, sequence_finished (finished, aborted or preempted).
 
-A hook made `on_demand` stays out of every point until the first request it is `wanted_by` arrives: traffic
-that never uses a feature (guided decoding, say) never runs its code.
+A hook made on demand (`wanted_if`, a request field) stays out of every point until the first request that sets
+that field arrives: traffic that never uses a feature (guided decoding, say) never runs its code.
 """
 
 from __future__ import annotations
@@ -40,11 +40,9 @@ Forward = Callable[[list[Entry], list["SequenceInput"]], "torch.Tensor"]
 class StepHook:
     """One feature's part in the step; every point is a no-op here (see the module doc)."""
 
-    on_demand = False  # True: dormant until a request it is wanted_by arrives (it may not wrap the forward)
-
-    def wanted_by(self, group: SequenceGroup) -> bool:
-        """An on-demand hook: whether this request needs it (it is then on for good)."""
-        return False
+    # On demand: dormant until a request whose SequenceGroup has this field set (not None) arrives, then on for good
+    # (HookSet reads the field: a dormant feature's code never runs). Such a hook may not wrap the forward.
+    wanted_if: str | None = None
 
     def request_added(self, group: SequenceGroup) -> None:
         """A request was queued (its first sequence not yet set up)."""
@@ -95,7 +93,7 @@ class HookSet:
     def install(self, hooks: list[StepHook]) -> None:
         """Replace the hooks (the on-demand ones dormant again)."""
         self.hooks = hooks
-        self._dormant = [h for h in hooks if h.on_demand]
+        self._dormant = [h for h in hooks if h.wanted_if is not None]
         assert all(type(h).forward is StepHook.forward for h in self._dormant), "an on-demand hook may not wrap"
         self._group()
 
@@ -125,8 +123,8 @@ class HookSet:
         return inner
 
     def request_added(self, group: SequenceGroup) -> None:
-        if self._dormant and any(h.wanted_by(group) for h in self._dormant):
-            self._dormant = [h for h in self._dormant if not h.wanted_by(group)]
+        if self._dormant and any(getattr(group, h.wanted_if or "") is not None for h in self._dormant):
+            self._dormant = [h for h in self._dormant if getattr(group, h.wanted_if or "") is None]
             self._group()  # (between steps: the engine thread adds requests)
         for h in self._request_added:
             h.request_added(group)

@@ -14,8 +14,8 @@ from minivllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from minivllm.engine.client_seats import ClientSeats
-    from minivllm.engine.detokenizer import IncrementalDetokenizer
     from minivllm.engine.lora_registry import LoadedLoRA
+    from minivllm.engine.output_processor import IncrementalDetokenizer
     from minivllm.engine.stop_matcher import StopMatcher
     from minivllm.outputs import PositionLogprobs
 

@@ -16,8 +16,7 @@ from minivllm.engine.async_engine import AsyncStream
 from minivllm.engine.input_processor import Prompt
 from minivllm.engine.lora_registry import LoadedLoRA
 from minivllm.entrypoints.api_schema import OPENAI_GENERATION_ERRORS, ChatCompletion, Completion, ModelList, responses
-from minivllm.entrypoints.chat_reply import ChoiceStream, chat_message
-from minivllm.entrypoints.chat_utils import chat_prompt
+from minivllm.entrypoints.chat_utils import ChoiceStream, chat_message, chat_prompt
 from minivllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, beam_search_fields
 from minivllm.entrypoints.serving import (
     APIError,
@@ -256,7 +255,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if body.chat_template is not None:  # untrusted Jinja from a client: refused, as vLLM does by default
         raise APIError(400, "chat_template: a request may not carry its own chat template", "chat_template")
     try:
-        messages = template_messages([m.as_template_dict() for m in body.messages])
+        messages = [m.as_template_dict() for m in body.messages]
+        if any("tool_calls" in m for m in messages):  # earlier calls' arguments as objects for the template
+            messages = template_messages(messages)
         # Rendering and tokenizing a long conversation would stall every stream: do it off the loop.
         prompt = await asyncio.to_thread(chat_prompt, st.tokenizer, messages, body.add_generation_prompt, None,
                                          plan.tools, body.template_kwargs())
@@ -288,6 +289,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 
 def _tool_plan(st: ServerState, body: ChatCompletionRequest) -> ToolPlan:
     """How the request uses tools (400 naming the field when tools, tool_choice and the server do not fit)."""
+    if not body.tools and body.tool_choice in (None, "none"):
+        return ToolPlan("none", None)
     try:
         plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, st.auto_tool_parser)
         if plan.constraint is not None and body.guided_decoding() is not None:

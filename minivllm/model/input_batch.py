@@ -1,4 +1,6 @@
-"""Persistent per-slot sampling state: the sampler's half of vLLM v1's input batch.
+"""The runner's inputs: per step, one SequenceInput per scheduled sequence (plain data: the model knows no requests;
+the engine knows from each how many logits rows the runner returns for it); persistent, the per-slot sampling state,
+the sampler's half of vLLM v1's input batch (InputBatch).
 
 A sequence takes a slot the first time it is sampled and keeps it (across preemptions) until it
 finishes. Its settings are written once; per step only what changed is written: the sampled token of
@@ -15,6 +17,24 @@ from dataclasses import dataclass
 import torch
 
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+@dataclass(slots=True)
+class SequenceInput:
+    """What the runner needs of one scheduled sequence (plain data; the model knows no requests)."""
+
+    token_ids: list[int]  # tokens to compute this step
+    start_pos: int  # position of token_ids[0] == tokens already in the cache
+    block_table: list[int]  # covers start_pos + len(token_ids) tokens
+    sample: bool  # whether the logits of the last token are wanted
+    all_logits: bool = False  # logits of every token of the chunk (prompt logprobs), not just the last
+    lora: int = -1  # LoRA slot of its adapter (-1: the base model)
+    group_tables: tuple[list[int], ...] = ()  # its block tables in the window KV groups after the first
+
+    @property
+    def num_logits_rows(self) -> int:
+        """The logits rows execute returns for it: every token's (all_logits), the last one's (sample), or none."""
+        return len(self.token_ids) if self.all_logits else int(self.sample)
 
 
 @dataclass(slots=True)

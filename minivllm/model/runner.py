@@ -24,6 +24,7 @@ from minivllm.model.attention import (
     get_backend,
 )
 from minivllm.model.decode_stack import DecodeStack
+from minivllm.model.input_batch import SequenceInput
 from minivllm.model.kernel_plan import PlannedLinear, best_time, plan_kernels
 from minivllm.model.kv_quant import is_quantized, kv_storage_dtype
 from minivllm.model.kv_swap import HostKVTier, block_bytes, check_capacity, uses_pinned_memory
@@ -32,7 +33,6 @@ from minivllm.model.loader import load_model
 from minivllm.model.lora import LoRAModelManager, build_mapping
 from minivllm.model.models import get_model_class, kv_windows
 from minivllm.model.quantization import QuantizedLinear, check_device
-from minivllm.model.sequence_input import SequenceInput
 from minivllm.model.step_sampling import RunnerOutput, SamplingRequest, StepSampler
 
 logger = logging.getLogger(__name__)

@@ -16,16 +16,13 @@ if TYPE_CHECKING:
     import torch
 
     from minivllm.engine.scheduler import Scheduler
-    from minivllm.engine.sequence import Sequence, SequenceGroup
+    from minivllm.engine.sequence import Sequence
 
 
 class GuidedDecodingHook(StepHook):
     """The structured-output manager's part in the step; `fail(request_id, reason)` fails a request after the step."""
 
-    on_demand = True  # requests without a grammar never run this hook's code
-
-    def wanted_by(self, group: SequenceGroup) -> bool:
-        return group.grammar is not None
+    wanted_if = "grammar"  # on demand: requests without a grammar never run this hook's code
 
     def __init__(self, manager: StructuredOutputManager, fail: Callable[[str, str], object]) -> None:
         self.manager = manager
