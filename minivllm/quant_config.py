@@ -10,7 +10,7 @@ from minivllm.model_config import ModelConfig
 QUANTIZATION_METHODS = ("int8", "int4", "w8a8", "w4a8")
 GROUPED_METHODS = ("int4", "w4a8")  # int4 weights, group-wise scale and min
 GROUP_SIZES = (32, 64, 128, 256)
-QUANTIZATION_KERNELS = ("auto", "native", "reference", "int_mm")
+QUANTIZATION_KERNELS = ("auto", "native", "reference", "int_mm", "native_a8")
 
 
 @dataclass(frozen=True)

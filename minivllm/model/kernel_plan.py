@@ -48,6 +48,10 @@ class PlannedLinear(nn.Module):
         """Kernel name → bound method, for every kernel that computes this layer's math here."""
         raise NotImplementedError
 
+    def eligible(self, name: str, largest_m: int) -> bool:
+        """Whether kernel `name` may run matmuls of the shape class whose largest M is largest_m."""
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.kernels[shape_class(x.shape[0])](self, x)
         return out if self.lora is None else self.lora(x, out)
@@ -99,11 +103,15 @@ def plan_kernels(layers: Sequence[PlannedLinear], kernel: str = "auto", what: st
         """Every timed layer through its kernel `name`."""
         return [q.candidates()[name](xs[q.in_features]) for q in timed]
 
+    every = list(layers[0].candidates())
     for largest, m in SHAPE_CLASSES:
-        best = names[0]
-        if len(names) > 1:
+        fits = [n for n in names if layers[0].eligible(n, largest)]
+        # (a kernel forced by name where it may not run: the native kernel there, else the portable one)
+        fits = fits or [n for n in ("native", "reference") if n in every and layers[0].eligible(n, largest)][:1]
+        best = fits[0]
+        if len(fits) > 1:
             xs = {k: torch.randn(m, k, device=device, dtype=dtype) for k in {q.in_features for q in timed}}
-            timings = {n: best_time(functools.partial(run_timed, n, xs)) for n in names}
+            timings = {n: best_time(functools.partial(run_timed, n, xs)) for n in fits}
             best = min(timings, key=timings.__getitem__)
             logger.info("%s, %d tokens: %s", what, m, ", ".join(f"{n} {t * 1e3:.1f} ms" for n, t in timings.items()))
         chosen.append(best)

@@ -21,6 +21,8 @@ from minivllm.model.kernel_plan import SHAPE_CLASSES, Kernel, PlannedLinear
 from minivllm.model.layers import Linear
 from minivllm.quant_config import GROUPED_METHODS, QuantConfig
 
+HANDFUL = SHAPE_CLASSES[1][0]  # tokens of a batch-1 speculative verification (kernel_plan.py)
+
 
 # ---- packing (torch, any device) -------------------------------------------------------------------------------
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,6 +93,7 @@ class QuantizedLinear(PlannedLinear):
         # float32 whatever the model dtype: the kernels add it to float32 accumulators.
         self.register_buffer("bias", torch.empty(out_features, dtype=torch.float32) if bias else None)
         self._gemv: cpu_kernels.GemvWeights | None = None  # bound on first native call (buffers final by then)
+        self._gemv_a8: cpu_kernels.GemvWeights | None = None  # int4's weights bound for the w4a8 kernel
         self.kernels = (QuantizedLinear.forward_reference,) * len(SHAPE_CLASSES)  # the portable path until plan_kernels
 
     @torch.no_grad()
@@ -145,6 +148,15 @@ class QuantizedLinear(PlannedLinear):
         xf = x if x.dtype == torch.float32 else x.float()
         return self.gemv_weights()(xf if xf.stride(-1) == 1 else xf.contiguous())
 
+    def forward_native_a8(self, x: torch.Tensor) -> torch.Tensor:
+        """int4 weights through W4A8's native kernel (x's rows quantized to int8, integer dot products)."""
+        if self._gemv_a8 is None:
+            bias = None if self.bias is None else self.bias.float().contiguous()
+            self._gemv_a8 = cpu_kernels.GemvWeights("w4a8", self.qweight, self.in_features, self.scales, self.mins,
+                                                    self.group_size, bias)
+        xf = x if x.dtype == torch.float32 else x.float()
+        return self._gemv_a8(xf if xf.stride(-1) == 1 else xf.contiguous())
+
     def forward_int_mm(self, x: torch.Tensor) -> torch.Tensor:
         """W8A8 through torch's integer GEMM (`torch._int_mm`, oneDNN's VNNI path on CPU); on the CPU the
         activation quantization and the rescale around it are one native pass each (eleven torch ops)."""
@@ -161,9 +173,22 @@ class QuantizedLinear(PlannedLinear):
         found: dict[str, Kernel] = {"reference": self.forward_reference}
         if self.qweight.device.type == "cpu" and cpu_kernels.available():
             found["native"] = self.forward_native
-        if self.method == "w8a8":
+        if self.method in ("w8a8", "int8"):  # int8 and w8a8 weights are the same per-channel int8
             found["int_mm"] = self.forward_int_mm
+        if self.method == "int4" and "native" in found:  # int4 and w4a8 weights are the same packed groups
+            found["native_a8"] = self.forward_native_a8
         return found
+
+    def quantizes_activations(self, name: str) -> bool:
+        """Whether kernel `name` computes with x's rows quantized to int8 (W8A8 / W4A8 math)."""
+        return self.method in ("w8a8", "w4a8") or name in ("int_mm", "native_a8")
+
+    def eligible(self, name: str, largest_m: int) -> bool:
+        """A weight-only layer (int8, int4) may quantize its activations only in steps of more than a handful of
+        tokens (prefill, batches), where its own kernels trail float32's GEMM: one-token and speculative-handful
+        steps keep the exact weight-only math. The quality of that mix: W8A8's / W4A8's on those steps (BENCHMARKS.md,
+        bench quantization)."""
+        return self.method in ("w8a8", "w4a8") or not self.quantizes_activations(name) or largest_m > HANDFUL
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
