@@ -15,6 +15,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.cli import main as cli_main
 from minivllm.config import EngineArgs, ModelConfig
 from minivllm.engine.tokenizer import get_tokenizer
+from minivllm.model import cpu_kernels
 from minivllm.model.layers import Linear
 from minivllm.model.quantization import (
     QuantizedLinear,
@@ -249,3 +250,20 @@ def test_quantized_layers_under_a_bfloat16_model(model_factory, tmp_path, method
         assert all(q.bias is None or q.bias.dtype == torch.float32 for q in quantized)
         assert any(q.bias is not None for q in quantized)
         assert all(len(o.outputs[0].token_ids) == 8 for o in llm.generate(PROMPTS[:2], sp, use_tqdm=False))
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no cc")
+@pytest.mark.parametrize("method,a8", [("int8", "int_mm"), ("int4", "native_a8")])
+def test_weight_only_layers_quantize_activations_only_past_a_handful(method, a8):
+    # One-token and speculative-handful steps keep the exact weight-only math: the activation-quantized kernel is
+    # never timed nor bound there, even when forced by name (the native kernel runs there instead).
+    from minivllm.model.kernel_plan import SHAPE_CLASSES, plan_kernels
+
+    layers = [_layer(method, 256, 256, False)[0] for _ in range(2)]
+    assert a8 in layers[0].candidates() and layers[0].quantizes_activations(a8)
+    assert [layers[0].eligible(a8, largest) for largest, _ in SHAPE_CLASSES] == [False, False, True, True]
+    plan = plan_kernels(layers, a8)
+    assert list(plan.values()) == ["native", "native", a8, a8]
+    assert [f.__name__ for f in layers[0].kernels][:2] == ["forward_native", "forward_native"]
+    auto = plan_kernels(layers, "auto")
+    assert auto["m<=1"] == auto["m<=6"] == "native"
