@@ -72,7 +72,8 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
                                     "One run: batch-1 requests (a "
                                     f"{r['prompt_len']}-token prompt, {r['output_len']} new tokens) and offline "
                                     f"batches ({r['batch_output_len']} new tokens each) on "
-                                    f"`{os.path.basename(r['model'])}`, HF transformers fp32 beside them; each "
+                                    f"`{os.path.basename(r['model'])}`"
+                                    + (", HF transformers fp32 beside them" if r.get("hf_fp32") else "") + "; each "
                                     "mode's roofline is its weight bytes read once per step at the probe's median "
                                     "bandwidth. int4 groups of "
                                     f"{r['group_size']}.", "", quantization_report.report(r)]),

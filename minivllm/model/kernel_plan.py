@@ -68,6 +68,15 @@ def best_time(fn: Callable[[], object], reps: int = 3) -> float:
     return best
 
 
+def _timed_or_refused(fn: Callable[[], object], name: str, what: str, m: int) -> float:
+    """best_time, or inf where the kernel refuses this shape on this device (CUDA's torch._int_mm wants M > 16)."""
+    try:
+        return best_time(fn)
+    except RuntimeError as e:
+        logger.info("%s, %d tokens: %s refused (%s)", what, m, name, str(e).splitlines()[0][:200])
+        return float("inf")
+
+
 # Timing covers the first layers up to this many weights (all of them for a small model): well past the
 # last-level cache, so the times are the streaming ones, without timing a 1B model three times over.
 TIMED_WEIGHTS = 64 * 2**20
@@ -112,7 +121,7 @@ def plan_kernels(layers: Sequence[PlannedLinear], kernel: str = "auto", what: st
         best = fits[0]
         if len(fits) > 1:
             xs = {k: torch.randn(m, k, device=device, dtype=dtype) for k in {q.in_features for q in timed}}
-            timings = {n: best_time(functools.partial(run_timed, n, xs)) for n in fits}
+            timings = {n: _timed_or_refused(functools.partial(run_timed, n, xs), n, what, m) for n in fits}
             best = min(timings, key=timings.__getitem__)
             logger.info("%s, %d tokens: %s", what, m, ", ".join(f"{n} {t * 1e3:.1f} ms" for n, t in timings.items()))
         chosen.append(best)
