@@ -296,6 +296,45 @@ def test_adaptive_speculation_pays_at_batch_one_not_in_a_large_batch_nor_for_a_f
     assert spec.worth(many, 128, True) == [(many[0][0], 1)]
 
 
+def test_proposals_stop_where_their_measured_payoff_loses():
+    # The cost model predicts from forward times; the whole steps' realized yield has the last word: where steps of
+    # a size yielded fewer tokens per second with proposals than without, that size stops proposing (others keep on,
+    # and exploration still lets one through now and then).
+    spec = _speculator()
+    one = [(_seq(), 3)]
+    assert spec.worth(one, 1, True) == one
+    for _ in range(spec.payoff.MIN_SAMPLES - 1):
+        spec.payoff.observe(1, True, 2, 0.010)  # 200 tokens/s with proposals
+        spec.payoff.observe(1, False, 1, 0.004)  # 250 without
+    assert spec.worth(one, 1, True) == one  # too few steps for a verdict
+    spec.payoff.observe(1, True, 2, 0.010)
+    spec.payoff.observe(1, False, 1, 0.004)
+    assert spec.payoff.loses(1) and spec.worth(one, 1, True) == []
+    assert not spec.payoff.loses(2) and spec.worth([(_seq(), 3)] * 2, 2, True)  # another size is unaffected
+    spec._step = spec.EXPLORE_EVERY  # withheld long enough: exploration measures proposals again
+    assert spec.worth(one, 1, True)
+    for _ in range(spec.payoff.WINDOW):
+        spec.payoff.observe(1, True, 3, 0.008)  # 375 tokens/s: now they pay
+    assert not spec.payoff.loses(1)
+
+
+def test_payoff_counts_whole_steps_in_the_engine(model_factory):
+    """The speculator measures each pure-decode step's tokens and wall time, by kind, in a real engine."""
+    path = model_factory("tiny-llama")
+    eng = LLMEngine(EngineArgs(model=path, num_kv_blocks=512, speculative_model="ngram", num_speculative_tokens=3))
+    spec = eng.speculator
+    assert spec is not None
+    prompt = [5, 6, 7, 8] * 12  # repetitive: n-gram proposals
+    for i in range(2):
+        eng.add_request(f"r{i}", {"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=40,
+                                                                              ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    rates = spec.payoff.rates
+    assert rates and all(size in (1, 2) for size, _ in rates)
+    assert sum(len(d) for d in rates.values()) >= 10 and all(r > 0 for d in rates.values() for r in d)
+
+
 def test_adaptive_proposal_length_follows_the_acceptance_by_position():
     """Each row costs 0.6 ms more: a draft whose later guesses rarely hold proposes one token, a proposer
     whose guesses keep holding proposes all k."""

@@ -16,6 +16,9 @@ Eligible: requests without logprobs or pending min_tokens, and not beam search (
 
 from __future__ import annotations
 
+import statistics
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -71,6 +74,28 @@ class SpecDecodeStats:
     proposed_per_position: list[int] = field(default_factory=list)  # [i]: drafts that had a proposal i
 
 
+class Payoff:
+    """Realized tokens per second of whole pure-decode steps, with and without proposals, by the step's number of
+    sequences: the medians of each kind's last WINDOW steps."""
+
+    WINDOW = 16
+    MIN_SAMPLES = 6  # of each kind before a verdict (a step's time spreads widely from one to the next)
+
+    def __init__(self) -> None:
+        self.rates: dict[tuple[int, bool], deque[float]] = {}  # (sequences, with proposals) → tokens / s
+
+    def observe(self, num_seqs: int, speculated: bool, tokens: int, seconds: float) -> None:
+        d = self.rates.setdefault((num_seqs, speculated), deque(maxlen=self.WINDOW))
+        d.append(tokens / max(seconds, 1e-9))
+
+    def loses(self, num_seqs: int) -> bool:
+        """Whether steps of num_seqs sequences have yielded less with proposals than without."""
+        spec, plain = self.rates.get((num_seqs, True)), self.rates.get((num_seqs, False))
+        if spec is None or plain is None or min(len(spec), len(plain)) < self.MIN_SAMPLES:
+            return False
+        return statistics.median(spec) < statistics.median(plain)
+
+
 @dataclass(slots=True)
 class SpecRecord:
     """One sequence's speculation record: proposals verified so far, and (recent ones weighing most) the tokens
@@ -95,7 +120,12 @@ class Speculator:
     whose later guesses rarely hold one or two, in a large batch (where extra rows' FLOPs cost what they
     yield) none; a request whose proposals keep failing pauses proposing. A step with prefill chunks gets no
     proposals. A size never measured is tried once; and every EXPLORE_EVERY steps without speculation the
-    best proposal goes through anyway, so one unlucky measurement cannot switch speculation off for good."""
+    best proposal goes through anyway, so one unlucky measurement cannot switch speculation off for good.
+
+    The costs are predictions from the forward's time; what steps with proposals really yield is measured too
+    (Payoff): each pure-decode step's whole wall time (rejection sampling, proposer and outputs included) and the
+    tokens it produced, by its number of sequences. Where steps with proposals have yielded fewer tokens per second
+    than plain steps of the same size, proposals stop at that size (exploration still re-measures them)."""
 
     EXPLORE_EVERY = 128
     # A sequence's record weighs its recent drafts most (each older one by RECENT more): how well a text is
@@ -119,6 +149,11 @@ class Speculator:
         self.proposing: list[Sequence] = []  # this step's speculating sequences
         self.records: dict[int, SpecRecord] = {}  # seq_id → its record, from its first verification to its end
         self._step = self._last_spec = 0  # steps proposed for, and the last one that speculated
+        self.payoff = Payoff()
+        # The step in progress, for the payoff: its start, sequences, whether it proposed, the tokens it produced
+        # (None: not a pure-decode step, not measured).
+        self._began, self._seqs, self._speculated = 0.0, 0, False
+        self._tokens: int | None = None
 
     # ---- cost model ----------------------------------------------------------------------------
     def observe(self, scheduled: list[tuple[Sequence, int]], seconds: float) -> None:
@@ -126,6 +161,16 @@ class Speculator:
         with prefill chunks are left out (long chunks' attention is another shape)."""
         if all(n == 1 or seq.spec_token_ids for seq, n in scheduled):
             self.steps.observe(sum(n for _, n in scheduled), seconds)
+            if self._tokens is not None:  # plain rows yield a token each; verifications count theirs in record()
+                self._tokens += sum(1 for seq, n in scheduled if n == 1 and not seq.spec_token_ids)
+        else:
+            self._tokens = None
+
+    def _close_step(self, now: float) -> None:
+        """The last step's payoff, once the next one begins (its outputs were built in between)."""
+        if self._tokens and self._seqs:
+            self.payoff.observe(self._seqs, self._speculated, self._tokens, now - self._began)
+        self._tokens = None
 
     def position_rates(self) -> list[float]:
         """P(proposal i is accepted) for each position i < k, over all drafts that reached i (Laplace-smoothed:
@@ -178,6 +223,8 @@ class Speculator:
         base = self.steps.measured(num_seqs)
         if base is None:
             return []  # measure the plain decode step first
+        if self.payoff.loses(num_seqs) and not self._explore_due():
+            return []  # steps of this size with proposals have yielded less than without
         rates = self.position_rates()
         units: list[tuple[float, int]] = []  # (expected gain, candidate index), positions in order per candidate
         for j, (seq, k) in enumerate(candidates):
@@ -232,10 +279,14 @@ class Speculator:
         max_tokens or the context); returns those (end_step clears them after the step)."""
         self.end_step()  # proposals left by a step that raised
         self._step += 1
+        now = time.perf_counter()
+        self._close_step(now)
         if not running:
             return []
         lacking = [s.num_tokens - s.num_computed_tokens for s in running]
         pure_decode = not waiting and all(n <= 1 for n in lacking)  # waiting requests: prefill chunks join
+        self._began, self._seqs, self._speculated = now, len(running), False
+        self._tokens = 0 if pure_decode else None
         if self.adaptive and not self._may_pay(len(running), pure_decode):
             return []  # not even typical proposals for everyone would pay: skip the proposing
         batch = []
@@ -261,6 +312,7 @@ class Speculator:
         self.proposing = [seq for seq, _, _ in found]
         if found:
             self._last_spec = self._step
+            self._speculated = True
         return self.proposing
 
     def end_step(self) -> None:
@@ -291,6 +343,8 @@ class Speculator:
     def record(self, seq: Sequence, proposed: list[int], kept: list[int]) -> None:
         """A verification's outcome into the stats and seq's record: proposals 0..len(kept) - 2 held."""
         j = len(kept) - 1
+        if self._tokens is not None:
+            self._tokens += len(kept)
         st = self.stats
         if proposed:
             rec = self.records.setdefault(seq.seq_id, SpecRecord())
