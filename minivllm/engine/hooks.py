@@ -123,9 +123,11 @@ class HookSet:
         return inner
 
     def request_added(self, group: SequenceGroup) -> None:
-        if self._dormant and any(getattr(group, h.wanted_if or "") is not None for h in self._dormant):
-            self._dormant = [h for h in self._dormant if getattr(group, h.wanted_if or "") is None]
-            self._group()  # (between steps: the engine thread adds requests)
+        if self._dormant:
+            asleep = [h for h in self._dormant if getattr(group, str(h.wanted_if)) is None]
+            if len(asleep) < len(self._dormant):
+                self._dormant = asleep
+                self._group()  # (between steps: the engine thread adds requests)
         for h in self._request_added:
             h.request_added(group)
 

@@ -189,7 +189,7 @@ class LLMEngine:
 
     def add_lora(self, name: str, path: str, adapter: LoRAAdapter | None = None) -> LoadedLoRA:
         """Load a PEFT adapter under a name; ValueError naming the problem."""
-        return self.requests.add_lora(name, path, adapter)
+        return self.loras.add(name, path, adapter)
 
     def remove_lora(self, name: str) -> None:
         """Unload an adapter (KeyError if unknown; ValueError while requests use it)."""
@@ -241,8 +241,8 @@ class LLMEngine:
         for seq in sched.expired:  # not started within its timeout: dropped before any prefill
             assert seq.group is not None
             self.requests.fail_request(seq.request_id, f"{TIMEOUT_REASON}: not started within its timeout of "
-                                              f"{seq.group.start_deadline - seq.group.arrival_time:.3g} s (the "
-                                              "server is busy); dropped before prefill, retry later")
+                                                       f"{seq.group.start_deadline - seq.group.arrival_time:.3g} s "
+                                                       "(the server is busy); dropped before prefill, retry later")
         t1 = time.perf_counter()
         moves_s = self._move_blocks(sched)  # before an empty return too: a step may move out all it had
         if sched.is_empty:

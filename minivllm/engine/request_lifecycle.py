@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from minivllm.engine.output_processor import OutputProcessor
     from minivllm.engine.scheduler import Scheduler
     from minivllm.engine.stats import StatsRecorder
-    from minivllm.model.lora import LoRAAdapter
 
 logger = logging.getLogger(__name__)
 TIMEOUT_REASON = "request timed out"  # how the reason of a request dropped for its timeout begins
@@ -170,11 +169,6 @@ class RequestLifecycle:
         return failed
 
     # ---- adapters ------------------------------------------------------------------------------
-    def add_lora(self, name: str, path: str, adapter: LoRAAdapter | None = None) -> LoadedLoRA:
-        """Load a PEFT adapter under a name (vLLM's /v1/load_lora_adapter): from `path`, or the adapter already
-        read from it; ValueError naming the problem."""
-        return self.loras.add(name, path, adapter)
-
     def remove_lora(self, name: str) -> None:
         """Unload an adapter (KeyError if unknown; ValueError while requests use it)."""
         in_use = sum(1 for g in self.groups.values() if g.lora is not None and g.lora.name == name)

@@ -116,8 +116,7 @@ def plan_kernels(layers: Sequence[PlannedLinear], kernel: str = "auto", what: st
     for largest, m in SHAPE_CLASSES:
         fits = [n for n in names if layers[0].eligible(n, largest)]
         # (a kernel forced by name where it may not run: the native kernel there, else the portable one)
-        fallback = [n for n in every if n in ("native", "reference") and layers[0].eligible(n, largest)]
-        fits = fits or sorted(fallback, key=("native", "reference").index)[:1]
+        fits = fits or [next(n for n in ("native", "reference") if n in every and layers[0].eligible(n, largest))]
         best = fits[0]
         if len(fits) > 1:
             xs = {k: torch.randn(m, k, device=device, dtype=dtype) for k in {q.in_features for q in timed}}

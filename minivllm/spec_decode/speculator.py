@@ -159,12 +159,17 @@ class Speculator:
     def observe(self, scheduled: list[tuple[Sequence, int]], seconds: float) -> None:
         """One step's model time, if it was all decode rows (one-token decodes and verifications); steps
         with prefill chunks are left out (long chunks' attention is another shape)."""
-        if all(n == 1 or seq.spec_token_ids for seq, n in scheduled):
-            self.steps.observe(sum(n for _, n in scheduled), seconds)
-            if self._tokens is not None:  # plain rows yield a token each; verifications count theirs in record()
-                self._tokens += sum(1 for seq, n in scheduled if n == 1 and not seq.spec_token_ids)
-        else:
-            self._tokens = None
+        rows = plain = 0
+        for seq, n in scheduled:
+            if not seq.spec_token_ids:
+                if n != 1:
+                    self._tokens = None  # a prefill chunk: neither in the table nor in the payoff
+                    return
+                plain += 1
+            rows += n
+        self.steps.observe(rows, seconds)
+        if self._tokens is not None:  # plain rows yield a token each; verifications count theirs in record()
+            self._tokens += plain
 
     def _close_step(self, now: float) -> None:
         """The last step's payoff, once the next one begins (its outputs were built in between)."""
