@@ -88,7 +88,8 @@ ARG_SECTIONS: dict[str, tuple[str, ...]] = {
     "scheduler": ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "batching"),
     "parallel": ("tensor_parallel_size",),
     "speculative": ("speculative_model", "num_speculative_tokens", "speculative_adaptive", "prompt_lookup_max",
-                    "prompt_lookup_min", "speculative_config"),
+                    "prompt_lookup_min", "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+                    "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob", "speculative_config"),
     "lora": ("enable_lora", "lora_modules", "max_loras", "max_lora_rank"),
     "observability": ("check_invariants",),
     "serving": ("batch_wait_ms", "max_waiting", "client_stall_timeout", "ttft_slo_ms", "reasoning_parser",
@@ -198,7 +199,8 @@ class EngineArgs:
 
     speculative_model: str | None = _arg(
         None, "speculative decoding proposer: ngram (prompt lookup: the tokens that followed the latest earlier "
-        "occurrence of the sequence's last n tokens), a draft model directory (same tokenizer as the model), or "
+        "occurrence of the sequence's last n tokens), suffix (suffix decoding: the most frequent continuation of the "
+        "longest suffix match in the sequence or in earlier requests' outputs), a draft model directory (same tokenizer as the model), or "
         "default-draft (the embedded model's). Requests without penalties, logprobs or beams speculate")
     num_speculative_tokens: int = _arg(0, "tokens proposed per step for each speculating sequence")
     speculative_adaptive: bool = _arg(
@@ -206,6 +208,13 @@ class EngineArgs:
         "per request); off: every eligible sequence proposes every step")
     prompt_lookup_max: int = _arg(4, "ngram proposer: the longest suffix matched")
     prompt_lookup_min: int = _arg(1, "ngram proposer: the shortest suffix matched")
+    suffix_decoding_max_tree_depth: int = _arg(24, "suffix proposer: the longest suffix matched")
+    suffix_decoding_max_cached_requests: int = _arg(
+        10000, "suffix proposer: finished requests whose outputs are searched (the oldest leave first; 0: none)")
+    suffix_decoding_max_spec_factor: float = _arg(
+        1.0, "suffix proposer: at most this many proposals per matched token (and num_speculative_tokens)")
+    suffix_decoding_min_token_prob: float = _arg(
+        0.1, "suffix proposer: proposals stop where the continuation's estimated probability falls below this")
     speculative_config: str | dict[str, Any] | None = _arg(
         None, "speculative decoding as vLLM's JSON, instead of the flags above: {\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 3} or {\"model\": \"DIR|default-draft\", "
@@ -315,7 +324,7 @@ class EngineArgs:
                 setattr(self, name, value)
         if self.speculative_model is None:
             if self.num_speculative_tokens:
-                raise ValueError("num_speculative_tokens needs speculative_model (ngram or a draft model)")
+                raise ValueError("num_speculative_tokens needs speculative_model (ngram, suffix or a draft model)")
             return
         if self.speculative_model == "default-draft":  # the embedded model's trained draft
             from minivllm.default_model import default_draft_model_path
@@ -324,6 +333,14 @@ class EngineArgs:
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1 with speculative_model, got "
                              f"{self.num_speculative_tokens}")
+        if self.suffix_decoding_max_tree_depth < 1 or self.suffix_decoding_max_cached_requests < 0:
+            raise ValueError(f"suffix_decoding_max_tree_depth must be >= 1 and suffix_decoding_max_cached_requests "
+                             f">= 0, got {self.suffix_decoding_max_tree_depth} / "
+                             f"{self.suffix_decoding_max_cached_requests}")
+        if not (self.suffix_decoding_max_spec_factor > 0 and 0 <= self.suffix_decoding_min_token_prob <= 1):
+            raise ValueError(f"suffix_decoding_max_spec_factor must be > 0 and suffix_decoding_min_token_prob in "
+                             f"[0, 1], got {self.suffix_decoding_max_spec_factor} / "
+                             f"{self.suffix_decoding_min_token_prob}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min / prompt_lookup_max must satisfy 1 <= min <= max, got "
                              f"{self.prompt_lookup_min} / {self.prompt_lookup_max}")

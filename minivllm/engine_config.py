@@ -120,11 +120,12 @@ class ParallelConfig:
 class SpeculativeSettings:
     """Speculative decoding: the proposer and how much it proposes."""
 
-    model: str  # "ngram" or a draft model's directory
+    model: str  # "ngram", "suffix" or a draft model's directory
     num_speculative_tokens: int
     adaptive: bool
     prompt_lookup_min: int
     prompt_lookup_max: int
+    suffix: tuple[int, int, float, float] = (24, 10000, 1.0, 0.1)  # tree depth, cached requests, spec factor, min prob
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,7 +211,8 @@ class EngineConfig:
             args.num_threads)
         speculative = None if args.speculative_model is None else SpeculativeSettings(
             args.speculative_model, args.num_speculative_tokens, args.speculative_adaptive, args.prompt_lookup_min,
-            args.prompt_lookup_max)
+            args.prompt_lookup_max, (args.suffix_decoding_max_tree_depth, args.suffix_decoding_max_cached_requests,
+                                     args.suffix_decoding_max_spec_factor, args.suffix_decoding_min_token_prob))
         lora = None if not args.enable_lora else LoRASettings(
             args.max_loras, args.max_lora_rank,
             tuple((name, path) for name, _, path in (s.partition("=") for s in args.lora_modules or [])))

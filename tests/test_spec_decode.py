@@ -1,4 +1,4 @@
-"""Speculative decoding with the n-gram and draft-model proposers: lossless for greedy requests inside a
+"""Speculative decoding with the n-gram, suffix and draft-model proposers: lossless for greedy requests inside a
 busy mixed batch (chunked prefill, prefix caching and preemption all happening), block accounting intact
 in both pools, clear errors. Sampled requests: tests/test_spec_sampling.py."""
 
@@ -74,10 +74,10 @@ def _run(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, tuple[list[in
     return done
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+@pytest.mark.parametrize("proposer", ["ngram", "suffix", "draft"])
 def test_greedy_outputs_identical_with_and_without_speculation(model_factory, tmp_path, proposer):
     path = model_factory("tiny-llama")
-    spec_model = "ngram" if proposer == "ngram" else noisy_copy(path, str(tmp_path / "draft"), 0.03)
+    spec_model = proposer if proposer != "draft" else noisy_copy(path, str(tmp_path / "draft"), 0.03)
     base = LLMEngine(EngineArgs(model=path, num_kv_blocks=512, check_invariants=True))
     text = corpus_token_ids(base.tokenizer, 600)
     # 32 prompts: code text with repeats inside (so proposals get accepted) and shared prefixes (prefix hits).

@@ -1,5 +1,5 @@
 """Builds the engine's Speculator from its speculative settings (engine_config.SpeculativeSettings): the n-gram
-proposer, or a draft model checked against the target and given its own KV pool."""
+proposer, the suffix proposer, or a draft model checked against the target and given its own KV pool."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from minivllm.spec_decode.draft_proposer import DraftModelProposer
 from minivllm.spec_decode.ngram_proposer import NgramProposer
 from minivllm.spec_decode.speculator import Proposer, Speculator
+from minivllm.spec_decode.suffix_proposer import SuffixProposer
 
 if TYPE_CHECKING:
     from minivllm.engine.llm_engine import LLMEngine
@@ -15,11 +16,13 @@ if TYPE_CHECKING:
 
 
 def build_speculator(spec: SpeculativeSettings, engine: LLMEngine) -> Speculator:
-    """The speculator for spec.model ('ngram' or a draft model directory)."""
+    """The speculator for spec.model ('ngram', 'suffix' or a draft model directory)."""
     generator = engine.sampler.generator
     proposer: Proposer
     if spec.model == "ngram":
         proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    elif spec.model == "suffix":
+        proposer = SuffixProposer(spec.num_speculative_tokens, *spec.suffix)
     else:
         cc = engine.cache_config
         # The draft's pool holds as many tokens as the target's (at a fraction of its bytes: a draft is small),
