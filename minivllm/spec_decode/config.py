@@ -19,7 +19,8 @@ _METHODS = ("ngram", "suffix", "draft_model")
 
 def parse_speculative_config(value: str | dict[str, Any]) -> dict[str, Any]:
     """A JSON object (or dict) such as {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3},
-    {"method": "suffix", "num_speculative_tokens": 8} or {"model": "DIR", "num_speculative_tokens": 3} → EngineArgs fields (speculative_model and the rest).
+    {"method": "suffix", "num_speculative_tokens": 8} or {"model": "DIR", "num_speculative_tokens": 3}
+    → EngineArgs fields (speculative_model and the rest).
     Every mistake is a ValueError that names the key."""
     if isinstance(value, str):
         try:
