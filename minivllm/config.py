@@ -201,7 +201,8 @@ class EngineArgs:
         None, "speculative decoding proposer: ngram (prompt lookup: the tokens that followed the latest earlier "
         "occurrence of the sequence's last n tokens), suffix (suffix decoding: the most frequent continuation of the "
         "longest suffix match in the sequence or in earlier requests' outputs), a draft model directory "
-        "(same tokenizer as the model), or default-draft (the embedded model's). Requests without penalties, logprobs or beams speculate")
+        "(same tokenizer as the model), or default-draft (the embedded model's). Requests without penalties, "
+        "logprobs or beams speculate")
     num_speculative_tokens: int = _arg(0, "tokens proposed per step for each speculating sequence")
     speculative_adaptive: bool = _arg(
         True, "propose only where the measured step costs say the step then yields tokens faster (per step and "

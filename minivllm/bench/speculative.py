@@ -8,7 +8,8 @@ decode without speculation, then with the n-gram proposer, the suffix proposer (
 emptied before each measurement, so only the repeated-requests task sees earlier outputs) and the draft model
 (default: the embedded pair's trained draft) for each k, in ABBA order across rounds; output tok/s, the ratio
 to no speculation, acceptance per position, and whether every greedy output equals the one without speculation.
-With the adaptive rule off, the draft's own acceptance by position and the best ratio it could give at this run's measured step costs
+With the adaptive rule off, the draft's own acceptance by position and the best ratio it could give at this
+run's measured step costs
 (what bounds it). A 64-sequence run (each proposer's engine against itself with speculation detached)
 checks that adaptive speculation does not cost throughput when batches are large. PNG: the ratio against
 k, per proposer and task.
