@@ -86,11 +86,13 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
                                    f"{r['output_len']} new tokens per request, output tok/s (ratio to no "
                                    "speculation in the same run; n streams = the same 8 prompts n at a time; 64 "
                                    "sequences = each proposer's engine against itself with speculation detached); "
-                                   "n-gram "
-                                   "(prompt lookup) and draft-model "
+                                   "n-gram (prompt lookup), suffix decoding and draft-model "
                                    f"(`{os.path.basename(str(r.get('draft')).rstrip('/'))}`) proposers with adaptive "
                                    "speculation (the default); code = held-out standard-library code, repetitive "
-                                   "= a code excerpt then \"the same code again\".", "", speculative.report(r), "",
+                                   "= a code excerpt then \"the same code again\", repeated requests = the code "
+                                   "prompts again after a first pass (the suffix proposer's cache of finished "
+                                   "outputs is emptied before every measurement, so only this task sees earlier "
+                                   "outputs).", "", speculative.report(r), "",
                                    speculative.verdict(r)]),
         ("parallel", lambda r: ["## Tensor parallelism: a decode step, TP=2 vs one process (`bench parallel`)", "",
                                 f"`{os.path.basename(r['model'].rstrip('/'))}` in float32, ms per engine step with "
