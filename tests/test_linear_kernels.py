@@ -1,6 +1,6 @@
 """Full-precision projection kernels: every candidate (oneDNN prepacked, the native streaming GEMV,
-F.linear) computes the same y = x W^T + b, the plan binds one per shape class, and unused copies of
-the weight are released."""
+F.linear) computes the same y = x W^T + b, the plan binds one per shape class, unused copies of
+the weight are released, and a plan whose start-up timings steps later beat is re-timed."""
 
 from __future__ import annotations
 
@@ -49,12 +49,12 @@ def test_plan_binds_kernels_and_releases_the_unused_copy():
     lins = [_linear(64, 96, torch.float32, True) for _ in range(3)]
     for lin in lins:
         lin.pack(keep_weight=True)
-    plan = plan_kernels(lins, "native")
+    plan = plan_kernels(lins, "native").names
     assert plan == {"m<=1": "native", "m<=6": "native", "m<=16": "native", "m>16": "native"}
     for lin in lins:
         lin.release_unused()
         assert lin.weight is not None and lin.packed is None
-    plan = plan_kernels(lins, "torch")
+    plan = plan_kernels(lins, "torch").names
     assert set(plan.values()) == {"torch"}
     onednn_only = _linear(64, 96, torch.float32, False)
     onednn_only.pack(keep_weight=True)
@@ -80,3 +80,31 @@ def test_engine_greedy_output_does_not_depend_on_the_linear_backend(model_factor
     llm = LLM(path, linear_backend=backend, num_kv_blocks=64)
     assert set(llm.llm_engine.runner.linear_kernels.values()) == {backend}
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)] == ref
+
+
+def test_a_plan_timed_under_load_is_rechecked_when_steps_beat_its_timings():
+    """The start-up timing of the decode class's kernel, as if a busy core had inflated it 50x: decode steps
+    then run faster than the plan says its projections alone can, so the class is timed again (once: the
+    cool-down holds), the timings become plausible again, the decode stack follows the plan, and the outputs
+    are unchanged."""
+    from minivllm.model.decode_stack import _native_classes
+
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    llm = LLM(num_kv_blocks=64)  # the embedded model: layers large enough that timings bound its steps
+    runner = llm.llm_engine.runner
+    plan, check = runner.linear_plan, runner.plan_check
+    assert check is not None and plan.timings[0] is not None
+    ref = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:1], sp, use_tqdm=False)]
+    chosen = plan.chosen[0]
+    plan.timings[0][chosen] *= 50
+    inflated = plan.timings[0][chosen]
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:1], sp, use_tqdm=False)] == ref
+    assert [c for c, _, _ in plan.rechecks] == [0]
+    assert plan.timings[0] is not None and plan.timings[0][plan.chosen[0]] < inflated / 5
+    assert plan.names["m<=1"] == plan.chosen[0]
+    assert all(layer.kernels[0].__name__ == f"forward_{plan.chosen[0]}" for layer in plan.layers)
+    if runner.decode_stack is not None:
+        assert runner.decode_stack.native_classes == _native_classes(runner.model)
+    plan.timings[0][plan.chosen[0]] *= 50  # again at once: within the cool-down, no second re-time
+    llm.generate(PROMPTS[:1], sp, use_tqdm=False)
+    assert len(plan.rechecks) == 1

@@ -148,6 +148,10 @@ class DecodeStack:
         classes = _native_classes(model)
         return DecodeStack(model, classes) if any(classes) else None
 
+    def refresh(self, model: Any) -> None:
+        """The shape classes it runs, after a kernel plan changed."""
+        self.native_classes = _native_classes(model)
+
     def accepts(self, num_tokens: int) -> bool:
         """Whether this step is all decodes and its shape class runs native kernels throughout."""
         md = get_metadata()

@@ -1,4 +1,5 @@
-"""Per-shape kernel choice for the projection layers, made by timing on this machine at start-up.
+"""Per-shape kernel choice for the projection layers, made by timing on this machine at start-up, and re-checked
+where steps later run faster than those timings allow (PlanCheck: the start-up timing was distorted by load).
 
 What is fastest differs by CPU (oneDNN's prepacked GEMM wins at many tokens; a plain weight streamed
 by csrc/gemv.c wins at one), so no choice is hard-coded: every layer type offers the kernels that
@@ -11,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
@@ -30,6 +32,12 @@ FEW = SHAPE_CLASSES[2][0]
 def shape_class(m: int) -> int:
     """Index into SHAPE_CLASSES (and a layer's `kernels`) of a matmul over m tokens."""
     return 0 if m <= 1 else 1 if m <= 6 else 2 if m <= FEW else 3
+
+
+def _label(c: int) -> str:
+    """Shape class c as the plan reports it (m<=1, m<=6, m<=16, m>16)."""
+    largest = SHAPE_CLASSES[c][0]
+    return f"m<={largest}" if largest < 1 << 62 else f"m>{FEW}"
 
 
 class PlannedLinear(nn.Module):
@@ -82,14 +90,121 @@ def _timed_or_refused(fn: Callable[[], object], name: str, what: str, m: int) ->
 TIMED_WEIGHTS = 64 * 2**20
 
 
+class KernelPlan:
+    """The kernel bound to each shape class of `layers`, with the timings that chose it (seconds over the timed
+    layers, per candidate; None for a class with one candidate) and what those timings predict for a step: at
+    least `scale` (all layers' weights over the timed ones') x the chosen kernel's time, scaled down by tokens for
+    a step smaller than the class's timed one (a matmul's time is concave in its tokens)."""
+
+    # Below this per layer, a timing is mostly the Python call around the kernel, which the native decode stack
+    # does not pay: such a timing bounds nothing.
+    MIN_LAYER_S = 20e-6
+
+    def __init__(self, layers: Sequence[PlannedLinear], timed: list[PlannedLinear], what: str, dtype: torch.dtype
+                 ) -> None:
+        self.layers, self.timed, self.what, self.dtype = layers, timed, what, dtype
+        total = sum(q.in_features * q.out_features for q in layers)
+        self.scale = total / max(sum(q.in_features * q.out_features for q in timed), 1)
+        self.names: dict[str, str] = {}  # shape class label → kernel (what the engine logs and reports)
+        self.chosen: list[str] = []
+        self.timings: list[dict[str, float] | None] = []
+        self.rechecks: list[tuple[int, str, str]] = []  # (shape class, kernel before, kernel after)
+
+    def lower_bound(self, m: int) -> float | None:
+        """Seconds the planned kernels must take over all layers for an m-token matmul, by the plan's timings."""
+        c = shape_class(m)
+        t = self.timings[c] if c < len(self.timings) else None
+        if t is None or t[self.chosen[c]] < self.MIN_LAYER_S * len(self.timed):
+            return None  # (layers so small that the timing measured calls, not kernels: no bound)
+        return self.scale * t[self.chosen[c]] * min(1.0, m / SHAPE_CLASSES[c][1])
+
+    def time_class(self, c: int, names: list[str]) -> str:
+        """Time `names` for shape class c on the timed layers (interleaved rounds: a burst of load skews all
+        alike), record the timings, bind the fastest to every layer's class c; returns it."""
+        m = SHAPE_CLASSES[c][1]
+        device = next(iter(self.layers[0].buffers()), next(iter(self.layers[0].parameters()), None))
+        dev = device.device if device is not None else torch.device("cpu")
+        xs = {k: torch.randn(m, k, device=dev, dtype=self.dtype) for k in {q.in_features for q in self.timed}}
+
+        def run_timed(name: str) -> list[torch.Tensor]:
+            return [q.candidates()[name](xs[q.in_features]) for q in self.timed]
+
+        timings = {n: _timed_or_refused(functools.partial(run_timed, n), n, self.what, m) for n in names}
+        for n in names:  # a second round, in the other order: the better of the two rounds counts
+            if timings[n] != float("inf"):
+                timings[n] = min(timings[n], best_time(functools.partial(run_timed, n), reps=1))
+        best = min(timings, key=timings.__getitem__)
+        logger.info("%s, %d tokens: %s", self.what, m, ", ".join(f"{n} {t * 1e3:.1f} ms" for n, t in timings.items()))
+        self.timings[c] = timings
+        self.bind(c, best)
+        return best
+
+    def bind(self, c: int, name: str) -> None:
+        """Kernel `name` for every layer's shape class c."""
+        self.chosen[c] = self.names[_label(c)] = name
+        for q in self.layers:
+            f = q.candidates()[name].__func__  # type: ignore[attr-defined]
+            ks = list(getattr(q, "kernels", ()) or (f,) * len(SHAPE_CLASSES))
+            ks[c] = f
+            q.kernels = tuple(ks)
+
+    def pin(self, c: int, name: str) -> None:
+        """Shape class c runs `name`, chosen by another measurement (whole steps): never re-checked."""
+        self.chosen[c] = self.names[_label(c)] = name
+        self.timings[c] = None
+
+    def recheck(self, c: int) -> None:
+        """Time shape class c's candidates again (the step costs its timings predicted turned out wrong)."""
+        timings = self.timings[c]
+        if timings is None:
+            return
+        before = self.chosen[c]
+        after = self.time_class(c, list(timings))
+        self.rechecks.append((c, before, after))
+        logger.info("%s: kernel plan for %d-token matmuls re-checked (steps ran faster than its start-up timings "
+                    "allow): %s -> %s", self.what, SHAPE_CLASSES[c][1], before, after)
+
+
+class PlanCheck:
+    """Re-checks the kernel plans where steps run faster than their timings say they can: the plan was timed under
+    load (another process busy at start-up) and may have chosen by the distortion. A step whose whole forward took
+    less than FASTER x the plans' lower bound for its tokens counts against its shape class; SUSPECT of the last
+    WINDOW steps of a class re-time it, at most once per COOLDOWN steps of that class."""
+
+    # Quiet, the embedded model's decode forwards run at 0.81-1.0x its plan's timed projections (the native stack
+    # saves the calls); under a busy core the timings doubled: half is the margin between the two.
+    FASTER, WINDOW, SUSPECT, COOLDOWN = 0.5, 8, 3, 1000
+
+    def __init__(self, plans: list[KernelPlan]) -> None:
+        self.plans = [p for p in plans if p.layers]
+        self.recent: list[deque[bool]] = [deque(maxlen=self.WINDOW) for _ in SHAPE_CLASSES]
+        self.since = [self.COOLDOWN] * len(SHAPE_CLASSES)  # steps of each class since its last re-check
+
+    def observe(self, m: int, seconds: float) -> list[int]:
+        """One forward over m tokens; returns the shape classes re-checked now."""
+        c = shape_class(m)
+        bounds = [p.lower_bound(m) for p in self.plans]
+        self.since[c] += 1
+        if not any(b is not None for b in bounds):
+            return []
+        recent = self.recent[c]
+        recent.append(seconds < self.FASTER * sum(b for b in bounds if b is not None))
+        if sum(recent) < self.SUSPECT or self.since[c] < self.COOLDOWN:
+            return []
+        for p in self.plans:
+            p.recheck(c)
+        recent.clear()
+        self.since[c] = 0
+        return [c]
+
+
 @torch.no_grad()
 def plan_kernels(layers: Sequence[PlannedLinear], kernel: str = "auto", what: str = "linear",
-                 dtype: torch.dtype = torch.float32) -> dict[str, str]:
+                 dtype: torch.dtype = torch.float32) -> KernelPlan:
     """Time every candidate over the model's own layers (the first TIMED_WEIGHTS weights of them) for each
-    shape class, on activations of `dtype`, and bind the fastest to all `layers`, or force one by name.
-    Returns shape class → kernel name."""
+    shape class, on activations of `dtype`, and bind the fastest to all `layers`, or force one by name."""
     if not layers:
-        return {}
+        return KernelPlan(layers, [], what, dtype)
     names = list(layers[0].candidates())
     if kernel != "auto":
         if kernel not in names:
@@ -103,29 +218,15 @@ def plan_kernels(layers: Sequence[PlannedLinear], kernel: str = "auto", what: st
         total += q.in_features * q.out_features
         if total >= TIMED_WEIGHTS:
             break
-    first = next(iter(layers[0].buffers()), next(iter(layers[0].parameters()), None))
-    device = first.device if first is not None else torch.device("cpu")
-    chosen: list[str] = []
-    plan: dict[str, str] = {}
-
-    def run_timed(name: str, xs: dict[int, torch.Tensor]) -> list[torch.Tensor]:
-        """Every timed layer through its kernel `name`."""
-        return [q.candidates()[name](xs[q.in_features]) for q in timed]
-
+    plan = KernelPlan(layers, timed, what, dtype)
+    plan.chosen, plan.timings = [""] * len(SHAPE_CLASSES), [None] * len(SHAPE_CLASSES)
     every = list(layers[0].candidates())
-    for largest, m in SHAPE_CLASSES:
+    for c, (largest, _) in enumerate(SHAPE_CLASSES):
         fits = [n for n in names if layers[0].eligible(n, largest)]
         # (a kernel forced by name where it may not run: the native kernel there, else the portable one)
         fits = fits or [next(n for n in ("native", "reference") if n in every and layers[0].eligible(n, largest))]
-        best = fits[0]
         if len(fits) > 1:
-            xs = {k: torch.randn(m, k, device=device, dtype=dtype) for k in {q.in_features for q in timed}}
-            timings = {n: _timed_or_refused(functools.partial(run_timed, n, xs), n, what, m) for n in fits}
-            best = min(timings, key=timings.__getitem__)
-            logger.info("%s, %d tokens: %s", what, m, ", ".join(f"{n} {t * 1e3:.1f} ms" for n, t in timings.items()))
-        chosen.append(best)
-        plan[f"m<={largest}" if largest < 1 << 62 else f"m>{FEW}"] = best
-    for q in layers:
-        candidates = q.candidates()
-        q.kernels = tuple(candidates[n].__func__ for n in chosen)  # type: ignore[attr-defined]
+            plan.time_class(c, fits)
+        else:
+            plan.bind(c, fits[0])
     return plan

@@ -25,7 +25,7 @@ from minivllm.model.attention import (
 )
 from minivllm.model.decode_stack import DecodeStack
 from minivllm.model.input_batch import SequenceInput
-from minivllm.model.kernel_plan import PlannedLinear, best_time, plan_kernels
+from minivllm.model.kernel_plan import PlanCheck, PlannedLinear, best_time, plan_kernels
 from minivllm.model.kv_quant import is_quantized, kv_storage_dtype
 from minivllm.model.kv_swap import HostKVTier, block_bytes, check_capacity, uses_pinned_memory
 from minivllm.model.layers import Linear, onednn_linear_available
@@ -96,12 +96,14 @@ class ModelRunner:
             keep = ms.linear_backend == "auto" and _second_layout_affordable(linears)
             for m in linears:
                 m.pack(keep_weight=keep)
-        self.linear_kernels = plan_kernels(linears, ms.linear_backend, "linear_backend", dtype)
+        self.linear_plan = plan_kernels(linears, ms.linear_backend, "linear_backend", dtype)
+        self.linear_kernels = self.linear_plan.names
         for m in linears:
             m.release_unused()
         quantized = [m for m in self.model.modules() if isinstance(m, QuantizedLinear)]
-        self.quant_kernels = plan_kernels(quantized, ms.quantization_kernel, f"quantization {quant and quant.method}",
-                                          dtype)
+        self.quant_plan = plan_kernels(quantized, ms.quantization_kernel, f"quantization {quant and quant.method}",
+                                       dtype)
+        self.quant_kernels = self.quant_plan.names
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         assert len(layers) == mc.num_layers
         # Each layer's attention window (None: full attention); Gemma's local and global layers differ.
@@ -159,7 +161,12 @@ class ModelRunner:
         self.sampling = StepSampler(device, ms.seed)  # the step's sampler and persistent input batch (rank 0's)
         self.lora: LoRAModelManager | None = None  # adapter slots, when the engine enables LoRA (init_lora)
         self.host_tiers: list[HostKVTier | None] = []  # preemption by swap's host tier per KV group (init_swap)
+        self.plan_check: PlanCheck | None = None
         self._plan_handful_with_stack()
+        # Steps faster than the start-up timings allow re-time their class (not on CUDA: its forward time is not
+        # synchronized; not across tensor-parallel ranks, which must keep one plan).
+        cpu_alone = device.type == "cpu" and parallel.size == 1
+        self.plan_check = PlanCheck([self.linear_plan, self.quant_plan]) if cpu_alone else None
 
     def init_lora(self, max_loras: int, max_rank: int) -> LoRAModelManager:
         """Give every adaptable projection max_loras LoRA slots of rank max_rank (--enable-lora)."""
@@ -196,7 +203,7 @@ class ModelRunner:
         logger.info("4-row decode step: %s %.2f ms, native stack %.2f ms", self.linear_kernels.get("m<=6"),
                     module_time * 1e3, stack_time * 1e3)
         if stack_time < module_time:
-            self.linear_kernels["m<=6"] = "native"
+            self.linear_plan.pin(handful, "native")
             return
         for m, kernels in zip(projs, planned, strict=True):
             m.kernels = kernels
@@ -293,6 +300,9 @@ class ModelRunner:
             hidden = self.model(input_ids, positions)
         logits = self.model.compute_logits(hidden if logits_indices is None else hidden[logits_indices])
         self.last_forward_time = time.perf_counter() - t0
+        if self.plan_check is not None and self.plan_check.observe(len(input_ids), self.last_forward_time) \
+                and self.decode_stack is not None:
+            self.decode_stack.refresh(self.model)
         return logits
 
     @torch.inference_mode()
