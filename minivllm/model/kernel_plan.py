@@ -106,14 +106,14 @@ class KernelPlan:
         total = sum(q.in_features * q.out_features for q in layers)
         self.scale = total / max(sum(q.in_features * q.out_features for q in timed), 1)
         self.names: dict[str, str] = {}  # shape class label → kernel (what the engine logs and reports)
-        self.chosen: list[str] = []
-        self.timings: list[dict[str, float] | None] = []
+        self.chosen: list[str] = [""] * len(SHAPE_CLASSES)
+        self.timings: list[dict[str, float] | None] = [None] * len(SHAPE_CLASSES)
         self.rechecks: list[tuple[int, str, str]] = []  # (shape class, kernel before, kernel after)
 
     def lower_bound(self, m: int) -> float | None:
         """Seconds the planned kernels must take over all layers for an m-token matmul, by the plan's timings."""
         c = shape_class(m)
-        t = self.timings[c] if c < len(self.timings) else None
+        t = self.timings[c]
         if t is None or t[self.chosen[c]] < self.MIN_LAYER_S * len(self.timed):
             return None  # (layers so small that the timing measured calls, not kernels: no bound)
         return self.scale * t[self.chosen[c]] * min(1.0, m / SHAPE_CLASSES[c][1])
@@ -122,8 +122,8 @@ class KernelPlan:
         """Time `names` for shape class c on the timed layers (interleaved rounds: a burst of load skews all
         alike), record the timings, bind the fastest to every layer's class c; returns it."""
         m = SHAPE_CLASSES[c][1]
-        device = next(iter(self.layers[0].buffers()), next(iter(self.layers[0].parameters()), None))
-        dev = device.device if device is not None else torch.device("cpu")
+        first = next(iter(self.layers[0].buffers()), next(iter(self.layers[0].parameters()), None))
+        dev = first.device if first is not None else torch.device("cpu")
         xs = {k: torch.randn(m, k, device=dev, dtype=self.dtype) for k in {q.in_features for q in self.timed}}
 
         def run_timed(name: str) -> list[torch.Tensor]:
@@ -219,7 +219,6 @@ def plan_kernels(layers: Sequence[PlannedLinear], kernel: str = "auto", what: st
         if total >= TIMED_WEIGHTS:
             break
     plan = KernelPlan(layers, timed, what, dtype)
-    plan.chosen, plan.timings = [""] * len(SHAPE_CLASSES), [None] * len(SHAPE_CLASSES)
     every = list(layers[0].candidates())
     for c, (largest, _) in enumerate(SHAPE_CLASSES):
         fits = [n for n in names if layers[0].eligible(n, largest)]

@@ -121,7 +121,7 @@ class SuffixCache:
     def __init__(self, max_requests: int, depth: int, ahead: int) -> None:
         self.depth, self.ahead = depth, ahead
         self.outputs: deque[np.ndarray] = deque(maxlen=max_requests)
-        self.num_tail = 0  # the newest outputs, not in the index yet
+        self.pending: list[np.ndarray] = []  # the newest outputs (the tail's), not in the index yet
         self.num_evicted = 0  # indexed outputs evicted since the index was built
         self.reindex()
 
@@ -129,28 +129,33 @@ class SuffixCache:
         if not tokens or self.outputs.maxlen == 0:
             return
         if len(self.outputs) == self.outputs.maxlen:  # the oldest leaves: from the index, or else the tail
-            if self.num_tail == len(self.outputs):
-                self.num_tail -= 1
+            if len(self.pending) == len(self.outputs):
+                self.pending.pop(0)
             else:
                 self.num_evicted += 1
                 self.indexed.evict_first(self.num_evicted)
-        self.outputs.append(np.asarray(tokens, dtype=np.int32))
-        self.num_tail += 1
-        tail = list(self.outputs)[len(self.outputs) - self.num_tail:]
-        if sum(len(t) for t in tail) > max(self.MIN_TAIL, self.indexed.size // 4):
+        out = np.asarray(tokens, dtype=np.int32)
+        self.outputs.append(out)
+        self.pending.append(out)
+        if sum(len(t) for t in self.pending) > max(self.MIN_TAIL, self.indexed.size // 4):
             self.reindex()
         else:
-            self.tail = Corpus(tail, self.depth, self.ahead, False)
+            self.tail = Corpus(self.pending, self.depth, self.ahead, False)
 
     def reindex(self) -> None:
         """Every cached output into the sorted index (the evicted ones' memory freed), the tail empty."""
         self.indexed = Corpus(list(self.outputs), self.depth, self.ahead, True)
         self.tail = Corpus([], self.depth, self.ahead, False)
-        self.num_tail = self.num_evicted = 0
+        self.pending.clear()
+        self.num_evicted = 0
 
     def clear(self) -> None:
         self.outputs.clear()
         self.reindex()
+
+    @property
+    def num_tail(self) -> int:
+        return len(self.pending)
 
     @property
     def num_tokens(self) -> int:
