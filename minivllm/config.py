@@ -131,8 +131,8 @@ class EngineArgs:
     num_threads: int | None = _arg(None, "torch intra-op threads for the engine (default: all cores)")
     attention_backend: str = _arg("auto", "paged attention implementation: auto | torch | cpu_native")
     linear_backend: str = _arg(
-        "auto", "full-precision projections: auto (timed per shape class at start-up among oneDNN prepacked, the "
-        "native streaming kernel and torch) | onednn | native | torch")
+        "auto", "full-precision projections: auto (timed per shape class at start-up among oneDNN prepacked, oneDNN "
+        "on plain weights and the native streaming kernel) | onednn | onednn_plain | native | torch")
     quantization: str | None = _arg(
         None, "quantize weights at load: int8 (per-channel, weight-only) | int4 (group-wise, weight-only) | w8a8 "
         "(int8 weights and per-token int8 activations) | w4a8 (int4 weights as int4, per-token int8 activations: "

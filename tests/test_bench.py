@@ -193,3 +193,33 @@ def test_bandwidth_probe_streams_beyond_the_last_level_cache():
         assert cpu_kernels.stream_read(buf, 1) == buf.numel()
     median, lo, hi = measure_bandwidth(mib=64, passes=3)
     assert 0 < lo <= median <= hi
+
+
+def test_bench_peers_smoke_and_its_verdicts(tmp_path):
+    """`bench peers` measures every engine in its own process (HF here; llama.cpp is an optional extra) and the
+    report marks each target met, not met or not measured, and checks the probe against the peers' decode."""
+    from minivllm.bench.peers_report import report
+
+    out = tmp_path / "peers.json"
+    rc = main(["bench", "peers", "--presets", "tiny-llama", "--modes", "fp32,w4a8", "--batches", "1,4",
+               "--steps", "2", "--batch-steps", "1", "--prefill-len", "16", "--rounds", "1", "--no-llama-cpp",
+               "--work-dir", str(tmp_path / "w"), "--out", str(out)])
+    assert rc == 0 and (tmp_path / "peers.png").stat().st_size > 0
+    r = json.loads(out.read_text())
+    runs = r["presets"]["tiny-llama"]
+    assert set(runs) == {"probe", "ours|fp32", "ours|w4a8", "hf|fp32"}
+    for key in ("ours|fp32", "ours|w4a8", "hf|fp32"):
+        assert all(runs[key][p]["median"] > 0 for p in ("1", "4", "prefill", "bytes")), key
+    assert runs["ours|w4a8"]["bytes"]["median"] < runs["ours|fp32"]["bytes"]["median"] / 4
+    assert "| w4a8 | b=1 tok/s |" in report(r) and ">= 1.4x: not measured" in report(r)
+    # Verdicts on known figures: a 1B-class model, ours at 1.3x llama.cpp's Q4_0 at b=1, 0.9x its prefill speed.
+    fake = {"batches": [1], "prefill_len": 512, "threads": 2, "modes": ["w4a8"], "params": {"big": 1.2e9},
+            "presets": {"big": {
+                "probe": {"median": {"median": 30e9}, "min": {"runs": [29e9]}, "max": {"runs": [31e9]},
+                          "mib": {"median": 1024}},
+                "ours|w4a8": {"1": {"median": 39.0}, "prefill": {"median": 4.0}, "bytes": {"median": 7.7e8}},
+                "llama.cpp|Q4_0": {"1": {"median": 30.0}, "prefill": {"median": 3.6}, "bytes": {"median": 1.1e9}}}}}
+    text = report(fake)
+    assert "| 1.30x |" in text and ">= 1.4x: NOT MET" in text and "0.90x" in text and ">= 1.1x: NOT MET" in text
+    assert "| ours | w4a8 | 770 MB | 39.0 | 30.0 GB/s | 100% | >= 85%: met |" in text
+    assert "below a peer's decode: the probe measures the wrong thing" in text  # llama.cpp streams 33 GB/s

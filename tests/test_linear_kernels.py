@@ -36,7 +36,8 @@ def test_every_dense_kernel_computes_the_same_linear(dtype, k, n, m, bias):
     if packs:
         lin.pack(keep_weight=True)
     names = set(lin.candidates())
-    assert {"onednn", "torch", "native"} - ({"onednn"} if not packs else set()) <= names or not cpu_kernels.available()
+    assert {"onednn", "onednn_plain", "torch", "native"} - ({"onednn", "onednn_plain"} if not packs else set()) \
+        <= names or not cpu_kernels.available()
     # bf16 rounds the output (and oneDNN may round the accumulation) to 8 bits of mantissa.
     tol = (2e-6 if dtype == torch.float32 else 1e-2) * expected.abs().max().item()
     for name, kernel in lin.candidates().items():
@@ -61,7 +62,8 @@ def test_plan_binds_kernels_and_releases_the_unused_copy():
     plan_kernels([onednn_only], "onednn")
     onednn_only.release_unused()
     assert onednn_only.weight is None and onednn_only.packed is not None
-    with pytest.raises(ValueError, match="'fast' has no kernel here; choose auto or one of onednn, torch, native"):
+    with pytest.raises(ValueError,
+                       match="'fast' has no kernel here; choose auto or one of onednn, torch, onednn_plain, native"):
         plan_kernels([_packed()], "fast")
 
 
@@ -71,7 +73,7 @@ def _packed() -> Linear:
     return lin
 
 
-@pytest.mark.parametrize("backend", ["native", "onednn", "torch"])
+@pytest.mark.parametrize("backend", ["native", "onednn", "onednn_plain", "torch"])
 def test_engine_greedy_output_does_not_depend_on_the_linear_backend(model_factory, backend):
     path = model_factory("tiny-llama")
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -79,6 +81,23 @@ def test_engine_greedy_output_does_not_depend_on_the_linear_backend(model_factor
         PROMPTS, sp, use_tqdm=False)]
     llm = LLM(path, linear_backend=backend, num_kv_blocks=64)
     assert set(llm.llm_engine.runner.linear_kernels.values()) == {backend}
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)] == ref
+
+
+def test_a_model_too_large_for_two_layouts_keeps_the_plain_one(model_factory, monkeypatch):
+    """Past the memory a second layout may take, no packed copy is made: the plain weights (in huge pages) serve
+    every shape, through the native kernel and oneDNN on plain weights, with the same greedy output."""
+    from minivllm.model import runner
+
+    path = model_factory("tiny-llama")
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in LLM(path, linear_backend="torch", num_kv_blocks=64).generate(
+        PROMPTS, sp, use_tqdm=False)]
+    monkeypatch.setattr(runner, "_second_layout_affordable", lambda linears: False)
+    llm = LLM(path, num_kv_blocks=64)
+    linears = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is None and m.weight is not None for m in linears)
+    assert set(llm.llm_engine.runner.linear_kernels.values()) <= {"native", "onednn_plain"}
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)] == ref
 
 

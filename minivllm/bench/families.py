@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from minivllm.bench import llamacpp
+from minivllm.bench.peers import decode_steps
 from minivllm.bench.results import save
 from minivllm.config import cpu_count
 
@@ -49,35 +50,11 @@ def _ours(model: str, mode: str, batches: list[int], steps: list[int], threads: 
     """Our engine, loaded once: per batch size, prefill every sequence, then time its all-decode steps."""
     from minivllm.config import EngineArgs
     from minivllm.engine.llm_engine import LLMEngine
-    from minivllm.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineArgs(model=model, dtype="float32", quantization=None if mode == "fp32" else mode,
                                   kv_cache_memory="512MiB", max_model_len=256, max_num_seqs=max(batches),
                                   num_threads=threads, enable_prefix_caching=False))
-    vocab = engine.model_config.vocab_size
-    out = {}
-    for num_seqs, n in zip(batches, steps, strict=True):
-        prompt_len = 16 if num_seqs == 1 else 8
-        params = SamplingParams(temperature=0.0, max_tokens=n + 2, ignore_eos=True)
-        for s in range(num_seqs):
-            engine.add_request(f"{num_seqs}-{s}", {"prompt_token_ids": [(7 * i + 13 * s) % vocab
-                                                                        for i in range(prompt_len)]}, params)
-        t0 = time.perf_counter()
-        while any(q.num_computed_tokens < q.num_prompt_tokens for g in engine.groups.values() for q in g.seqs):
-            engine.step()
-        t1 = time.perf_counter()
-        before = sum(q.num_output_tokens for g in engine.groups.values() for q in g.seqs)
-        running = len(engine.scheduler.running)
-        for _ in range(n):
-            engine.step()
-        t2 = time.perf_counter()
-        # The tokens the steps made (not num_seqs x n: a pool that admits fewer sequences must not look faster).
-        made = sum(q.num_output_tokens for g in engine.groups.values() for q in g.seqs) - before
-        while engine.has_unfinished_requests():
-            engine.step()
-        out[str(num_seqs)] = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "decode_tok_s": made / (t2 - t1),
-                              "running": running}
-    return out
+    return {str(b): decode_steps(engine, b, 16 if b == 1 else 8, n) for b, n in zip(batches, steps, strict=True)}
 
 
 def _worker(spec: dict[str, Any]) -> dict[str, Any]:

@@ -157,44 +157,85 @@ def quantize(gguf_in: str, gguf_out: str, ftype: str = "Q4_0", threads: int = 2)
     return gguf_out
 
 
+class Session:
+    """One GGUF file loaded once, timed through llama.cpp's C API: a 512-token prefill, and decode steps of one
+    token per sequence with the logits of every row computed, as our steps do. Each measurement runs in a fresh
+    context (its KV cache sized for it, one unified cache so one long sequence fits beside many short ones)."""
+
+    def __init__(self, gguf_path: str, threads: int) -> None:
+        import llama_cpp as lc
+
+        _quiet()
+        lc.llama_backend_init()
+        self.lc, self.threads = lc, threads
+        self.model = lc.llama_model_load_from_file(gguf_path.encode(), lc.llama_model_default_params())
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {gguf_path}")
+        self.vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
+
+    def close(self) -> None:
+        self.lc.llama_model_free(self.model)
+
+    def _run(self, num_seqs: int, prompt_len: int, steps: int) -> tuple[float, float]:
+        """(prefill seconds, decode seconds) of num_seqs prompts then `steps` one-token-per-sequence steps."""
+        lc = self.lc
+        cp = lc.llama_context_default_params()
+        cp.n_ctx = max(256, num_seqs * (prompt_len + steps + 8))
+        cp.n_batch = cp.n_ubatch = 512
+        cp.n_seq_max = num_seqs
+        cp.kv_unified = True
+        cp.n_threads = cp.n_threads_batch = self.threads
+        ctx = lc.llama_init_from_model(self.model, cp)
+        batch = lc.llama_batch_init(512, 0, 1)
+
+        def submit(rows: list[tuple[int, int, int, bool]]) -> None:
+            batch.n_tokens = len(rows)
+            for i, (tok, pos, seq, logits) in enumerate(rows):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, pos, 1, logits
+                batch.seq_id[i][0] = seq
+            if lc.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+
+        vocab = self.vocab
+        try:
+            prompt = [((7 * i + 13 * s) % vocab, i, s, i == prompt_len - 1) for s in range(num_seqs)
+                      for i in range(prompt_len)]
+            t0 = time.perf_counter()
+            for k in range(0, len(prompt), 512):
+                submit(prompt[k:k + 512])
+            t1 = time.perf_counter()
+            for step in range(steps):
+                submit([((31 * step + s) % vocab, prompt_len + step, s, True) for s in range(num_seqs)])
+            t2 = time.perf_counter()
+        finally:
+            lc.llama_batch_free(batch)
+            lc.llama_free(ctx)
+        return t1 - t0, t2 - t1
+
+    def prefill_s(self, prompt_len: int) -> float:
+        """Seconds to prefill one prompt of prompt_len tokens (the first token's logits)."""
+        return self._run(1, prompt_len, 0)[0]
+
+    def decode_tok_s(self, num_seqs: int, prompt_len: int, steps: int) -> float:
+        """Decode tokens per second of num_seqs sequences after their prompts."""
+        return num_seqs * steps / self._run(num_seqs, prompt_len, steps)[1]
+
+
 def decode_speed(gguf_path: str, num_seqs: int, prompt_len: int, steps: int, threads: int) -> dict[str, Any]:
     """Prefill num_seqs prompts, then time `steps` decode steps of one token per sequence (logits of every row)."""
-    import llama_cpp as lc
-
-    _quiet()
-    lc.llama_backend_init()
-    model = lc.llama_model_load_from_file(gguf_path.encode(), lc.llama_model_default_params())
-    if not model:
-        raise RuntimeError(f"llama.cpp could not load {gguf_path}")
-    cp = lc.llama_context_default_params()
-    cp.n_ctx = num_seqs * (prompt_len + steps + 8)
-    cp.n_batch = cp.n_ubatch = 512
-    cp.n_seq_max = num_seqs
-    cp.n_threads = cp.n_threads_batch = threads
-    ctx = lc.llama_init_from_model(model, cp)
-    vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
-    batch = lc.llama_batch_init(512, 0, 1)
-
-    def submit(rows: list[tuple[int, int, int, bool]]) -> None:
-        batch.n_tokens = len(rows)
-        for i, (tok, pos, seq, logits) in enumerate(rows):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, pos, 1, logits
-            batch.seq_id[i][0] = seq
-        if lc.llama_decode(ctx, batch) != 0:
-            raise RuntimeError("llama_decode failed")
-
+    session = Session(gguf_path, threads)
     try:
-        prompt = [((7 * i + 13 * s) % vocab, i, s, i == prompt_len - 1) for s in range(num_seqs)
-                  for i in range(prompt_len)]
-        t0 = time.perf_counter()
-        for k in range(0, len(prompt), 512):
-            submit(prompt[k:k + 512])
-        t1 = time.perf_counter()
-        for step in range(steps):
-            submit([((31 * step + s) % vocab, prompt_len + step, s, True) for s in range(num_seqs)])
-        t2 = time.perf_counter()
+        prefill, decode = session._run(num_seqs, prompt_len, steps)
     finally:
-        lc.llama_batch_free(batch)
-        lc.llama_free(ctx)
-        lc.llama_model_free(model)
-    return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "decode_tok_s": num_seqs * steps / (t2 - t1)}
+        session.close()
+    return {"prefill_s": prefill, "decode_s": decode, "decode_tok_s": num_seqs * steps / decode}
+
+
+def streamed_bytes(gguf_path: str) -> int:
+    """Bytes of the tensors a decode step reads: all but the token embedding (a gather of one row per token),
+    which is read whole only where the file has no separate output matrix (tied embeddings: it is the LM head)."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(gguf_path).tensors}
+    tied = "output.weight" not in tensors
+    return sum(n for name, n in tensors.items() if tied or name != "token_embd.weight")

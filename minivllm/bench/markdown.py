@@ -29,6 +29,7 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
         live_view,
         lora,
         parallel,
+        peers_report,
         perplexity,
         preemption,
         quantization_report,
@@ -141,13 +142,22 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
                                 "and against llama.cpp on the same weights (its converter and quantizer: f32, "
                                 f"Q4_0), every configuration in a fresh process, {r['rounds']} rounds ABBA "
                                 "(medians).", "", families.report(r)]),
+        ("peers", lambda r: ["## Beside llama.cpp and HF transformers on the same weights (`bench peers`)", "",
+                             "One bf16 checkpoint per shape (random weights): ours in each mode, llama.cpp on the "
+                             "GGUF files its own converter and quantizer made of it (the type at the same bits), HF "
+                             "transformers in float32 and bfloat16; every configuration a fresh process, "
+                             f"{r['rounds']} rounds ABBA (medians). Decode tok/s after {r['prompt_len']}-token "
+                             f"prompts (b=1: {r['steps']} steps, larger batches: {r['batch_steps']}), logits of "
+                             f"every row in every engine; TTFT of one {r['prefill_len']}-token prompt. Targets: "
+                             "issue 34 items 2 and 3.", "", peers_report.report(r)]),
     ]
     for name, section in sections:
         r = _load(out_dir, name)
         if r is None:
             continue
         lines += section(r)
-        # (families is not part of `bench all`: hours at real sizes; its JSON carries its own command)
+        # (families and peers are not part of `bench all`: an hour or more at real sizes; their JSON carries its
+        # own command)
         cmd = shlex.join(r["command"] if "command" in r else argv[name])
         lines += ["", f"Command: `minivllm bench {cmd}`" + (f" (run {r['measured_at']})" if "measured_at" in r else ""),
                   ""]

@@ -90,13 +90,17 @@ def bandwidth_passes(mib: int | None = None, passes: int = 9, threads: int | Non
     """Memory read bandwidth of each pass (bytes/s) with the engine's thread count.
 
     The buffer (probe_mib(): 1 GiB, or 8x the last-level cache) is far beyond that cache and larger than
-    the models it bounds, every pass reads all of it, and the reader is the native kernel (csrc/membw.c: 8
-    independent vector accumulators per thread, so enough loads are in flight; a single dependent chain, or one thread,
-    measures latency instead of bandwidth). Without a C compiler, torch's sum stands in."""
-    from minivllm.model import cpu_kernels
+    the models it bounds, it sits in huge pages as the weights do, every pass reads all of it, and the reader
+    is the native kernel (csrc/membw.c: 8 independent vector accumulators per thread, so enough loads are in
+    flight; a single dependent chain, or one thread, measures latency instead of bandwidth). Without a C
+    compiler, torch's sum stands in."""
+    from minivllm.model import cpu_kernels, hugepages
 
     threads = threads or torch.get_num_threads()
-    buf = torch.ones((mib or probe_mib()) * 2**20 // 4, dtype=torch.float32)
+    numel = (mib or probe_mib()) * 2**20 // 4
+    # From huge pages where the weights are (model/hugepages.py): 4 KiB pages streamed at 0.7-0.8 of that here.
+    buf = hugepages.hugepage_buffer(numel * 4).view(torch.float32) if hugepages.enabled() else torch.empty(numel)
+    buf.fill_(1.0)
     read: Callable[[], object]
     if cpu_kernels.available():
         read = lambda: cpu_kernels.stream_read(buf, threads)  # noqa: E731

@@ -65,6 +65,9 @@ VERBS: dict[str, tuple[str, str, str, str]] = {
     "families": ("families", "add_families_args", "run_families",
                  "each new family's decode (b=1, 64; fp32, w4a8) at a real size vs its Llama twin and vs llama.cpp "
                  "on the same weights (llama.cpp from the [peers] extra)"),
+    "peers": ("peers", "add_peers_args", "run_peers",
+              "llama.cpp (same bits: F32, BF16, Q8_0, Q4_0) and HF transformers beside us on the same weights at "
+              "every precision: b=1, 64 and a 512-token prefill, each engine's streamed bandwidth vs the probe"),
     "all": ("all", "add_all_args", "run_all", "every bench in turn, then BENCHMARKS.md regenerated from their results"),
 }
 

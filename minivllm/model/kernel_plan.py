@@ -210,8 +210,8 @@ def plan_kernels(layers: Sequence[PlannedLinear], kernel: str = "auto", what: st
         if kernel not in names:
             raise ValueError(f"{what}: {kernel!r} has no kernel here; choose auto or one of {', '.join(names)}")
         names = [kernel]
-    elif "onednn" in names and "torch" in names:
-        names.remove("torch")  # aten's path ran 2.1-2.5x slower than oneDNN at every M measured; never timed
+    elif "torch" in names and ("onednn" in names or "onednn_plain" in names):
+        names.remove("torch")  # aten's path ran 1.2-4x slower than oneDNN at every M measured; never timed
     timed, total = [], 0
     for q in layers:
         timed.append(q)

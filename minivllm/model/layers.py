@@ -35,8 +35,11 @@ class Linear(PlannedLinear):
 
     - onednn: oneDNN's prepacked GEMM (2.1-2.5x aten's MKL path at 1 to 512 tokens on this class of
       CPU, benchmarks/micro_linear.py);
+    - onednn_plain: oneDNN's GEMM on the plain weight: within 5-20% of the packed layout from 4 rows up, and
+      as fast as the native kernel at one row on 1B shapes, so a model too large for two layouts keeps the
+      plain one only (no second copy) and still runs its prefill through oneDNN;
     - native: csrc/gemv.c streaming the plain weight once for all rows (decode: one pass over the
-      weights at ~0.95 of the bandwidth probe, where oneDNN reached ~0.6-0.75);
+      weights at ~0.95 of the bandwidth probe, where oneDNN's packed layout reached ~0.6-0.75);
     - torch: F.linear, the portable path.
     When the plan uses both a packed and a plain kernel, both copies of the weight are kept.
     """
@@ -62,13 +65,10 @@ class Linear(PlannedLinear):
         return self.forward_onednn(x) if self.packed is not None else self.forward_torch(x)
 
     def forward_onednn(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.contiguous()
-        m = x.shape[0]
-        rows = bucket_rows(m) if x.dim() == 2 else m
-        if rows == m:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        x = torch.cat((x, x.new_zeros(rows - m, x.shape[1])))
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")[:m]
+        return _onednn_linear(x, self.packed, self.bias)
+
+    def forward_onednn_plain(self, x: torch.Tensor) -> torch.Tensor:
+        return _onednn_linear(x, self.weight, self.bias)
 
     def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         assert self.weight is not None  # a candidate only while the dense weight is kept
@@ -94,6 +94,8 @@ class Linear(PlannedLinear):
             found["onednn"] = self.forward_onednn
         if self.weight is not None:
             found["torch"] = self.forward_torch
+            if onednn_linear_available(self.weight.device, self.weight.dtype):
+                found["onednn_plain"] = self.forward_onednn_plain
             if (self.weight.device.type == "cpu" and self.weight.dtype in (torch.float32, torch.bfloat16)
                     and cpu_kernels.available()):
                 found["native"] = self.forward_native
@@ -104,9 +106,20 @@ class Linear(PlannedLinear):
         used = {k.__name__ for k in self.kernels}
         if self.packed is not None and "forward_onednn" not in used and "forward_default" not in used:
             self.packed = None
-        if self.weight is not None and used <= {"forward_onednn"}:
+        if self.weight is not None and used <= {"forward_onednn"}:  # (forward_default is oneDNN once packed)
             self.weight = None
             self._gemv = None
+
+
+def _onednn_linear(x: torch.Tensor, w: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's linear on a packed or plain weight, the rows padded to their bucket (bucket_rows)."""
+    x = x.contiguous()
+    m = x.shape[0]
+    rows = bucket_rows(m) if x.dim() == 2 else m
+    if rows == m:
+        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+    x = torch.cat((x, x.new_zeros(rows - m, x.shape[1])))
+    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")[:m]
 
 
 def fused_ok(x: torch.Tensor) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -15,10 +16,13 @@ from torch import nn
 from minivllm.config import ModelConfig
 from minivllm.distributed.parallel import attach_collectives, shard_model
 from minivllm.engine_config import ParallelConfig
+from minivllm.model.hugepages import place_in_hugepages
 from minivllm.model.models import get_model_class
 from minivllm.model.quantization import quantize_model
 from minivllm.model.quantized_checkpoint import load_quantized
 from minivllm.quant_config import QuantConfig
+
+logger = logging.getLogger(__name__)
 
 
 def weight_files(path: str) -> list[str]:
@@ -91,4 +95,9 @@ def load_model(mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_mo
     if tp:
         assert parallel is not None  # (tp implies it)
         attach_collectives(model, mc, parallel)
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    if device.type == "cpu":
+        moved = place_in_hugepages(model)  # before any kernel takes a weight's address
+        if moved:
+            logger.info("weights: %.2f GB placed in huge pages", moved / 1e9)
+    return model

@@ -39,18 +39,19 @@ logger = logging.getLogger(__name__)
 
 
 def _use_onednn(name: str, device: torch.device, dtype: torch.dtype) -> bool:
-    if name not in ("auto", "onednn", "torch", "native"):
-        raise ValueError(f"linear_backend: unknown {name!r}; choose auto, onednn, native or torch")
+    if name not in ("auto", "onednn", "onednn_plain", "torch", "native"):
+        raise ValueError(f"linear_backend: unknown {name!r}; choose auto, onednn, onednn_plain, native or torch")
     available = onednn_linear_available(device, dtype)
-    if name == "onednn" and not available:
+    if name.startswith("onednn") and not available:
         raise ValueError(f"linear_backend: onednn needs a CPU with oneDNN and fp32/bf16 weights ({device}, {dtype})")
     return available and name in ("auto", "onednn")
 
 
 def _second_layout_affordable(linears: list[Linear]) -> bool:
-    """Whether the plain weights may stay next to oneDNN's packed ones (so the native kernel can take the
-    one-token steps): only while that second copy costs at most a tenth of the machine's memory. Past
-    that (a 1B model in float32 on this 24 GiB machine), the packed layout alone serves every shape."""
+    """Whether oneDNN's packed weights may sit next to the plain ones: only while that second copy costs at most a
+    tenth of the machine's memory. Past that (a 1B model in float32 on this 24 GiB machine) the plain layout alone
+    serves every shape (the native kernel and oneDNN on plain weights): its decode streams from huge pages
+    (model/hugepages.py) at ~1.3x oneDNN's packed layout's speed, and oneDNN's GEMM on it is within 5-20%."""
     extra = sum(m.weight.numel() * m.weight.element_size() for m in linears if m.weight is not None)
     return extra <= psutil.virtual_memory().total // 10
 
@@ -92,10 +93,11 @@ class ModelRunner:
         self.model = load_model(mc, dtype, device, max_model_len, quant, parallel)
         # Shape class → kernel of the full-precision and of the quantized projections, timed on this machine.
         linears = [m for m in self.model.modules() if isinstance(m, Linear)]
-        if _use_onednn(ms.linear_backend, device, dtype):
-            keep = ms.linear_backend == "auto" and _second_layout_affordable(linears)
+        # oneDNN's packed layout as a second copy where memory allows (a larger model keeps the plain one only).
+        if _use_onednn(ms.linear_backend, device, dtype) and (
+                ms.linear_backend == "onednn" or _second_layout_affordable(linears)):
             for m in linears:
-                m.pack(keep_weight=keep)
+                m.pack(keep_weight=ms.linear_backend == "auto")
         self.linear_plan = plan_kernels(linears, ms.linear_backend, "linear_backend", dtype)
         self.linear_kernels = self.linear_plan.names
         for m in linears:

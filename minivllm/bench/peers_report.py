@@ -1,0 +1,132 @@
+"""`bench peers` results as markdown tables (with issue 34's targets marked met or not) and a PNG of the ratios."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from minivllm.bench.peers import HF_DTYPE, PEER_TYPE, PREFILL
+
+# Issue 34's targets against llama.cpp at the same bits: item 2 at every size, item 3 at 1B class (>= 0.4B
+# parameters): (mode, point) -> the ratio to reach; a prefill ratio is llama.cpp's seconds over ours.
+SMALL_TARGETS = {("w4a8", "1"): 1.4, ("w4a8", PREFILL): 1.1, ("int4", "1"): 1.0}
+ROOFLINE_MODES = ("fp32", "bf16", "w8a8", "w4a8")
+LARGE_TARGET, ROOFLINE_TARGET, LARGE_PARAMS = 1.2, 0.85, 0.4e9
+
+
+def targets(mode: str, point: str, params: float) -> float | None:
+    """The ratio to llama.cpp this mode must reach at this point (None: no target)."""
+    if params >= LARGE_PARAMS and mode in ROOFLINE_MODES and point != PREFILL:
+        return max(LARGE_TARGET, SMALL_TARGETS.get((mode, point), 0.0))
+    return SMALL_TARGETS.get((mode, point))
+
+
+def _median(runs: dict[str, Any], key: str, point: str) -> float | None:
+    cell = runs.get(key, {}).get(point)
+    return None if cell is None else cell["median"]
+
+
+def ratio(mine: float | None, theirs: float | None, point: str) -> float | None:
+    """Ours over theirs in speed: tok/s ratio, or for the prefill their seconds over ours."""
+    if mine is None or theirs is None or mine <= 0 or theirs <= 0:
+        return None
+    return theirs / mine if point == PREFILL else mine / theirs
+
+
+def _fmt(x: float | None, point: str) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.2f} s" if point == PREFILL else f"{x:.1f}"
+
+
+def _points(results: dict[str, Any]) -> list[str]:
+    return [str(b) for b in results["batches"]] + ([PREFILL] if results["prefill_len"] else [])
+
+
+def _point_name(point: str, results: dict[str, Any]) -> str:
+    return f"prefill {results['prefill_len']} (TTFT)" if point == PREFILL else f"b={point} tok/s"
+
+
+def report(results: dict[str, Any]) -> str:
+    """Per preset: a speed table (ours, llama.cpp, HF, ratios, targets) and a roofline table at one sequence."""
+    lines: list[str] = []
+    for preset, runs in results["presets"].items():
+        params = results.get("params", {}).get(preset, 0)
+        lines += [f"**{preset}** ({params / 1e9:.2f}B parameters)", "",
+                  "| ours | point | ours | llama.cpp | vs llama.cpp | HF | vs HF | target (vs llama.cpp) |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for mode in results["modes"]:
+            peer = PEER_TYPE[mode]
+            for point in _points(results):
+                mine = _median(runs, f"ours|{mode}", point)
+                cpp = _median(runs, f"llama.cpp|{peer}", point)
+                hf = _median(runs, f"hf|{mode}", point) if mode in HF_DTYPE else None
+                r_cpp, r_hf = ratio(mine, cpp, point), ratio(mine, hf, point)
+                goal = targets(mode, point, params)
+                verdict = "-" if goal is None else \
+                    f">= {goal:.1f}x: " + ("not measured" if r_cpp is None else "met" if r_cpp >= goal else "NOT MET")
+                lines.append(f"| {mode} | {_point_name(point, results)} | {_fmt(mine, point)} | {peer} "
+                             f"{_fmt(cpp, point)} | {_x(r_cpp)} | {_fmt(hf, point)} | {_x(r_hf)} | {verdict} |")
+        lines += ["", *roofline_lines(results, runs, params), ""]
+    return "\n".join(lines).rstrip()
+
+
+def roofline_lines(results: dict[str, Any], runs: dict[str, Any], params: float) -> list[str]:
+    """Each engine's decode at one sequence as the bandwidth it streams, against the probe's median."""
+    probe = runs.get("probe")
+    if probe is None or "1" not in _points(results):
+        return []
+    bw = probe["median"]["median"]
+    lo, hi = min(probe["min"]["runs"]), max(probe["max"]["runs"])
+    lines = [f"Bandwidth probe ({probe['mib']['median']:.0f} MiB streamed per pass, {results['threads']} threads): "
+             f"median {bw / 1e9:.1f} GB/s, passes {lo / 1e9:.1f}-{hi / 1e9:.1f} GB/s.", "",
+             "| engine | weights | bytes per step | b=1 tok/s | streams | of the probe | target |",
+             "|---|---|---|---|---|---|---|"]
+    fastest = 0.0
+    for key in sorted(k for k in runs if "|" in k):
+        engine, mode = key.split("|")
+        tok_s, nbytes = _median(runs, key, "1"), _median(runs, key, "bytes")
+        if tok_s is None or nbytes is None:
+            continue
+        stream = tok_s * nbytes
+        if engine != "ours":
+            fastest = max(fastest, stream)
+        goal = "-"
+        if engine == "ours" and mode in ROOFLINE_MODES and params >= LARGE_PARAMS:
+            goal = f">= {ROOFLINE_TARGET:.0%}: " + ("met" if stream / bw >= ROOFLINE_TARGET else "NOT MET")
+        lines.append(f"| {engine} | {mode} | {nbytes / 1e6:.0f} MB | {tok_s:.1f} | {stream / 1e9:.1f} GB/s | "
+                     f"{stream / bw:.0%} | {goal} |")
+    check = "below a peer's decode: the probe measures the wrong thing" if fastest > bw else \
+        f"above every peer's decode ({fastest / 1e9:.1f} GB/s at most)"
+    return [*lines, "", f"Probe check: the probe's median is {check}."]
+
+
+def _x(r: float | None) -> str:
+    return "-" if r is None else f"{r:.2f}x"
+
+
+def plot(results: dict[str, Any], png: str) -> None:
+    """Ours over llama.cpp and over HF, per preset, mode and point."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, cpp, hf = [], [], []
+    for preset, runs in results["presets"].items():
+        for mode in results["modes"]:
+            for point in _points(results):
+                mine = _median(runs, f"ours|{mode}", point)
+                labels.append(f"{preset}\n{mode} {point}")
+                cpp.append(ratio(mine, _median(runs, f"llama.cpp|{PEER_TYPE[mode]}", point), point) or 0.0)
+                hf.append(ratio(mine, _median(runs, f"hf|{mode}", point), point) or 0.0)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(labels)), 4))
+    x = range(len(labels))
+    ax.bar([i - 0.2 for i in x], cpp, width=0.4, label="vs llama.cpp (same bits)")
+    ax.bar([i + 0.2 for i in x], hf, width=0.4, label="vs HF transformers")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(list(x), labels, fontsize=5)
+    ax.set_ylabel("speed ratio (ours / peer)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,63 @@
+"""Weights in transparent huge pages (model/hugepages.py): moved without changing a value, tied weights stay tied,
+views keep sharing their storage, a released weight frees its mapping, and the engine's output is unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import PROMPTS
+from torch import nn
+
+from minivllm import LLM, SamplingParams
+from minivllm.model import hugepages
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(4096, 128)
+        self.head = nn.Linear(128, 4096, bias=False)
+        self.head.weight = self.embed.weight  # tied, as the LM head of a tied checkpoint
+        self.other = nn.Linear(1024, 1024)
+        self.register_buffer("table", torch.randn(2, 512, 256))
+        self.table_view = self.table[1]  # not a buffer: keeps its own (old) storage
+        self.small = nn.Parameter(torch.randn(16))
+
+
+@pytest.mark.skipif(not hugepages.enabled(), reason="transparent huge pages are off (or not Linux)")
+def test_large_tensors_move_into_huge_pages_with_their_values_and_ties():
+    torch.manual_seed(0)
+    m = _Tied()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    small_ptr = m.small.data_ptr()
+    moved = hugepages.place_in_hugepages(m)
+    assert moved == 4096 * 128 * 4 + 1024 * 1024 * 4 + 2 * 512 * 256 * 4  # the small bias and vector stay
+    assert m.head.weight is m.embed.weight and m.small.data_ptr() == small_ptr
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    for t in (m.embed.weight, m.other.weight, m.table):
+        assert t.data_ptr() % hugepages.HUGE_PAGE == 0  # each mapping starts on a 2 MiB boundary
+    assert hugepages.huge_page_bytes(m.other.weight) > 0  # the kernel backs it with huge pages
+    # One mapping per weight: dropping one leaves the others readable.
+    del m.other
+    assert torch.equal(m.embed.weight, before["embed.weight"])
+
+
+def test_nothing_moves_when_turned_off(monkeypatch):
+    monkeypatch.setenv("MINIVLLM_HUGEPAGES", "0")
+    m = _Tied()
+    ptr = m.embed.weight.data_ptr()
+    assert hugepages.place_in_hugepages(m) == 0 and m.embed.weight.data_ptr() == ptr
+
+
+def test_engine_output_is_the_same_with_and_without_huge_pages(model_factory, monkeypatch):
+    path = model_factory("tiny-llama")
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def run() -> list[list[int]]:
+        llm = LLM(path, num_kv_blocks=64, quantization="int8")
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+
+    placed = run()
+    monkeypatch.setenv("MINIVLLM_HUGEPAGES", "0")
+    assert run() == placed
