@@ -127,3 +127,21 @@ def test_a_plan_timed_under_load_is_rechecked_when_steps_beat_its_timings():
     plan.timings[0][plan.chosen[0]] *= 50  # again at once: within the cool-down, no second re-time
     llm.generate(PROMPTS[:1], sp, use_tqdm=False)
     assert len(plan.rechecks) == 1
+
+
+def test_a_recheck_times_only_the_kernels_whose_weight_layout_is_still_held():
+    """A kernel timed at start-up whose layout was released since (no class chose it) is not timed again: the
+    re-check used to look it up among the layer's candidates and raise KeyError inside a serving step."""
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    llm = LLM(num_kv_blocks=64)
+    plan = llm.llm_engine.runner.linear_plan
+    ref = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:1], sp, use_tqdm=False)]
+    assert plan.timings[0] is not None
+    held = set(plan.timings[0]) & set(plan.timed[0].candidates())
+    plan.timings[0]["released"] = 1e-9  # as a packed copy timed at start-up, then dropped
+    plan.timings[0][plan.chosen[0]] *= 50
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:1], sp, use_tqdm=False)] == ref
+    if len(held) > 1:
+        assert [c for c, _, _ in plan.rechecks] == [0] and set(plan.timings[0]) == held
+    else:  # one kernel left: nothing to re-time, and the class is not checked again
+        assert plan.rechecks == [] and plan.timings[0] is None

@@ -112,6 +112,7 @@ def test_overload_gets_429_with_retry_after(model_factory, serve):
         async with httpx.AsyncClient(timeout=300) as http:
             first = asyncio.ensure_future(http.post(url + "/generate", json=body))
             while metrics(url)["minivllm:num_requests_running"] < 1:  # the first one is running
+                assert not first.done(), first.result().text  # (a failed first request ends the wait)
                 await asyncio.sleep(0.02)
             rest = await asyncio.gather(*(http.post(url + "/generate", json=body) for _ in range(6)))
             return [await first, *rest]

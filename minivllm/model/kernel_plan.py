@@ -159,7 +159,14 @@ class KernelPlan:
         if timings is None:
             return
         before = self.chosen[c]
-        after = self.time_class(c, list(timings))
+        # Only kernels whose weight layout is still held: the unplanned copy was released after start-up (a
+        # packed layout no class chose is gone, and timing it raised KeyError inside a serving step).
+        kept = self.timed[0].candidates() if self.timed else {}
+        names = [n for n in timings if n in kept]
+        if len(names) < 2:
+            self.timings[c] = None  # nothing left to choose between
+            return
+        after = self.time_class(c, names)
         self.rechecks.append((c, before, after))
         logger.info("%s: kernel plan for %d-token matmuls re-checked (steps ran faster than its start-up timings "
                     "allow): %s -> %s", self.what, SHAPE_CLASSES[c][1], before, after)
