@@ -17,14 +17,13 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
 from minivllm.bench import llamacpp
 from minivllm.bench.peers import decode_steps
-from minivllm.bench.results import save
+from minivllm.bench.results import ratio_bars, run_worker, save
 from minivllm.config import cpu_count
 
 FAMILY_PRESETS = ("qwen3-0.6b", "gemma3-1b", "olmo2-1b", "granite-3-2b", "gemma2-2b", "smollm3-3b", "phi4-mini")
@@ -62,16 +61,6 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
         return _ours(spec["model"], spec["mode"], spec["batches"], spec["steps"], spec["threads"])
     return {str(b): llamacpp.decode_speed(spec["model"], b, 16 if b == 1 else 8, n, spec["threads"])
             for b, n in zip(spec["batches"], spec["steps"], strict=True)}
-
-
-def _measure(spec: dict[str, Any]) -> dict[str, Any] | None:
-    """One configuration in a fresh process; None (the error printed) when it failed."""
-    proc = subprocess.run([sys.executable, "-m", "minivllm", "bench", "families", "--worker", json.dumps(spec)],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        print(f"  {spec['engine']} {spec['model']} {spec['mode']} failed: {proc.stderr.strip()[-600:]}", flush=True)
-        return None
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _prepare(preset: str, root: str, with_llama_cpp: bool) -> dict[str, str]:
@@ -127,7 +116,7 @@ def run_families(ns: argparse.Namespace) -> int:
             for who, mode in (configs if r % 2 == 0 else configs[::-1]):
                 spec = {"engine": "llama.cpp" if who.startswith("llama.cpp") else "ours", "model": paths[who],
                         "mode": mode, "batches": batches, "steps": steps, "threads": threads}
-                out = _measure(spec)
+                out = run_worker("families", spec, f"{spec['engine']} {spec['model']} {spec['mode']}")
                 if out is None:
                     continue
                 for batch in batches:
@@ -148,11 +137,6 @@ def run_families(ns: argparse.Namespace) -> int:
 
 def plot(results: dict[str, Any], png: str) -> None:
     """Ratios to the Llama twin and to llama.cpp, per family, mode and batch."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     labels, twin, cpp = [], [], []
     for preset, runs in results["families"].items():
         for key in sorted(k for k in runs if k.startswith("family|")):
@@ -163,17 +147,7 @@ def plot(results: dict[str, Any], png: str) -> None:
             c = runs.get(f"llama.cpp {LLAMA_CPP_TYPES[mode]}|{mode}|{batch}", {}).get("median")
             twin.append(ours / t if t else 0.0)
             cpp.append(ours / c if c else 0.0)
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * len(labels)), 4))
-    x = range(len(labels))
-    ax.bar([i - 0.2 for i in x], twin, width=0.4, label="vs Llama twin")
-    ax.bar([i + 0.2 for i in x], cpp, width=0.4, label="vs llama.cpp")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xticks(list(x), labels, fontsize=6)
-    ax.set_ylabel("decode tok/s ratio")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    ratio_bars(png, labels, {"vs Llama twin": twin, "vs llama.cpp": cpp}, "decode tok/s ratio")
 
 
 def report(results: dict[str, Any]) -> str:

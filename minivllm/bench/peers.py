@@ -22,13 +22,12 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
 from minivllm.bench import llamacpp
-from minivllm.bench.results import save
+from minivllm.bench.results import run_worker, save
 from minivllm.config import cpu_count
 
 MODES = ("fp32", "bf16", "int8", "w8a8", "int4", "w4a8")
@@ -160,16 +159,6 @@ def _probe(spec: dict[str, Any]) -> dict[str, Any]:
 WORKERS = {"ours": _ours, "llama.cpp": _llama_cpp, "hf": _hf, "probe": _probe}
 
 
-def _measure(spec: dict[str, Any]) -> dict[str, Any] | None:
-    """One configuration in a fresh process; None (the error printed) when it failed."""
-    proc = subprocess.run([sys.executable, "-m", "minivllm", "bench", "peers", "--worker", json.dumps(spec)],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        print(f"  {spec['engine']} {spec.get('mode', '')} failed: {proc.stderr.strip()[-800:]}", flush=True)
-        return None
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def _prepare(preset: str, root: str, modes: list[str], with_llama_cpp: bool) -> dict[str, str]:
     """The preset's checkpoint and its GGUF files at the types our modes pair with."""
     from minivllm.modelgen.make_model import make_model
@@ -226,12 +215,12 @@ def run_peers(ns: argparse.Namespace) -> int:
         configs = configurations(modes, paths, not ns.no_hf)
         runs: dict[str, list[dict[str, Any]]] = {}
         for r in range(ns.rounds):
-            probe = _measure({"engine": "probe", "threads": threads})
+            probe = run_worker("peers", {"engine": "probe", "threads": threads}, "probe")
             if probe:
                 runs.setdefault("probe", []).append(probe)
                 print(f"  round {r} probe: {probe['median'] / 1e9:.1f} GB/s", flush=True)
             for engine, mode, path in (configs if r % 2 == 0 else configs[::-1]):
-                out = _measure({**common, "engine": engine, "mode": mode, "model": path})
+                out = run_worker("peers", {**common, "engine": engine, "mode": mode, "model": path}, f"{engine} {mode}")
                 if out is not None:
                     runs.setdefault(f"{engine}|{mode}", []).append(out)
                     print(f"  round {r} {engine} {mode}: " + ", ".join(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from minivllm.bench.peers import HF_DTYPE, PEER_TYPE, PREFILL
+from minivllm.bench.results import ratio_bars
 
 # Issue 34's targets against llama.cpp at the same bits: item 2 at every size, item 3 at 1B class (>= 0.4B
 # parameters): (mode, point) -> the ratio to reach; a prefill ratio is llama.cpp's seconds over ours.
@@ -106,11 +107,6 @@ def _x(r: float | None) -> str:
 
 def plot(results: dict[str, Any], png: str) -> None:
     """Ours over llama.cpp and over HF, per preset, mode and point."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     labels, cpp, hf = [], [], []
     for preset, runs in results["presets"].items():
         for mode in results["modes"]:
@@ -119,14 +115,5 @@ def plot(results: dict[str, Any], png: str) -> None:
                 labels.append(f"{preset}\n{mode} {point}")
                 cpp.append(ratio(mine, _median(runs, f"llama.cpp|{PEER_TYPE[mode]}", point), point) or 0.0)
                 hf.append(ratio(mine, _median(runs, f"hf|{mode}", point), point) or 0.0)
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(labels)), 4))
-    x = range(len(labels))
-    ax.bar([i - 0.2 for i in x], cpp, width=0.4, label="vs llama.cpp (same bits)")
-    ax.bar([i + 0.2 for i in x], hf, width=0.4, label="vs HF transformers")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xticks(list(x), labels, fontsize=5)
-    ax.set_ylabel("speed ratio (ours / peer)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    ratio_bars(png, labels, {"vs llama.cpp (same bits)": cpp, "vs HF transformers": hf}, "speed ratio (ours / peer)",
+               fontsize=5)
