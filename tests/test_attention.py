@@ -53,3 +53,55 @@ def test_native_matches_dense(heads, kv_heads, head_dim, window, cache_dtype):
         k_ctx = k_cache.view(-1, kv_heads, head_dim)[slots].float()
         v_ctx = v_cache.view(-1, kv_heads, head_dim)[slots].float()
         torch.testing.assert_close(out[i], _dense_reference(q[i], k_ctx, v_ctx, n - 1, window), atol=1e-5, rtol=0)
+
+
+def _softcapped_reference(q, k_ctx, v_ctx, keep, scale, softcap):
+    """Dense attention of one token over k/v [n, KVH, D] keeping keys `keep`, with optional score soft-capping."""
+    h, kvh = q.shape[0], k_ctx.shape[1]
+    k = k_ctx.repeat_interleave(h // kvh, dim=1).transpose(0, 1)
+    v = v_ctx.repeat_interleave(h // kvh, dim=1).transpose(0, 1)
+    s = torch.einsum("hd,hnd->hn", q, k) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~keep, float("-inf"))
+    return torch.einsum("hn,hnd->hd", s.softmax(-1), v)
+
+
+@needs_native
+@pytest.mark.parametrize("num_tokens", [1, 3, 48])  # one-head items; ranges of kv heads; whole-row items
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(12, 12, 64), (32, 8, 64), (20, 4, 128), (6, 2, 48)])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_native_row_items_match_dense(num_tokens, heads, kv_heads, head_dim, cache_dtype):
+    """A batch of decodes reads all kv heads of a slot per work item (row items, heads reduced 16 at a time); a
+    single sequence one head per item. Every split, cache format, window with attention sinks and soft-capping
+    agrees with dense attention over the same (dequantized) values."""
+    from minivllm.model.kv_quant import dequantize_kv, quantize_kv
+
+    gen = torch.Generator().manual_seed(heads * 7 + num_tokens)
+    bs, num_blocks, scale = 16, 160, head_dim**-0.5
+    lens = [1 + (37 * i + 11) % 150 for i in range(num_tokens)]
+    k32 = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=gen)
+    v32 = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=gen)
+    k_scale = v_scale = None
+    if cache_dtype == torch.int8:
+        (k_cache, k_scale), (v_cache, v_scale) = quantize_kv(k32, torch.int8), quantize_kv(v32, torch.int8)
+        k_ref, v_ref = dequantize_kv(k_cache, k_scale, torch.float32), dequantize_kv(v_cache, v_scale, torch.float32)
+    else:
+        k_cache, v_cache = k32.to(cache_dtype), v32.to(cache_dtype)
+        k_ref, v_ref = k_cache.float(), v_cache.float()
+    tables = torch.zeros(num_tokens, 10, dtype=torch.int64)
+    for i, n in enumerate(lens):  # sequences may share blocks: only reads happen here
+        tables[i, :-(-n // bs)] = torch.randperm(num_blocks, generator=gen)[:-(-n // bs)]
+    q = torch.randn(num_tokens, heads, head_dim, generator=gen)
+    pos = torch.tensor([n - 1 for n in lens])
+    for window, sinks, softcap in ((0, 0, 0.0), (40, 4, 0.0), (0, 0, 2.5)):
+        out = torch.empty(num_tokens, heads, head_dim)
+        cpu_kernels.paged_attention(out, q, k_cache, v_cache, tables, pos, scale, window, max(lens), k_scale, v_scale,
+                                    sinks, softcap)
+        for i, n in enumerate(lens):
+            slots = torch.stack([tables[i, p // bs] * bs + p % bs for p in range(n)])
+            kk, vv = k_ref.view(-1, kv_heads, head_dim)[slots], v_ref.view(-1, kv_heads, head_dim)[slots]
+            p = torch.arange(n)
+            keep = (p > n - 1 - window) | (p < sinks) if window else torch.ones(n, dtype=torch.bool)
+            torch.testing.assert_close(out[i], _softcapped_reference(q[i], kk, vv, keep, scale, softcap),
+                                       atol=2e-5, rtol=1e-4)

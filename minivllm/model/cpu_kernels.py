@@ -47,6 +47,7 @@ def _cpu_signature() -> str:
 
 _SOURCES = ("paged_attention.c", "sampling.c", "gemv.c", "fused_ops.c", "membw.c", "decode_stack.c",
             "gemv_w4a8.c")
+_HEADERS = ("paged_attention.h", "paged_attention_rows.h")  # included by the sources: copied and hashed with them
 
 
 @functools.cache
@@ -58,13 +59,17 @@ def load_library() -> ctypes.CDLL | None:
         return None
     csrc = resources.files("minivllm.model").joinpath("csrc")
     sources = {name: csrc.joinpath(name).read_text() for name in _SOURCES}
-    key = hashlib.sha256("\n".join([*sources.values(), cc, *_COMPILE, *_LINK, _cpu_signature()]).encode()
-                         ).hexdigest()[:16]
+    headers = {name: csrc.joinpath(name).read_text() for name in _HEADERS}
+    parts = [*sources.values(), *headers.values(), cc, *_COMPILE, *_LINK, _cpu_signature()]
+    key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
     out_dir = _cache_dir()
     lib_path = os.path.join(out_dir, f"minivllm_kernels-{key}.so")
     if not os.path.isfile(lib_path):
         os.makedirs(out_dir, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+            for name, text in headers.items():
+                with open(os.path.join(tmp, name), "w") as f:
+                    f.write(text)
             objects = []
             for name, text in sources.items():
                 src = os.path.join(tmp, name)
@@ -145,12 +150,18 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v
     assert (k_cache.dtype == torch.int8) == (k_scale is not None)
     assert block_tables.dtype == torch.int64 and block_tables.stride(1) == 1 and positions.dtype == torch.int64
     threads = torch.get_num_threads()
-    scratch = _scratch_for(threads * (num_heads // num_kv_heads) * ((max_ctx + 15) // 16 * 16))
+    scratch = _scratch_for(attention_scratch_floats(threads, num_heads, max_ctx))
     lib.paged_attention_f32(
         out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         KV_FORMATS[k_cache.dtype], _ptr(k_scale), _ptr(v_scale), block_tables.data_ptr(),
         block_tables.stride(0), positions.data_ptr(), num_tokens, num_heads, num_kv_heads, head_dim, block_size,
         scale, softcap, window, sinks, max_ctx, scratch.data_ptr(), threads)
+
+
+def attention_scratch_floats(threads: int, num_heads: int, max_ctx: int) -> int:
+    """The work buffer csrc/paged_attention.c needs: per thread, a score row per query head (padded to 16 lanes
+    for the row items) of max_ctx rounded up to 16."""
+    return threads * (-(-num_heads // 16) * 16) * ((max_ctx + 15) // 16 * 16)
 
 
 def _scratch_for(numel: int) -> torch.Tensor:

@@ -171,7 +171,7 @@ class DecodeStack:
             qkv = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
             self.work = torch.empty(m * (2 * self.hidden + qkv + self.num_heads * self.head_dim + 3 * self.inter))
         threads = torch.get_num_threads()
-        need = threads * (self.num_heads // self.num_kv_heads) * ((md.max_decode_seq_len + 15) // 16 * 16)
+        need = cpu_kernels.attention_scratch_floats(threads, self.num_heads, md.max_decode_seq_len)
         if self.attn_scratch.numel() < need:
             self.attn_scratch = torch.empty(int(need * 1.25) + 256)
         s = self.step

@@ -17,8 +17,8 @@
  * attention sinks: --kv-eviction sink-window frees the blocks in between, which are never read).
  * softcap > 0 (Gemma 2) caps every scaled score as softcap * tanh(score / softcap) before the softmax.
  *
- * Work items are (token, kv head) pairs; the G = H / KVH query heads of a group share each K/V row
- * load. Scores go to a per-thread scratch row, then one softmax pass, then the weighted V sum:
+ * Work items are (token, range of kv heads) (see paged_attention_f32); the G = H / KVH query heads of a group
+ * share each K/V row load. Scores go to a per-thread scratch row, then one softmax pass, then the weighted V sum:
  * three vectorisable loops instead of an online softmax with a rescale per key.
  *
  * Speed (measured, see BENCHMARKS.md): the work-item body is compiled once per common
@@ -26,101 +26,7 @@
  * against one generic body. Head dims that are a multiple of 16 use 16-lane GCC vector extensions
  * (AVX-512 where present, split into narrower registers elsewhere); anything else runs plain loops.
  */
-#include <math.h>
-#include <omp.h>
-#include <stdint.h>
-#include <string.h>
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-typedef float v16 __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-typedef int8_t v16c __attribute__((vector_size(16)));
-#define MAX_G 32
-#define MAX_CHUNKS 16 /* head_dim <= 256 on the vector path */
-#define INLINE static inline __attribute__((always_inline))
-
-INLINE v16 load16(const float *p) {
-    v16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-INLINE void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
-
-INLINE float hsum16(v16 v) {
-    v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[1]) + (b[2] + b[3]);
-}
-
-/* Everything one work item needs. */
-typedef struct {
-    float *sc;            /* scratch scores [G][stride] */
-    int64_t stride;
-    const float *qg;      /* G query heads, [G][D] */
-    float *og;            /* G output heads */
-    const void *k_cache, *v_cache; /* float32, bfloat16 bits or int8 (fmt) */
-    const _Float16 *k_scale, *v_scale; /* int8: one per (slot, kv head) */
-    const int64_t *table; /* this sequence's block table */
-    int64_t sink_end;     /* attention sinks: key positions [0, sink_end), before the window */
-    int64_t start, end;   /* key positions [start, end) */
-    int bs;
-    int64_t row;          /* elements per slot: KVH * D */
-    int nkv;
-    int g;                /* kv head */
-    float scale;
-    float softcap;        /* <= 0: none */
-    int fmt;              /* KV_F32, KV_BF16, KV_INT8 */
-} item_t;
-
-enum { KV_F32 = 0, KV_BF16 = 1, KV_INT8 = 2 };
-
-/* 16 cache values from element index i: float32, bfloat16 widened (its bits are a float's upper half), or
- * int8 (unscaled: the caller applies the row's scale). */
-INLINE v16 load_kv16(const void *cache, int64_t i, int fmt) {
-    if (fmt == KV_F32) return load16((const float *)cache + i);
-    if (fmt == KV_INT8) {
-        /* GCC builds an int8 -> float vector conversion lane by lane (vpinsrd: the kernel ran 2.7x the bfloat16
-         * one's time), so the sign extension is spelled out where the instruction set has it. */
-        const int8_t *p = (const int8_t *)cache + i;
-        v16 f;
-#if defined(__AVX512F__)
-        const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-        memcpy(&f, &w, sizeof f);
-#elif defined(__AVX2__)
-        const __m128i c = _mm_loadu_si128((const __m128i *)p);
-        const __m256 w[2] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)),
-                             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8)))};
-        memcpy(&f, w, sizeof f);
-#else
-        v16c c;
-        memcpy(&c, p, sizeof c);
-        f = __builtin_convertvector(c, v16);
-#endif
-        return f;
-    }
-    v16h h;
-    memcpy(&h, (const uint16_t *)cache + i, sizeof h);
-    v16u u = __builtin_convertvector(h, v16u) << 16;
-    v16 f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-INLINE float load_kv1(const void *cache, int64_t i, int fmt) {
-    if (fmt == KV_F32) return ((const float *)cache)[i];
-    if (fmt == KV_INT8) return (float)((const int8_t *)cache)[i];
-    uint32_t u = (uint32_t)((const uint16_t *)cache)[i] << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+#include "paged_attention.h"
 
 /* Slot (block * block_size + offset) of position p. */
 INLINE int64_t slot_of(const item_t *it, int64_t p) { return it->table[p / it->bs] * it->bs + p % it->bs; }
@@ -210,9 +116,15 @@ INLINE void values_range(const item_t *it, v16 *out, int64_t lo_all, int64_t hi_
     }
 }
 
+#include "paged_attention_rows.h"
+
 /* Vector path; G, D and FMT (the cache's format) are compile-time constants in every specialised caller.
  * Keys: the attention sinks [0, sink_end), then the window [start, end); scores in that order. */
 INLINE void item_vec(const item_t *it, int G, int D, int FMT) {
+    if (it->g_end > it->g + 1) {
+        item_rows(it, G, D, FMT);
+        return;
+    }
     const int C = D / 16;
     const int64_t ns = it->sink_end, nw = it->end - it->start;
     v16 qv[MAX_G * MAX_CHUNKS];
@@ -320,9 +232,12 @@ static item_fn pick(int G, int D) {
     return item_scalar;
 }
 
-/* scratch: num_threads * G * round_up(max_ctx, 16) floats, owned by the caller (no allocation per call).
+/* scratch: num_threads * round_up(num_heads, 16) * round_up(max_ctx, 16) floats, owned by the caller (no allocation per call).
  * num_threads is passed in, not read from this thread's OpenMP settings, so the engine's thread
- * count holds whichever thread calls. */
+ * count holds whichever thread calls.
+ * Work items are (token, range of kv heads): each token's kv heads are split into the fewest ranges that still
+ * give every thread about four items (a batch of decodes: one row item per token, streaming whole slots; a
+ * single sequence: one item per kv head, the register-resident body). */
 void paged_attention_f32(float *out, const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                         int kv_fmt, const _Float16 *k_scale, const _Float16 *v_scale, const int64_t *block_tables, int64_t bt_stride, const int64_t *positions,
                         int64_t num_tokens, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
@@ -331,14 +246,20 @@ void paged_attention_f32(float *out, const float *q, int64_t q_stride, const voi
     const int G = num_heads / num_kv_heads, D = head_dim;
     const item_fn fn = pick(G, D);
     const int64_t stride = (max_ctx + 15) / 16 * 16;
+    /* Items per token for about four per thread, as ranges of equal numbers of kv heads; one head per item runs
+     * the register-resident body, which beats a row item of two heads (mostly empty lanes) on cached context. */
+    const int64_t want = num_tokens > 0 ? (4 * (int64_t)num_threads + num_tokens - 1) / num_tokens : 1;
+    const int per_item = fn == item_scalar || want >= num_kv_heads ? 1 : num_kv_heads / (int)want;
+    const int parts = (num_kv_heads + per_item - 1) / per_item;
 
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t t = 0; t < num_tokens; t++) {
-        for (int g = 0; g < num_kv_heads; g++) {
+        for (int part = 0; part < parts; part++) {
+            const int g = (int)((int64_t)part * num_kv_heads / parts), g_end = (int)((int64_t)(part + 1) * num_kv_heads / parts);
             const int64_t pos = positions[t];
             const int64_t start = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
             item_t it = {
-                .sc = scratch + (size_t)omp_get_thread_num() * G * stride,
+                .sc = scratch + (size_t)omp_get_thread_num() * ((num_heads + 15) / 16 * 16) * stride,
                 .stride = stride,
                 .qg = q + t * q_stride + (int64_t)g * G * D,
                 .og = out + (t * num_heads + (int64_t)g * G) * D,
@@ -354,6 +275,7 @@ void paged_attention_f32(float *out, const float *q, int64_t q_stride, const voi
                 .row = (int64_t)num_kv_heads * D,
                 .nkv = num_kv_heads,
                 .g = g,
+                .g_end = g_end,
                 .scale = scale,
                 .softcap = softcap,
                 .fmt = kv_fmt,

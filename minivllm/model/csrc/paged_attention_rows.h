@@ -1,0 +1,133 @@
+/* Paged attention's row items (included by csrc/paged_attention.c, which specialises them per (G, D, format)). */
+#pragma once
+#include "paged_attention.h"
+
+/* Row items: kv heads [g, g_end) of one token at once, slot by slot. A slot holds all kv heads' rows side by side,
+ * so this scan streams (g_end - g) * D contiguous values per slot, where a one-head item reads D values every
+ * kv_heads * D (a quarter of each 4 KiB page for GPT-2's 12 heads): once a step's KV no longer fits in cache
+ * (50 sequences of GPT-2 x 50 tokens is 15 MB per layer) the strided scan ran at ~12 GB/s. Scores are kept
+ * position-major, sc[j][head] (heads padded to 16 lanes), so each slot's dot products of all heads reduce
+ * together (hsum16x16) and the softmax and the V pass run across heads in vectors. Outputs accumulate in place
+ * in `og` (too many heads for registers). The next block's rows are prefetched a slot row at a time, since
+ * blocks sit at random places in the pool. */
+INLINE void prefetch_row(const void *cache, const item_t *it, int64_t slot, int D, int FMT) {
+    const int esz = FMT == KV_F32 ? 4 : FMT == KV_BF16 ? 2 : 1;
+    const char *r = (const char *)cache + (slot * it->row + (int64_t)it->g * D) * esz;
+    const int bytes = (it->g_end - it->g) * D * esz;
+    for (int c = 0; c < bytes; c += 64) __builtin_prefetch(r + c);
+}
+
+/* Sixteen vectors of partial sums -> one vector of their totals (lane i: the sum of a[i]'s lanes): a transpose-
+ * and-add tree of 15 two-source shuffles, where one horizontal sum per vector costs ~8 dependent operations. */
+INLINE v16 hsum16x16(const v16 *a) {
+    v16 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++)
+        b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/* Scores of positions [lo_all, hi_all) into rows off + p - lo_all of sc [n][NP]. */
+INLINE void scores_rows(const item_t *it, int64_t lo_all, int64_t hi_all, int64_t off, int NP, int G, int D, int FMT) {
+    const int C = D / 16, NH = (it->g_end - it->g) * G;
+    const int64_t bs = it->bs;
+    for (int64_t b = lo_all / bs; b * bs < hi_all; b++) {
+        const int64_t lo = b * bs > lo_all ? b * bs : lo_all, hi = (b + 1) * bs < hi_all ? (b + 1) * bs : hi_all;
+        const int ahead = (b + 1) * bs < hi_all;
+        for (int64_t p = lo; p < hi; p++) {
+            const int64_t slot = it->table[b] * bs + (p - b * bs);
+            if (ahead) prefetch_row(it->k_cache, it, it->table[b + 1] * bs + (p - b * bs), D, FMT);
+            float *row = it->sc + (off + p - lo_all) * NP;
+            for (int hb = 0; hb < NP; hb += 16) {
+                v16 a[16];
+                float ks[16];
+                for (int i = 0; i < 16; i++) {
+                    const int hh = hb + i;
+                    a[i] = (v16){0};
+                    ks[i] = 0.f;
+                    if (hh >= NH) continue;
+                    const int g = it->g + hh / G;
+                    const int64_t kr = slot * it->row + (int64_t)g * D;
+                    for (int c = 0; c < C; c++) a[i] += load16(it->qg + hh * D + c * 16) * load_kv16(it->k_cache, kr + c * 16, FMT);
+                    ks[i] = (FMT == KV_INT8 ? (float)it->k_scale[slot * it->nkv + g] : 1.f) * it->scale;
+                }
+                store16(row + hb, hsum16x16(a) * load16(ks));
+            }
+        }
+    }
+}
+
+/* og[head] += sc[off + p - lo_all][head] x V row of p, for positions [lo_all, hi_all). */
+INLINE void values_rows(const item_t *it, int64_t lo_all, int64_t hi_all, int64_t off, int NP, int G, int D, int FMT) {
+    const int C = D / 16, KH = it->g_end - it->g;
+    const int64_t bs = it->bs;
+    for (int64_t b = lo_all / bs; b * bs < hi_all; b++) {
+        const int64_t lo = b * bs > lo_all ? b * bs : lo_all, hi = (b + 1) * bs < hi_all ? (b + 1) * bs : hi_all;
+        const int ahead = (b + 1) * bs < hi_all;
+        for (int64_t p = lo; p < hi; p++) {
+            const int64_t slot = it->table[b] * bs + (p - b * bs);
+            if (ahead) prefetch_row(it->v_cache, it, it->table[b + 1] * bs + (p - b * bs), D, FMT);
+            const float *w = it->sc + (off + p - lo_all) * NP;
+            for (int k = 0; k < KH; k++) {
+                const int64_t vr = slot * it->row + (int64_t)(it->g + k) * D;
+                const float vs = FMT == KV_INT8 ? (float)it->v_scale[slot * it->nkv + it->g + k] : 1.f;
+                float *o = it->og + (int64_t)k * G * D;
+                for (int c = 0; c < C; c++) {
+                    const v16 vv = load_kv16(it->v_cache, vr + c * 16, FMT);
+                    for (int h = 0; h < G; h++)
+                        store16(o + h * D + c * 16, load16(o + h * D + c * 16) + (w[k * G + h] * vs) * vv);
+                }
+            }
+        }
+    }
+}
+
+/* Softmax down each head's column of sc [n][NP], vectorised across heads. */
+static void softmax_columns(float *sc, int64_t n, int NP, float softcap) {
+    if (softcap > 0.f) {
+        const float inv_cap = 1.f / softcap;
+        for (int64_t i = 0; i < n * NP; i++) sc[i] = softcap * tanhf(sc[i] * inv_cap);
+    }
+    for (int hb = 0; hb < NP; hb += 16) {
+        float m[16], sum[16];
+        memcpy(m, sc + hb, sizeof m);
+        for (int64_t j = 1; j < n; j++) {
+            const float *r = sc + j * NP + hb;
+#pragma omp simd
+            for (int i = 0; i < 16; i++) m[i] = r[i] > m[i] ? r[i] : m[i];
+        }
+        for (int i = 0; i < 16; i++) sum[i] = 0.f;
+        for (int64_t j = 0; j < n; j++) {
+            float *r = sc + j * NP + hb;
+#pragma omp simd
+            for (int i = 0; i < 16; i++) {
+                r[i] = expf(r[i] - m[i]);
+                sum[i] += r[i];
+            }
+        }
+        for (int i = 0; i < 16; i++) sum[i] = 1.f / sum[i];
+        for (int64_t j = 0; j < n; j++) {
+            float *r = sc + j * NP + hb;
+#pragma omp simd
+            for (int i = 0; i < 16; i++) r[i] *= sum[i];
+        }
+    }
+}
+
+INLINE void item_rows(const item_t *it, int G, int D, int FMT) {
+    const int64_t ns = it->sink_end, nw = it->end - it->start;
+    const int heads = (it->g_end - it->g) * G, NP = (heads + 15) / 16 * 16;
+    if (ns) scores_rows(it, 0, ns, 0, NP, G, D, FMT);
+    scores_rows(it, it->start, it->end, ns, NP, G, D, FMT);
+    softmax_columns(it->sc, ns + nw, NP, it->softcap);
+    memset(it->og, 0, sizeof(float) * (size_t)heads * D);
+    if (ns) values_rows(it, 0, ns, 0, NP, G, D, FMT);
+    values_rows(it, it->start, it->end, ns, NP, G, D, FMT);
+}
