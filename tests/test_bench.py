@@ -95,10 +95,19 @@ def test_bench_serve_smoke_over_grpc_and_http(model_factory, tmp_path):
     rc = main(["bench", "serve", "--model", model_factory("tiny-llama"), "--transport", "grpc,http",
                "--concurrency", "3", "--num-requests", "6", "--input-len-min", "8", "--input-len-max", "16",
                "--output-len", "4", "--output-len-max", "6", "--server-threads", "1", "--threads", "1",
-               "--kv-cache-memory", "64MiB", "--out", str(out)])
+               "--kv-cache-memory", "64MiB", "--roofline", "--out", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["order"] == ["grpc", "http", "http", "grpc"]
+    # Where the offline engine's time goes: its steps split by kind against their rooflines, and a decode step
+    # at the served batch (3 clients: at most 3 running) split into GEMMs, attention and the rest.
+    prof = r["offline_profile"]
+    decode, prefill = prof["steps"]["decode"], prof["steps"]["with prefill"]
+    assert decode["steps"] > 0 and prefill["steps"] > 0 and prefill["tokens_per_step"] > decode["tokens_per_step"]
+    assert decode["tokens_per_step"] <= 3 and decode["roofline_s"] > 0 and prefill["roofline_s"] > 0
+    d = prof["decode_step"]
+    assert d["batch"] == 3 and d["step_ms"] > 0
+    assert d["gemm_ms"] + d["attention_ms"] + d["other_ms"] == pytest.approx(d["step_ms"])
     for t in ("grpc", "http"):
         s = r["server"][t]
         assert s["successes"] == 12 and s["failures"] == 0  # 6 requests x 2 rounds

@@ -145,17 +145,24 @@ def _lag(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def _offline(path: str, requests: list[RequestSpec], tokenizer: Any, ns: argparse.Namespace) -> float:
-    """The offline engine's output tok/s on the same requests at the same concurrency."""
-    from minivllm.bench.throughput import greedy, run_engine
+def _offline(path: str, requests: list[RequestSpec], tokenizer: Any, ns: argparse.Namespace,
+             profile: bool = False) -> dict[str, Any]:
+    """The offline engine's output tok/s on the same requests at the same concurrency; with profile, every
+    step's (seconds, tokens, sequences, context tokens) and a pure-decode step's split at the served batch."""
+    from minivllm.bench.throughput import greedy, profile_decode, run_engine
     from minivllm.config import EngineArgs
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
+    # As many running at once as the server can have: its clients (closed loop), capped by its max_num_seqs.
+    batch = ns.max_num_seqs or ns.concurrency
+    if not ns.request_rate:
+        batch = min(batch, ns.concurrency)
     engine = LLMEngine(EngineArgs(model=path, num_threads=ns.threads, kv_cache_memory=ns.kv_cache_memory,
-                                  max_num_seqs=ns.max_num_seqs or ns.concurrency, enable_prefix_caching=False))
+                                  max_num_seqs=batch, enable_prefix_caching=False))
     prompts = [tokenizer.encode(r.prompt) for r in requests]
     run_engine(engine, prompts[:2], greedy(4))  # warm-up
+    steps: list[tuple[float, int, int, int]] = []
     t0 = time.perf_counter()
     for i, (p, r) in enumerate(zip(prompts, requests, strict=True)):
         params = SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=ns.ignore_eos,
@@ -163,8 +170,40 @@ def _offline(path: str, requests: list[RequestSpec], tokenizer: Any, ns: argpars
         engine.add_request(f"offline-{i}", {"prompt_token_ids": p}, params)
     tokens = 0
     while engine.has_unfinished_requests():
+        ts = time.perf_counter()
         tokens += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
-    return tokens / (time.perf_counter() - t0)
+        sched = engine.last_schedule
+        if profile and sched is not None:  # (bookkeeping outside the step's own time)
+            steps.append((time.perf_counter() - ts, sched.num_batched_tokens, len(sched.scheduled),
+                          sum(seq.num_tokens for seq, _ in sched.scheduled)))
+    out: dict[str, Any] = {"tok_per_s": tokens / (time.perf_counter() - t0)}
+    if profile:
+        out["steps"] = steps
+        # A pure-decode step at the served batch, prompts of the workload's mean length, mid-answer context.
+        mean_len = round(statistics.mean(len(p) for p in prompts)) + max(r.max_tokens for r in requests) // 2
+        out["decode_profile"] = profile_decode(engine, [prompts[i % len(prompts)][:1] * mean_len for i in range(batch)])
+    return out
+
+
+def _step_split(steps: list[list[float]], roof: dict[str, Any], path: str) -> dict[str, Any]:
+    """The offline steps' time against each step's own roofline (this run's ceilings), decode-only steps apart
+    from steps that carry prompt tokens."""
+    import torch
+
+    from minivllm.bench.roofline import MachineCeilings, ModelCost
+    from minivllm.config import ModelConfig, resolve_dtype
+
+    mc = ModelConfig.from_pretrained(path)
+    cost = ModelCost.from_config(mc, resolve_dtype("auto", mc.checkpoint_dtype, torch.device("cpu")))
+    ceil = MachineCeilings(**{**roof["ceilings"], "threads": int(roof["ceilings"]["threads"])})
+    split: dict[str, Any] = {}
+    for kind, keep in (("decode", lambda t, n: t == n), ("with prefill", lambda t, n: t != n)):
+        sel = [s for s in steps if keep(s[1], s[2])]
+        seconds = sum(s[0] for s in sel)
+        bound = sum(cost.step_roofline(int(s[1]), int(s[2]), int(s[3]), ceil) for s in sel)
+        split[kind] = {"steps": len(sel), "seconds": seconds, "roofline_s": bound,
+                       "tokens_per_step": statistics.mean(s[1] for s in sel) if sel else 0.0}
+    return split
 
 
 def _order(endpoints: list[str], rounds: int) -> list[str]:
@@ -253,7 +292,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     run_offline = not ns.no_offline and not ns.base_url and not ns.variant
     offline = []
     if run_offline:
-        offline.append(_offline(path, requests, tokenizer, ns))
+        offline.append(_offline(path, requests, tokenizer, ns)["tok_per_s"])
         print(f"offline engine: {offline[-1]:.1f} tok/s", flush=True)
     procs: list[tuple[subprocess.Popen[bytes], IO[bytes]]] = []
     addrs: dict[str, tuple[str, str | None]] = {}
@@ -293,8 +332,13 @@ def run_serve(ns: argparse.Namespace) -> int:
     result["runs"] = runs
     result["server"] = {k: _merge(rs) for k, rs in runs.items()}
     if run_offline:
-        offline.append(_offline(path, requests, tokenizer, ns))
+        # The second offline run also records where its time goes (the profile of "the rest").
+        again = _offline(path, requests, tokenizer, ns, profile=ns.roofline)
+        offline.append(again["tok_per_s"])
         print(f"offline engine (again): {offline[-1]:.1f} tok/s", flush=True)
+        if ns.roofline:
+            result["offline_profile"] = {"steps": _step_split(again["steps"], result["roofline"], path),
+                                         "decode_step": again["decode_profile"]}
         result["offline_tok_per_s"] = offline
         result["server_vs_offline"] = {k: s["output_tok_per_s"] / statistics.mean(offline)
                                        for k, s in result["server"].items()}

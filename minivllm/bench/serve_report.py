@@ -63,7 +63,27 @@ def report(r: dict[str, Any]) -> str:
                     f"max ≤ {1000 * x['max_le_s']:.0f} ms")
 
         row("event-loop lag (10 ms timer probe)", lag)
+    if "offline_profile" in r:
+        lines += ["", offline_profile(r["offline_profile"])]
     return "\n".join(lines)
+
+
+def offline_profile(p: dict[str, Any]) -> str:
+    """Where the offline engine's time goes on the same requests: each kind of step against its own roofline,
+    and one pure-decode step at the served batch split into GEMMs, attention and the rest."""
+    parts = []
+    for kind, s in p["steps"].items():
+        if s["steps"]:
+            parts.append(f"{kind} steps: {s['steps']} ({s['tokens_per_step']:.0f} tokens each on average), "
+                         f"{s['seconds']:.1f} s against a roofline of {s['roofline_s']:.1f} s "
+                         f"({100 * s['roofline_s'] / s['seconds']:.0f}%)")
+    d = p["decode_step"]
+    phases = d["phases_ms"]
+    return ("Where the offline engine's time goes (same requests; each step against its own roofline at this run's "
+            "ceilings): " + "; ".join(parts) + f". One pure-decode step at {d['batch']} sequences: "
+            f"{d['step_ms']:.1f} ms = GEMMs {d['gemm_ms']:.1f} + paged attention {d['attention_ms']:.1f} + the rest "
+            f"{d['other_ms']:.1f} (norms, activations, KV writes, sampling, scheduling: non-model phases "
+            f"{sum(v for k, v in phases.items() if k != 'forward'):.1f} ms).")
 
 
 def plot(r: dict[str, Any], path: str) -> None:
