@@ -134,6 +134,10 @@ def test_bench_serve_variants_static_batching_served_the_same_way(model_factory,
         assert r["server"][k]["output_tokens"] == 16 * 5
     rf = r["roofline"]["columns"]
     assert rf["continuous/http"]["batch"] == 4 and rf["static/http"]["batch"] == 2
+    # Ceilings measured before and after the runs; the roofline takes the better of each.
+    first, second = r["roofline"]["measured"]
+    for k in ("peak_flops", "bandwidth"):
+        assert r["roofline"]["ceilings"][k] == max(first[k], second[k]) > 0
     assert rf["continuous/http"]["output_tok_s"] >= rf["static/http"]["output_tok_s"] > 0
 
 

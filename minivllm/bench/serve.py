@@ -195,7 +195,8 @@ def _step_split(steps: list[list[float]], roof: dict[str, Any], path: str) -> di
 
     mc = ModelConfig.from_pretrained(path)
     cost = ModelCost.from_config(mc, resolve_dtype("auto", mc.checkpoint_dtype, torch.device("cpu")))
-    ceil = MachineCeilings(**{**roof["ceilings"], "threads": int(roof["ceilings"]["threads"])})
+    c = dict(roof["ceilings"])
+    ceil = MachineCeilings(int(c.pop("threads")), **c)
     split: dict[str, Any] = {}
     for kind, keep in (("decode", lambda t, n: t == n), ("with prefill", lambda t, n: t != n)):
         sel = [s for s in steps if keep(s[1], s[2])]
@@ -331,6 +332,8 @@ def run_serve(ns: argparse.Namespace) -> int:
         _stop_servers(procs)
     result["runs"] = runs
     result["server"] = {k: _merge(rs) for k, rs in runs.items()}
+    if ns.roofline:  # measured again after the runs; the better measurement sets the roofline
+        result["roofline"] = _roofline(path, requests, tokenizer, ns, variants, columns, result["roofline"])
     if run_offline:
         # The second offline run also records where its time goes (the profile of "the rest").
         again = _offline(path, requests, tokenizer, ns, profile=ns.roofline)
@@ -352,12 +355,15 @@ def _label(variant: str, endpoint: str) -> str:
 
 
 def _roofline(path: str, requests: list[RequestSpec], tokenizer: Any, ns: argparse.Namespace,
-              variants: dict[str, list[str]], columns: dict[str, tuple[str, str]]) -> dict[str, Any]:
+              variants: dict[str, list[str]], columns: dict[str, tuple[str, str]],
+              earlier: dict[str, Any] | None = None) -> dict[str, Any]:
     """Each column's roofline: the workload's FLOPs at peak, or one weight read per step at most
-    min(clients, max_num_seqs) tokens wide, whichever is slower; ceilings measured here, now."""
+    min(clients, max_num_seqs) tokens wide, whichever is slower; ceilings measured here, now, and with
+    `earlier` (this run's first roofline) the better of the two measurements: the machine's speed drifts by
+    a third over minutes, and a roofline from a slow moment flatters every fraction of it."""
     import torch
 
-    from minivllm.bench.roofline import ModelCost, measure_ceilings_for
+    from minivllm.bench.roofline import MachineCeilings, ModelCost, measure_ceilings_for
     from minivllm.config import ModelConfig, resolve_dtype
 
     mc = ModelConfig.from_pretrained(path)
@@ -368,6 +374,11 @@ def _roofline(path: str, requests: list[RequestSpec], tokenizer: Any, ns: argpar
         ceil = measure_ceilings_for(mc)
     finally:
         torch.set_num_threads(saved)
+    measured = [ceil.as_dict()]
+    if earlier is not None:
+        measured.insert(0, earlier["ceilings"])
+        best = {k: (min if k == "bandwidth_min" else max)(m[k] for m in measured) for k in measured[0]}
+        ceil = MachineCeilings(int(best.pop("threads")), **best)
     cost = ModelCost.from_config(mc, resolve_dtype("auto", mc.checkpoint_dtype, torch.device("cpu")))
     prompt_lens = [len(tokenizer.encode(r.prompt)) for r in requests]
     out_lens = [r.max_tokens for r in requests]
@@ -377,4 +388,4 @@ def _roofline(path: str, requests: list[RequestSpec], tokenizer: Any, ns: argpar
     for k, (v, _) in columns.items():
         batch = min(clients, _max_num_seqs([*ns.server_arg, *variants[v]], base))
         per_key[k] = cost.serving_roofline(prompt_lens, out_lens, batch, ceil)
-    return {"ceilings": ceil.as_dict(), "prompt_tokens": sum(prompt_lens), "columns": per_key}
+    return {"ceilings": ceil.as_dict(), "measured": measured, "prompt_tokens": sum(prompt_lens), "columns": per_key}
