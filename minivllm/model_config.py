@@ -58,12 +58,19 @@ class ModelConfig:
 
     @staticmethod
     def from_pretrained(path: str) -> ModelConfig:
-        """Read config.json (and generation_config.json when present) from a model directory."""
+        """Read config.json (and generation_config.json when present) from a model directory, or the metadata
+        of a GGUF file (the file, or a directory holding one); mc.path is then the GGUF file."""
+        from minivllm.model.gguf_checkpoint import find_gguf, hf_config
+
+        gguf = find_gguf(path)
+        if gguf is not None:
+            return ModelConfig._from_dicts(gguf, gguf, hf_config(gguf), {})
         cfg_path = os.path.join(path, "config.json")
         if not os.path.isdir(path):
-            raise FileNotFoundError(f"model: {path!r} is not a directory")
+            raise FileNotFoundError(f"model: {path!r} is neither a directory nor a .gguf file")
         if not os.path.isfile(cfg_path):
-            raise FileNotFoundError(f"model: no config.json in {path!r}; expected a Hugging Face model directory")
+            raise FileNotFoundError(f"model: no config.json in {path!r}; expected a Hugging Face model directory "
+                                    "or a GGUF file")
         cfg = _read_json(cfg_path)
         archs = cfg.get("architectures") or []
         if not archs:
@@ -76,6 +83,12 @@ class ModelConfig:
                     cfg[key] = top[key]
         gen_path = os.path.join(path, "generation_config.json")
         gen = _read_json(gen_path) if os.path.isfile(gen_path) else {}
+        return ModelConfig._from_dicts(path, cfg_path, cfg, gen)
+
+    @staticmethod
+    def _from_dicts(path: str, cfg_path: str, cfg: dict[str, Any], gen: dict[str, Any]) -> ModelConfig:
+        """Normalise an HF config (and generation config) read from cfg_path."""
+        archs = cfg.get("architectures") or []
 
         def need(*keys: str) -> int:
             value = _first(cfg, *keys)

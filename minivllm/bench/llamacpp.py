@@ -6,11 +6,12 @@ and the gguf-py it ships) is read out of the same sdist, fetched from PyPI once 
 timed with llama_decode on a batch of one token per sequence, the logits of every row computed, as our steps do.
 
 Our test checkpoints carry a BPE tokenizer trained locally, whose pre-tokenizer hash the converter does not know:
-it is told "gpt-2" (the timings feed token ids; no text is tokenized). Gemma 2's converter reads only a
-SentencePiece tokenizer.model: one is trained on the same stdlib text (sentencepiece, a [peers] dependency) and
-put beside the checkpoint for the conversion (the converter pads the vocabulary to the model's). Gemma 3's
-converter cuts the embedding to the tokenizer's size: the bench's copy of tokenizer.json is padded with unused
-tokens to the model's vocabulary first, as the real tokenizer has it.
+it is told the name of the split the tokenizer really uses (transformers' Qwen2 and Llama 3 tokenizers bring
+their own regex; GPT-2's byte-level split otherwise), so the file's tokenizer splits text as the checkpoint's.
+Gemma 2's converter reads only a SentencePiece tokenizer.model: one is trained on the same stdlib text
+(sentencepiece) and put beside the checkpoint for the conversion (the converter pads the vocabulary to the
+model's). Gemma 3's converter cuts the embedding to the tokenizer's size: the bench's copy of tokenizer.json
+is padded with unused tokens to the model's vocabulary first, as the real tokenizer has it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 NEEDS_SENTENCEPIECE = ("Gemma2ForCausalLM",)
 PAD_TOKENIZER = ("Gemma3ForCausalLM",)
 
-_CONVERT = """
+_CONVERT = r"""
 import runpy, sys
 root = sys.argv.pop(1)
 sys.path[:0] = [root, root + "/gguf-py"]
@@ -39,8 +40,11 @@ original = base.TextModel.get_vocab_base_pre
 def vocab_base_pre(self, tokenizer):
     try:
         return original(self, tokenizer)
-    except NotImplementedError:  # a locally trained BPE: its pre-tokenizer hash is nobody's
-        return "gpt-2"
+    except NotImplementedError:  # a locally trained BPE: its pre-tokenizer hash is nobody's; name its split
+        split = str(tokenizer.backend_tokenizer.pre_tokenizer)
+        if r"\p{N}{1,3}" in split:
+            return "llama-bpe"
+        return "qwen2" if r"|\p{N}|" in split else "gpt-2"
 base.TextModel.get_vocab_base_pre = vocab_base_pre
 sys.argv[0] = root + "/convert_hf_to_gguf.py"
 runpy.run_path(sys.argv[0], run_name="__main__")
@@ -69,11 +73,19 @@ def available() -> str | None:
     return None
 
 
-def converter_dir() -> str:
-    """llama.cpp's converter from the llama-cpp-python sdist of the installed version (fetched once)."""
-    import llama_cpp
+# The sdist whose converter makes GGUF files where llama-cpp-python is not installed (the tests' GGUF files).
+CONVERTER_VERSION = "0.3.36"
 
-    version = llama_cpp.__version__
+
+def converter_dir() -> str:
+    """llama.cpp's converter from the llama-cpp-python sdist of the installed version, or CONVERTER_VERSION's
+    without one (fetched once; the converter is Python: it needs no build)."""
+    try:
+        import llama_cpp
+
+        version = llama_cpp.__version__
+    except ImportError:
+        version = CONVERTER_VERSION
     root = os.path.join(os.path.expanduser("~/.cache/minivllm"), f"llama.cpp-{version}")
     if os.path.isfile(os.path.join(root, "convert_hf_to_gguf.py")):
         return root

@@ -15,7 +15,13 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 
 def get_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    """The fast tokenizer of a model directory; a clear error when the directory has none."""
+    """The fast tokenizer of a model directory (or built from a GGUF file's metadata); a clear error when the
+    directory has none."""
+    from minivllm.model.gguf_checkpoint import find_gguf, load_tokenizer
+
+    gguf = find_gguf(path)
+    if gguf is not None:
+        return load_tokenizer(gguf)
     if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise FileNotFoundError(f"tokenizer: no tokenizer.json / tokenizer.model / vocab.json in {path!r}")
     try:

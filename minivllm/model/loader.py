@@ -1,4 +1,4 @@
-"""HF model directory → our model with its weights (safetensors single or sharded, or .bin)."""
+"""HF model directory → our model with its weights (safetensors single or sharded, or .bin; or a GGUF file)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from torch import nn
 from minivllm.config import ModelConfig
 from minivllm.distributed.parallel import attach_collectives, shard_model
 from minivllm.engine_config import ParallelConfig
+from minivllm.model import gguf_checkpoint
 from minivllm.model.hugepages import place_in_hugepages
 from minivllm.model.models import get_model_class
 from minivllm.model.quantization import quantize_model
@@ -45,7 +46,11 @@ def weight_files(path: str) -> list[str]:
 
 
 def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every tensor of the checkpoint, one file at a time."""
+    """Yield (name, tensor) for every tensor of the checkpoint, one file at a time (a GGUF file: HF names,
+    dequantized; model/gguf_checkpoint.py)."""
+    if path.endswith(".gguf"):
+        yield from gguf_checkpoint.iterate_weights(path)
+        return
     for file in weight_files(path):
         if file.endswith(".safetensors"):
             with safe_open(file, framework="pt") as f:

@@ -27,6 +27,9 @@ def save_quantized(model: nn.Module, mc: ModelConfig, cfg: QuantConfig, out: str
     """Write the quantized model to `out` (a new or empty directory); returns its path."""
     if os.path.isdir(out) and os.listdir(out):
         raise ValueError(f"quantize: output directory {out!r} is not empty")
+    if not os.path.isdir(mc.path):  # (a GGUF file: its tokenizer lives in its metadata, not in files to copy)
+        raise ValueError(f"quantize: {mc.path!r} is not a Hugging Face model directory; quantizing a GGUF file "
+                         "is not supported (serve it as it is)")
     os.makedirs(out, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     tied: dict[str, str] = {}

@@ -1,0 +1,203 @@
+"""GGUF files (llama.cpp, Ollama, LM Studio) as checkpoints: `minivllm serve model.gguf`.
+
+The header is checked first (model/gguf_header.py); then the `gguf` package reads the file and transformers'
+GGUF support turns its metadata into a Hugging Face config and tokenizer (vocabulary, merges, special tokens,
+pre-tokenizer, chat template, bos/eos) and gives each GGUF tensor its HF name and layout (llama.cpp permutes
+Llama's q/k rows for its rope, stores GPT-2's projections transposed, Gemma's norms minus one: transformers'
+tensor processors undo each). So the rest of the engine sees an HF checkpoint: the same model classes, the
+same load_weights, one tensor at a time.
+
+Weights are dequantized as they are read, to the dtype the engine runs (F32/F16/BF16 files load exactly;
+quantized tensors through the `gguf` package's own dequantizer, the reference for parity).
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import logging
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from minivllm.model.gguf_header import GGUFHeader, read_header
+
+logger = logging.getLogger(__name__)
+
+_SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+# End-of-generation tokens besides the file's eos: a GGUF file holds one eos id (and sometimes eot / eom ids), where
+# an HF checkpoint's generation_config lists every token that ends a turn; llama.cpp closes the gap by treating
+# these texts as end of generation wherever the vocabulary has them (llama-vocab.cpp), and so do we.
+EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>",
+             "_<EOT>", "<|end_of_text|>", "<end_of_utterance>", "<|return|>", "<|call|>")
+# Per model type: a key of transformers' GGUF config mapping -> the key that family's HF config reads.
+_RENAMES = {"gpt2": {"n_ctx": "n_positions", "feed_forward_length": "n_inner"}}
+# File types whose tensors all load exactly in a float dtype; the checkpoint dtype of anything else is float32.
+_FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def find_gguf(path: str) -> str | None:
+    """The GGUF file a model path names (the file itself, or the only .gguf file of a directory that has no
+    config.json); None when the path is not a GGUF checkpoint."""
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        files = [path]
+    elif os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        files = sorted(glob.glob(os.path.join(path, "*.gguf")))
+        if not files:
+            return None
+        if len(files) > 1 and not all(_SPLIT.search(f) for f in files):
+            names = ", ".join(map(os.path.basename, files))
+            raise ValueError(f"model: {path!r} holds {len(files)} GGUF files ({names}); name the one to serve")
+    else:
+        return None
+    if _SPLIT.search(files[0]):
+        raise ValueError(f"model: {os.path.basename(files[0])} is one part of a split GGUF file; split files are "
+                         "not supported yet: merge them with llama.cpp's `llama-gguf-split --merge`")
+    return files[0]
+
+
+@functools.lru_cache(maxsize=4)
+def _metadata(path: str) -> tuple[GGUFHeader, dict[str, Any]]:
+    """The checked header and transformers' parse of the metadata (config and tokenizer keys), cached: the
+    config, the tokenizer and the weights of one engine all read it."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    header = read_header(path)  # before the gguf package reads anything
+    for t in header.tensors:
+        if not _loadable(t.ggml_type):
+            raise ValueError(f"GGUF {path}: tensor {t.name!r} has type {t.ggml_type.name}, which cannot be loaded "
+                             f"(the gguf package has no dequantizer for it)")
+    try:
+        parsed = load_gguf_checkpoint(path, return_tensors=False)
+    except (ValueError, KeyError, IndexError, TypeError, NotImplementedError) as e:
+        raise ValueError(f"GGUF {path}: cannot read its metadata: {e}") from None
+    return header, parsed
+
+
+@functools.cache
+def _loadable(ggml_type: Any) -> bool:
+    """Whether the gguf package dequantizes this type (tried on one zero block)."""
+    from gguf import GGML_QUANT_SIZES, dequantize
+
+    _, type_size = GGML_QUANT_SIZES[ggml_type]
+    try:
+        dequantize(np.zeros((1, type_size), dtype=np.uint8), ggml_type)
+    except (NotImplementedError, ValueError, TypeError):
+        return False
+    return True
+
+
+def hf_config(path: str) -> dict[str, Any]:
+    """The Hugging Face config.json equivalent of a GGUF file's metadata, with `architectures` set from its
+    model type and `torch_dtype` from its tensor types."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    header, parsed = _metadata(path)
+    cfg = dict(parsed["config"])
+    model_type = cfg.get("model_type")
+    arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(str(model_type))
+    if arch is None:
+        raise ValueError(f"GGUF {path}: model type {model_type!r} has no causal-LM architecture in transformers")
+    cfg["architectures"] = [arch]
+    # Keys transformers' GGUF mapping names as no HF config of that family reads them.
+    for old_key, key in _RENAMES.get(str(model_type), {}).items():
+        if old_key in cfg:
+            cfg.setdefault(key, cfg.pop(old_key))
+    meta = header.values
+    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                             "tokenizer.ggml.eom_token_id") if isinstance(meta.get(k), int)]
+    tokens = parsed["tokenizer"].get("tokens") or []
+    eos += [i for i, text in enumerate(tokens) if text in EOG_TEXTS]
+    if eos:
+        cfg["eos_token_id"] = list(dict.fromkeys(int(i) for i in eos))
+    _transformers_config(path, cfg)  # transformers checks every value's type: a wrong one fails here, named
+    types = {t.ggml_type.name for t in header.tensors if len(t.dims) > 1}
+    cfg["torch_dtype"] = _FLOAT_TYPES[types.pop()] if len(types) == 1 and next(iter(types), "") in _FLOAT_TYPES \
+        else "float32"
+    return cfg
+
+
+def _transformers_config(path: str, cfg: dict[str, Any]) -> Any:
+    """transformers' config object for the parsed metadata; its validation errors (a float where an int
+    belongs, say) become a ValueError naming the file."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
+    except (ValueError, TypeError, KeyError, StrictDataclassError) as e:
+        raise ValueError(f"GGUF {path}: its metadata is not a valid {cfg.get('model_type')} config: {e}") from None
+
+
+def tensor_types(path: str) -> dict[str, int]:
+    """How many of the file's tensors have each ggml type (for the load log)."""
+    header, _ = _metadata(path)
+    counts: dict[str, int] = {}
+    for t in header.tensors:
+        counts[t.ggml_type.name] = counts.get(t.ggml_type.name, 0) + 1
+    return counts
+
+
+def load_tokenizer(path: str) -> Any:
+    """The fast tokenizer built from the file's tokenizer metadata (transformers' GGUF converter)."""
+    from transformers import AutoTokenizer
+
+    header, _ = _metadata(path)  # the header check comes first
+    try:
+        tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+    except (OSError, ValueError, KeyError, TypeError, NotImplementedError) as e:
+        raise ValueError(f"GGUF {path}: cannot build its tokenizer: {e}") from None
+    meta = header.values
+    if meta.get("tokenizer.ggml.model") == "gpt2" and meta.get("tokenizer.ggml.pre") == "gpt-2":
+        # transformers splits by the architecture's own regex unless the file names another it knows; "gpt-2"
+        # is GPT-2's byte-level split (llama.cpp's LLAMA_VOCAB_PRE_TYPE_GPT2), whatever the architecture.
+        from tokenizers import pre_tokenizers
+
+        tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    return tok
+
+
+def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every tensor of the file that the HF model has, one at a time."""
+    from gguf import GGUFReader, dequantize
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
+
+    header, parsed = _metadata(path)
+    logger.info("GGUF %s: %d tensors (%s)", os.path.basename(path), len(header.tensors),
+                ", ".join(f"{n} {t}" for t, n in tensor_types(path).items()))
+    config = dict(parsed["config"])
+    arch = str(header.values.get("general.architecture", ""))
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config)
+    # The HF names: from the HF model's own parameter names, mapped by the gguf package's name table.
+    hf_cfg = _transformers_config(path, config)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(hf_cfg)
+    names = get_gguf_hf_weights_map(skeleton, processor)
+    del skeleton
+    reader = GGUFReader(path)
+    checked = {t.name: t for t in header.tensors}
+    extra: dict[str, Any] = {"tensors": {}}  # processors that rename a tensor put it here (GPT-2's output)
+    for tensor in reader.tensors:
+        info = checked.get(tensor.name)
+        if info is None or tensor.data_offset != info.start or int(tensor.n_bytes) != info.nbytes:
+            raise ValueError(f"GGUF {path}: tensor {tensor.name!r} read differently from its checked header")
+        weights = dequantize(tensor.data, tensor.tensor_type)
+        result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names,
+                                   parsed_parameters=extra)
+        for name, value in list(extra["tensors"].items()):
+            yield name, value
+            del extra["tensors"][name]
+        if result.name is None or result.name not in names:
+            continue
+        # A copy: an F32 tensor is a read-only view of the file's mapping.
+        yield names[result.name], torch.from_numpy(np.array(result.weights, dtype=np.float32))
+

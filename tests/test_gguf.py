@@ -1,0 +1,226 @@
+"""GGUF checkpoints: files written by llama.cpp's own converter load with their config, tokenizer and weights;
+float files match the HF checkpoint they came from, quantized ones transformers' reading of the same file; a
+malformed header is a clear error naming what is wrong, never a crash or a hang."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from conftest import PROMPTS, hf_greedy
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf.quants import quantize
+
+from minivllm import LLM, SamplingParams
+from minivllm.bench import llamacpp
+from minivllm.config import ModelConfig
+from minivllm.engine.tokenizer import get_tokenizer
+from minivllm.model.gguf_checkpoint import EOG_TEXTS, find_gguf
+from minivllm.model.gguf_header import read_header
+from minivllm.model.runner import SequenceInput
+from tests.conftest import make_runner
+
+FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-gpt2"]  # Llama's q/k permuted by the converter; GPT-2's transposed
+
+
+@pytest.fixture(scope="module")
+def gguf_file(model_factory, tmp_path_factory):
+    """gguf_file(preset, outtype) → a GGUF file llama.cpp's converter wrote from the preset's HF checkpoint
+    (outtype: f32, f16, bf16, q8_0), or, for Q4_0 / Q4_1 / Q5_0 / Q5_1, the f32 file with its matrices
+    quantized by the gguf package (the format's own quantizer)."""
+    made: dict[tuple[str, str], str] = {}
+
+    def make(preset: str, outtype: str) -> str:
+        if (preset, outtype) not in made:
+            out = str(tmp_path_factory.mktemp("gguf") / f"{preset}-{outtype}.gguf")
+            if outtype.upper() in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+                requantize(make(preset, "f32"), out, GGMLQuantizationType[outtype.upper()])
+            else:
+                llamacpp.convert(model_factory(preset), out, outtype)
+            made[preset, outtype] = out
+        return made[preset, outtype]
+
+    return make
+
+
+def requantize(src: str, dst: str, qtype: GGMLQuantizationType) -> None:
+    """Copy a GGUF file, its 2-D weights quantized to qtype (metadata and everything else as they were)."""
+    reader = GGUFReader(src)
+    writer = GGUFWriter(dst, str(reader.fields["general.architecture"].contents()))
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        sub = field.types[-1] if field.types[0].name == "ARRAY" else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        data = np.asarray(t.data)
+        if len(t.shape) == 2 and t.tensor_type == GGMLQuantizationType.F32 and data.shape[-1] % 32 == 0:
+            writer.add_tensor(t.name, quantize(data, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _prompt_logits(path: str, ids: list[int]) -> torch.Tensor:
+    """Our logits after each half of ids (prefilled in two chunks, the second through the paged cache)."""
+    runner = make_runner(ModelConfig.from_pretrained(path), 16)
+    split = len(ids) // 2
+    return torch.stack([runner.execute([SequenceInput(ids[lo:hi], lo, list(range(16)), True)])[0]
+                        for lo, hi in ((0, split), (split, len(ids)))])
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_f32_gguf_serves_exactly_what_its_hf_checkpoint_does(model_factory, gguf_file, preset):
+    """Config, tokenizer (ids of every prompt), eos, logits and greedy text of the file equal the checkpoint's."""
+    hf_dir, path = model_factory(preset), gguf_file(preset, "f32")
+    mc, ref_mc = ModelConfig.from_pretrained(path), ModelConfig.from_pretrained(hf_dir)
+    assert (mc.architecture, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.vocab_size) == \
+        (ref_mc.architecture, ref_mc.num_layers, ref_mc.num_heads, ref_mc.num_kv_heads, ref_mc.head_dim,
+         ref_mc.vocab_size)
+    tok, ref_tok = get_tokenizer(path), get_tokenizer(hf_dir)
+    # Every token that ends generation in the checkpoint ends it here; the file adds only llama.cpp's
+    # end-of-turn texts (its one eos id cannot list them all).
+    assert set(ref_mc.eos_token_ids) <= set(mc.eos_token_ids) and mc.path == path
+    assert all(tok.convert_ids_to_tokens(i) in EOG_TEXTS for i in set(mc.eos_token_ids) - set(ref_mc.eos_token_ids))
+    for p in PROMPTS:
+        assert tok.encode(p) == ref_tok.encode(p), p
+    ids = ref_tok.encode(PROMPTS[1] + PROMPTS[3])
+    torch.testing.assert_close(_prompt_logits(path, ids), _prompt_logits(hf_dir, ids), atol=1e-5, rtol=0)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    got = [o.outputs[0].text for o in LLM(path).generate(PROMPTS[:4], params)]
+    assert got == [o.outputs[0].text for o in LLM(hf_dir).generate(PROMPTS[:4], params)]
+
+
+@pytest.mark.parametrize("outtype", ["f16", "bf16", "q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_each_tensor_type_matches_transformers_reading_of_the_same_file(gguf_file, outtype):
+    """The reference is the file's weights dequantized by the gguf package and run by HF transformers in float32
+    (its GGUF loader): our logits agree within float tolerance and greedy continuations are identical."""
+    from transformers import AutoModelForCausalLM
+
+    path = gguf_file("tiny-llama", outtype)
+    types = {t.ggml_type.name for t in read_header(path).tensors if len(t.dims) == 2}
+    assert outtype.upper() in types  # the file really holds the type under test
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                              dtype=torch.float32).eval()
+    ids = get_tokenizer(path).encode(PROMPTS[0] + PROMPTS[2])
+    runner = make_runner(ModelConfig.from_pretrained(path), 16)
+    ours = runner.execute([SequenceInput(ids, 0, list(range(16)), True)])[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0, -1]
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    out = LLM(path).generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids
+    assert out == hf_greedy(hf, ids, 16)
+
+
+def test_a_directory_holding_one_gguf_file_serves_it(gguf_file, tmp_path):
+    src = gguf_file("tiny-llama", "q8_0")
+    shutil.copy(src, tmp_path / "model.gguf")
+    assert find_gguf(str(tmp_path)) == str(tmp_path / "model.gguf")
+    out = LLM(str(tmp_path)).generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+    shutil.copy(src, tmp_path / "other.gguf")
+    with pytest.raises(ValueError, match="holds 2 GGUF files"):
+        find_gguf(str(tmp_path))
+    split = tmp_path / "split"
+    split.mkdir()
+    shutil.copy(src, split / "m-00001-of-00002.gguf")
+    with pytest.raises(ValueError, match="split GGUF"):
+        find_gguf(str(split))
+
+
+def _header_fields(path: str) -> list[tuple[int, int, str]]:
+    """(offset, size, what) of every count, length, dimension, type and offset field in the header."""
+    reader = GGUFReader(path)
+    spots = [(8, 8, "tensor count"), (16, 8, "metadata count")]
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF."):
+            continue
+        spots.append((field.offset, 8, f"{field.name} key length"))
+        spots.append((field.offset + 8 + len(field.name), 4, f"{field.name} type"))
+    for t in reader.tensors:
+        off = t.field.offset
+        n = len(t.name)
+        spots.append((off, 8, f"{t.name} name length"))
+        spots.append((off + 8 + n, 4, f"{t.name} n_dims"))
+        for d in range(len(t.shape)):
+            spots.append((off + 12 + n + 8 * d, 8, f"{t.name} dim {d}"))
+        spots.append((off + 12 + n + 8 * len(t.shape), 4, f"{t.name} type"))
+        spots.append((off + 16 + n + 8 * len(t.shape), 8, f"{t.name} offset"))
+    return spots
+
+
+def test_fuzzed_headers_are_clear_errors_never_crashes(gguf_file, tmp_path):
+    """Every count, length, dimension, type and offset field of a real file's header set to hostile values
+    (zero, one, huge, off by one, all ones), random bytes flipped, and the file truncated: each load either
+    succeeds or raises ValueError / FileNotFoundError naming the problem; nothing else escapes, nothing hangs."""
+    src = gguf_file("tiny-llama", "q8_0")
+    data = open(src, "rb").read()
+    rng = random.Random(0)
+    cases: list[bytes] = []
+    for off, size, _what in _header_fields(src):
+        old = int.from_bytes(data[off:off + size], "little")
+        for value in (0, 1, old + 1, old - 1 if old else 2, (1 << (8 * size)) - 1, 1 << (8 * size - 2), old * 7):
+            value %= 1 << (8 * size)
+            cases.append(data[:off] + value.to_bytes(size, "little") + data[off + size:])
+    header_end = read_header(src).data_start
+    for _ in range(150):
+        b = bytearray(data)
+        for _ in range(rng.randint(1, 4)):
+            b[rng.randrange(header_end)] = rng.randrange(256)
+        cases.append(bytes(b))
+    for cut in (0, 3, 20, header_end // 2, header_end, len(data) - 1):
+        cases.append(data[:cut])
+    path = tmp_path / "fuzzed.gguf"
+    outcomes = {"ok": 0, "error": 0}
+    for case in cases:
+        path.write_bytes(case)
+        try:
+            mc = ModelConfig.from_pretrained(str(path))
+            runner_ok = make_runner(mc, 4) is not None
+            outcomes["ok"] += runner_ok
+        except (ValueError, FileNotFoundError) as e:
+            assert str(e), "an error must say what is wrong"
+            outcomes["error"] += 1
+        finally:
+            from minivllm.model import gguf_checkpoint
+
+            gguf_checkpoint._metadata.cache_clear()
+    assert outcomes["error"] > len(cases) // 2 and sum(outcomes.values()) == len(cases)
+
+
+@pytest.mark.parametrize(("mutate", "message"), [
+    (lambda d, t: d[:len(d) - 100], "past the end of the .*-byte file: truncated"),
+    (lambda d, t: _set(d, t["blk.0.attn_q.weight"]["type"], 4, 99), "tensor 'blk.0.attn_q.weight' has unknown type 99"),
+    (lambda d, t: _set(d, t["blk.0.attn_q.weight"]["dim0"], 8, 1 << 62), "'blk.0.attn_q.weight'.*overflow"),
+    (lambda d, t: _set(d, t["blk.0.attn_q.weight"]["dim0"], 8, 0), "'blk.0.attn_q.weight' has a zero dimension"),
+    (lambda d, t: _set(d, t["blk.0.attn_q.weight"]["offset"], 8, 1 << 50), "'blk.0.attn_q.weight'.*past the end"),
+    (lambda d, t: _set(d, t["blk.0.attn_q.weight"]["offset"], 8, 3), "not a multiple of the alignment"),
+    (lambda d, t: _set(d, t["blk.0.attn_q.weight"]["ndims"], 4, 7), "'blk.0.attn_q.weight' has 7 dimensions"),
+    (lambda d, t: _set(d, 16, 8, 1 << 60), "claims .* metadata entries"),
+    (lambda d, t: b"GGML" + d[4:], "not a GGUF file"),
+])
+def test_malformed_files_name_the_tensor_or_key(gguf_file, tmp_path, mutate, message):
+    src = gguf_file("tiny-llama", "q8_0")
+    reader = GGUFReader(src)
+    spots = {}
+    for t in reader.tensors:
+        off, n, nd = t.field.offset, len(t.name), len(t.shape)
+        spots[t.name] = {"ndims": off + 8 + n, "dim0": off + 12 + n, "type": off + 12 + n + 8 * nd,
+                         "offset": off + 16 + n + 8 * nd}
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(mutate(open(src, "rb").read(), spots))
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_pretrained(str(path))
+
+
+def _set(data: bytes, off: int, size: int, value: int) -> bytes:
+    return data[:off] + value.to_bytes(size, "little") + data[off + size:]
+
