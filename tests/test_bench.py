@@ -108,6 +108,11 @@ def test_bench_serve_smoke_over_grpc_and_http(model_factory, tmp_path):
     d = prof["decode_step"]
     assert d["batch"] == 3 and d["step_ms"] > 0
     assert d["gemm_ms"] + d["attention_ms"] + d["other_ms"] == pytest.approx(d["step_ms"])
+    # Item 5's verdicts follow the figures: a target of 0 is always met, one of 100x never.
+    from minivllm.bench.serve_report import served_verdict
+
+    assert all("**met" in line for line in served_verdict(r, 0.0, 0.0, "http")[:2])
+    assert all("**not met" in line for line in served_verdict(r, 100.0, 100.0, "http")[:2])
     for t in ("grpc", "http"):
         s = r["server"][t]
         assert s["successes"] == 12 and s["failures"] == 0  # 6 requests x 2 rounds

@@ -143,14 +143,15 @@ def _pad_tokenizer(hf_dir: str) -> None:
         json.dump(tok, f)
 
 
-def convert(hf_dir: str, out: str, outtype: str = "f32", architecture: str = "") -> str:
-    """The HF checkpoint as a GGUF file, written by llama.cpp's own converter."""
+def convert(hf_dir: str, out: str, outtype: str = "f32", architecture: str = "", extra: tuple[str, ...] = ()) -> str:
+    """The HF checkpoint as a GGUF file, written by llama.cpp's own converter (extra: more of its flags, e.g.
+    --split-max-tensors N)."""
     if architecture in NEEDS_SENTENCEPIECE and not os.path.isfile(os.path.join(hf_dir, "tokenizer.model")):
         _sentencepiece_model(hf_dir)
     if architecture in PAD_TOKENIZER:
         _pad_tokenizer(hf_dir)
     proc = subprocess.run([sys.executable, "-c", _CONVERT, converter_dir(), hf_dir, "--outfile", out, "--outtype",
-                           outtype], capture_output=True, text=True)
+                           outtype, *extra], capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf failed for {hf_dir}: {proc.stderr.strip()[-600:]}")
     return out

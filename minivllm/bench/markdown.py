@@ -59,6 +59,17 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
                   f"{m['os']}.", ""]
     sections: list[tuple[str, Callable[[dict[str, Any]], list[str]]]] = [
         ("seed", lambda r: _seed(r, serve_report.report)),
+        ("served-seed", lambda r: ["## The served path: the seed workload against its roofline (`bench serve`)", "",
+                                   "The seed's workload on one server (continuous batching), the offline engine on "
+                                   "the same requests at the same concurrency before and after, ceilings measured "
+                                   "before and after (the better used). Targets: issue 34 item 5.", "",
+                                   serve_report.report(r), "", "Targets:", "",
+                                   *serve_report.served_verdict(r, 0.75, 0.95)]),
+        ("served-64", lambda r: ["## The served path: 64 streams against the offline engine (`bench serve`)", "",
+                                 f"`{os.path.basename(r['model'].rstrip('/'))}` in float32, 64 clients streaming "
+                                 "over the OpenAI API (SSE) against the offline engine on the same requests at 64 "
+                                 "at a time. Targets: issue 34 item 5.", "", serve_report.report(r), "",
+                                 "Target:", "", *serve_report.served_verdict(r, None, 0.95)]),
         ("throughput", lambda r: _throughput(r, throughput_report)),
         ("latency", lambda r: ["## Single-request latency (`bench latency`)", "", latency.report(r)]),
         ("transports", lambda r: ["## Transports: gRPC vs HTTP vs OpenAI (`bench serve`)", "",

@@ -234,6 +234,8 @@ def _merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
         if all("server_cpu_s" in x for x in lags):
             out["event_loop_lag"]["server_cpu_s"] = sum(x["server_cpu_s"] for x in lags)
     out["runs_tok_per_s"] = [r["output_tok_per_s"] for r in runs]
+    if all("client_cpu_s" in r for r in runs):
+        out["client_cpu_s"] = sum(r["client_cpu_s"] for r in runs)
     return out
 
 
@@ -323,7 +325,10 @@ def run_serve(ns: argparse.Namespace) -> int:
         for k in result["order"]:
             url = addrs[columns[k][0]][0]
             before = _scrape_lag(url)
+            cpu0 = time.process_time()
             summary = asyncio.run(one_run(k, requests, f"{k} ({len(runs[k]) + 1}/{rounds})", **load))
+            # The load generator shares this machine's cores with the server: its CPU time is the server's loss.
+            summary["client_cpu_s"] = time.process_time() - cpu0
             summary["event_loop_lag"] = _lag(before, _scrape_lag(url))
             runs[k].append(summary)
             print(f"{k}: {summary['output_tok_per_s']:.1f} tok/s, {summary['successes']} ok, "

@@ -123,3 +123,47 @@ def plot(r: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def served_verdict(r: dict[str, Any], roofline_target: float | None, offline_target: float,
+                   key: str | None = None) -> list[str]:
+    """Issue 34 item 5's targets for a one-server run (its endpoint `key`, or its only one): its fraction of the
+    roofline and its throughput against the offline engine on the same requests, each met or not, with where
+    the rest of the time goes."""
+    if key is None:
+        (key,) = r["endpoints"]
+    s, rf = r["server"][key], r["roofline"]["columns"][key]
+    frac = s["output_tok_per_s"] / rf["output_tok_s"]
+    off = r["server_vs_offline"][key]
+    c = r["roofline"]["ceilings"]
+    measured = r["roofline"].get("measured", [c])
+    peaks = ", ".join(f"{m['peak_flops'] / 1e9:.0f}" for m in measured)
+    prof = r["offline_profile"]
+    d = prof["decode_step"]
+    dec = prof["steps"]["decode"]
+    roof_step_ms = 1e3 * dec["roofline_s"] / max(dec["steps"], 1)
+    lines = [] if roofline_target is None else [
+        f"- ≥ {100 * roofline_target:.0f}% of the roofline: **{'met' if frac >= roofline_target else 'not met'}: "
+        f"{100 * frac:.0f}%** ({s['output_tok_per_s']:.0f} of {rf['output_tok_s']:.0f} tok/s at B={rf['batch']}, "
+        f"{rf['bound']}-bound; peak GEMM measured {peaks} GFLOP/s before and after the runs, the better one used).",
+    ]
+    return lines + [
+        f"- served ≥ {offline_target:.2f}x the offline engine: **{'met' if off >= offline_target else 'not met'}: "
+        f"{off:.2f}x** (runs {', '.join(f'{x:.0f}' for x in s.get('runs_tok_per_s', [s['output_tok_per_s']]))} "
+        f"tok/s served against offline {', '.join(f'{x:.0f}' for x in r['offline_tok_per_s'])})"
+        + (f"; the load generator, on the same {r['threads']} cores, used {s['client_cpu_s']:.1f} s of CPU over "
+           f"{s['elapsed_s'] * len(s.get('runs_tok_per_s', [0])):.0f} s of runs "
+           f"({100 * s['client_cpu_s'] / (s['elapsed_s'] * len(s.get('runs_tok_per_s', [0])) * r['threads']):.0f}% "
+           "of the machine), time the offline engine has to itself" if "client_cpu_s" in s else "")
+        + (f"; the server process used {s['event_loop_lag']['server_cpu_s']:.0f} s of CPU"
+           if "server_cpu_s" in s.get("event_loop_lag", {}) else "") + ".",
+        f"- where the rest goes: the offline engine's decode steps run at "
+        f"{100 * dec['roofline_s'] / dec['seconds']:.0f}% of their own roofline; one decode step at {d['batch']} "
+        f"sequences is {d['step_ms']:.0f} ms, of which GEMMs {100 * d['gemm_ms'] / d['step_ms']:.0f}%"
+        + (f" (alone {100 * d['gemm_ms'] / roof_step_ms:.0f}% of the step's whole roofline of {roof_step_ms:.0f} "
+           f"ms: at this M they run at {100 * roof_step_ms / d['gemm_ms']:.0f}% of the peak GEMM the roofline "
+           "assumes)" if d["gemm_ms"] > 0 and roof_step_ms > 0 else "")
+        + f", paged attention {100 * d['attention_ms'] / d['step_ms']:.0f}% (the "
+        f"KV cache read once: bandwidth, which the compute roofline does not count), the rest "
+        f"{100 * d['other_ms'] / d['step_ms']:.0f}%.",
+    ]

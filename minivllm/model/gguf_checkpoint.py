@@ -13,6 +13,7 @@ quantized tensors through the `gguf` package's own dequantizer, the reference fo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import glob
 import logging
@@ -42,31 +43,71 @@ _FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 def find_gguf(path: str) -> str | None:
     """The GGUF file a model path names (the file itself, or the only .gguf file of a directory that has no
-    config.json); None when the path is not a GGUF checkpoint."""
+    config.json; of a split file, its first part); None when the path is not a GGUF checkpoint."""
     if os.path.isfile(path) and path.endswith(".gguf"):
         files = [path]
     elif os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         files = sorted(glob.glob(os.path.join(path, "*.gguf")))
         if not files:
             return None
-        if len(files) > 1 and not all(_SPLIT.search(f) for f in files):
-            names = ", ".join(map(os.path.basename, files))
-            raise ValueError(f"model: {path!r} holds {len(files)} GGUF files ({names}); name the one to serve")
+        firsts = [f for f in files if _part_number(f) == 1]
+        if len(firsts) > 1:
+            names = ", ".join(map(os.path.basename, firsts))
+            raise ValueError(f"model: {path!r} holds {len(firsts)} GGUF models ({names}); name the one to serve")
+        files = firsts or files
     else:
         return None
-    if _SPLIT.search(files[0]):
-        raise ValueError(f"model: {os.path.basename(files[0])} is one part of a split GGUF file; split files are "
-                         "not supported yet: merge them with llama.cpp's `llama-gguf-split --merge`")
+    split = _SPLIT.search(files[0])
+    if split and split.group(1) != "00001":
+        first = files[0][:split.start()] + f"-00001-of-{split.group(2)}.gguf"
+        raise ValueError(f"model: {os.path.basename(files[0])} is part {int(split.group(1))} of a split GGUF file; "
+                         f"name its first part, {os.path.basename(first)}")
+    parts(files[0])  # every part present
     return files[0]
 
 
-@functools.lru_cache(maxsize=4)
+def _part_number(path: str) -> int:
+    split = _SPLIT.search(path)
+    return int(split.group(1)) if split else 1
+
+
+def parts(path: str) -> list[str]:
+    """The files of a GGUF checkpoint: the file, or every part of a split one (-00001-of-0000N.gguf ...)."""
+    split = _SPLIT.search(path)
+    if split is None:
+        return [path]
+    count = int(split.group(2))
+    if count < 1:
+        raise ValueError(f"model: {os.path.basename(path)}: a split GGUF file of {count} parts")
+    names = [path[:split.start()] + f"-{i:05d}-of-{split.group(2)}.gguf" for i in range(1, count + 1)]
+    missing = [os.path.basename(n) for n in names if not os.path.isfile(n)]
+    if missing:
+        raise ValueError(f"model: split GGUF file {os.path.basename(names[0])} is missing parts: {', '.join(missing)}")
+    return names
+
+
 def _metadata(path: str) -> tuple[GGUFHeader, dict[str, Any]]:
-    """The checked header and transformers' parse of the metadata (config and tokenizer keys), cached: the
-    config, the tokenizer and the weights of one engine all read it."""
+    """The checked header and transformers' parse of the metadata (config and tokenizer keys), cached by the
+    file's identity: the config, the tokenizer and the weights of one engine all read it."""
+    st = os.stat(path)
+    return _read_metadata(path, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_metadata(path: str, mtime_ns: int, size: int) -> tuple[GGUFHeader, dict[str, Any]]:
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    header = read_header(path)  # before the gguf package reads anything
+    headers = [read_header(p) for p in parts(path)]  # before the gguf package reads anything
+    header = headers[0]
+    if len(headers) > 1:
+        count = header.values.get("split.count")
+        if count != len(headers):
+            raise ValueError(f"GGUF {path}: metadata 'split.count' is {count!r}, but the file name says "
+                             f"{len(headers)} parts")
+        header = dataclasses.replace(header, tensors=tuple(t for h in headers for t in h.tensors))
+        names = [t.name for t in header.tensors]
+        if len(set(names)) != len(names):
+            raise ValueError(f"GGUF {path}: a tensor appears in two parts of the split file")
     for t in header.tensors:
         if not _loadable(t.ggml_type):
             raise ValueError(f"GGUF {path}: tensor {t.name!r} has type {t.ggml_type.name}, which cannot be loaded "
@@ -75,6 +116,9 @@ def _metadata(path: str) -> tuple[GGUFHeader, dict[str, Any]]:
         parsed = load_gguf_checkpoint(path, return_tensors=False)
     except (ValueError, KeyError, IndexError, TypeError, NotImplementedError) as e:
         raise ValueError(f"GGUF {path}: cannot read its metadata: {e}") from None
+    # transformers looks for the output head in the first part only; it may sit in any.
+    if len(headers) > 1 and parsed["config"].get("model_type") not in ("falcon", "bloom"):
+        parsed["config"]["tie_word_embeddings"] = all(t.name != "output.weight" for t in header.tensors)
     return header, parsed
 
 
@@ -115,9 +159,8 @@ def hf_config(path: str) -> dict[str, Any]:
     if eos:
         cfg["eos_token_id"] = list(dict.fromkeys(int(i) for i in eos))
     _transformers_config(path, cfg)  # transformers checks every value's type: a wrong one fails here, named
-    types = {t.ggml_type.name for t in header.tensors if len(t.dims) > 1}
-    cfg["torch_dtype"] = _FLOAT_TYPES[types.pop()] if len(types) == 1 and next(iter(types), "") in _FLOAT_TYPES \
-        else "float32"
+    matrix_types = {t.ggml_type.name for t in header.tensors if len(t.dims) > 1}
+    cfg["torch_dtype"] = _FLOAT_TYPES.get(matrix_types.pop() if len(matrix_types) == 1 else "", "float32")
     return cfg
 
 
@@ -149,7 +192,7 @@ def load_tokenizer(path: str) -> Any:
     header, _ = _metadata(path)  # the header check comes first
     try:
         tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
-    except (OSError, ValueError, KeyError, TypeError, NotImplementedError) as e:
+    except Exception as e:  # tokenizers raises a plain Exception for a vocabulary its merges do not fit
         raise ValueError(f"GGUF {path}: cannot build its tokenizer: {e}") from None
     meta = header.values
     if meta.get("tokenizer.ggml.model") == "gpt2" and meta.get("tokenizer.ggml.pre") == "gpt-2":
@@ -183,10 +226,9 @@ def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         skeleton = AutoModelForCausalLM.from_config(hf_cfg)
     names = get_gguf_hf_weights_map(skeleton, processor)
     del skeleton
-    reader = GGUFReader(path)
     checked = {t.name: t for t in header.tensors}
     extra: dict[str, Any] = {"tensors": {}}  # processors that rename a tensor put it here (GPT-2's output)
-    for tensor in reader.tensors:
+    for tensor in (t for part in parts(path) for t in GGUFReader(part).tensors):
         info = checked.get(tensor.name)
         if info is None or tensor.data_offset != info.start or int(tensor.n_bytes) != info.nbytes:
             raise ValueError(f"GGUF {path}: tensor {tensor.name!r} read differently from its checked header")
