@@ -179,7 +179,7 @@ def test_a_draft_that_cannot_serve_is_refused_at_start_up(model_factory, tmp_pat
     def start(draft: str) -> None:
         LLMEngine(EngineArgs(model=path, num_kv_blocks=64, speculative_model=draft, num_speculative_tokens=2))
 
-    with pytest.raises(ValueError, match="not a usable draft model directory.*not a directory"):
+    with pytest.raises(ValueError, match="not a usable draft model directory.*neither a directory nor a .gguf file"):
         start(str(tmp_path / "missing"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="not a usable draft model directory.*no config.json"):
