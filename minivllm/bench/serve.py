@@ -185,23 +185,30 @@ def _offline(path: str, requests: list[RequestSpec], tokenizer: Any, ns: argpars
     return out
 
 
-def _step_split(steps: list[list[float]], roof: dict[str, Any], path: str) -> dict[str, Any]:
-    """The offline steps' time against each step's own roofline (this run's ceilings), decode-only steps apart
-    from steps that carry prompt tokens."""
+def _model_cost(path: str) -> tuple[Any, Any]:
+    """The model's config and its FLOP/byte cost (roofline.ModelCost) in the dtype the server runs."""
     import torch
 
-    from minivllm.bench.roofline import MachineCeilings, ModelCost
+    from minivllm.bench.roofline import ModelCost
     from minivllm.config import ModelConfig, resolve_dtype
 
     mc = ModelConfig.from_pretrained(path)
-    cost = ModelCost.from_config(mc, resolve_dtype("auto", mc.checkpoint_dtype, torch.device("cpu")))
+    return mc, ModelCost.from_config(mc, resolve_dtype("auto", mc.checkpoint_dtype, torch.device("cpu")))
+
+
+def _step_split(steps: list[tuple[float, int, int, int]], roof: dict[str, Any], path: str) -> dict[str, Any]:
+    """The offline steps' time against each step's own roofline (this run's ceilings), decode-only steps apart
+    from steps that carry prompt tokens."""
+    from minivllm.bench.roofline import MachineCeilings
+
+    _, cost = _model_cost(path)
     c = dict(roof["ceilings"])
     ceil = MachineCeilings(int(c.pop("threads")), **c)
     split: dict[str, Any] = {}
     for kind, keep in (("decode", lambda t, n: t == n), ("with prefill", lambda t, n: t != n)):
         sel = [s for s in steps if keep(s[1], s[2])]
         seconds = sum(s[0] for s in sel)
-        bound = sum(cost.step_roofline(int(s[1]), int(s[2]), int(s[3]), ceil) for s in sel)
+        bound = sum(cost.step_roofline(s[1], s[2], s[3], ceil) for s in sel)
         split[kind] = {"steps": len(sel), "seconds": seconds, "roofline_s": bound,
                        "tokens_per_step": statistics.mean(s[1] for s in sel) if sel else 0.0}
     return split
@@ -368,10 +375,9 @@ def _roofline(path: str, requests: list[RequestSpec], tokenizer: Any, ns: argpar
     a third over minutes, and a roofline from a slow moment flatters every fraction of it."""
     import torch
 
-    from minivllm.bench.roofline import MachineCeilings, ModelCost, measure_ceilings_for
-    from minivllm.config import ModelConfig, resolve_dtype
+    from minivllm.bench.roofline import MachineCeilings, measure_ceilings_for
 
-    mc = ModelConfig.from_pretrained(path)
+    mc, cost = _model_cost(path)
     # Measured with the server's thread count: the ceilings are the server engine's.
     saved = torch.get_num_threads()
     torch.set_num_threads(ns.server_threads or cpu_count())
@@ -384,7 +390,6 @@ def _roofline(path: str, requests: list[RequestSpec], tokenizer: Any, ns: argpar
         measured.insert(0, earlier["ceilings"])
         best = {k: (min if k == "bandwidth_min" else max)(m[k] for m in measured) for k in measured[0]}
         ceil = MachineCeilings(int(best.pop("threads")), **best)
-    cost = ModelCost.from_config(mc, resolve_dtype("auto", mc.checkpoint_dtype, torch.device("cpu")))
     prompt_lens = [len(tokenizer.encode(r.prompt)) for r in requests]
     out_lens = [r.max_tokens for r in requests]
     clients = ns.concurrency if not ns.request_rate else ns.num_requests
