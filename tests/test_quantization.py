@@ -100,6 +100,21 @@ def test_every_kernel_equals_dequantized_reference(method, k, n, m, bias):
     assert torch.allclose(q(wide[:, 3:3 + k]), q(x), atol=1e-6 * scale, rtol=0)
 
 
+@pytest.mark.parametrize("group", [32, 64, 128, 256])
+@pytest.mark.parametrize("k", [2048, 1568, 800])
+@pytest.mark.parametrize("m", [1, 5])
+def test_w4a8_kernel_superblocks_and_tails_every_group_size(group, k, m):
+    """The W4A8 kernel walks 16-block superblocks with one window of group scales each, then a masked tail: whole
+    superblocks only (2048), several and a tail of 1-3 chunks (1568 = 3 * 512 + 32, 800 = 512 + 288), every group
+    size; the last rows take the masked loads, so n spans several of them."""
+    q, _ = _layer("w4a8", k, 67, True, group)
+    x = torch.randn(m, k)
+    xq, xs = quantize_rows_int8(x)
+    expected = (xq.double() * xs.double()[:, None]) @ q.dequantize().double().t() + q.bias.double()
+    got = q.forward_native(x)
+    assert (got.double() - expected).abs().max().item() <= 2e-6 * expected.abs().max().item()
+
+
 def _quantized_layers(llm: LLM) -> tuple[list[QuantizedLinear], list[Linear]]:
     mods = list(llm.llm_engine.runner.model.modules())
     return ([m for m in mods if isinstance(m, QuantizedLinear)], [m for m in mods if isinstance(m, Linear)])

@@ -60,6 +60,25 @@ static inline __attribute__((always_inline)) __m512 bf16x16(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* One 128-weight chunk (4 blocks) against M rows: two vpdpbusd per row, then its blocks' scales (`s`, block
+ * 4u + lane / 4 of the superblock's window) once. */
+static inline __attribute__((always_inline)) void chunk_vnni(__m512 *acc, __m512i wv, __m512 s, const int8_t *xq,
+                                                             int64_t Kx, int M) {
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    __m512i lo = _mm512_and_si512(wv, nib);
+#ifdef __GFNI__ /* each byte's high nibble in one instruction: the bit matrix sending bit i + 4 to bit i */
+    __m512i hi = _mm512_gf2p8affine_epi64_epi8(wv, _mm512_set1_epi64(0x1020408000000000LL), 0);
+#else
+    __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), nib);
+#endif
+    for (int m = 0; m < M; m++) {
+        const int8_t *xr = xq + m * Kx;
+        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)xr));
+        d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512((const void *)(xr + 64)));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[m]);
+    }
+}
+
 static inline __attribute__((always_inline)) void row_vnni(float *out, int64_t ldo, const int8_t *xq, const float *xs,
                                                            const float *xg, int M, const W4A8Layer *L, int64_t n,
                                                            int last) {
@@ -67,30 +86,39 @@ static inline __attribute__((always_inline)) void row_vnni(float *out, int64_t l
     const uint8_t *w = L->w + n * nbytes;
     const uint16_t *sc = L->scale + n * ng, *mn = L->mins + n * ng;
     const int shift = __builtin_ctzll((uint64_t)(L->G / 32)); /* 32-weight blocks per group, log2 */
-    const __m512i nib = _mm512_set1_epi8(0x0F);
-    const __m512i lane_block = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    /* A superblock is 16 blocks (4 chunks): its groups' scales are one window of at most 16, loaded once, and
+     * chunk u's lanes pick theirs with a constant index (block 4u + lane / 4, as a group of the window): one
+     * permute per chunk where computing the index took four. */
+    __m512i idx[4];
+    for (int u = 0; u < 4; u++)
+        idx[u] = _mm512_srli_epi32(
+            _mm512_add_epi32(_mm512_set1_epi32(4 * u), _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)),
+            shift);
     __m512 acc[MB];
     for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-    __m512 win = _mm512_setzero_ps();
-    int64_t gw = -16; /* first group of the 16 scales in `win` */
-    for (int64_t c = 0; c < nchunks; c++) {
-        int64_t left = nbytes - c * 64;
-        __mmask64 mask = left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
-        __m512i wv = LOAD_W(mask, w + c * 64);
-        __m512i lo = _mm512_and_si512(wv, nib), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), nib);
-        if (((4 * c + 3) >> shift) >= gw + 16) {
-            gw = (4 * c) >> shift;
-            int64_t cnt = ng - gw < 16 ? ng - gw : 16;
-            win = bf16x16(LOAD_H((__mmask16)((1u << cnt) - 1), sc + gw));
-        }
-        __m512i blk = _mm512_add_epi32(_mm512_set1_epi32((int)(4 * c)), lane_block);
-        __m512 s = _mm512_permutexvar_ps(_mm512_sub_epi32(_mm512_srli_epi32(blk, shift), _mm512_set1_epi32((int)gw)),
-                                         win);
-        for (int m = 0; m < M; m++) {
-            const int8_t *xr = xq + m * L->Kx + c * 128;
-            __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)xr));
-            d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512((const void *)(xr + 64)));
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[m]);
+    const int64_t full = nbytes / 64 / 4; /* superblocks whose 4 chunks are whole */
+    int64_t c = 0;
+    for (int64_t sb = 0; sb < full; sb++, c += 4) {
+        const int64_t g0 = (16 * sb) >> shift, cnt = ng - g0 < 16 ? ng - g0 : 16;
+        const __m512 win = bf16x16(LOAD_H((__mmask16)((1u << cnt) - 1), sc + g0));
+        const uint8_t *wc = w + c * 64;
+        const int8_t *xc = xq + c * 128;
+        chunk_vnni(acc, _mm512_loadu_si512((const void *)wc), _mm512_permutexvar_ps(idx[0], win), xc, L->Kx, M);
+        chunk_vnni(acc, _mm512_loadu_si512((const void *)(wc + 64)), _mm512_permutexvar_ps(idx[1], win), xc + 128,
+                   L->Kx, M);
+        chunk_vnni(acc, _mm512_loadu_si512((const void *)(wc + 128)), _mm512_permutexvar_ps(idx[2], win), xc + 256,
+                   L->Kx, M);
+        chunk_vnni(acc, _mm512_loadu_si512((const void *)(wc + 192)), _mm512_permutexvar_ps(idx[3], win), xc + 384,
+                   L->Kx, M);
+    }
+    if (c < nchunks) { /* the last, partial superblock: chunks one by one, the row's end masked */
+        const int64_t g0 = (16 * full) >> shift, cnt = ng - g0 < 16 ? ng - g0 : 16;
+        const __m512 win = bf16x16(LOAD_H((__mmask16)((1u << cnt) - 1), sc + g0));
+        for (int u = 0; c < nchunks; c++, u++) {
+            int64_t left = nbytes - c * 64;
+            __mmask64 mask = left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
+            chunk_vnni(acc, LOAD_W(mask, w + c * 64), _mm512_permutexvar_ps(idx[u], win),
+                       xq + c * 128, L->Kx, M);
         }
     }
     /* The min term joins the same accumulators, 16 groups at a time (xg is zero past ng), so each row
