@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from minivllm.model_config import ModelConfig
 
 QUANTIZATION_METHODS = ("int8", "int4", "w8a8", "w4a8")
@@ -20,14 +22,23 @@ class QuantConfig:
     method: str
     group_size: int = 32  # int4 and w4a8 only
     quantize_lm_head: bool = True
+    # int4 / w4a8 group scales and mins: bfloat16 (what we quantize to), or float16 where a checkpoint quantized
+    # elsewhere (GPTQ, AWQ, GGUF's Q4_0 / Q4_1) stores them so: kept exactly, not rounded to bfloat16.
+    scale_dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
         if self.method not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization: unknown method {self.method!r}; choose one of "
                              f"{', '.join(QUANTIZATION_METHODS)}")
+        if self.scale_dtype not in ("bfloat16", "float16"):
+            raise ValueError(f"quantization scale dtype: {self.scale_dtype!r} is neither bfloat16 nor float16")
         if self.group_size not in GROUP_SIZES:
             raise ValueError(f"quantization_group_size: {self.group_size} does not divide into the int4 kernel's "
                              f"32-weight blocks as a power of two; choose one of {', '.join(map(str, GROUP_SIZES))}")
+
+    @property
+    def torch_scale_dtype(self) -> torch.dtype:
+        return torch.float16 if self.scale_dtype == "float16" else torch.bfloat16
 
     def as_hf_dict(self) -> dict[str, object]:
         """The `quantization_config` entry of a saved checkpoint's config.json."""

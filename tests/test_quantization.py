@@ -62,10 +62,11 @@ def test_int4_packing_round_trip(k, group):
     assert (err <= step * 0.5 + 0.02 * step + 1e-6).all()
 
 
-def _layer(method: str, k: int, n: int, bias: bool, group: int = 32) -> tuple[QuantizedLinear, torch.Tensor]:
+def _layer(method: str, k: int, n: int, bias: bool, group: int = 32, scale_dtype: str = "bfloat16"
+           ) -> tuple[QuantizedLinear, torch.Tensor]:
     torch.manual_seed(k * n)
     w = torch.randn(n, k) * 0.05
-    q = QuantizedLinear(k, n, bias, QuantConfig(method, group))
+    q = QuantizedLinear(k, n, bias, QuantConfig(method, group, scale_dtype=scale_dtype))
     b = torch.randn(n) if bias else None
     q.quantize_from(w, b)
     return q, w
@@ -103,16 +104,26 @@ def test_every_kernel_equals_dequantized_reference(method, k, n, m, bias):
 @pytest.mark.parametrize("group", [32, 64, 128, 256])
 @pytest.mark.parametrize("k", [2048, 1568, 800])
 @pytest.mark.parametrize("m", [1, 5])
-def test_w4a8_kernel_superblocks_and_tails_every_group_size(group, k, m):
+@pytest.mark.parametrize("scale_dtype", ["bfloat16", "float16"])
+def test_w4a8_kernel_superblocks_and_tails_every_group_size(group, k, m, scale_dtype):
     """The W4A8 kernel walks 16-block superblocks with one window of group scales each, then a masked tail: whole
     superblocks only (2048), several and a tail of 1-3 chunks (1568 = 3 * 512 + 32, 800 = 512 + 288), every group
-    size; the last rows take the masked loads, so n spans several of them."""
-    q, _ = _layer("w4a8", k, 67, True, group)
+    size; the last rows take the masked loads, so n spans several of them. Scales and mins in bfloat16 (ours) or
+    float16 (GPTQ's, AWQ's, GGUF's), read as what they are."""
+    q, _ = _layer("w4a8", k, 67, True, group, scale_dtype)
+    assert q.scales.dtype == q.mins.dtype == getattr(torch, scale_dtype)
     x = torch.randn(m, k)
     xq, xs = quantize_rows_int8(x)
     expected = (xq.double() * xs.double()[:, None]) @ q.dequantize().double().t() + q.bias.double()
     got = q.forward_native(x)
     assert (got.double() - expected).abs().max().item() <= 2e-6 * expected.abs().max().item()
+    # The weight-only int4 kernels on the same stored groups (native: a table per group; native_a8 as above).
+    q4, _ = _layer("int4", k, 67, True, group, scale_dtype)
+    for name, kernel in q4.candidates().items():
+        a8 = q4.quantizes_activations(name)
+        ref = ((xq.double() * xs.double()[:, None]) if a8 else x.double()) @ q4.dequantize().double().t()
+        ref = ref + q4.bias.double()
+        assert (kernel(x).double() - ref).abs().max().item() <= 2e-6 * ref.abs().max().item(), name
 
 
 def _quantized_layers(llm: LLM) -> tuple[list[QuantizedLinear], list[Linear]]:

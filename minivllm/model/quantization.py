@@ -33,8 +33,9 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric group-wise int4: (packed [N, Kp/2] uint8, scale [N, G] bf16, min [N, G] bf16).
+def quantize_int4(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype = torch.bfloat16
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric group-wise int4: (packed [N, Kp/2] uint8, scale [N, G], min [N, G], both bf16 or float16).
 
     K is zero-padded to Kp, a multiple of the group size. The min costs no extra work in the kernel
     (it multiplies the group's sum of x, computed once per token) and cuts the error of groups whose
@@ -45,9 +46,9 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     kp = -(-k // group_size) * group_size
     wf = F.pad(w.float(), (0, kp - k)).view(n, kp // group_size, group_size)
     lo, hi = wf.amin(-1), wf.amax(-1)
-    scale = ((hi - lo) / 15).to(torch.bfloat16)
+    scale = ((hi - lo) / 15).to(scale_dtype)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    mins = lo.to(torch.bfloat16)
+    mins = lo.to(scale_dtype)
     q = torch.round((wf - mins.float()[..., None]) / scale.float()[..., None]).clamp(0, 15).to(torch.uint8)
     q = q.view(n, kp // 32, 2, 16)
     return (q[:, :, 0] | (q[:, :, 1] << 4)).view(n, kp // 2), scale, mins
@@ -84,9 +85,10 @@ class QuantizedLinear(PlannedLinear):
         self.grouped = cfg.method in GROUPED_METHODS  # int4 weights: packed nibbles, group scale and min
         if self.grouped:
             kp = -(-in_features // cfg.group_size) * cfg.group_size
+            half = cfg.torch_scale_dtype
             self.register_buffer("qweight", torch.empty(out_features, kp // 2, dtype=torch.uint8))
-            self.register_buffer("scales", torch.empty(out_features, kp // cfg.group_size, dtype=torch.bfloat16))
-            self.register_buffer("mins", torch.empty(out_features, kp // cfg.group_size, dtype=torch.bfloat16))
+            self.register_buffer("scales", torch.empty(out_features, kp // cfg.group_size, dtype=half))
+            self.register_buffer("mins", torch.empty(out_features, kp // cfg.group_size, dtype=half))
         else:
             self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
             self.register_buffer("scales", torch.empty(out_features, dtype=torch.float32))
@@ -100,7 +102,7 @@ class QuantizedLinear(PlannedLinear):
     def quantize_from(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         """Fill the packed buffers from a full-precision weight [N, K]."""
         if self.grouped:
-            q, s, m = quantize_int4(weight, self.group_size)
+            q, s, m = quantize_int4(weight, self.group_size, self.scales.dtype)
             self.qweight.copy_(q)
             self.scales.copy_(s)
             self.mins.copy_(m)

@@ -9,7 +9,9 @@
  *   bf16   w [N, K] bfloat16 bits
  *   int8   w [N, K] int8, per-channel scale s[n]:                 W[n, k] = s[n] * w[n, k]
  *   int4   w [N, Kp / 2] uint8, Kp = K rounded up to the group size G (a multiple of 32), per-group
- *          scale and min as bf16 [N, Kp / G]:                    W[n, k] = scale * q + min, q in 0..15.
+ *          scale and min as bf16 [N, Kp / G]:                    W[n, k] = scale * q + min, q in 0..15;
+ *          or as float16 (fmt | FMT_F16_SCALES): GGUF's Q4_0 / Q4_1 and GPTQ / AWQ checkpoints keep their
+ *          scales exactly so.
  *          Each 32-weight block is 16 bytes; byte j holds q[j] (low nibble) and q[j + 16] (high
  *          nibble), so one 16-byte load widens to two 16-lane vectors without shuffles.
  *   w8a8   the int8 weights; x is quantized per row here (symmetric, absmax / 127, round half to
@@ -103,6 +105,14 @@ INLINE float bf16_to_f32(uint16_t h) {
     return f;
 }
 
+/* A group scale or min: bfloat16 or (f16) float16 bits. */
+INLINE float half_to_f32(uint16_t h, int f16) {
+    if (!f16) return bf16_to_f32(h);
+    _Float16 v;
+    memcpy(&v, &h, sizeof v);
+    return (float)v;
+}
+
 /* Everything a row kernel needs besides the row index and the chunk of x. */
 typedef struct {
     const void *w;
@@ -110,6 +120,7 @@ typedef struct {
     const void *scale, *mins; /* per format */
     int64_t G;
     const float *bias;
+    int f16; /* int4 group scales and mins are float16 (else bfloat16) */
 } Layer;
 
 /* Float weights (f32 or bf16) against M rows of x. */
@@ -177,7 +188,7 @@ INLINE void int4_row(float *out, int64_t ldo, const float *x, int M, const Layer
     memset(a0, 0, sizeof a0);
     memset(a1, 0, sizeof a1);
     for (int64_t g = 0; g < ng; g++) {
-        const v16 table = iota * bf16_to_f32(scale[g]) + bf16_to_f32(mins[g]);
+        const v16 table = iota * half_to_f32(scale[g], L->f16) + half_to_f32(mins[g], L->f16);
         for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
             v16i b = widen_u8(w + k / 2);
             v16 lo = __builtin_shuffle(table, b & 15), hi = __builtin_shuffle(table, b >> 4);
@@ -260,28 +271,32 @@ __attribute__((optimize("no-reciprocal-math"))) static float quantize_row_s8(con
     return s;
 }
 
-enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_INT8 = 2, FMT_INT4 = 3, FMT_W8A8 = 4, FMT_W4A8 = 5 };
+enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_INT8 = 2, FMT_INT4 = 3, FMT_W8A8 = 4, FMT_W4A8 = 5, FMT_F16_SCALES = 16 };
 
 /* csrc/gemv_w4a8.c */
 void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, const void *w,
-               const void *scale, const void *mins, int64_t G, const float *bias, float *scratch, int num_threads);
+               const void *scale, const void *mins, int64_t G, int f16, const float *bias, float *scratch,
+               int num_threads);
 
 /*
  * y = x W^T + bias for one of the formats above.
  *   out [M, N] rows ldo floats apart; x [M, K] rows ldx floats apart (unit column stride)
+ *   fmt: FMT_*, int4 and w4a8 | FMT_F16_SCALES for float16 scales and mins
  *   w, scale, mins, G as the format says (unused ones may be NULL / 0)
  *   scratch: float32, >= MAX_M * (Kp + Kp / G + 16) floats (staged, padded or quantized rows of x)
  */
 void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, int fmt,
                  const void *w, const void *scale, const void *mins, int64_t G, const float *bias, float *scratch,
                  int num_threads) {
-    Layer L = {.w = w, .K = K, .Kv = ldx, .scale = scale, .mins = mins, .G = G, .bias = bias};
+    const int f16 = (fmt & FMT_F16_SCALES) != 0;
+    fmt &= ~FMT_F16_SCALES;
+    Layer L = {.w = w, .K = K, .Kv = ldx, .scale = scale, .mins = mins, .G = G, .bias = bias, .f16 = f16};
     for (int m0 = 0; m0 < M; m0 += MAX_M) {
         int mm = M - m0 < MAX_M ? M - m0 : MAX_M;
         const float *xm = x + m0 * ldx;
         float *o = out + m0 * ldo;
         if (fmt == FMT_W4A8) {
-            gemv_w4a8(o, ldo, xm, ldx, mm, K, N, w, scale, mins, G, bias, scratch, num_threads);
+            gemv_w4a8(o, ldo, xm, ldx, mm, K, N, w, scale, mins, G, f16, bias, scratch, num_threads);
         } else if (fmt == FMT_INT4) {
             /* Stage x zero-padded to Kp (whatever the codes past K, a zero x makes them add nothing). */
             int64_t Kp = (K + G - 1) / G * G;

@@ -1,5 +1,5 @@
 /*
- * W4A8: int4 weights (csrc/gemv.c's int4 layout: group-wise scale and min, bf16) against int8 activations
+ * W4A8: int4 weights (csrc/gemv.c's int4 layout: group-wise scale and min, bf16 or float16) against int8 activations
  * (each row of x quantized here, symmetric absmax / 127, round half to even, as w8a8 does):
  *
  *   y[m, n] = xs[m] * (sum_g scale[n, g] * sum_{k in g} q[n, k] xq[m, k]  +  sum_g min[n, g] * sum_{k in g} xq[m, k])
@@ -29,11 +29,17 @@ typedef struct {
     const uint8_t *w;
     const uint16_t *scale, *mins;
     const float *bias;
+    int f16;                    /* scales and mins are float16 (else bfloat16) */
     int64_t Kp, G, ng, ngp, Kx; /* ngp: floats between rows of xg (ng rounded up to 16, zero-padded); Kx: bytes
                                  * between staged rows of xq (Kp rounded up to 128) */
 } W4A8Layer;
 
-static inline float bf16f(uint16_t h) {
+static inline float halff(uint16_t h, int f16) {
+    if (f16) {
+        _Float16 v;
+        memcpy(&v, &h, sizeof v);
+        return (float)v;
+    }
     uint32_t u = (uint32_t)h << 16;
     float f;
     memcpy(&f, &u, sizeof f);
@@ -41,10 +47,10 @@ static inline float bf16f(uint16_t h) {
 }
 
 /* sum_g min[g] * xg[g]: the min term of one weight row against one staged row. */
-static inline float min_term(const uint16_t *mn, const float *xg, int64_t ng) {
+static inline float min_term(const uint16_t *mn, const float *xg, int64_t ng, int f16) {
     float s = 0.f;
 #pragma omp simd reduction(+ : s)
-    for (int64_t g = 0; g < ng; g++) s += bf16f(mn[g]) * xg[g];
+    for (int64_t g = 0; g < ng; g++) s += halff(mn[g], f16) * xg[g];
     return s;
 }
 
@@ -56,8 +62,8 @@ static inline float min_term(const uint16_t *mn, const float *xg, int64_t ng) {
 #define LOAD_W(mask, p) (last ? _mm512_maskz_loadu_epi8(mask, p) : _mm512_loadu_si512((const void *)(p)))
 #define LOAD_H(mask, p) (last ? _mm256_maskz_loadu_epi16(mask, p) : _mm256_loadu_si256((const __m256i *)(p)))
 
-static inline __attribute__((always_inline)) __m512 bf16x16(__m256i h) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+static inline __attribute__((always_inline)) __m512 half16(__m256i h, int f16) {
+    return f16 ? _mm512_cvtph_ps(h) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 /* One 128-weight chunk (4 blocks) against M rows: two vpdpbusd per row, then its blocks' scales (`s`, block
@@ -100,7 +106,7 @@ static inline __attribute__((always_inline)) void row_vnni(float *out, int64_t l
     int64_t c = 0;
     for (int64_t sb = 0; sb < full; sb++, c += 4) {
         const int64_t g0 = (16 * sb) >> shift, cnt = ng - g0 < 16 ? ng - g0 : 16;
-        const __m512 win = bf16x16(LOAD_H((__mmask16)((1u << cnt) - 1), sc + g0));
+        const __m512 win = half16(LOAD_H((__mmask16)((1u << cnt) - 1), sc + g0), L->f16);
         const uint8_t *wc = w + c * 64;
         const int8_t *xc = xq + c * 128;
         chunk_vnni(acc, _mm512_loadu_si512((const void *)wc), _mm512_permutexvar_ps(idx[0], win), xc, L->Kx, M);
@@ -113,7 +119,7 @@ static inline __attribute__((always_inline)) void row_vnni(float *out, int64_t l
     }
     if (c < nchunks) { /* the last, partial superblock: chunks one by one, the row's end masked */
         const int64_t g0 = (16 * full) >> shift, cnt = ng - g0 < 16 ? ng - g0 : 16;
-        const __m512 win = bf16x16(LOAD_H((__mmask16)((1u << cnt) - 1), sc + g0));
+        const __m512 win = half16(LOAD_H((__mmask16)((1u << cnt) - 1), sc + g0), L->f16);
         for (int u = 0; c < nchunks; c++, u++) {
             int64_t left = nbytes - c * 64;
             __mmask64 mask = left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
@@ -125,7 +131,7 @@ static inline __attribute__((always_inline)) void row_vnni(float *out, int64_t l
      * reduces once. */
     for (int64_t g0 = 0; g0 < ng; g0 += 16) {
         int64_t cnt = ng - g0 < 16 ? ng - g0 : 16;
-        __m512 mv = bf16x16(LOAD_H((__mmask16)((1u << cnt) - 1), mn + g0));
+        __m512 mv = half16(LOAD_H((__mmask16)((1u << cnt) - 1), mn + g0), L->f16);
         for (int m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(xg + m * L->ngp + g0), acc[m]);
     }
     for (int m = 0; m < M; m++) out[m * ldo + n] = _mm512_reduce_add_ps(acc[m]) * xs[m] + (L->bias ? L->bias[n] : 0.f);
@@ -146,9 +152,9 @@ static inline void row_portable(float *out, int64_t ldo, const int8_t *xq, const
             const int8_t *xl = xr + (b / 4) * 128 + (b % 4) * 16, *xh = xl + 64;
             int32_t d = 0;
             for (int j = 0; j < 16; j++) d += (int32_t)(wb[j] & 15) * xl[j] + (int32_t)(wb[j] >> 4) * xh[j];
-            y += (float)d * bf16f(sc[b / bpg]);
+            y += (float)d * halff(sc[b / bpg], L->f16);
         }
-        y += min_term(mn, xg + m * L->ngp, L->ng);
+        y += min_term(mn, xg + m * L->ngp, L->ng, L->f16);
         out[m * ldo + n] = y * xs[m] + (L->bias ? L->bias[n] : 0.f);
     }
 }
@@ -189,13 +195,14 @@ __attribute__((optimize("no-reciprocal-math"))) static float stage_row(const flo
  *   scratch: >= M * (1 + round_up(ng, 16)) floats followed by M * round_up(Kp, 128) bytes.
  */
 void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, const void *w,
-               const void *scale, const void *mins, int64_t G, const float *bias, float *scratch, int num_threads) {
+               const void *scale, const void *mins, int64_t G, int f16, const float *bias, float *scratch,
+               int num_threads) {
     const int64_t Kp = (K + G - 1) / G * G, ng = Kp / G, ngp = (ng + 15) / 16 * 16, Kx = (Kp + 127) / 128 * 128;
     float *xs = scratch, *xg = scratch + M;
     int8_t *xq = (int8_t *)(xg + (int64_t)M * ngp);
     for (int m = 0; m < M; m++) xs[m] = stage_row(x + m * ldx, K, G, xq + m * Kx, Kx, xg + m * ngp, ngp);
     W4A8Layer L = {.w = (const uint8_t *)w, .scale = (const uint16_t *)scale, .mins = (const uint16_t *)mins,
-                   .bias = bias, .Kp = Kp, .G = G, .ng = ng, .ngp = ngp, .Kx = Kx};
+                   .bias = bias, .f16 = f16, .Kp = Kp, .G = G, .ng = ng, .ngp = ngp, .Kx = Kx};
     /* Rows whose unmasked loads (up to 16 groups of scales or mins, whole 64-byte chunks) could pass the end. */
     const int64_t nchunks = Kx / 128, tail_rows = 1 + (ngp + ng - 1) / ng + (nchunks * 64 + Kp / 2 - 1) / (Kp / 2);
 #pragma omp parallel num_threads(num_threads)
