@@ -25,6 +25,8 @@ class QuantConfig:
     # int4 / w4a8 group scales and mins: bfloat16 (what we quantize to), or float16 where a checkpoint quantized
     # elsewhere (GPTQ, AWQ, GGUF's Q4_0 / Q4_1) stores them so: kept exactly, not rounded to bfloat16.
     scale_dtype: str = "bfloat16"
+    # Their mins (-scale * zero): in scale_dtype, or float32 where a float16 product would round (asymmetric zeros).
+    min_dtype: str = ""
 
     def __post_init__(self) -> None:
         if self.method not in QUANTIZATION_METHODS:
@@ -32,6 +34,8 @@ class QuantConfig:
                              f"{', '.join(QUANTIZATION_METHODS)}")
         if self.scale_dtype not in ("bfloat16", "float16"):
             raise ValueError(f"quantization scale dtype: {self.scale_dtype!r} is neither bfloat16 nor float16")
+        if self.min_dtype not in ("", "float32"):
+            raise ValueError(f"quantization min dtype: {self.min_dtype!r} is neither the scales' nor float32")
         if self.group_size not in GROUP_SIZES:
             raise ValueError(f"quantization_group_size: {self.group_size} does not divide into the int4 kernel's "
                              f"32-weight blocks as a power of two; choose one of {', '.join(map(str, GROUP_SIZES))}")
@@ -39,6 +43,10 @@ class QuantConfig:
     @property
     def torch_scale_dtype(self) -> torch.dtype:
         return torch.float16 if self.scale_dtype == "float16" else torch.bfloat16
+
+    @property
+    def torch_min_dtype(self) -> torch.dtype:
+        return torch.float32 if self.min_dtype == "float32" else self.torch_scale_dtype
 
     def as_hf_dict(self) -> dict[str, object]:
         """The `quantization_config` entry of a saved checkpoint's config.json."""
@@ -52,6 +60,23 @@ class QuantConfig:
         saved = mc.hf_config.get("quantization_config")
         if saved is None:
             return None if method is None else QuantConfig(method, group_size, quantize_lm_head)
+        from minivllm.prequant_config import parse_prequantized
+
+        scheme = parse_prequantized(saved, f"{mc.path}/config.json") if isinstance(saved, dict) else None
+        if scheme is not None:
+            kernels = scheme.kernels()
+            if not kernels:  # dequantized at load: the float model, quantized again only if asked
+                return None if method is None else QuantConfig(method, group_size, quantize_lm_head)
+            if method is not None and method not in kernels:
+                raise ValueError(f"quantization: {mc.path} is a {scheme.method} checkpoint whose layers run as "
+                                 f"{' or '.join(kernels)}; it cannot be loaded as {method}")
+            # The head's quantization is the checkpoint's (the loader reads it from the tensors present).
+            half = "bfloat16" if scheme.method == "compressed-tensors" and mc.checkpoint_dtype == "bfloat16" \
+                else "float16"
+            target = scheme.engine_method()
+            assert target is not None  # (kernels implies it)
+            return QuantConfig(method or kernels[0], target[1] or 32, False, half,
+                               "" if scheme.symmetric else "float32")
         cfg = QuantConfig.from_hf_dict(saved, f"{mc.path}/config.json")
         if method is not None and method != cfg.method:
             raise ValueError(f"quantization: {mc.path} is a checkpoint quantized as {cfg.method}; it cannot be "
@@ -63,5 +88,6 @@ class QuantConfig:
         """Parse a checkpoint's `quantization_config`; anything we did not write is a clear error."""
         if d.get("quant_method") != "minivllm" or d.get("format_version") != 1:
             raise ValueError(f"{where}: quantization_config {d!r} is not a minivllm quantized checkpoint "
-                             "(format_version 1); only checkpoints saved by `minivllm quantize` load quantized")
+                             "(format_version 1) nor a GPTQ, AWQ or compressed-tensors one; those are what load "
+                             "quantized")
         return QuantConfig(str(d.get("mode")), int(d.get("group_size", 32)), bool(d.get("lm_head", True)))

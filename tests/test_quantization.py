@@ -62,11 +62,11 @@ def test_int4_packing_round_trip(k, group):
     assert (err <= step * 0.5 + 0.02 * step + 1e-6).all()
 
 
-def _layer(method: str, k: int, n: int, bias: bool, group: int = 32, scale_dtype: str = "bfloat16"
-           ) -> tuple[QuantizedLinear, torch.Tensor]:
+def _layer(method: str, k: int, n: int, bias: bool, group: int = 32, scale_dtype: str = "bfloat16",
+           min_dtype: str = "") -> tuple[QuantizedLinear, torch.Tensor]:
     torch.manual_seed(k * n)
     w = torch.randn(n, k) * 0.05
-    q = QuantizedLinear(k, n, bias, QuantConfig(method, group, scale_dtype=scale_dtype))
+    q = QuantizedLinear(k, n, bias, QuantConfig(method, group, scale_dtype=scale_dtype, min_dtype=min_dtype))
     b = torch.randn(n) if bias else None
     q.quantize_from(w, b)
     return q, w
@@ -104,21 +104,25 @@ def test_every_kernel_equals_dequantized_reference(method, k, n, m, bias):
 @pytest.mark.parametrize("group", [32, 64, 128, 256])
 @pytest.mark.parametrize("k", [2048, 1568, 800])
 @pytest.mark.parametrize("m", [1, 5])
-@pytest.mark.parametrize("scale_dtype", ["bfloat16", "float16"])
-def test_w4a8_kernel_superblocks_and_tails_every_group_size(group, k, m, scale_dtype):
+@pytest.mark.parametrize("scale_dtype,min_dtype", [("bfloat16", ""), ("float16", ""), ("float16", "float32"),
+                                                    ("bfloat16", "float32")])
+def test_w4a8_kernel_superblocks_and_tails_every_group_size(group, k, m, scale_dtype, min_dtype):
     """The W4A8 kernel walks 16-block superblocks with one window of group scales each, then a masked tail: whole
     superblocks only (2048), several and a tail of 1-3 chunks (1568 = 3 * 512 + 32, 800 = 512 + 288), every group
     size; the last rows take the masked loads, so n spans several of them. Scales and mins in bfloat16 (ours) or
-    float16 (GPTQ's, AWQ's, GGUF's), read as what they are."""
-    q, _ = _layer("w4a8", k, 67, True, group, scale_dtype)
-    assert q.scales.dtype == q.mins.dtype == getattr(torch, scale_dtype)
+    float16 (GPTQ's, AWQ's, GGUF's), mins in float32 (an asymmetric zero times a float16 scale), read as they are."""
+    q, _ = _layer("w4a8", k, 67, True, group, scale_dtype, min_dtype)
+    assert q.scales.dtype == getattr(torch, scale_dtype) and q.mins.dtype == getattr(torch, min_dtype or scale_dtype)
+    if min_dtype:  # mins no half type holds: the kernels must read them as float32
+        q.mins.add_(torch.rand_like(q.mins) * 1e-3)
     x = torch.randn(m, k)
     xq, xs = quantize_rows_int8(x)
     expected = (xq.double() * xs.double()[:, None]) @ q.dequantize().double().t() + q.bias.double()
     got = q.forward_native(x)
     assert (got.double() - expected).abs().max().item() <= 2e-6 * expected.abs().max().item()
     # The weight-only int4 kernels on the same stored groups (native: a table per group; native_a8 as above).
-    q4, _ = _layer("int4", k, 67, True, group, scale_dtype)
+    q4, _ = _layer("int4", k, 67, True, group, scale_dtype, min_dtype)
+    q4.mins.copy_(q.mins)
     for name, kernel in q4.candidates().items():
         a8 = q4.quantizes_activations(name)
         ref = ((xq.double() * xs.double()[:, None]) if a8 else x.double()) @ q4.dequantize().double().t()
@@ -235,7 +239,11 @@ def test_corrupt_or_mismatched_quantized_checkpoint_is_a_clear_error(model_facto
     json.dump(cfg, open(cfg_path, "w"))
     with pytest.raises(ValueError, match=r"unexpected tensor 'layers\.0\.[a-z_.]*mins'; it was saved from a different"):
         LLM(out, num_kv_blocks=16)
-    cfg["quantization_config"]["quant_method"] = "gptq"
+    cfg["quantization_config"]["quant_method"] = "gptq"  # read as a GPTQ config, which it is not
+    json.dump(cfg, open(cfg_path, "w"))
+    with pytest.raises(ValueError, match="quantization_config.bits is None; expected int"):
+        LLM(out, num_kv_blocks=16)
+    cfg["quantization_config"]["quant_method"] = "bitsandbytes"
     json.dump(cfg, open(cfg_path, "w"))
     with pytest.raises(ValueError, match="not a minivllm quantized checkpoint"):
         LLM(out, num_kv_blocks=16)

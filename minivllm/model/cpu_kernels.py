@@ -222,7 +222,8 @@ def logprobs_rows(logits: torch.Tensor, rows: torch.Tensor, chosen: torch.Tensor
 
 _MAX_M = 16  # csrc/gemv.c's rows of x staged per pass
 GEMV_FORMATS = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3, "w8a8": 4, "w4a8": 5}
-_F16_SCALES = 16  # csrc/gemv.c's FMT_F16_SCALES: int4 / w4a8 group scales and mins in float16, not bfloat16
+_F16_SCALES = 16  # csrc/gemv.c's FMT_F16_SCALES: int4 / w4a8 group scales (and mins) in float16, not bfloat16
+_F32_MINS = 32  # FMT_F32_MINS: int4 / w4a8 group mins in float32
 
 
 class GemvWeights:
@@ -238,6 +239,8 @@ class GemvWeights:
         self.fmt, self.k, self.n, self.group = GEMV_FORMATS[fmt], in_features, weight.shape[0], group
         if group and scale is not None and scale.dtype == torch.float16:
             self.fmt |= _F16_SCALES
+        if group and mins is not None and mins.dtype == torch.float32:
+            self.fmt |= _F32_MINS
         self.tensors = (weight, scale, mins, bias)  # the pointers below stay valid while these live
         self.ptrs = tuple(_ptr(t) for t in self.tensors)
         kp = -(-in_features // group) * group if group else in_features

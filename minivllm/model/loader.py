@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import logging
@@ -16,11 +17,12 @@ from torch import nn
 from minivllm.config import ModelConfig
 from minivllm.distributed.parallel import attach_collectives, shard_model
 from minivllm.engine_config import ParallelConfig
-from minivllm.model import gguf_checkpoint
+from minivllm.model import gguf_checkpoint, prequantized
 from minivllm.model.hugepages import place_in_hugepages
 from minivllm.model.models import get_model_class
 from minivllm.model.quantization import quantize_model
 from minivllm.model.quantized_checkpoint import load_quantized
+from minivllm.prequant_config import PrequantScheme, parse_prequantized
 from minivllm.quant_config import QuantConfig
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,18 @@ def weight_files(path: str) -> list[str]:
     return files
 
 
+def checkpoint_names(path: str) -> list[str]:
+    """Every tensor name of a checkpoint directory, from the files' headers (safetensors) or contents (.bin)."""
+    names: list[str] = []
+    for file in weight_files(path):
+        if file.endswith(".safetensors"):
+            with safe_open(file, framework="pt") as f:
+                names += list(f.keys())
+        else:
+            names += list(torch.load(file, map_location="cpu", weights_only=True))
+    return names
+
+
 def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every tensor of the checkpoint, one file at a time (a GGUF file: HF names,
     dequantized; model/gguf_checkpoint.py)."""
@@ -58,6 +72,12 @@ def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                     yield name, f.get_tensor(name)
         else:
             yield from torch.load(file, map_location="cpu", weights_only=True).items()
+
+
+def prequantized_scheme(mc: ModelConfig) -> PrequantScheme | None:
+    """The GPTQ / AWQ / compressed-tensors scheme of the checkpoint's layers; None for any other checkpoint."""
+    saved = mc.hf_config.get("quantization_config")
+    return parse_prequantized(saved, f"{mc.path}/config.json") if isinstance(saved, dict) else None
 
 
 def load_model(mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_model_len: int,
@@ -74,8 +94,16 @@ def load_model(mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_mo
         with torch.device("meta"):
             # load_weights (and its modules' reset_buffers) are the registry class's own, not nn.Module's
             model: Any = cls(mc, max_model_len)
-            saved = quant is not None and "quantization_config" in mc.hf_config
-            if saved:
+            scheme = prequantized_scheme(mc)
+            saved = quant is not None and scheme is None and "quantization_config" in mc.hf_config
+            # A GPTQ / AWQ / compressed-tensors checkpoint whose layers map onto our kernels loads into them.
+            native = quant is not None and scheme is not None and quant.method in scheme.kernels()
+            if native:
+                assert quant is not None and scheme is not None  # (native implies them)
+                names = checkpoint_names(mc.path)
+                heads = [p for p in prequantized.quantized_layers(scheme, names) if p.split(".")[-1] == "lm_head"]
+                quant = dataclasses.replace(quant, quantize_lm_head=bool(heads))
+            if saved or native:
                 assert quant is not None  # (saved implies it)
                 quantize_model(model, quant, materialize=False)
     finally:
@@ -85,17 +113,26 @@ def load_model(mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_mo
         if hasattr(module, "reset_buffers"):
             module.reset_buffers()
     tp = parallel is not None and parallel.size > 1
-    if saved and tp:
+    if (saved or scheme is not None) and tp:
         raise ValueError("tensor parallelism of a checkpoint saved quantized is not supported; load its "
                          "full-precision original with --quantization instead (each rank quantizes its shard)")
     if saved:
         load_quantized(model, mc)
+    elif native:
+        assert quant is not None and scheme is not None
+        model.load_weights(prequantized.convert(scheme, names, iterate_weights(mc.path), quant.torch_scale_dtype,
+                                                quant.torch_min_dtype))
     else:
-        model.load_weights(iterate_weights(mc.path))
+        weights = iterate_weights(mc.path)
+        if scheme is not None:  # layers no kernel of ours computes as they are: dequantized, exactly
+            logger.info("%s checkpoint: %s", scheme.method, "layers dequantized to float at load (act-order "
+                        "groups, per-channel 4-bit or an unsupported group size)")
+            weights = prequantized.convert(scheme, checkpoint_names(mc.path), weights, None)
+        model.load_weights(weights)
         if tp:
             assert parallel is not None  # (tp implies it)
             shard_model(model, mc, parallel)
-        if quant is not None:
+        if quant is not None and not native:
             quantize_model(model, quant)
     if tp:
         assert parallel is not None  # (tp implies it)

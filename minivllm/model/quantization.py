@@ -50,8 +50,15 @@ def quantize_int4(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype = t
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     mins = lo.to(scale_dtype)
     q = torch.round((wf - mins.float()[..., None]) / scale.float()[..., None]).clamp(0, 15).to(torch.uint8)
-    q = q.view(n, kp // 32, 2, 16)
-    return (q[:, :, 0] | (q[:, :, 1] << 4)).view(n, kp // 2), scale, mins
+    return pack_int4(q.view(n, kp)), scale, mins
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [N, Kp] (0..15, Kp a multiple of 32) → the kernels' packed [N, Kp/2] uint8: each 32-code block is 16
+    bytes, byte j holding code j (low nibble) and code j + 16 (high)."""
+    n, kp = codes.shape
+    q = codes.to(torch.uint8).view(n, kp // 32, 2, 16)
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, kp // 2)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -73,6 +80,7 @@ class QuantizedLinear(PlannedLinear):
     """A Linear whose weight is stored quantized; forward picks the kernel planned for the input's M."""
 
     # buffers (register_buffer); `mins` exists only for the grouped (int4) methods
+    checkpoint_buffers = ("qweight", "scales", "mins", "bias")  # what a pre-quantized checkpoint fills (weights.py)
     qweight: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor
@@ -88,7 +96,7 @@ class QuantizedLinear(PlannedLinear):
             half = cfg.torch_scale_dtype
             self.register_buffer("qweight", torch.empty(out_features, kp // 2, dtype=torch.uint8))
             self.register_buffer("scales", torch.empty(out_features, kp // cfg.group_size, dtype=half))
-            self.register_buffer("mins", torch.empty(out_features, kp // cfg.group_size, dtype=half))
+            self.register_buffer("mins", torch.empty(out_features, kp // cfg.group_size, dtype=cfg.torch_min_dtype))
         else:
             self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
             self.register_buffer("scales", torch.empty(out_features, dtype=torch.float32))

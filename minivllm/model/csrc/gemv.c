@@ -10,8 +10,8 @@
  *   int8   w [N, K] int8, per-channel scale s[n]:                 W[n, k] = s[n] * w[n, k]
  *   int4   w [N, Kp / 2] uint8, Kp = K rounded up to the group size G (a multiple of 32), per-group
  *          scale and min as bf16 [N, Kp / G]:                    W[n, k] = scale * q + min, q in 0..15;
- *          or as float16 (fmt | FMT_F16_SCALES): GGUF's Q4_0 / Q4_1 and GPTQ / AWQ checkpoints keep their
- *          scales exactly so.
+ *          or as float16 (fmt | FMT_F16_SCALES), the mins as float32 (fmt | FMT_F32_MINS): GGUF's Q4_0 / Q4_1
+ *          and GPTQ / AWQ / compressed-tensors checkpoints keep their scales (and -scale * zero) exactly so.
  *          Each 32-weight block is 16 bytes; byte j holds q[j] (low nibble) and q[j + 16] (high
  *          nibble), so one 16-byte load widens to two 16-lane vectors without shuffles.
  *   w8a8   the int8 weights; x is quantized per row here (symmetric, absmax / 127, round half to
@@ -120,7 +120,7 @@ typedef struct {
     const void *scale, *mins; /* per format */
     int64_t G;
     const float *bias;
-    int f16; /* int4 group scales and mins are float16 (else bfloat16) */
+    int f16, f32mins; /* int4 group scales (and mins) are float16, else bfloat16; mins are float32 */
 } Layer;
 
 /* Float weights (f32 or bf16) against M rows of x. */
@@ -183,12 +183,13 @@ INLINE void int4_row(float *out, int64_t ldo, const float *x, int M, const Layer
     const int64_t Kp = L->Kv, G = L->G, ng = Kp / G;
     const uint8_t *w = (const uint8_t *)L->w + n * (Kp / 2);
     const uint16_t *scale = (const uint16_t *)L->scale + n * ng, *mins = (const uint16_t *)L->mins + n * ng;
+    const float *minf = (const float *)L->mins + n * ng;
     const v16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     v16 a0[MB], a1[MB];
     memset(a0, 0, sizeof a0);
     memset(a1, 0, sizeof a1);
     for (int64_t g = 0; g < ng; g++) {
-        const v16 table = iota * half_to_f32(scale[g], L->f16) + half_to_f32(mins[g], L->f16);
+        const v16 table = iota * half_to_f32(scale[g], L->f16) + (L->f32mins ? minf[g] : half_to_f32(mins[g], L->f16));
         for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
             v16i b = widen_u8(w + k / 2);
             v16 lo = __builtin_shuffle(table, b & 15), hi = __builtin_shuffle(table, b >> 4);
@@ -271,32 +272,34 @@ __attribute__((optimize("no-reciprocal-math"))) static float quantize_row_s8(con
     return s;
 }
 
-enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_INT8 = 2, FMT_INT4 = 3, FMT_W8A8 = 4, FMT_W4A8 = 5, FMT_F16_SCALES = 16 };
+enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_INT8 = 2, FMT_INT4 = 3, FMT_W8A8 = 4, FMT_W4A8 = 5, FMT_F16_SCALES = 16,
+       FMT_F32_MINS = 32 };
 
 /* csrc/gemv_w4a8.c */
 void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, const void *w,
-               const void *scale, const void *mins, int64_t G, int f16, const float *bias, float *scratch,
+               const void *scale, const void *mins, int64_t G, int halves, const float *bias, float *scratch,
                int num_threads);
 
 /*
  * y = x W^T + bias for one of the formats above.
  *   out [M, N] rows ldo floats apart; x [M, K] rows ldx floats apart (unit column stride)
- *   fmt: FMT_*, int4 and w4a8 | FMT_F16_SCALES for float16 scales and mins
+ *   fmt: FMT_*; int4 and w4a8 | FMT_F16_SCALES for float16 scales (and mins), | FMT_F32_MINS for float32 mins
  *   w, scale, mins, G as the format says (unused ones may be NULL / 0)
  *   scratch: float32, >= MAX_M * (Kp + Kp / G + 16) floats (staged, padded or quantized rows of x)
  */
 void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, int fmt,
                  const void *w, const void *scale, const void *mins, int64_t G, const float *bias, float *scratch,
                  int num_threads) {
-    const int f16 = (fmt & FMT_F16_SCALES) != 0;
-    fmt &= ~FMT_F16_SCALES;
-    Layer L = {.w = w, .K = K, .Kv = ldx, .scale = scale, .mins = mins, .G = G, .bias = bias, .f16 = f16};
+    const int halves = (fmt & (FMT_F16_SCALES | FMT_F32_MINS)) / FMT_F16_SCALES; /* bit 0: f16, bit 1: f32 mins */
+    fmt &= ~(FMT_F16_SCALES | FMT_F32_MINS);
+    Layer L = {.w = w, .K = K, .Kv = ldx, .scale = scale, .mins = mins, .G = G, .bias = bias, .f16 = halves & 1,
+               .f32mins = halves >> 1};
     for (int m0 = 0; m0 < M; m0 += MAX_M) {
         int mm = M - m0 < MAX_M ? M - m0 : MAX_M;
         const float *xm = x + m0 * ldx;
         float *o = out + m0 * ldo;
         if (fmt == FMT_W4A8) {
-            gemv_w4a8(o, ldo, xm, ldx, mm, K, N, w, scale, mins, G, f16, bias, scratch, num_threads);
+            gemv_w4a8(o, ldo, xm, ldx, mm, K, N, w, scale, mins, G, halves, bias, scratch, num_threads);
         } else if (fmt == FMT_INT4) {
             /* Stage x zero-padded to Kp (whatever the codes past K, a zero x makes them add nothing). */
             int64_t Kp = (K + G - 1) / G * G;

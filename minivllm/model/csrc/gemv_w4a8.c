@@ -27,9 +27,10 @@
 
 typedef struct {
     const uint8_t *w;
-    const uint16_t *scale, *mins;
+    const uint16_t *scale;
+    const void *mins;
     const float *bias;
-    int f16;                    /* scales and mins are float16 (else bfloat16) */
+    int f16, f32mins;           /* scales (and mins) are float16, else bfloat16; mins are float32 */
     int64_t Kp, G, ng, ngp, Kx; /* ngp: floats between rows of xg (ng rounded up to 16, zero-padded); Kx: bytes
                                  * between staged rows of xq (Kp rounded up to 128) */
 } W4A8Layer;
@@ -47,10 +48,15 @@ static inline float halff(uint16_t h, int f16) {
 }
 
 /* sum_g min[g] * xg[g]: the min term of one weight row against one staged row. */
-static inline float min_term(const uint16_t *mn, const float *xg, int64_t ng, int f16) {
+static inline float min_term(const void *mn, const float *xg, int64_t ng, int f16, int f32mins) {
     float s = 0.f;
+    if (f32mins) {
 #pragma omp simd reduction(+ : s)
-    for (int64_t g = 0; g < ng; g++) s += halff(mn[g], f16) * xg[g];
+        for (int64_t g = 0; g < ng; g++) s += ((const float *)mn)[g] * xg[g];
+        return s;
+    }
+#pragma omp simd reduction(+ : s)
+    for (int64_t g = 0; g < ng; g++) s += halff(((const uint16_t *)mn)[g], f16) * xg[g];
     return s;
 }
 
@@ -90,7 +96,8 @@ static inline __attribute__((always_inline)) void row_vnni(float *out, int64_t l
                                                            int last) {
     const int64_t ng = L->ng, nbytes = L->Kp / 2, nchunks = (L->Kp + 127) / 128;
     const uint8_t *w = L->w + n * nbytes;
-    const uint16_t *sc = L->scale + n * ng, *mn = L->mins + n * ng;
+    const uint16_t *sc = L->scale + n * ng;
+    const char *mn = (const char *)L->mins + n * ng * (L->f32mins ? 4 : 2);
     const int shift = __builtin_ctzll((uint64_t)(L->G / 32)); /* 32-weight blocks per group, log2 */
     /* A superblock is 16 blocks (4 chunks): its groups' scales are one window of at most 16, loaded once, and
      * chunk u's lanes pick theirs with a constant index (block 4u + lane / 4, as a group of the window): one
@@ -131,7 +138,10 @@ static inline __attribute__((always_inline)) void row_vnni(float *out, int64_t l
      * reduces once. */
     for (int64_t g0 = 0; g0 < ng; g0 += 16) {
         int64_t cnt = ng - g0 < 16 ? ng - g0 : 16;
-        __m512 mv = half16(LOAD_H((__mmask16)((1u << cnt) - 1), mn + g0), L->f16);
+        const __mmask16 mk = (__mmask16)((1u << cnt) - 1);
+        __m512 mv = L->f32mins ? (last ? _mm512_maskz_loadu_ps(mk, (const float *)mn + g0)
+                                       : _mm512_loadu_ps((const float *)mn + g0))
+                               : half16(LOAD_H(mk, (const uint16_t *)mn + g0), L->f16);
         for (int m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(xg + m * L->ngp + g0), acc[m]);
     }
     for (int m = 0; m < M; m++) out[m * ldo + n] = _mm512_reduce_add_ps(acc[m]) * xs[m] + (L->bias ? L->bias[n] : 0.f);
@@ -142,7 +152,8 @@ static inline __attribute__((always_inline)) void row_vnni(float *out, int64_t l
 static inline void row_portable(float *out, int64_t ldo, const int8_t *xq, const float *xs, const float *xg, int M,
                                 const W4A8Layer *L, int64_t n) {
     const uint8_t *w = L->w + n * (L->Kp / 2);
-    const uint16_t *sc = L->scale + n * L->ng, *mn = L->mins + n * L->ng;
+    const uint16_t *sc = L->scale + n * L->ng;
+    const char *mn = (const char *)L->mins + n * L->ng * (L->f32mins ? 4 : 2);
     const int64_t nblocks = L->Kp / 32, bpg = L->G / 32;
     for (int m = 0; m < M; m++) {
         const int8_t *xr = xq + m * L->Kx;
@@ -154,7 +165,7 @@ static inline void row_portable(float *out, int64_t ldo, const int8_t *xq, const
             for (int j = 0; j < 16; j++) d += (int32_t)(wb[j] & 15) * xl[j] + (int32_t)(wb[j] >> 4) * xh[j];
             y += (float)d * halff(sc[b / bpg], L->f16);
         }
-        y += min_term(mn, xg + m * L->ngp, L->ng, L->f16);
+        y += min_term(mn, xg + m * L->ngp, L->ng, L->f16, L->f32mins);
         out[m * ldo + n] = y * xs[m] + (L->bias ? L->bias[n] : 0.f);
     }
 }
@@ -195,14 +206,14 @@ __attribute__((optimize("no-reciprocal-math"))) static float stage_row(const flo
  *   scratch: >= M * (1 + round_up(ng, 16)) floats followed by M * round_up(Kp, 128) bytes.
  */
 void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, const void *w,
-               const void *scale, const void *mins, int64_t G, int f16, const float *bias, float *scratch,
+               const void *scale, const void *mins, int64_t G, int halves, const float *bias, float *scratch,
                int num_threads) {
     const int64_t Kp = (K + G - 1) / G * G, ng = Kp / G, ngp = (ng + 15) / 16 * 16, Kx = (Kp + 127) / 128 * 128;
     float *xs = scratch, *xg = scratch + M;
     int8_t *xq = (int8_t *)(xg + (int64_t)M * ngp);
     for (int m = 0; m < M; m++) xs[m] = stage_row(x + m * ldx, K, G, xq + m * Kx, Kx, xg + m * ngp, ngp);
-    W4A8Layer L = {.w = (const uint8_t *)w, .scale = (const uint16_t *)scale, .mins = (const uint16_t *)mins,
-                   .bias = bias, .f16 = f16, .Kp = Kp, .G = G, .ng = ng, .ngp = ngp, .Kx = Kx};
+    W4A8Layer L = {.w = (const uint8_t *)w, .scale = (const uint16_t *)scale, .mins = mins,
+                   .bias = bias, .f16 = halves & 1, .f32mins = (halves >> 1) & 1, .Kp = Kp, .G = G, .ng = ng, .ngp = ngp, .Kx = Kx};
     /* Rows whose unmasked loads (up to 16 groups of scales or mins, whole 64-byte chunks) could pass the end. */
     const int64_t nchunks = Kx / 128, tail_rows = 1 + (ngp + ng - 1) / ng + (nchunks * 64 + Kp / 2 - 1) / (Kp / 2);
 #pragma omp parallel num_threads(num_threads)

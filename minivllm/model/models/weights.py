@@ -14,7 +14,13 @@ class WeightLoader:
     """Copies named tensors into a module's parameters and reports what was missing or mismatched."""
 
     def __init__(self, module: nn.Module, ignore: tuple[str, ...] = ()) -> None:
-        self.params = dict(module.named_parameters())
+        self.params: dict[str, torch.Tensor] = dict(module.named_parameters())
+        # Layers stored quantized in the checkpoint load into their buffers (QuantizedLinear's packed weights).
+        for prefix, m in module.named_modules():
+            for b in getattr(m, "checkpoint_buffers", ()):
+                t = getattr(m, b, None)
+                if isinstance(t, torch.Tensor):
+                    self.params[f"{prefix}.{b}" if prefix else b] = t
         self.module_name = type(module).__name__
         self.ignore = ignore
         # A stacked parameter is complete when every row of it has been written.
