@@ -15,7 +15,8 @@ from typing import Any
 
 from minivllm.quant_config import GROUP_SIZES
 
-PREQUANTIZED_METHODS = ("gptq", "awq", "compressed-tensors")
+# "gguf": a GGUF file whose projections are all Q4_0 / Q4_1 says so in the HF config it is read as.
+PREQUANTIZED_METHODS = ("gptq", "awq", "compressed-tensors", "gguf")
 CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
 
 
@@ -64,6 +65,11 @@ def parse_prequantized(d: dict[str, Any], where: str) -> PrequantScheme | None:
     method = d.get("quant_method")
     if method not in PREQUANTIZED_METHODS:
         return None
+    if method == "gguf":
+        types = d.get("types")
+        if not isinstance(types, list) or not types or not set(types) <= {"Q4_0", "Q4_1"}:
+            raise ValueError(f"{where}: a gguf quantization_config with types {types!r}")
+        return PrequantScheme("gguf", "+".join(types), 4, 32, types == ["Q4_0"], False, False, ())
     if method == "gptq":
         bits = _need(d, "bits", int, where)
         fmt = str(d.get("checkpoint_format", "gptq"))

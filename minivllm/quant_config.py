@@ -75,8 +75,9 @@ class QuantConfig:
                 else "float16"
             target = scheme.engine_method()
             assert target is not None  # (kernels implies it)
-            return QuantConfig(method or kernels[0], target[1] or 32, False, half,
-                               "" if scheme.symmetric else "float32")
+            # GGUF's mins (-8 d, Q4_1's m) are exact in float16; an asymmetric zero times a scale needs float32.
+            exact = scheme.symmetric or scheme.method == "gguf"
+            return QuantConfig(method or kernels[0], target[1] or 32, False, half, "" if exact else "float32")
         cfg = QuantConfig.from_hf_dict(saved, f"{mc.path}/config.json")
         if method is not None and method != cfg.method:
             raise ValueError(f"quantization: {mc.path} is a checkpoint quantized as {cfg.method}; it cannot be "

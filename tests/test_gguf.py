@@ -4,6 +4,7 @@ malformed header is a clear error naming what is wrong, never a crash or a hang.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -21,6 +22,7 @@ from minivllm.config import ModelConfig
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.model.gguf_checkpoint import EOG_TEXTS, find_gguf
 from minivllm.model.gguf_header import read_header
+from minivllm.model.quantization import QuantizedLinear
 from minivllm.model.runner import SequenceInput
 from tests.conftest import make_runner
 
@@ -110,14 +112,58 @@ def test_each_tensor_type_matches_transformers_reading_of_the_same_file(gguf_fil
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                               dtype=torch.float32).eval()
     ids = get_tokenizer(path).encode(PROMPTS[0] + PROMPTS[2])
-    runner = make_runner(ModelConfig.from_pretrained(path), 16)
+    # Q4_0 / Q4_1 projections run as they are on the int4 kernels ("native": the weight-only ones, which compute
+    # with the file's weights exactly; the auto plan may quantize a prefill's activations, as llama.cpp does).
+    runner = make_runner(ModelConfig.from_pretrained(path), 16, quantization_kernel="native")
+    quantized = [m for m in runner.model.modules() if isinstance(m, QuantizedLinear)]
+    if outtype in ("Q4_0", "Q4_1"):
+        # Every projection and the head (the file's head is Q4 too): 4 + 3 + 1 per layer before fusing -> 4 + 1.
+        assert len(quantized) == 4 * len(runner.model.layers) + 1  # type: ignore[attr-defined]
+        assert all(m.method == "int4" and m.group_size == 32 and m.scales.dtype == m.mins.dtype == torch.float16
+                   for m in quantized)
+    else:
+        assert not quantized  # the other types load dequantized into the float model
     ours = runner.execute([SequenceInput(ids, 0, list(range(16)), True)])[0]
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0, -1]
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    out = LLM(path).generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids
+    llm = LLM(path, quantization_kernel="native")
+    out = llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids
     assert out == hf_greedy(hf, ids, 16)
+
+
+@pytest.mark.parametrize("outtype", ["Q4_0", "Q4_1"])
+def test_q4_blocks_run_as_they_are_and_only_as_int4(model_factory, gguf_file, outtype, tmp_path):
+    """A Q4 file's projections hold the file's own codes and float16 scales (Q4_0's min -8 d, Q4_1's m): no
+    re-quantization; they also run as W4A8 on request; a method the blocks are not is a clear error; and a HF
+    directory claiming GGUF blocks is refused."""
+    from gguf import GGUFReader
+
+    path = gguf_file("tiny-qwen2", outtype)
+    runner = make_runner(ModelConfig.from_pretrained(path), 16)
+    layer = runner.model.layers[0].mlp.down_proj  # type: ignore[attr-defined]
+    blk = next(t for t in GGUFReader(path).tensors if t.name == "blk.0.ffn_down.weight")
+    raw = np.asarray(blk.data).reshape(layer.out_features, -1, 18 if outtype == "Q4_0" else 20)
+    d = raw[:, :, :2].copy().view(np.float16)[:, :, 0]
+    assert torch.equal(layer.scales, torch.from_numpy(d))
+    mins = -8 * d.astype(np.float32) if outtype == "Q4_0" else raw[:, :, 2:4].copy().view(np.float16)[:, :, 0]
+    assert torch.equal(layer.mins.float(), torch.from_numpy(mins.astype(np.float32)))
+    assert torch.equal(layer.qweight, torch.from_numpy(raw[:, :, -16:].reshape(layer.out_features, -1).copy()))
+    w4a8 = LLM(path, quantization="w4a8")
+    assert {m.method for m in w4a8.llm_engine.runner.model.modules() if isinstance(m, QuantizedLinear)} == {"w4a8"}
+    with pytest.raises(ValueError, match="gguf checkpoint whose layers run as int4 or w4a8; it cannot be loaded as "
+                                         "int8"):
+        LLM(path, quantization="int8")
+    hf_dir = str(tmp_path / "hf")
+    shutil.copytree(model_factory("tiny-qwen2"), hf_dir)
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "gguf", "types": ["Q4_0"], "lm_head": False}
+    with open(os.path.join(hf_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match="a quantization_config of method 'gguf' belongs to a .gguf file only"):
+        LLM(hf_dir)
 
 
 def test_a_directory_holding_one_gguf_file_serves_it(gguf_file, tmp_path):

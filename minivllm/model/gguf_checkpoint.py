@@ -8,7 +8,9 @@ tensor processors undo each). So the rest of the engine sees an HF checkpoint: t
 same load_weights, one tensor at a time.
 
 Weights are dequantized as they are read, to the dtype the engine runs (F32/F16/BF16 files load exactly;
-quantized tensors through the `gguf` package's own dequantizer, the reference for parity).
+quantized tensors through the `gguf` package's own dequantizer, the reference for parity), except in a file whose
+every projection is Q4_0 / Q4_1: those run on the int4 kernels block for block (model/gguf_blocks.py), the file
+describing itself by a `quantization_config` of method "gguf" in its HF config.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from minivllm.model import gguf_blocks
 from minivllm.model.gguf_header import GGUFHeader, read_header
 
 logger = logging.getLogger(__name__)
@@ -161,6 +164,9 @@ def hf_config(path: str) -> dict[str, Any]:
     _transformers_config(path, cfg)  # transformers checks every value's type: a wrong one fails here, named
     matrix_types = {t.ggml_type.name for t in header.tensors if len(t.dims) > 1}
     cfg["torch_dtype"] = _FLOAT_TYPES.get(matrix_types.pop() if len(matrix_types) == 1 else "", "float32")
+    native = gguf_blocks.native_config(header, str(header.values.get("general.architecture", "")))
+    if native is not None:
+        cfg["quantization_config"] = native
     return cfg
 
 
@@ -204,8 +210,9 @@ def load_tokenizer(path: str) -> Any:
     return tok
 
 
-def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every tensor of the file that the HF model has, one at a time."""
+def iterate_weights(path: str, native: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every tensor of the file that the HF model has, one at a time; with native,
+    a Q4_0 / Q4_1 projection as its int4 `.qweight`, `.scales` and `.mins` instead (model/gguf_blocks.py)."""
     from gguf import GGUFReader, dequantize
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (
@@ -227,11 +234,22 @@ def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     names = get_gguf_hf_weights_map(skeleton, processor)
     del skeleton
     checked = {t.name: t for t in header.tensors}
+    head = bool((hf_config(path).get("quantization_config") or {}).get("lm_head"))
     extra: dict[str, Any] = {"tensors": {}}  # processors that rename a tensor put it here (GPT-2's output)
     for tensor in (t for part in parts(path) for t in GGUFReader(part).tensors):
         info = checked.get(tensor.name)
         if info is None or tensor.data_offset != info.start or int(tensor.n_bytes) != info.nbytes:
             raise ValueError(f"GGUF {path}: tensor {tensor.name!r} read differently from its checked header")
+        kind = info.ggml_type.name
+        if native and len(info.dims) == 2 and gguf_blocks.is_native(tensor.name, kind, head):
+            key, rows = gguf_blocks.row_order(processor, tensor.name, int(info.dims[1]), names)
+            hf_name = names.get(key or "")
+            if hf_name is None or not hf_name.endswith(".weight"):
+                raise ValueError(f"GGUF {path}: {kind} tensor {tensor.name!r} has no projection of the model to run in")
+            qweight, scales, mins = gguf_blocks.decode(tensor.name, tensor.data, kind, rows)
+            prefix = hf_name.removesuffix(".weight")
+            yield from ((prefix + ".qweight", qweight), (prefix + ".scales", scales), (prefix + ".mins", mins))
+            continue
         weights = dequantize(tensor.data, tensor.tensor_type)
         result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names,
                                    parsed_parameters=extra)

@@ -59,11 +59,11 @@ def checkpoint_names(path: str) -> list[str]:
     return names
 
 
-def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_weights(path: str, native: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every tensor of the checkpoint, one file at a time (a GGUF file: HF names,
-    dequantized; model/gguf_checkpoint.py)."""
+    dequantized, or with native its Q4_0 / Q4_1 projections as int4 blocks; model/gguf_checkpoint.py)."""
     if path.endswith(".gguf"):
-        yield from gguf_checkpoint.iterate_weights(path)
+        yield from gguf_checkpoint.iterate_weights(path, native)
         return
     for file in weight_files(path):
         if file.endswith(".safetensors"):
@@ -77,7 +77,10 @@ def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 def prequantized_scheme(mc: ModelConfig) -> PrequantScheme | None:
     """The GPTQ / AWQ / compressed-tensors scheme of the checkpoint's layers; None for any other checkpoint."""
     saved = mc.hf_config.get("quantization_config")
-    return parse_prequantized(saved, f"{mc.path}/config.json") if isinstance(saved, dict) else None
+    scheme = parse_prequantized(saved, f"{mc.path}/config.json") if isinstance(saved, dict) else None
+    if scheme is not None and (scheme.method == "gguf") != mc.path.endswith(".gguf"):
+        raise ValueError(f"{mc.path}: a quantization_config of method 'gguf' belongs to a .gguf file only")
+    return scheme
 
 
 def load_model(mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_model_len: int,
@@ -100,9 +103,12 @@ def load_model(mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_mo
             native = quant is not None and scheme is not None and quant.method in scheme.kernels()
             if native:
                 assert quant is not None and scheme is not None  # (native implies them)
-                names = checkpoint_names(mc.path)
-                heads = [p for p in prequantized.quantized_layers(scheme, names) if p.split(".")[-1] == "lm_head"]
-                quant = dataclasses.replace(quant, quantize_lm_head=bool(heads))
+                if scheme.method == "gguf":
+                    head = bool(mc.hf_config["quantization_config"].get("lm_head"))
+                else:
+                    names = checkpoint_names(mc.path)
+                    head = any(p.split(".")[-1] == "lm_head" for p in prequantized.quantized_layers(scheme, names))
+                quant = dataclasses.replace(quant, quantize_lm_head=head)
             if saved or native:
                 assert quant is not None  # (saved implies it)
                 quantize_model(model, quant, materialize=False)
@@ -118,13 +124,15 @@ def load_model(mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_mo
                          "full-precision original with --quantization instead (each rank quantizes its shard)")
     if saved:
         load_quantized(model, mc)
+    elif native and scheme is not None and scheme.method == "gguf":
+        model.load_weights(iterate_weights(mc.path, native=True))
     elif native:
         assert quant is not None and scheme is not None
         model.load_weights(prequantized.convert(scheme, names, iterate_weights(mc.path), quant.torch_scale_dtype,
                                                 quant.torch_min_dtype))
     else:
         weights = iterate_weights(mc.path)
-        if scheme is not None:  # layers no kernel of ours computes as they are: dequantized, exactly
+        if scheme is not None and scheme.method != "gguf":  # layers no kernel of ours runs as they are: dequantized
             logger.info("%s checkpoint: %s", scheme.method, "layers dequantized to float at load (act-order "
                         "groups, per-channel 4-bit or an unsupported group size)")
             weights = prequantized.convert(scheme, checkpoint_names(mc.path), weights, None)

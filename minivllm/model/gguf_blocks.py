@@ -1,0 +1,77 @@
+"""GGUF's 4-bit blocks run as they are: Q4_0 (a float16 d and 32 codes, w = d * (q - 8)) and Q4_1 (d and m,
+w = d * q + m) are the engine's int4 groups of 32 with float16 scale d and min -8d or m (both exact in float16),
+and a block's 16 code bytes are laid out as ours (byte j: code j in the low nibble, code j + 16 in the high), so
+the codes are copied, never re-quantized. The other types are dequantized at load (model/gguf_checkpoint.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from minivllm.model.gguf_header import GGUFHeader
+
+NATIVE_TYPES = {"Q4_0": 18, "Q4_1": 20}  # bytes per 32-weight block
+# Matrices that are not projections: embeddings stay in the float dtype; the head is a projection of its own.
+_EMBEDDINGS = ("token_embd.weight", "position_embd.weight", "token_types.weight")
+
+
+def native_config(header: GGUFHeader, arch: str) -> dict[str, Any] | None:
+    """The `quantization_config` of a file whose every projection is Q4_0 / Q4_1 (the head too, or not: `lm_head`);
+    None when any is another type (then every tensor is dequantized, as before)."""
+    if arch == "gpt2":  # its projections are stored transposed (Conv1D): blocks run along the wrong axis
+        return None
+    mats = {t.name: t.ggml_type.name for t in header.tensors if len(t.dims) == 2}
+    proj = {ty for name, ty in mats.items() if name not in _EMBEDDINGS and name != "output.weight"}
+    if not proj or not proj <= NATIVE_TYPES.keys():
+        return None
+    head = mats.get("output.weight") in NATIVE_TYPES
+    types = sorted(proj | ({mats["output.weight"]} if head else set()))
+    return {"quant_method": "gguf", "types": types, "lm_head": head}
+
+
+def is_native(name: str, ggml_type: str, lm_head: bool) -> bool:
+    """Whether this tensor loads as int4 blocks (a projection, or the head when the config says so)."""
+    if ggml_type not in NATIVE_TYPES or name in _EMBEDDINGS:
+        return False
+    return lm_head or name != "output.weight"
+
+
+def decode(name: str, data: np.ndarray, ggml_type: str, rows: np.ndarray | None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed codes [N, K/2] uint8, scales [N, K/32] float16, mins [N, K/32] float16) of one tensor's blocks
+    (data: uint8 [N, blocks * block bytes]), its rows reordered by `rows` (the HF layout's order, or None)."""
+    size = NATIVE_TYPES[ggml_type]
+    n = data.shape[0]
+    blocks = np.ascontiguousarray(data).reshape(n, -1, size)
+    d = blocks[:, :, 0:2].copy().view(np.float16)[:, :, 0]
+    if ggml_type == "Q4_0":
+        with np.errstate(over="ignore"):
+            m = (d.astype(np.float32) * -8).astype(np.float16)
+        if not np.isfinite(m).all():
+            raise ValueError(f"GGUF tensor {name!r}: a Q4_0 scale too large for its min (-8 d) in float16")
+        codes = blocks[:, :, 2:]
+    else:
+        m = blocks[:, :, 2:4].copy().view(np.float16)[:, :, 0]
+        codes = blocks[:, :, 4:]
+    out = [torch.from_numpy(np.ascontiguousarray(codes).reshape(n, -1)), torch.from_numpy(d.copy()),
+           torch.from_numpy(np.ascontiguousarray(m))]
+    if rows is not None:
+        idx = torch.from_numpy(rows)
+        out = [t[idx] for t in out]
+    return out[0], out[1], out[2]
+
+
+def row_order(processor: Any, name: str, n: int, names: dict[str, str]) -> tuple[str | None, np.ndarray | None]:
+    """(the name transformers' tensor processor gives this tensor, the permutation of rows it applies: llama.cpp
+    stores Llama's q / k rows in its rope's order), found by processing the row numbers; rows None: kept."""
+    probe = np.arange(n, dtype=np.float64).reshape(n, 1)
+    result = processor.process(weights=probe, name=name, tensor_key_mapping=names, parsed_parameters={"tensors": {}})
+    got = np.asarray(result.weights)
+    if got.shape != (n, 1) or not np.array_equal(np.sort(got[:, 0]), probe[:, 0]):
+        raise ValueError(f"GGUF tensor {name!r}: its conversion to the HF layout is not a reordering of rows, so its "
+                         "blocks cannot run as they are")
+    rows = got[:, 0].astype(np.int64)
+    return result.name, None if np.array_equal(rows, np.arange(n)) else rows
