@@ -32,6 +32,21 @@ from minivllm.config import cpu_count
 
 MODES = ("fp32", "bf16", "int8", "w8a8", "int4", "w4a8")
 PEER_TYPE = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "w8a8": "Q8_0", "int4": "Q4_0", "w4a8": "Q4_0"}
+# Same-file modes (issue 35): "gguf:TYPE" serves llama.cpp's own file of that type as it loads by default,
+# "gguf:TYPE+METHOD" with --quantization METHOD on top (Q4_0+w4a8: int8 activations, as llama.cpp computes).
+GGUF_TYPES = ("F32", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K_M", "Q5_K_M", "Q6_K")
+
+
+def peer_type(mode: str) -> str:
+    """The llama.cpp file type a mode of ours is compared with."""
+    return mode[5:].partition("+")[0] if mode.startswith("gguf:") else PEER_TYPE[mode]
+
+
+def valid_mode(mode: str) -> bool:
+    if mode.startswith("gguf:"):
+        kind, _, method = mode[5:].partition("+")
+        return kind in GGUF_TYPES and method in ("", "int4", "w4a8", "int8", "w8a8")
+    return mode in MODES
 HF_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 PREFILL = "prefill"
 
@@ -40,7 +55,8 @@ def add_peers_args(p: argparse.ArgumentParser) -> None:
     """Flags of `minivllm bench peers`."""
     p.add_argument("--presets", default="smollm2-135m,llama-3.2-1b", help="model shapes (modelgen presets)")
     p.add_argument("--modes", default=",".join(MODES), help="our weight modes; llama.cpp at the same bits: "
-                   + ", ".join(f"{m}={t}" for m, t in PEER_TYPE.items()))
+                   + ", ".join(f"{m}={t}" for m, t in PEER_TYPE.items()) + "; or gguf:TYPE[+METHOD] (TYPE among "
+                   + ", ".join(GGUF_TYPES) + "): llama.cpp's own file of that type served by us too")
     p.add_argument("--batches", default="1,64", help="sequences decoding together")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per sequence before decode")
     p.add_argument("--prefill-len", type=int, default=512, help="the TTFT prompt (0: skip)")
@@ -87,11 +103,15 @@ def _ours(spec: dict[str, Any]) -> dict[str, Any]:
     from minivllm.config import EngineArgs
     from minivllm.engine.llm_engine import LLMEngine
 
-    batches = spec["batches"]
+    batches, mode = spec["batches"], spec["mode"]
+    if mode.startswith("gguf:"):  # the file as it loads, or with --quantization on top
+        method = mode.partition("+")[2]
+        kwargs: dict[str, Any] = {"quantization": method} if method else {}
+    else:
+        kwargs = mode_engine_kwargs(mode)
     engine = LLMEngine(EngineArgs(model=spec["model"], kv_cache_memory="1GiB", num_threads=spec["threads"],
                                   max_model_len=max(spec["prefill_len"], spec["prompt_len"] + spec["steps"]) + 16,
-                                  max_num_seqs=max(batches), enable_prefix_caching=False,
-                                  **mode_engine_kwargs(spec["mode"])))
+                                  max_num_seqs=max(batches), enable_prefix_caching=False, **kwargs))
     decode_steps(engine, 1, 8, 4)  # warm-up: every weight touched, buffers allocated
     out: dict[str, Any] = {"bytes": decode_weight_bytes(engine.runner.model)}
     if spec["prefill_len"]:
@@ -165,7 +185,7 @@ def _prepare(preset: str, root: str, modes: list[str], with_llama_cpp: bool) -> 
 
     paths = {"hf": make_model(preset, os.path.join(root, preset), dtype="bfloat16")}
     if with_llama_cpp:
-        types = {PEER_TYPE[m] for m in modes}
+        types = {peer_type(m) for m in modes}
         f32 = llamacpp.convert(paths["hf"], os.path.join(root, preset + "-F32.gguf"), "f32")
         paths["F32"] = f32
         if "BF16" in types:
@@ -178,8 +198,8 @@ def _prepare(preset: str, root: str, modes: list[str], with_llama_cpp: bool) -> 
 def configurations(modes: list[str], paths: dict[str, str], with_hf: bool) -> list[tuple[str, str, str]]:
     """(engine, mode or type, model path) for every process of a round: each of our modes, each llama.cpp type
     once (int8 and w8a8 share Q8_0), HF's float dtypes."""
-    configs = [("ours", m, paths["hf"]) for m in modes]
-    for t in dict.fromkeys(PEER_TYPE[m] for m in modes):
+    configs = [("ours", m, paths[peer_type(m)] if m.startswith("gguf:") else paths["hf"]) for m in modes]
+    for t in dict.fromkeys(peer_type(m) for m in modes):
         if t in paths:
             configs.append(("llama.cpp", t, paths[t]))
     configs += [("hf", m, paths["hf"]) for m in modes if with_hf and m in HF_DTYPE]
@@ -196,7 +216,7 @@ def run_peers(ns: argparse.Namespace) -> int:
         print(json.dumps(WORKERS[spec["engine"]](spec)))
         return 0
     modes = ns.modes.split(",")
-    unknown = [m for m in modes if m not in MODES]
+    unknown = [m for m in modes if not valid_mode(m)]
     if unknown:
         raise SystemExit(f"bench peers: unknown mode(s) {', '.join(unknown)}; choose among {', '.join(MODES)}")
     skip = "--no-llama-cpp" if ns.no_llama_cpp else llamacpp.available()
