@@ -141,6 +141,8 @@ def _parse_compressed_tensors(d: dict[str, Any], where: str) -> PrequantScheme:
                          "8-bit channel weights)")
     if fmt == "pack-quantized" and bits != 4 or fmt != "pack-quantized" and bits != 8:
         raise ValueError(f"{gw}: format {fmt} with {bits}-bit weights is not supported")
+    if fmt != "pack-quantized" and not w.get("symmetric", True):
+        raise ValueError(f"{gw}.weights: asymmetric {bits}-bit {fmt} weights are not supported (symmetric are)")
     actorder = w.get("actorder")
     ignore = d.get("ignore") or []
     if not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore):

@@ -49,8 +49,9 @@ def gguf_file(model_factory, tmp_path_factory):
     return make
 
 
-def requantize(src: str, dst: str, qtype: GGMLQuantizationType) -> None:
-    """Copy a GGUF file, its 2-D weights quantized to qtype (metadata and everything else as they were)."""
+def requantize(src: str, dst: str, qtype: GGMLQuantizationType, head: GGMLQuantizationType | None = None) -> None:
+    """Copy a GGUF file, its 2-D weights quantized to qtype (the head to `head` if given; metadata and everything
+    else as they were)."""
     reader = GGUFReader(src)
     writer = GGUFWriter(dst, str(reader.fields["general.architecture"].contents()))
     for field in reader.fields.values():
@@ -61,7 +62,8 @@ def requantize(src: str, dst: str, qtype: GGMLQuantizationType) -> None:
     for t in reader.tensors:
         data = np.asarray(t.data)
         if len(t.shape) == 2 and t.tensor_type == GGMLQuantizationType.F32 and data.shape[-1] % 32 == 0:
-            writer.add_tensor(t.name, quantize(data, qtype), raw_dtype=qtype)
+            kind = head if head is not None and t.name == "output.weight" else qtype
+            writer.add_tensor(t.name, quantize(data, kind), raw_dtype=kind)
         else:
             writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
     writer.write_header_to_file()
@@ -150,8 +152,10 @@ def test_q4_blocks_run_as_they_are_and_only_as_int4(model_factory, gguf_file, ou
     mins = -8 * d.astype(np.float32) if outtype == "Q4_0" else raw[:, :, 2:4].copy().view(np.float16)[:, :, 0]
     assert torch.equal(layer.mins.float(), torch.from_numpy(mins.astype(np.float32)))
     assert torch.equal(layer.qweight, torch.from_numpy(raw[:, :, -16:].reshape(layer.out_features, -1).copy()))
-    w4a8 = LLM(path, quantization="w4a8")
-    assert {m.method for m in w4a8.llm_engine.runner.model.modules() if isinstance(m, QuantizedLinear)} == {"w4a8"}
+    w4a8 = LLM(path, quantization="w4a8").llm_engine.runner
+    # (the file's tied head is its Q4_0 embedding, which stays a float embedding: the head runs converted, W8A8)
+    assert {m.method for m in w4a8.model.modules() if isinstance(m, QuantizedLinear)} == {"w4a8", "w8a8"}
+    assert w4a8.model.lm_head.method == "w8a8" and w4a8.head_conversion is not None
     with pytest.raises(ValueError, match="gguf checkpoint whose layers run as int4 or w4a8; it cannot be loaded as "
                                          "int8"):
         LLM(path, quantization="int8")
@@ -292,4 +296,36 @@ def test_malformed_files_name_the_tensor_or_key(gguf_file, tmp_path, mutate, mes
 
 def _set(data: bytes, off: int, size: int, value: int) -> bytes:
     return data[:off] + value.to_bytes(size, "little") + data[off + size:]
+
+
+@pytest.mark.parametrize("method,head_method", [(None, "int8"), ("w4a8", "w8a8")])
+def test_a_head_no_kernel_runs_as_it_is_is_converted_with_its_error_logged(gguf_file, tmp_path, caplog, method,
+                                                                            head_method):
+    """Q4_0 projections beside a Q8_0 head (llama.cpp's quantizer writes the head a type up): the head runs as int8
+    per output channel (W8A8 beside W4A8), and the load logs the KL and top-1 that adds on a probe against the
+    file's dequantized head; the logits stay close to transformers' reading of the file."""
+    import logging
+
+    from transformers import AutoModelForCausalLM
+
+    path = str(tmp_path / "q4-head-q8.gguf")
+    requantize(gguf_file("tiny-llama", "f32"), path, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0)
+    with caplog.at_level(logging.INFO, logger="minivllm.model.head_conversion"):
+        kw = {"quantization": method} if method else {}
+        runner = make_runner(ModelConfig.from_pretrained(path), 16, quantization_kernel="native", **kw)
+    conv = runner.head_conversion
+    head = runner.model.lm_head  # type: ignore[attr-defined]
+    assert conv is not None and conv.method == head_method
+    assert isinstance(head, QuantizedLinear) and head.method == head_method
+    assert 0 <= conv.kl < 0.01 and conv.top1 >= 0.9
+    assert f"converted to {head_method} per output channel: KL" in caplog.text
+    if method is None:  # weight-only int8 head: close to the file's weights run in float32
+        ids = get_tokenizer(path).encode(PROMPTS[0] + PROMPTS[2])
+        hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=os.path.basename(path),
+                                                  dtype=torch.float32).eval()
+        ours = runner.execute([SequenceInput(ids, 0, list(range(16)), True)])[0]
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0, -1]
+        assert (ours - ref).abs().max().item() < 0.05 * ref.abs().max().item()
+        assert ours.argmax() == ref.argmax()
 

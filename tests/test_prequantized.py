@@ -238,3 +238,46 @@ def test_prequantized_tensors_that_disagree_are_a_clear_error(model_factory, tmp
     save_file(state, os.path.join(qpath, "model.safetensors"))
     with pytest.raises(ValueError, match=r"gptq layer 'model.layers.2.self_attn.o_proj': tensor 'qzeros' is missing"):
         LLM(qpath)
+
+
+def test_a_float_model_of_a_prequantized_checkpoint_is_its_dequantized_weights(model_factory, tmp_path):
+    """Without a quantization (a draft model, a direct load), the layers come back dequantized into the float model:
+    the reference checkpoint's weights exactly."""
+    from minivllm.model.loader import load_model
+
+    qpath, refpath = make_prequantized(model_factory("tiny-llama"), str(tmp_path / "g"), "awq", 32)
+    got = load_model(ModelConfig.from_pretrained(qpath), torch.float32, torch.device("cpu"), 64, None)
+    want = load_model(ModelConfig.from_pretrained(refpath), torch.float32, torch.device("cpu"), 64, None)
+    assert not any(isinstance(m, QuantizedLinear) for m in got.modules())
+    for (name, a), (_, b) in zip(got.state_dict().items(), want.state_dict().items(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6, rtol=0), name
+
+
+def test_compressed_tensors_zero_points_and_asymmetric_int8(model_factory, tmp_path):
+    """A symmetric pack-quantized checkpoint that still ships a zero-point tensor loads by its scheme (zero 0), and
+    asymmetric int8 weights, which no kernel here runs, are a clear error."""
+    qpath, refpath = make_prequantized(model_factory("tiny-llama"), str(tmp_path / "c"), "ct-w4a16", 32, True)
+    state = load_file(os.path.join(qpath, "model.safetensors"))
+    for name in [n for n in state if n.endswith(".weight_scale")]:
+        state[name.replace("weight_scale", "weight_zero_point")] = torch.zeros_like(state[name], dtype=torch.int8)
+    save_file(state, os.path.join(qpath, "model.safetensors"))
+    got, _, _ = _logits(qpath, quantization_kernel="native")
+    want, _, _ = _logits(refpath)
+    assert (got - want).abs().max().item() <= 2e-5 * want.abs().max().item()
+    qpath, _ = make_prequantized(model_factory("tiny-llama"), str(tmp_path / "i"), "ct-w8a8", 32, True)
+    with open(os.path.join(qpath, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = False
+    with open(os.path.join(qpath, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match="asymmetric 8-bit int-quantized weights are not supported"):
+        LLM(qpath)
+
+
+def test_a_tensor_of_the_wrong_rank_is_a_clear_error(model_factory, tmp_path):
+    qpath, _ = make_prequantized(model_factory("tiny-llama"), str(tmp_path / "g"), "gptq", 32, True)
+    state = load_file(os.path.join(qpath, "model.safetensors"))
+    state["model.layers.0.mlp.down_proj.scales"] = state["model.layers.0.mlp.down_proj.scales"][0].clone()
+    save_file(state, os.path.join(qpath, "model.safetensors"))
+    with pytest.raises(ValueError, match=r"gptq layer 'model.layers.0.mlp.down_proj': its tensors do not fit"):
+        LLM(qpath)

@@ -161,6 +161,21 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
                              f"prompts (b=1: {r['steps']} steps, larger batches: {r['batch_steps']}), logits of "
                              f"every row in every engine; TTFT of one {r['prefill_len']}-token prompt. Targets: "
                              "issue 34 items 2 and 3.", "", peers_report.report(r)]),
+        ("peers-w4a8", lambda r: ["## W4A8 at one sequence after the superblock kernel (`bench peers`)", "",
+                                  "The 1B shape's w4a8 and w8a8 against llama.cpp's Q4_0 and Q8_0 of the same "
+                                  f"weights, b=1 only, {r['rounds']} rounds ABBA (medians), after the W4A8 kernel "
+                                  "started reading each 16-block superblock's scales once (issue 34 item 2).", "",
+                                  peers_report.report(r)]),
+        ("peers-gguf", lambda r: ["## llama.cpp's own GGUF files, served by us and by llama.cpp (`bench peers`)", "",
+                                  "One bf16 checkpoint per shape (random weights) converted and quantized by "
+                                  "llama.cpp's own tools (F32, Q8_0, Q4_0, Q4_K_M); the same file served by both "
+                                  "engines: ours as it loads by default (`gguf:TYPE`; Q4_0 / Q4_1 projections on "
+                                  "the int4 kernels block for block, other types dequantized to float32) and with "
+                                  "`--quantization w4a8` on the Q4_0 blocks (int8 activations, as llama.cpp's Q4_0 "
+                                  f"dot products). Every configuration a fresh process, {r['rounds']} rounds ABBA "
+                                  f"(medians); decode after {r['prompt_len']}-token prompts, TTFT of one "
+                                  f"{r['prefill_len']}-token prompt. Target: issue 35, >= 1.1x at every point.", "",
+                                  peers_report.report(r)]),
     ]
     for name, section in sections:
         r = _load(out_dir, name)

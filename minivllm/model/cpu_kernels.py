@@ -237,10 +237,11 @@ class GemvWeights:
         assert load_library() is not None and weight.device.type == "cpu" and weight.is_contiguous()
         assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
         self.fmt, self.k, self.n, self.group = GEMV_FORMATS[fmt], in_features, weight.shape[0], group
-        if group and scale is not None and scale.dtype == torch.float16:
-            self.fmt |= _F16_SCALES
-        if group and mins is not None and mins.dtype == torch.float32:
-            self.fmt |= _F32_MINS
+        if group:  # int4 groups: scales bfloat16 or float16; mins the scales' dtype or float32
+            assert scale is not None and mins is not None and scale.dtype in (torch.bfloat16, torch.float16)
+            assert mins.dtype in (scale.dtype, torch.float32)
+            self.fmt |= (_F16_SCALES if scale.dtype == torch.float16 else 0) | \
+                (_F32_MINS if mins.dtype == torch.float32 else 0)
         self.tensors = (weight, scale, mins, bias)  # the pointers below stay valid while these live
         self.ptrs = tuple(_ptr(t) for t in self.tensors)
         kp = -(-in_features // group) * group if group else in_features

@@ -119,9 +119,13 @@ def load_model(mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_mo
         if hasattr(module, "reset_buffers"):
             module.reset_buffers()
     tp = parallel is not None and parallel.size > 1
-    if (saved or scheme is not None) and tp:
+    if saved and tp:
         raise ValueError("tensor parallelism of a checkpoint saved quantized is not supported; load its "
                          "full-precision original with --quantization instead (each rank quantizes its shard)")
+    if native and tp:
+        assert scheme is not None
+        raise ValueError(f"tensor parallelism of a {scheme.method} checkpoint whose layers run as they are stored is "
+                         "not supported; serve it with tensor_parallel_size 1")
     if saved:
         load_quantized(model, mc)
     elif native and scheme is not None and scheme.method == "gguf":
@@ -135,7 +139,7 @@ def load_model(mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_mo
         if scheme is not None and scheme.method != "gguf":  # layers no kernel of ours runs as they are: dequantized
             logger.info("%s checkpoint: %s", scheme.method, "layers dequantized to float at load (act-order "
                         "groups, per-channel 4-bit or an unsupported group size)")
-            weights = prequantized.convert(scheme, checkpoint_names(mc.path), weights, None)
+            weights = prequantized.convert(scheme, checkpoint_names(mc.path), weights, None, dequantize=True)
         model.load_weights(weights)
         if tp:
             assert parallel is not None  # (tp implies it)

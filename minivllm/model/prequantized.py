@@ -17,7 +17,6 @@ A layer's tensors may sit in different shards: each is decoded once all of its t
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 
 import torch
@@ -51,14 +50,6 @@ def quantized_layers(scheme: PrequantScheme, names: list[str]) -> dict[str, set[
         if prefix in out and suffix in parts:
             out[prefix].add(n)
     return out
-
-
-def ignored(scheme: PrequantScheme, module: str) -> bool:
-    """Whether compressed-tensors' `ignore` keeps this layer in float (a name, or a re: pattern)."""
-    for pat in scheme.ignore:
-        if pat.startswith("re:") and re.match(pat[3:], module) or pat == module or module.endswith("." + pat):
-            return True
-    return False
 
 
 def _unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -110,8 +101,10 @@ def _decode(scheme: PrequantScheme, prefix: str, t: dict[str, torch.Tensor]) -> 
             n, k = (int(v) for v in t["weight_shape"].tolist())
             codes = _unpack_cols(t["weight_packed"], bits)[:, :k]
             scale = t["weight_scale"]
-            zp = t.get("weight_zero_point")
-            zero = (_unpack_rows(zp, bits)[:n] if zp is not None else torch.full_like(scale, 8, dtype=torch.int32))
+            if scheme.symmetric:  # (a zero tensor some writers still ship is all zeros: code 8, stored)
+                zero = torch.full_like(scale, 8, dtype=torch.int32)
+            else:
+                zero = _unpack_rows(t["weight_zero_point"], bits)[:n]
         else:  # int-quantized / naive-quantized int8: signed codes, symmetric
             codes, scale = t["weight"], t["weight_scale"]
             zero = torch.zeros_like(scale, dtype=torch.int32)
@@ -128,23 +121,23 @@ def _decode(scheme: PrequantScheme, prefix: str, t: dict[str, torch.Tensor]) -> 
                              f"{tuple(zero.shape)}, group index {tuple(group_of.shape)} (groups 0..{groups - 1})")
     except KeyError as e:
         raise ValueError(f"{where}: tensor {e.args[0]!r} is missing") from None
-    except RuntimeError as e:  # a packed tensor of the wrong shape or dtype
-        raise ValueError(f"{where}: its tensors do not fit the format ({e})") from None
+    except (RuntimeError, IndexError, TypeError) as e:  # a packed tensor of the wrong shape, rank or dtype
+        raise ValueError(f"{where}: its tensors do not fit the format ({type(e).__name__}: {e})") from None
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     return _Layer(codes, zero, scale, group_of)
 
 
 def convert(scheme: PrequantScheme, names: list[str], weights: Iterator[tuple[str, torch.Tensor]],
-            scale_dtype: torch.dtype | None, min_dtype: torch.dtype | None = None
+            scale_dtype: torch.dtype | None, min_dtype: torch.dtype | None = None, dequantize: bool = False
             ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors with every quantized layer in the engine's form: for the int4 engine method,
     `prefix.qweight` (packed codes) / `.scales` / `.mins` in scale_dtype / min_dtype; for int8 / w8a8, `.qweight` and
-    per-channel `.scales`; with none (engine_method() is None) `prefix.weight`, dequantized to float32.
-    Other tensors pass through."""
+    per-channel `.scales`; with none (engine_method() is None) or `dequantize` (a float model: a draft, tensor
+    parallelism) `prefix.weight`, dequantized to float32. Other tensors pass through."""
     layers = quantized_layers(scheme, names)
     waiting: dict[str, dict[str, torch.Tensor]] = {}
-    target = scheme.engine_method()
+    target = None if dequantize else scheme.engine_method()
     for name, tensor in weights:
         prefix, _, suffix = name.rpartition(".")
         if prefix not in layers or name not in layers[prefix]:
@@ -177,8 +170,12 @@ def _as_int4(scheme: PrequantScheme, prefix: str, layer: _Layer, group: int, sca
     if k % group or int(layer.codes.max()) > 15 or int(layer.codes.min()) < 0:
         raise ValueError(f"{scheme.method} layer {prefix!r}: {k} inputs in groups of {group}, codes "
                          f"{int(layer.codes.min())}..{int(layer.codes.max())}: not 4-bit groups")
+    scales = layer.scale.to(scale_dtype)
+    if not torch.equal(scales.to(layer.scale.dtype), layer.scale):  # e.g. float32 scales: never rounded silently
+        raise ValueError(f"{scheme.method} layer {prefix!r}: its {layer.scale.dtype} scales do not fit {scale_dtype} "
+                         "exactly (the checkpoint's torch_dtype names the other one)")
     yield prefix + ".qweight", pack_int4(layer.codes)
-    yield prefix + ".scales", layer.scale.to(scale_dtype)
+    yield prefix + ".scales", scales
     # W = scale * code + min: the zero folds into the min, exact in float32 (and in the scales' dtype for a
     # symmetric zero, 8 * scale).
     yield prefix + ".mins", (-(layer.scale.float() * layer.zero.float())).to(min_dtype)

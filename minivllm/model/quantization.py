@@ -208,9 +208,9 @@ class QuantizedLinear(PlannedLinear):
         return f"in={self.in_features}, out={self.out_features}, method={self.method}, group={self.group_size}"
 
 
-def check_device(cfg: QuantConfig, device: torch.device) -> None:
-    """Fail early where a mode has no kernel at all."""
-    if device.type not in ("cpu", "cuda"):
+def check_device(cfg: QuantConfig | None, device: torch.device) -> None:
+    """Fail early where a mode (if any) has no kernel at all."""
+    if cfg is not None and device.type not in ("cpu", "cuda"):
         raise ValueError(f"quantization {cfg.method}: no kernel for device {device.type!r}; supported: cpu, cuda")
 
 

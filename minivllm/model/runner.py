@@ -24,6 +24,7 @@ from minivllm.model.attention import (
     get_backend,
 )
 from minivllm.model.decode_stack import DecodeStack
+from minivllm.model.head_conversion import convert_gguf_head
 from minivllm.model.input_batch import SequenceInput
 from minivllm.model.kernel_plan import PlanCheck, PlannedLinear, best_time, plan_kernels
 from minivllm.model.kv_quant import is_quantized, kv_storage_dtype
@@ -60,8 +61,7 @@ class ModelRunner:
     """Owns the model and the KV pool; turns SequenceInputs into logits."""
 
     # A registry class (model/models/): its forward, compute_logits, layers and decode_stack are its own, not
-    # nn.Module's, which types every such attribute `Tensor | Module`. (Declared here: `self.model: Any = ...` in
-    # __init__ would be narrowed to load_model's nn.Module for the rest of __init__.)
+    # nn.Module's (which types them `Tensor | Module`); declared here, not narrowed to load_model's nn.Module.
     model: Any
 
     def __init__(self, config: EngineConfig, num_blocks: int, group_blocks: tuple[int, ...] | None = None,
@@ -73,8 +73,7 @@ class ModelRunner:
         self.mc, self.dtype, self.device = mc, dtype, device = config.model_config, ms.dtype, ms.device
         self.block_size = block_size = c.block_size
         max_model_len, quant, sink_window = ms.max_model_len, ms.quantization, c.sink_window
-        if quant is not None:
-            check_device(quant, device)
+        check_device(quant, device)
         # Tensor parallelism: as rank 0 (tensor_parallel_size > 1) spawn the other ranks, which build their own
         # runner from the same config with `parallel` set; each loads the model and keeps its shard.
         self.group: TensorParallelGroup | None = None
@@ -157,8 +156,7 @@ class ModelRunner:
         # All-decode steps in one native call where the stack runs the kernels planned above.
         # (Not with tensor parallelism: the stack's layers have no all-reduce between them.)
         self.decode_stack = None if ms.enforce_eager or parallel.size > 1 else DecodeStack.build(self.model)
-        if self.decode_stack is not None:
-            self.model.decode_stack = self.decode_stack
+        self.model.decode_stack = self.decode_stack  # (None: the model runs its modules)
         self.last_forward_time = 0.0  # seconds in the model (forward + logits) during the last execute
         self.sampling = StepSampler(device, ms.seed)  # the step's sampler and persistent input batch (rank 0's)
         self.lora: LoRAModelManager | None = None  # adapter slots, when the engine enables LoRA (init_lora)
@@ -168,7 +166,9 @@ class ModelRunner:
         # Steps faster than the start-up timings allow re-time their class (not on CUDA: its forward time is not
         # synchronized; not across tensor-parallel ranks, which must keep one plan).
         cpu_alone = device.type == "cpu" and parallel.size == 1
-        self.plan_check = PlanCheck([self.linear_plan, self.quant_plan]) if cpu_alone else None
+        self.head_conversion = convert_gguf_head(self)  # a GGUF head no kernel runs as it is: int8, error logged
+        plans = [self.linear_plan, self.quant_plan, *([self.head_conversion.plan] if self.head_conversion else [])]
+        self.plan_check = PlanCheck(plans) if cpu_alone else None
 
     def init_lora(self, max_loras: int, max_rank: int) -> LoRAModelManager:
         """Give every adaptable projection max_loras LoRA slots of rank max_rank (--enable-lora)."""
