@@ -234,7 +234,7 @@ def iterate_weights(path: str, native: bool = False) -> Iterator[tuple[str, torc
     names = get_gguf_hf_weights_map(skeleton, processor)
     del skeleton
     checked = {t.name: t for t in header.tensors}
-    head = bool((hf_config(path).get("quantization_config") or {}).get("lm_head"))
+    head = bool((gguf_blocks.native_config(header, arch) or {}).get("lm_head"))
     extra: dict[str, Any] = {"tensors": {}}  # processors that rename a tensor put it here (GPT-2's output)
     for tensor in (t for part in parts(path) for t in GGUFReader(part).tensors):
         info = checked.get(tensor.name)

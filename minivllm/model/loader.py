@@ -137,14 +137,14 @@ def load_model(mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_mo
     else:
         weights = iterate_weights(mc.path)
         if scheme is not None and scheme.method != "gguf":  # layers no kernel of ours runs as they are: dequantized
-            logger.info("%s checkpoint: %s", scheme.method, "layers dequantized to float at load (act-order "
-                        "groups, per-channel 4-bit or an unsupported group size)")
+            logger.info("%s checkpoint: layers dequantized to float at load (act-order groups, per-channel 4-bit, "
+                        "an unsupported group size, or a float model asked for)", scheme.method)
             weights = prequantized.convert(scheme, checkpoint_names(mc.path), weights, None, dequantize=True)
         model.load_weights(weights)
         if tp:
             assert parallel is not None  # (tp implies it)
             shard_model(model, mc, parallel)
-        if quant is not None and not native:
+        if quant is not None:
             quantize_model(model, quant)
     if tp:
         assert parallel is not None  # (tp implies it)
