@@ -15,7 +15,7 @@ from typing import Any
 
 from minivllm.quant_config import GROUP_SIZES
 
-# "gguf": a GGUF file whose projections are all Q4_0 / Q4_1 says so in the HF config it is read as.
+# "gguf": a GGUF file whose projections are all Q4_0 / Q4_1, or all Q8_0, says so in the HF config it is read as.
 PREQUANTIZED_METHODS = ("gptq", "awq", "compressed-tensors", "gguf")
 CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
 
@@ -39,6 +39,8 @@ class PrequantScheme:
             return None  # float layers besides the head: every projection of ours is one kind
         if self.bits == 8 and self.group_size == 0 and self.method == "compressed-tensors":
             return ("w8a8" if self.input_int8 else "int8"), 0
+        if self.bits == 8 and self.method == "gguf":  # Q8_0: int8 blocks of 32 (QuantConfig.int8_blocks)
+            return "int8", 32
         if self.bits == 4 and self.group_size in GROUP_SIZES and not self.act_order:
             return "int4", self.group_size
         return None
@@ -67,9 +69,10 @@ def parse_prequantized(d: dict[str, Any], where: str) -> PrequantScheme | None:
         return None
     if method == "gguf":
         types = d.get("types")
-        if not isinstance(types, list) or not types or not set(types) <= {"Q4_0", "Q4_1"}:
+        if not isinstance(types, list) or not (types == ["Q8_0"] or types and set(types) <= {"Q4_0", "Q4_1"}):
             raise ValueError(f"{where}: a gguf quantization_config with types {types!r}")
-        return PrequantScheme("gguf", "+".join(types), 4, 32, types == ["Q4_0"], False, False, ())
+        bits = 8 if types == ["Q8_0"] else 4
+        return PrequantScheme("gguf", "+".join(types), bits, 32, "Q4_1" not in types, False, False, ())
     if method == "gptq":
         bits = _need(d, "bits", int, where)
         fmt = str(d.get("checkpoint_format", "gptq"))

@@ -27,6 +27,8 @@ class QuantConfig:
     scale_dtype: str = "bfloat16"
     # Their mins (-scale * zero): in scale_dtype, or float32 where a float16 product would round (asymmetric zeros).
     min_dtype: str = ""
+    # int8 / w8a8 weights in blocks of 32 with a float16 scale each (GGUF's Q8_0, its own bytes), not per channel.
+    int8_blocks: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in QUANTIZATION_METHODS:
@@ -36,6 +38,9 @@ class QuantConfig:
             raise ValueError(f"quantization scale dtype: {self.scale_dtype!r} is neither bfloat16 nor float16")
         if self.min_dtype not in ("", "float32"):
             raise ValueError(f"quantization min dtype: {self.min_dtype!r} is neither the scales' nor float32")
+        if self.int8_blocks and (self.method not in ("int8", "w8a8") or self.group_size != 32):
+            raise ValueError(f"quantization: int8 blocks are for int8 / w8a8 in groups of 32, not {self.method} "
+                             f"with group size {self.group_size}")
         if self.group_size not in GROUP_SIZES:
             raise ValueError(f"quantization_group_size: {self.group_size} does not divide into the int4 kernel's "
                              f"32-weight blocks as a power of two; choose one of {', '.join(map(str, GROUP_SIZES))}")
@@ -77,7 +82,8 @@ class QuantConfig:
             assert target is not None  # (kernels implies it)
             # GGUF's mins (-8 d, Q4_1's m) are exact in float16; an asymmetric zero times a scale needs float32.
             exact = scheme.symmetric or scheme.method == "gguf"
-            return QuantConfig(method or kernels[0], target[1] or 32, False, half, "" if exact else "float32")
+            return QuantConfig(method or kernels[0], target[1] or 32, False, half, "" if exact else "float32",
+                               int8_blocks=scheme.method == "gguf" and scheme.bits == 8)
         cfg = QuantConfig.from_hf_dict(saved, f"{mc.path}/config.json")
         if method is not None and method != cfg.method:
             raise ValueError(f"quantization: {mc.path} is a checkpoint quantized as {cfg.method}; it cannot be "

@@ -123,6 +123,9 @@ def test_each_tensor_type_matches_transformers_reading_of_the_same_file(gguf_fil
         assert len(quantized) == 4 * len(runner.model.layers) + 1  # type: ignore[attr-defined]
         assert all(m.method == "int4" and m.group_size == 32 and m.scales.dtype == m.mins.dtype == torch.float16
                    for m in quantized)
+    elif outtype == "q8_0":  # Q8_0 projections as int8 blocks of 32 (the converter's head: the tied embedding)
+        assert len(quantized) == 4 * len(runner.model.layers) + 1  # type: ignore[attr-defined]
+        assert all(m.method == "int8" and m.blocked and m.scales.dtype == torch.float16 for m in quantized)
     else:
         assert not quantized  # the other types load dequantized into the float model
     ours = runner.execute([SequenceInput(ids, 0, list(range(16)), True)])[0]
@@ -168,6 +171,40 @@ def test_q4_blocks_run_as_they_are_and_only_as_int4(model_factory, gguf_file, ou
         json.dump(config, f)
     with pytest.raises(ValueError, match="a quantization_config of method 'gguf' belongs to a .gguf file only"):
         LLM(hf_dir)
+
+
+def test_q8_0_blocks_run_as_they_are_weight_only_or_w8a8(gguf_file, caplog):
+    """A Q8_0 file's projections hold the file's own int8 codes and float16 scales (no re-quantization) and run
+    weight-only (int8 blocks) or, on request, against int8 activations (w8a8, as llama.cpp's Q8_0 dot product);
+    the tied head (the Q8_0 embedding) takes the same blocks, its error logged (nil: the codes come back); a
+    method the blocks are not is a clear error."""
+    import logging
+
+    from gguf import GGUFReader
+
+    path = gguf_file("tiny-qwen2", "q8_0")
+    with caplog.at_level(logging.INFO, logger="minivllm.model.head_conversion"):
+        runner = make_runner(ModelConfig.from_pretrained(path), 16)
+    layer = runner.model.layers[0].mlp.down_proj  # type: ignore[attr-defined]
+    assert layer.method == "int8" and layer.blocked
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    raw = np.asarray(tensors["blk.0.ffn_down.weight"].data).reshape(layer.out_features, -1, 34)
+    assert torch.equal(layer.scales, torch.from_numpy(raw[:, :, :2].copy().view(np.float16)[:, :, 0]))
+    assert torch.equal(layer.qweight, torch.from_numpy(raw[:, :, 2:].copy().view(np.int8).reshape(layer.out_features,
+                                                                                                   -1)))
+    head = runner.model.lm_head  # type: ignore[attr-defined]
+    assert "output.weight" not in tensors  # tied: the embedding's blocks, converted back exactly
+    assert runner.head_conversion is not None and head.blocked
+    assert runner.head_conversion.kl < 1e-6 and runner.head_conversion.top1 == 1.0
+    assert "converted to int8 in blocks of 32: KL" in caplog.text
+    llm = LLM(path, quantization="w8a8")
+    assert {(m.method, m.blocked) for m in llm.llm_engine.runner.model.modules() if isinstance(m, QuantizedLinear)} \
+        == {("w8a8", True)}
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert len(llm.generate(PROMPTS[:2], params)[0].outputs[0].token_ids) == 8
+    with pytest.raises(ValueError, match="gguf checkpoint whose layers run as int8 or w8a8; it cannot be loaded as "
+                                         "int4"):
+        LLM(path, quantization="int4")
 
 
 def test_a_directory_holding_one_gguf_file_serves_it(gguf_file, tmp_path):

@@ -130,6 +130,35 @@ def test_w4a8_kernel_superblocks_and_tails_every_group_size(group, k, m, scale_d
         assert (kernel(x).double() - ref).abs().max().item() <= 2e-6 * ref.abs().max().item(), name
 
 
+@pytest.mark.parametrize("method", ["int8", "w8a8"])
+@pytest.mark.parametrize("k", [2048, 1568, 800, 100, 32])
+@pytest.mark.parametrize("m", [1, 5, 17])
+@pytest.mark.parametrize("bias", [True, False])
+def test_int8_block_kernels_walk_superblocks_and_tails(method, k, m, bias):
+    """int8 in blocks of 32 with float16 scales (GGUF's Q8_0; csrc/gemv_q8.c): whole 16-block superblocks (2048),
+    several and a tail of odd block count (1568 = 3 * 512 + 1 block, 800 = 512 + 9 blocks), K padded to a block
+    (100), one block (32); M over the 4-row register blocks and the 16-row staging. Every candidate kernel equals
+    the float64 reference from the stored codes and scales (W8A8 math for the w8a8 layer and for native_a8)."""
+    torch.manual_seed(k + m)
+    q = QuantizedLinear(k, 67, bias, QuantConfig(method, int8_blocks=True))
+    q.quantize_from(torch.randn(67, k) * 0.05, torch.randn(67) if bias else None)
+    kp = -(-k // 32) * 32
+    assert q.blocked and q.qweight.shape == (67, kp) and q.qweight.dtype == torch.int8
+    assert q.scales.shape == (67, kp // 32) and q.scales.dtype == torch.float16 and not hasattr(q, "mins")
+    assert set(q.candidates()) == {"reference", "native", "native_a8"} if method == "int8" else \
+        {"reference", "native"}
+    w = q.qweight.double().view(67, -1, 32) * q.scales.double()[..., None]
+    assert torch.equal(q.dequantize().double(), w.view(67, -1)[:, :k])
+    x = torch.randn(m, k)
+    xq, xs = quantize_rows_int8(x)
+    for name, kernel in q.candidates().items():
+        a8 = q.quantizes_activations(name)
+        ref = ((xq.double() * xs.double()[:, None]) if a8 else x.double()) @ q.dequantize().double().t()
+        ref = ref + (q.bias.double() if bias else 0)
+        got = kernel(x)
+        assert got.shape == (m, 67) and (got.double() - ref).abs().max().item() <= 2e-6 * ref.abs().max().item(), name
+
+
 def _quantized_layers(llm: LLM) -> tuple[list[QuantizedLinear], list[Linear]]:
     mods = list(llm.llm_engine.runner.model.modules())
     return ([m for m in mods if isinstance(m, QuantizedLinear)], [m for m in mods if isinstance(m, Linear)])

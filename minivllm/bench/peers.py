@@ -43,10 +43,10 @@ def peer_type(mode: str) -> str:
 
 
 def valid_mode(mode: str) -> bool:
-    if mode.startswith("gguf:"):  # Q4 blocks run as int4 or w4a8; other types load as floats, any mode on top
-        kind, _, method = mode[5:].partition("+")
-        return kind in GGUF_TYPES and method in (("", "int4", "w4a8") if kind in ("Q4_0", "Q4_1") else
-                                                  ("", "int4", "w4a8", "int8", "w8a8"))
+    if mode.startswith("gguf:"):  # Q4 blocks run as int4 or w4a8, Q8_0's as int8 or w8a8; other types load as
+        kind, _, method = mode[5:].partition("+")  # floats, any mode on top
+        native = {"Q4_0": ("int4", "w4a8"), "Q4_1": ("int4", "w4a8"), "Q8_0": ("int8", "w8a8")}
+        return kind in GGUF_TYPES and method in ("", *native.get(kind, ("int4", "w4a8", "int8", "w8a8")))
     return mode in MODES
 HF_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 PREFILL = "prefill"

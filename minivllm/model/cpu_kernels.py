@@ -46,7 +46,7 @@ def _cpu_signature() -> str:
 
 
 _SOURCES = ("paged_attention.c", "sampling.c", "gemv.c", "fused_ops.c", "membw.c", "decode_stack.c",
-            "gemv_w4a8.c")
+            "gemv_w4a8.c", "gemv_q8.c")
 _HEADERS = ("paged_attention.h", "paged_attention_rows.h")  # included by the sources: copied and hashed with them
 
 
@@ -221,7 +221,8 @@ def logprobs_rows(logits: torch.Tensor, rows: torch.Tensor, chosen: torch.Tensor
 
 
 _MAX_M = 16  # csrc/gemv.c's rows of x staged per pass
-GEMV_FORMATS = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3, "w8a8": 4, "w4a8": 5}
+# q8 / q8a8: int8 in blocks of 32 with float16 scales (GGUF's Q8_0), weight-only / against int8 activations
+GEMV_FORMATS = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3, "w8a8": 4, "w4a8": 5, "q8": 6, "q8a8": 7}
 _F16_SCALES = 16  # csrc/gemv.c's FMT_F16_SCALES: int4 / w4a8 group scales (and mins) in float16, not bfloat16
 _F32_MINS = 32  # FMT_F32_MINS: int4 / w4a8 group mins in float32
 
@@ -237,7 +238,9 @@ class GemvWeights:
         assert load_library() is not None and weight.device.type == "cpu" and weight.is_contiguous()
         assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
         self.fmt, self.k, self.n, self.group = GEMV_FORMATS[fmt], in_features, weight.shape[0], group
-        if group:  # int4 groups: scales bfloat16 or float16; mins the scales' dtype or float32
+        if fmt in ("q8", "q8a8"):
+            assert group == 32 and scale is not None and scale.dtype == torch.float16 and mins is None
+        elif group:  # int4 groups: scales bfloat16 or float16; mins the scales' dtype or float32
             assert scale is not None and mins is not None and scale.dtype in (torch.bfloat16, torch.float16)
             assert mins.dtype in (scale.dtype, torch.float32)
             self.fmt |= (_F16_SCALES if scale.dtype == torch.float16 else 0) | \

@@ -1,7 +1,8 @@
-"""GGUF's 4-bit blocks run as they are: Q4_0 (a float16 d and 32 codes, w = d * (q - 8)) and Q4_1 (d and m,
-w = d * q + m) are the engine's int4 groups of 32 with float16 scale d and min -8d or m (both exact in float16),
-and a block's 16 code bytes are laid out as ours (byte j: code j in the low nibble, code j + 16 in the high), so
-the codes are copied, never re-quantized. The other types are dequantized at load (model/gguf_checkpoint.py).
+"""GGUF's 4-bit and 8-bit blocks run as they are: Q4_0 (a float16 d and 32 codes, w = d * (q - 8)) and Q4_1 (d and
+m, w = d * q + m) are the engine's int4 groups of 32 with float16 scale d and min -8d or m (both exact in float16),
+and a block's 16 code bytes are laid out as ours (byte j: code j in the low nibble, code j + 16 in the high); Q8_0
+(d and 32 int8 codes, w = d * q) is the engine's int8 blocks (QuantConfig.int8_blocks, csrc/gemv_q8.c). The codes
+are copied, never re-quantized. The other types are dequantized at load (model/gguf_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -13,21 +14,24 @@ import torch
 
 from minivllm.model.gguf_header import GGUFHeader
 
-NATIVE_TYPES = {"Q4_0": 18, "Q4_1": 20}  # bytes per 32-weight block
+NATIVE_TYPES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # bytes per 32-weight block
+# The types one model's projections may mix and still run on one kind of kernel (one QuantConfig).
+FAMILIES = ({"Q4_0", "Q4_1"}, {"Q8_0"})
 # Matrices that are not projections: embeddings stay in the float dtype; the head is a projection of its own.
 _EMBEDDINGS = ("token_embd.weight", "position_embd.weight", "token_types.weight")
 
 
 def native_config(header: GGUFHeader, arch: str) -> dict[str, Any] | None:
-    """The `quantization_config` of a file whose every projection is Q4_0 / Q4_1 (the head too, or not: `lm_head`);
-    None when any is another type (then every tensor is dequantized, as before)."""
+    """The `quantization_config` of a file whose every projection is Q4_0 / Q4_1, or every one Q8_0 (the head of
+    the same family too, or not: `lm_head`); None when any is another type (then every tensor is dequantized)."""
     if arch == "gpt2":  # its projections are stored transposed (Conv1D): blocks run along the wrong axis
         return None
     mats = {t.name: t.ggml_type.name for t in header.tensors if len(t.dims) == 2}
     proj = {ty for name, ty in mats.items() if name not in _EMBEDDINGS and name != "output.weight"}
-    if not proj or not proj <= NATIVE_TYPES.keys():
+    family = next((f for f in FAMILIES if proj and proj <= f), None)
+    if family is None:
         return None
-    head = mats.get("output.weight") in NATIVE_TYPES
+    head = mats.get("output.weight") in family
     types = sorted(proj | ({mats["output.weight"]} if head else set()))
     return {"quant_method": "gguf", "types": types, "lm_head": head}
 
@@ -40,13 +44,20 @@ def is_native(name: str, ggml_type: str, lm_head: bool) -> bool:
 
 
 def decode(name: str, data: np.ndarray, ggml_type: str, rows: np.ndarray | None
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(packed codes [N, K/2] uint8, scales [N, K/32] float16, mins [N, K/32] float16) of one tensor's blocks
-    (data: uint8 [N, blocks * block bytes]), its rows reordered by `rows` (the HF layout's order, or None)."""
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(packed codes [N, K/2] uint8, scales [N, K/32] float16, mins [N, K/32] float16) of one tensor's 4-bit
+    blocks, or (codes [N, K] int8, scales, None) of Q8_0's (data: uint8 [N, blocks * block bytes]), its rows
+    reordered by `rows` (the HF layout's order, or None)."""
     size = NATIVE_TYPES[ggml_type]
     n = data.shape[0]
     blocks = np.ascontiguousarray(data).reshape(n, -1, size)
     d = blocks[:, :, 0:2].copy().view(np.float16)[:, :, 0]
+    if ggml_type == "Q8_0":
+        q8 = [torch.from_numpy(np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(n, -1)),
+              torch.from_numpy(d.copy())]
+        if rows is not None:
+            q8 = [t[torch.from_numpy(rows)] for t in q8]
+        return q8[0], q8[1], None
     if ggml_type == "Q4_0":
         with np.errstate(over="ignore"):
             m = (d.astype(np.float32) * -8).astype(np.float16)

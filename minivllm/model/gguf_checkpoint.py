@@ -9,8 +9,8 @@ same load_weights, one tensor at a time.
 
 Weights are dequantized as they are read, to the dtype the engine runs (F32/F16/BF16 files load exactly;
 quantized tensors through the `gguf` package's own dequantizer, the reference for parity), except in a file whose
-every projection is Q4_0 / Q4_1: those run on the int4 kernels block for block (model/gguf_blocks.py), the file
-describing itself by a `quantization_config` of method "gguf" in its HF config.
+every projection is Q4_0 / Q4_1 (or every one Q8_0): those run on the int4 (int8 block) kernels block for block
+(model/gguf_blocks.py), the file describing itself by a `quantization_config` of method "gguf" in its HF config.
 """
 
 from __future__ import annotations
@@ -212,7 +212,8 @@ def load_tokenizer(path: str) -> Any:
 
 def iterate_weights(path: str, native: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor) for every tensor of the file that the HF model has, one at a time; with native,
-    a Q4_0 / Q4_1 projection as its int4 `.qweight`, `.scales` and `.mins` instead (model/gguf_blocks.py)."""
+    a Q4_0 / Q4_1 projection as its int4 `.qweight`, `.scales` and `.mins` instead, a Q8_0 one as its int8 blocks'
+    `.qweight` and `.scales` (model/gguf_blocks.py)."""
     from gguf import GGUFReader, dequantize
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (
@@ -248,7 +249,9 @@ def iterate_weights(path: str, native: bool = False) -> Iterator[tuple[str, torc
                 raise ValueError(f"GGUF {path}: {kind} tensor {tensor.name!r} has no projection of the model to run in")
             qweight, scales, mins = gguf_blocks.decode(tensor.name, tensor.data, kind, rows)
             prefix = hf_name.removesuffix(".weight")
-            yield from ((prefix + ".qweight", qweight), (prefix + ".scales", scales), (prefix + ".mins", mins))
+            yield from ((prefix + ".qweight", qweight), (prefix + ".scales", scales))
+            if mins is not None:
+                yield prefix + ".mins", mins
             continue
         weights = dequantize(tensor.data, tensor.tensor_type)
         result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names,

@@ -53,6 +53,18 @@ def quantize_int4(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype = t
     return pack_int4(q.view(n, kp)), scale, mins
 
 
+def quantize_int8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 in blocks of 32 (GGUF's Q8_0): (q [N, Kp] int8, scale [N, Kp / 32] float16), K zero-padded
+    to Kp; codes chosen against the stored float16 scale."""
+    n, k = w.shape
+    kp = -(-k // 32) * 32
+    wf = F.pad(w.float(), (0, kp - k)).view(n, kp // 32, 32)
+    scale = (wf.abs().amax(-1) / 127).to(torch.float16)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(wf / scale.float()[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.view(n, kp), scale
+
+
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """Codes [N, Kp] (0..15, Kp a multiple of 32) → the kernels' packed [N, Kp/2] uint8: each 32-code block is 16
     bytes, byte j holding code j (low nibble) and code j + 16 (high)."""
@@ -79,7 +91,8 @@ def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class QuantizedLinear(PlannedLinear):
     """A Linear whose weight is stored quantized; forward picks the kernel planned for the input's M."""
 
-    # buffers (register_buffer); `mins` exists only for the grouped (int4) methods
+    # buffers (register_buffer); `mins` exists only for the grouped (int4) methods. int8 / w8a8 weights are per
+    # output channel, or with cfg.int8_blocks in blocks of 32 with float16 scales (`blocked`: GGUF's Q8_0).
     checkpoint_buffers = ("qweight", "scales", "mins", "bias")  # what a pre-quantized checkpoint fills (weights.py)
     qweight: torch.Tensor
     scales: torch.Tensor
@@ -91,12 +104,17 @@ class QuantizedLinear(PlannedLinear):
         self.in_features, self.out_features = in_features, out_features
         self.method, self.group_size = cfg.method, cfg.group_size
         self.grouped = cfg.method in GROUPED_METHODS  # int4 weights: packed nibbles, group scale and min
+        self.blocked = cfg.int8_blocks
         if self.grouped:
             kp = -(-in_features // cfg.group_size) * cfg.group_size
             half = cfg.torch_scale_dtype
             self.register_buffer("qweight", torch.empty(out_features, kp // 2, dtype=torch.uint8))
             self.register_buffer("scales", torch.empty(out_features, kp // cfg.group_size, dtype=half))
             self.register_buffer("mins", torch.empty(out_features, kp // cfg.group_size, dtype=cfg.torch_min_dtype))
+        elif self.blocked:
+            kp = -(-in_features // 32) * 32
+            self.register_buffer("qweight", torch.empty(out_features, kp, dtype=torch.int8))
+            self.register_buffer("scales", torch.empty(out_features, kp // 32, dtype=torch.float16))
         else:
             self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
             self.register_buffer("scales", torch.empty(out_features, dtype=torch.float32))
@@ -114,6 +132,10 @@ class QuantizedLinear(PlannedLinear):
             self.qweight.copy_(q)
             self.scales.copy_(s)
             self.mins.copy_(m)
+        elif self.blocked:
+            q, s = quantize_int8_blocks(weight)
+            self.qweight.copy_(q)
+            self.scales.copy_(s)
         else:
             q, s = quantize_int8(weight)
             self.qweight.copy_(q)
@@ -129,16 +151,20 @@ class QuantizedLinear(PlannedLinear):
             q = unpack_int4(self.qweight).float().view(n, g, self.group_size)
             w = q * self.scales.float()[..., None] + self.mins.float()[..., None]
             return w.view(n, -1)[:, :self.in_features]
+        if self.blocked:
+            n, nb = self.scales.shape
+            w = self.qweight.float().view(n, nb, 32) * self.scales.float()[..., None]
+            return w.view(n, -1)[:, :self.in_features]
         return self.qweight.float() * self.scales[:, None]
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         """Portable path (any device, any M): dequantize, then a float32 matmul."""
         bias = None if self.bias is None else self.bias.float()
-        if self.method == "w8a8":
+        if self.method == "w8a8" and not self.blocked:
             xq, xs = quantize_rows_int8(x)
             y = (xq.float() @ self.qweight.float().t()) * (xs[:, None] * self.scales[None, :])
             return y if bias is None else y + bias
-        if self.method == "w4a8":
+        if self.method in ("w4a8", "w8a8"):
             xq, xs = quantize_rows_int8(x)
             y = (xq.float() @ self.dequantize().t()) * xs[:, None]
             return y if bias is None else y + bias
@@ -148,9 +174,10 @@ class QuantizedLinear(PlannedLinear):
         """The packed weight bound for csrc/gemv.c (built on first use, once the buffers are final)."""
         if self._gemv is None:
             bias = None if self.bias is None else self.bias.float().contiguous()
-            self._gemv = cpu_kernels.GemvWeights(self.method, self.qweight, self.in_features, self.scales,
+            fmt = ("q8a8" if self.method == "w8a8" else "q8") if self.blocked else self.method
+            self._gemv = cpu_kernels.GemvWeights(fmt, self.qweight, self.in_features, self.scales,
                                                  self.mins if self.grouped else None,
-                                                 self.group_size if self.grouped else 0, bias)
+                                                 self.group_size if self.grouped or self.blocked else 0, bias)
         return self._gemv
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
@@ -159,11 +186,16 @@ class QuantizedLinear(PlannedLinear):
         return self.gemv_weights()(xf if xf.stride(-1) == 1 else xf.contiguous())
 
     def forward_native_a8(self, x: torch.Tensor) -> torch.Tensor:
-        """int4 weights through W4A8's native kernel (x's rows quantized to int8, integer dot products)."""
+        """int4 (int8 block) weights through W4A8's (q8a8's) native kernel: x's rows quantized to int8, integer dot
+        products."""
         if self._gemv_a8 is None:
             bias = None if self.bias is None else self.bias.float().contiguous()
-            self._gemv_a8 = cpu_kernels.GemvWeights("w4a8", self.qweight, self.in_features, self.scales, self.mins,
-                                                    self.group_size, bias)
+            if self.blocked:
+                self._gemv_a8 = cpu_kernels.GemvWeights("q8a8", self.qweight, self.in_features, self.scales, None,
+                                                        32, bias)
+            else:
+                self._gemv_a8 = cpu_kernels.GemvWeights("w4a8", self.qweight, self.in_features, self.scales,
+                                                        self.mins, self.group_size, bias)
         xf = x if x.dtype == torch.float32 else x.float()
         return self._gemv_a8(xf if xf.stride(-1) == 1 else xf.contiguous())
 
@@ -183,9 +215,10 @@ class QuantizedLinear(PlannedLinear):
         found: dict[str, Kernel] = {"reference": self.forward_reference}
         if self.qweight.device.type == "cpu" and cpu_kernels.available():
             found["native"] = self.forward_native
-        if self.method in ("w8a8", "int8"):  # int8 and w8a8 weights are the same per-channel int8
+        if self.method in ("w8a8", "int8") and not self.blocked:  # int8 and w8a8: the same per-channel int8
             found["int_mm"] = self.forward_int_mm
-        if self.method == "int4" and "native" in found:  # int4 and w4a8 weights are the same packed groups
+        # int4 and w4a8 weights are the same packed groups; int8 blocks run weight-only or against int8 x
+        if (self.method == "int4" or self.method == "int8" and self.blocked) and "native" in found:
             found["native_a8"] = self.forward_native_a8
         return found
 
@@ -205,7 +238,8 @@ class QuantizedLinear(PlannedLinear):
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, method={self.method}, group={self.group_size}"
+        blocks = ", blocks of 32" if self.blocked else ""
+        return f"in={self.in_features}, out={self.out_features}, method={self.method}, group={self.group_size}{blocks}"
 
 
 def check_device(cfg: QuantConfig | None, device: torch.device) -> None:

@@ -17,6 +17,8 @@
  *   w8a8   the int8 weights; x is quantized per row here (symmetric, absmax / 127, round half to
  *          even as torch.round): y[m, n] = xs[m] * s[n] * sum_k xq[m, k] w[n, k], exact in int32.
  *   w4a8   the int4 weights against x quantized as for w8a8 (csrc/gemv_w4a8.c).
+ *   q8     w [N, Kp] int8 in blocks of 32, a float16 scale each (GGUF's Q8_0); q8a8 the same against int8 x
+ *          (csrc/gemv_q8.c).
  *
  * Each thread walks its share of N one weight row at a time (one sequential stream per thread: that
  * measured 0.95 of the bandwidth probe, against 0.7 for blocks of 4 interleaved rows), with two
@@ -272,13 +274,16 @@ __attribute__((optimize("no-reciprocal-math"))) static float quantize_row_s8(con
     return s;
 }
 
-enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_INT8 = 2, FMT_INT4 = 3, FMT_W8A8 = 4, FMT_W4A8 = 5, FMT_F16_SCALES = 16,
-       FMT_F32_MINS = 32 };
+enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_INT8 = 2, FMT_INT4 = 3, FMT_W8A8 = 4, FMT_W4A8 = 5, FMT_Q8 = 6, FMT_Q8A8 = 7,
+       FMT_F16_SCALES = 16, FMT_F32_MINS = 32 };
 
 /* csrc/gemv_w4a8.c */
 void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, const void *w,
                const void *scale, const void *mins, int64_t G, int halves, const float *bias, float *scratch,
                int num_threads);
+/* csrc/gemv_q8.c: int8 weights in blocks of 32 with float16 scales (GGUF's Q8_0), weight-only or a8 */
+void gemv_q8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, const void *w,
+             const void *scale, const float *bias, int a8, float *scratch, int num_threads);
 
 /*
  * y = x W^T + bias for one of the formats above.
@@ -298,7 +303,9 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
         int mm = M - m0 < MAX_M ? M - m0 : MAX_M;
         const float *xm = x + m0 * ldx;
         float *o = out + m0 * ldo;
-        if (fmt == FMT_W4A8) {
+        if (fmt == FMT_Q8 || fmt == FMT_Q8A8) {
+            gemv_q8(o, ldo, xm, ldx, mm, K, N, w, scale, bias, fmt == FMT_Q8A8, scratch, num_threads);
+        } else if (fmt == FMT_W4A8) {
             gemv_w4a8(o, ldo, xm, ldx, mm, K, N, w, scale, mins, G, halves, bias, scratch, num_threads);
         } else if (fmt == FMT_INT4) {
             /* Stage x zero-padded to Kp (whatever the codes past K, a zero x makes them add nothing). */

@@ -1,0 +1,218 @@
+/*
+ * int8 weights in blocks of 32 with a float16 scale each: GGUF's Q8_0, run from the file's own bytes.
+ *   w [N, Kp] int8 (Kp = K rounded up to 32), scale [N, Kp / 32] float16:   W[n, k] = scale[n, k / 32] * w[n, k]
+ *
+ * q8    weight-only: x stays float32; each block's 32 weights widen to float, times x, and the block's sum
+ *       times its scale (the exact math of the dequantized weight, in float32).
+ * q8a8  x quantized per row to int8 (symmetric, absmax / 127, round half to even, as w8a8 does):
+ *         y[m, n] = xs[m] * sum_b scale[n, b] * sum_{k in b} w[n, k] xq[m, k]
+ *       AVX512-VNNI's vpdpbusd multiplies unsigned by signed bytes, so each weight byte is read as w + 128 (a
+ *       sign-bit flip) and the block's -128 * sum(xq) is added back through the scale: no stored min, the
+ *       per-block sums of xq computed once per token. One vpdpbusd per 64 weights per row of x; the int32 sums
+ *       of a chunk's two blocks are scaled in one FMA. Without VNNI a portable loop computes the same sums.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define Q8_VNNI 1
+#endif
+
+#define MB 4 /* rows of x per register block */
+
+typedef float v16 __attribute__((vector_size(64)));
+
+static inline float f16_to_f32(uint16_t h) {
+    _Float16 v;
+    memcpy(&v, &h, sizeof v);
+    return (float)v;
+}
+
+/* 16 int8 weights as float lanes (GCC 12 scalarises __builtin_convertvector from 8-bit lanes). */
+static inline __attribute__((always_inline)) v16 widen16(const int8_t *p) {
+#if defined(__AVX512F__)
+    return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#else
+    v16 r;
+    for (int i = 0; i < 16; i++) r[i] = (float)p[i];
+    return r;
+#endif
+}
+
+typedef struct {
+    const int8_t *w;
+    const uint16_t *scale;
+    const float *bias;
+    int64_t Kp, nb, nbp, Kx; /* nb blocks per row; nbp: floats between rows of xg (nb rounded up to 16);
+                              * Kx: bytes (q8a8) or floats (q8) between staged rows of x */
+} Q8Layer;
+
+/* Weight-only: each block's weights widened once for all M rows; float32 sums scaled per block. */
+static inline __attribute__((always_inline)) void q8_row(float *out, int64_t ldo, const float *x, int M,
+                                                         const Q8Layer *L, int64_t n) {
+    const int8_t *w = L->w + n * L->Kp;
+    const uint16_t *sc = L->scale + n * L->nb;
+    v16 acc[MB];
+    memset(acc, 0, sizeof acc);
+    for (int64_t b = 0; b < L->nb; b++) {
+        const float d = f16_to_f32(sc[b]);
+        const v16 w0 = widen16(w + 32 * b) * d, w1 = widen16(w + 32 * b + 16) * d;
+        for (int m = 0; m < M; m++) {
+            v16 x0, x1;
+            memcpy(&x0, x + m * L->Kx + 32 * b, sizeof x0);
+            memcpy(&x1, x + m * L->Kx + 32 * b + 16, sizeof x1);
+            acc[m] += x0 * w0 + x1 * w1;
+        }
+    }
+    for (int m = 0; m < M; m++) {
+        float s = 0.f;
+        for (int i = 0; i < 16; i++) s += acc[m][i];
+        out[m * ldo + n] = s + (L->bias ? L->bias[n] : 0.f);
+    }
+}
+
+#ifdef Q8_VNNI
+/* One 64-weight chunk (two blocks) against M rows: one vpdpbusd per row, the blocks' scales `s` in one FMA. */
+static inline __attribute__((always_inline)) void chunk_q8(__m512 *acc, __m512i wv, __m512 s, const int8_t *xq,
+                                                           int64_t Kx, int M) {
+    const __m512i wu = _mm512_xor_si512(wv, _mm512_set1_epi8((char)0x80));
+    for (int m = 0; m < M; m++) {
+        const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, _mm512_loadu_si512((const void *)(xq + m * Kx)));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[m]);
+    }
+}
+
+/* A superblock is 16 blocks (8 chunks): its scales are one window of 16, loaded once; chunk u's lanes take
+ * theirs with a constant index (block 2u + lane / 8), and the min term (-128 scale, times the blocks' sums of
+ * xq) joins the same accumulators once per superblock. A row's last, partial superblock loads masked. */
+static inline __attribute__((always_inline)) void q8a8_row(float *out, int64_t ldo, const int8_t *xq,
+                                                           const float *xs, const float *xg, int M,
+                                                           const Q8Layer *L, int64_t n) {
+    const int8_t *w = L->w + n * L->Kp;
+    const uint16_t *sc = L->scale + n * L->nb;
+    const __m512 neg128 = _mm512_set1_ps(-128.f);
+    const __m512i half = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512i idx[8];
+    for (int u = 0; u < 8; u++) idx[u] = _mm512_add_epi32(half, _mm512_set1_epi32(2 * u));
+    __m512 acc[MB];
+    for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    const int64_t full = L->nb / 16;
+    for (int64_t sb = 0; sb < full; sb++) {
+        const __m512 win = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 16 * sb)));
+        const int8_t *wc = w + sb * 512, *xc = xq + sb * 512;
+#pragma GCC unroll 8
+        for (int u = 0; u < 8; u++)
+            chunk_q8(acc, _mm512_loadu_si512((const void *)(wc + 64 * u)), _mm512_permutexvar_ps(idx[u], win),
+                     xc + 64 * u, L->Kx, M);
+        const __m512 mv = _mm512_mul_ps(win, neg128);
+        for (int m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(xg + m * L->nbp + 16 * sb), acc[m]);
+    }
+    const int64_t cnt = L->nb - 16 * full;
+    if (cnt) {
+        const __m512 win = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << cnt) - 1), sc + 16 * full));
+        for (int u = 0; 2 * u < cnt; u++) {
+            const int8_t *wc = w + (16 * full + 2 * u) * 32;
+            const __mmask64 mk = 2 * u + 1 < cnt ? ~(__mmask64)0 : (__mmask64)0xFFFFFFFFu;
+            chunk_q8(acc, _mm512_maskz_loadu_epi8(mk, wc), _mm512_permutexvar_ps(idx[u], win),
+                     xq + (16 * full + 2 * u) * 32, L->Kx, M);
+        }
+        const __m512 mv = _mm512_mul_ps(win, neg128);
+        for (int m = 0; m < M; m++)
+            acc[m] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(xg + m * L->nbp + 16 * full), acc[m]);
+    }
+    for (int m = 0; m < M; m++) out[m * ldo + n] = _mm512_reduce_add_ps(acc[m]) * xs[m] + (L->bias ? L->bias[n] : 0.f);
+}
+#else
+static inline void q8a8_row(float *out, int64_t ldo, const int8_t *xq, const float *xs, const float *xg, int M,
+                            const Q8Layer *L, int64_t n) {
+    (void)xg;
+    const int8_t *w = L->w + n * L->Kp;
+    const uint16_t *sc = L->scale + n * L->nb;
+    for (int m = 0; m < M; m++) {
+        const int8_t *xr = xq + m * L->Kx;
+        float y = 0.f;
+        for (int64_t b = 0; b < L->nb; b++) {
+            int32_t d = 0;
+            for (int j = 0; j < 32; j++) d += (int32_t)w[32 * b + j] * xr[32 * b + j];
+            y += (float)d * f16_to_f32(sc[b]);
+        }
+        out[m * ldo + n] = y * xs[m] + (L->bias ? L->bias[n] : 0.f);
+    }
+}
+#endif
+
+/* One row of x as int8 codes (zero-padded to Kx bytes), its per-block sums in xg (zero-padded to nbp); returns
+ * its scale. Division, not a reciprocal: the codes must be torch.round(x / s)'s. */
+__attribute__((optimize("no-reciprocal-math"))) static float stage_row(const float *xr, int64_t K, int8_t *dst,
+                                                                       int64_t Kx, float *xg, int64_t nbp) {
+    float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+    for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(xr[k]));
+    const float s = amax > 0.f ? amax / 127.f : 1.f;
+    memset(dst, 0, (size_t)Kx);
+    memset(xg, 0, (size_t)nbp * sizeof(float));
+    int64_t k = 0;
+#if defined(__AVX512F__)
+    const __m512 sv = _mm512_set1_ps(s);
+    for (; k + 32 <= K; k += 32) { /* round half to even, as torch.round */
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(xr + k), sv));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(xr + k + 16), sv));
+        _mm_storeu_si128((__m128i *)(dst + k), _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(dst + k + 16), _mm512_cvtsepi32_epi8(q1));
+        xg[k / 32] = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    }
+#endif
+    for (; k < K; k++) {
+        const int8_t q = (int8_t)__builtin_lrintf(xr[k] / s);
+        dst[k] = q;
+        xg[k / 32] += (float)q;
+    }
+    return s;
+}
+
+#define FOR_ROWS(N, M, ROW)                                                          \
+    do {                                                                             \
+        const int t_ = omp_get_thread_num(), nt_ = omp_get_num_threads();           \
+        for (int64_t n = (N) * t_ / nt_; n < (N) * (t_ + 1) / nt_; n++) {            \
+            for (int j = 0; j < (M); j += MB) {                                      \
+                switch ((M) - j < MB ? (M) - j : MB) {                               \
+                case 1: ROW(1); break;                                               \
+                case 2: ROW(2); break;                                               \
+                case 3: ROW(3); break;                                               \
+                default: ROW(4); break;                                              \
+                }                                                                    \
+            }                                                                        \
+        }                                                                            \
+    } while (0)
+
+/*
+ * y = x W^T + bias for M rows of float32 x (rows ldx floats apart, K used); a8: q8a8, else q8.
+ *   scratch: >= M * (Kp + Kp / 32 + 16) floats.
+ */
+void gemv_q8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, const void *w,
+             const void *scale, const float *bias, int a8, float *scratch, int num_threads) {
+    const int64_t Kp = (K + 31) / 32 * 32, nb = Kp / 32, nbp = (nb + 15) / 16 * 16;
+    Q8Layer L = {.w = (const int8_t *)w, .scale = (const uint16_t *)scale, .bias = bias, .Kp = Kp, .nb = nb,
+                 .nbp = nbp, .Kx = Kp};
+    if (!a8) { /* x zero-padded to Kp: the codes past K meet zeros */
+        for (int m = 0; m < M; m++) {
+            memcpy(scratch + m * Kp, x + m * ldx, (size_t)K * sizeof(float));
+            memset(scratch + m * Kp + K, 0, (size_t)(Kp - K) * sizeof(float));
+        }
+#define RQ(c) q8_row(out + j * ldo, ldo, scratch + j * Kp, c, &L, n)
+#pragma omp parallel num_threads(num_threads)
+        FOR_ROWS(N, M, RQ);
+        return;
+    }
+    L.Kx = (Kp + 63) / 64 * 64; /* a partial last chunk's x lanes read zeros */
+    float *xs = scratch, *xg = scratch + M;
+    int8_t *xq = (int8_t *)(xg + (int64_t)M * nbp);
+    for (int m = 0; m < M; m++) xs[m] = stage_row(x + m * ldx, K, xq + m * L.Kx, L.Kx, xg + m * nbp, nbp);
+#define RA(c) q8a8_row(out + j * ldo, ldo, xq + j * L.Kx, xs + j, xg + j * nbp, c, &L, n)
+#pragma omp parallel num_threads(num_threads)
+    FOR_ROWS(N, M, RA);
+}
