@@ -61,7 +61,8 @@ def convert_gguf_head(runner: ModelRunner) -> HeadConversion | None:
                            group_tables=(blocks,) * (runner.num_kv_groups - 1))]
     with torch.inference_mode():
         ref = runner.execute(probe)
-        q = QuantizedLinear(head.in_features, head.out_features, head.bias is not None, QuantConfig(method, int8_blocks=blocked))
+        cfg = QuantConfig(method, int8_blocks=blocked)
+        q = QuantizedLinear(head.in_features, head.out_features, head.bias is not None, cfg)
         q.quantize_from(head.weight.detach().float(), None if head.bias is None else head.bias.detach().float())
         plan = plan_kernels([q], "auto", f"lm_head {method}", runner.dtype)
         model.lm_head = q
