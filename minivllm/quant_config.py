@@ -25,7 +25,8 @@ class QuantConfig:
     # int4 / w4a8 group scales and mins: bfloat16 (what we quantize to), or float16 where a checkpoint quantized
     # elsewhere (GPTQ, AWQ, GGUF's Q4_0 / Q4_1) stores them so: kept exactly, not rounded to bfloat16.
     scale_dtype: str = "bfloat16"
-    # Their mins (-scale * zero): in scale_dtype, or float32 where a float16 product would round (asymmetric zeros).
+    # Their mins (-scale * zero): in scale_dtype, or float32 where a float16 product would round (asymmetric zeros),
+    # or "none": not stored, each -8 * scale (codes centred on 8: GGUF's Q4_0; 2 bytes fewer per 32 weights).
     min_dtype: str = ""
     # int8 / w8a8 weights in blocks of 32 with a float16 scale each (GGUF's Q8_0, its own bytes), not per channel.
     int8_blocks: bool = False
@@ -36,8 +37,8 @@ class QuantConfig:
                              f"{', '.join(QUANTIZATION_METHODS)}")
         if self.scale_dtype not in ("bfloat16", "float16"):
             raise ValueError(f"quantization scale dtype: {self.scale_dtype!r} is neither bfloat16 nor float16")
-        if self.min_dtype not in ("", "float32"):
-            raise ValueError(f"quantization min dtype: {self.min_dtype!r} is neither the scales' nor float32")
+        if self.min_dtype not in ("", "float32", "none"):
+            raise ValueError(f"quantization min dtype: {self.min_dtype!r} is neither the scales', float32 nor none")
         if self.int8_blocks and (self.method not in ("int8", "w8a8") or self.group_size != 32):
             raise ValueError(f"quantization: int8 blocks are for int8 / w8a8 in groups of 32, not {self.method} "
                              f"with group size {self.group_size}")
@@ -82,7 +83,8 @@ class QuantConfig:
             assert target is not None  # (kernels implies it)
             # GGUF's mins (-8 d, Q4_1's m) are exact in float16; an asymmetric zero times a scale needs float32.
             exact = scheme.symmetric or scheme.method == "gguf"
-            return QuantConfig(method or kernels[0], target[1] or 32, False, half, "" if exact else "float32",
+            mins = "none" if scheme.method == "gguf" and scheme.symmetric else "" if exact else "float32"
+            return QuantConfig(method or kernels[0], target[1] or 32, False, half, mins,
                                int8_blocks=scheme.method == "gguf" and scheme.bits == 8)
         cfg = QuantConfig.from_hf_dict(saved, f"{mc.path}/config.json")
         if method is not None and method != cfg.method:

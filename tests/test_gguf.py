@@ -22,7 +22,7 @@ from minivllm.config import ModelConfig
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.model.gguf_checkpoint import EOG_TEXTS, find_gguf
 from minivllm.model.gguf_header import read_header
-from minivllm.model.quantization import QuantizedLinear
+from minivllm.model.quantization import QuantizedLinear, unpack_int4
 from minivllm.model.runner import SequenceInput
 from tests.conftest import make_runner
 
@@ -121,8 +121,8 @@ def test_each_tensor_type_matches_transformers_reading_of_the_same_file(gguf_fil
     if outtype in ("Q4_0", "Q4_1"):
         # Every projection and the head (the file's head is Q4 too): 4 + 3 + 1 per layer before fusing -> 4 + 1.
         assert len(quantized) == 4 * len(runner.model.layers) + 1  # type: ignore[attr-defined]
-        assert all(m.method == "int4" and m.group_size == 32 and m.scales.dtype == m.mins.dtype == torch.float16
-                   for m in quantized)
+        assert all(m.method == "int4" and m.group_size == 32 and m.scales.dtype == torch.float16
+                   and m.symmetric == (outtype == "Q4_0") for m in quantized)
     elif outtype == "q8_0":  # Q8_0 projections as int8 blocks of 32 (the converter's head: the tied embedding)
         assert len(quantized) == 4 * len(runner.model.layers) + 1  # type: ignore[attr-defined]
         assert all(m.method == "int8" and m.blocked and m.scales.dtype == torch.float16 for m in quantized)
@@ -152,8 +152,14 @@ def test_q4_blocks_run_as_they_are_and_only_as_int4(model_factory, gguf_file, ou
     raw = np.asarray(blk.data).reshape(layer.out_features, -1, 18 if outtype == "Q4_0" else 20)
     d = raw[:, :, :2].copy().view(np.float16)[:, :, 0]
     assert torch.equal(layer.scales, torch.from_numpy(d))
-    mins = -8 * d.astype(np.float32) if outtype == "Q4_0" else raw[:, :, 2:4].copy().view(np.float16)[:, :, 0]
-    assert torch.equal(layer.mins.float(), torch.from_numpy(mins.astype(np.float32)))
+    if outtype == "Q4_0":  # a file of Q4_0 only: no mins stored (each -8 d, in the kernels): 18 bytes a block
+        assert layer.symmetric and not hasattr(layer, "mins")
+        assert torch.equal(layer.dequantize().view(layer.out_features, -1, 32),
+                           (unpack_int4(layer.qweight).float() - 8).view(layer.out_features, -1, 32)
+                           * layer.scales.float()[..., None])
+    else:
+        mins = raw[:, :, 2:4].copy().view(np.float16)[:, :, 0]
+        assert torch.equal(layer.mins.float(), torch.from_numpy(mins.astype(np.float32)))
     assert torch.equal(layer.qweight, torch.from_numpy(raw[:, :, -16:].reshape(layer.out_features, -1).copy()))
     w4a8 = LLM(path, quantization="w4a8").llm_engine.runner
     # (the file's tied head is its Q4_0 embedding, which stays a float embedding: the head runs converted, W8A8)

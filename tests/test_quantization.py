@@ -105,15 +105,23 @@ def test_every_kernel_equals_dequantized_reference(method, k, n, m, bias):
 @pytest.mark.parametrize("k", [2048, 1568, 800])
 @pytest.mark.parametrize("m", [1, 5])
 @pytest.mark.parametrize("scale_dtype,min_dtype", [("bfloat16", ""), ("float16", ""), ("float16", "float32"),
-                                                    ("bfloat16", "float32")])
+                                                    ("bfloat16", "float32"), ("float16", "none")])
 def test_w4a8_kernel_superblocks_and_tails_every_group_size(group, k, m, scale_dtype, min_dtype):
     """The W4A8 kernel walks 16-block superblocks with one window of group scales each, then a masked tail: whole
     superblocks only (2048), several and a tail of 1-3 chunks (1568 = 3 * 512 + 32, 800 = 512 + 288), every group
     size; the last rows take the masked loads, so n spans several of them. Scales and mins in bfloat16 (ours) or
-    float16 (GPTQ's, AWQ's, GGUF's), mins in float32 (an asymmetric zero times a float16 scale), read as they are."""
-    q, _ = _layer("w4a8", k, 67, True, group, scale_dtype, min_dtype)
-    assert q.scales.dtype == getattr(torch, scale_dtype) and q.mins.dtype == getattr(torch, min_dtype or scale_dtype)
-    if min_dtype:  # mins no half type holds: the kernels must read them as float32
+    float16 (GPTQ's, AWQ's, GGUF's), mins in float32 (an asymmetric zero times a float16 scale), read as they are;
+    or no mins at all (GGUF's Q4_0: each -8 scale, computed in the kernels)."""
+    q, w = _layer("w4a8", k, 67, True, group, scale_dtype, min_dtype)
+    assert q.scales.dtype == getattr(torch, scale_dtype)
+    if min_dtype == "none":  # Q4_0's rule: within a step of the weight (code 16 clamps to 15), most within half
+        assert q.symmetric and not hasattr(q, "mins")
+        step = q.scales.float().abs().repeat_interleave(group, 1)[:, :k]
+        err = (q.dequantize() - w).abs()
+        assert (err <= step * 1.01).all() and (err <= step / 2 + 1e-6).float().mean() > 0.99
+    else:
+        assert q.mins.dtype == getattr(torch, min_dtype or scale_dtype)
+    if min_dtype == "float32":  # mins no half type holds: the kernels must read them as float32
         q.mins.add_(torch.rand_like(q.mins) * 1e-3)
     x = torch.randn(m, k)
     xq, xs = quantize_rows_int8(x)
@@ -122,7 +130,8 @@ def test_w4a8_kernel_superblocks_and_tails_every_group_size(group, k, m, scale_d
     assert (got.double() - expected).abs().max().item() <= 2e-6 * expected.abs().max().item()
     # The weight-only int4 kernels on the same stored groups (native: a table per group; native_a8 as above).
     q4, _ = _layer("int4", k, 67, True, group, scale_dtype, min_dtype)
-    q4.mins.copy_(q.mins)
+    if min_dtype != "none":
+        q4.mins.copy_(q.mins)
     for name, kernel in q4.candidates().items():
         a8 = q4.quantizes_activations(name)
         ref = ((xq.double() * xs.double()[:, None]) if a8 else x.double()) @ q4.dequantize().double().t()

@@ -225,6 +225,7 @@ _MAX_M = 16  # csrc/gemv.c's rows of x staged per pass
 GEMV_FORMATS = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3, "w8a8": 4, "w4a8": 5, "q8": 6, "q8a8": 7}
 _F16_SCALES = 16  # csrc/gemv.c's FMT_F16_SCALES: int4 / w4a8 group scales (and mins) in float16, not bfloat16
 _F32_MINS = 32  # FMT_F32_MINS: int4 / w4a8 group mins in float32
+_SYM_MINS = 64  # FMT_SYM_MINS: no mins stored, each -8 * scale (GGUF's Q4_0)
 
 
 class GemvWeights:
@@ -240,11 +241,11 @@ class GemvWeights:
         self.fmt, self.k, self.n, self.group = GEMV_FORMATS[fmt], in_features, weight.shape[0], group
         if fmt in ("q8", "q8a8"):
             assert group == 32 and scale is not None and scale.dtype == torch.float16 and mins is None
-        elif group:  # int4 groups: scales bfloat16 or float16; mins the scales' dtype or float32
-            assert scale is not None and mins is not None and scale.dtype in (torch.bfloat16, torch.float16)
-            assert mins.dtype in (scale.dtype, torch.float32)
+        elif group:  # int4 groups: scales bfloat16 or float16; mins the scales' dtype, float32, or none (-8 scale)
+            assert scale is not None and scale.dtype in (torch.bfloat16, torch.float16)
+            assert mins is None or mins.dtype in (scale.dtype, torch.float32)
             self.fmt |= (_F16_SCALES if scale.dtype == torch.float16 else 0) | \
-                (_F32_MINS if mins.dtype == torch.float32 else 0)
+                (_SYM_MINS if mins is None else _F32_MINS if mins.dtype == torch.float32 else 0)
         self.tensors = (weight, scale, mins, bias)  # the pointers below stay valid while these live
         self.ptrs = tuple(_ptr(t) for t in self.tensors)
         kp = -(-in_features // group) * group if group else in_features

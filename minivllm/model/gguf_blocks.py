@@ -43,36 +43,33 @@ def is_native(name: str, ggml_type: str, lm_head: bool) -> bool:
     return lm_head or name != "output.weight"
 
 
-def decode(name: str, data: np.ndarray, ggml_type: str, rows: np.ndarray | None
+def decode(name: str, data: np.ndarray, ggml_type: str, rows: np.ndarray | None, symmetric: bool = False
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(packed codes [N, K/2] uint8, scales [N, K/32] float16, mins [N, K/32] float16) of one tensor's 4-bit
-    blocks, or (codes [N, K] int8, scales, None) of Q8_0's (data: uint8 [N, blocks * block bytes]), its rows
-    reordered by `rows` (the HF layout's order, or None)."""
+    blocks (mins None for Q4_0 with `symmetric`: a file of Q4_0 only, whose layers store none), or (codes [N, K]
+    int8, scales, None) of Q8_0's (data: uint8 [N, blocks * block bytes]), its rows reordered by `rows` (the HF
+    layout's order, or None)."""
     size = NATIVE_TYPES[ggml_type]
     n = data.shape[0]
     blocks = np.ascontiguousarray(data).reshape(n, -1, size)
     d = blocks[:, :, 0:2].copy().view(np.float16)[:, :, 0]
     if ggml_type == "Q8_0":
-        q8 = [torch.from_numpy(np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(n, -1)),
-              torch.from_numpy(d.copy())]
-        if rows is not None:
-            q8 = [t[torch.from_numpy(rows)] for t in q8]
-        return q8[0], q8[1], None
-    if ggml_type == "Q4_0":
+        parts = [blocks[:, :, 2:].view(np.int8), d]
+    elif ggml_type == "Q4_0" and symmetric:
+        parts = [blocks[:, :, 2:], d]
+    elif ggml_type == "Q4_0":
         with np.errstate(over="ignore"):
             m = (d.astype(np.float32) * -8).astype(np.float16)
         if not np.isfinite(m).all():
             raise ValueError(f"GGUF tensor {name!r}: a Q4_0 scale too large for its min (-8 d) in float16")
-        codes = blocks[:, :, 2:]
+        parts = [blocks[:, :, 2:], d, m]
     else:
-        m = blocks[:, :, 2:4].copy().view(np.float16)[:, :, 0]
-        codes = blocks[:, :, 4:]
-    out = [torch.from_numpy(np.ascontiguousarray(codes).reshape(n, -1)), torch.from_numpy(d.copy()),
-           torch.from_numpy(np.ascontiguousarray(m))]
+        parts = [blocks[:, :, 4:], d, blocks[:, :, 2:4].copy().view(np.float16)[:, :, 0]]
+    out = [torch.from_numpy(np.ascontiguousarray(p).reshape(n, -1)) for p in parts]
     if rows is not None:
         idx = torch.from_numpy(rows)
         out = [t[idx] for t in out]
-    return out[0], out[1], out[2]
+    return out[0], out[1], out[2] if len(out) == 3 else None
 
 
 def row_order(processor: Any, name: str, n: int, names: dict[str, str]) -> tuple[str | None, np.ndarray | None]:

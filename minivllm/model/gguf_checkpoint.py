@@ -235,7 +235,9 @@ def iterate_weights(path: str, native: bool = False) -> Iterator[tuple[str, torc
     names = get_gguf_hf_weights_map(skeleton, processor)
     del skeleton
     checked = {t.name: t for t in header.tensors}
-    head = bool((gguf_blocks.native_config(header, arch) or {}).get("lm_head"))
+    native_cfg = gguf_blocks.native_config(header, arch) or {}
+    head = bool(native_cfg.get("lm_head"))
+    symmetric = native_cfg.get("types") == ["Q4_0"]  # its layers store no mins (QuantConfig min_dtype "none")
     extra: dict[str, Any] = {"tensors": {}}  # processors that rename a tensor put it here (GPT-2's output)
     for tensor in (t for part in parts(path) for t in GGUFReader(part).tensors):
         info = checked.get(tensor.name)
@@ -247,7 +249,7 @@ def iterate_weights(path: str, native: bool = False) -> Iterator[tuple[str, torc
             hf_name = names.get(key or "")
             if hf_name is None or not hf_name.endswith(".weight"):
                 raise ValueError(f"GGUF {path}: {kind} tensor {tensor.name!r} has no projection of the model to run in")
-            qweight, scales, mins = gguf_blocks.decode(tensor.name, tensor.data, kind, rows)
+            qweight, scales, mins = gguf_blocks.decode(tensor.name, tensor.data, kind, rows, symmetric)
             prefix = hf_name.removesuffix(".weight")
             yield from ((prefix + ".qweight", qweight), (prefix + ".scales", scales))
             if mins is not None:

@@ -33,9 +33,10 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def quantize_int4(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype = torch.bfloat16
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric group-wise int4: (packed [N, Kp/2] uint8, scale [N, G], min [N, G], both bf16 or float16).
+def quantize_int4(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype = torch.bfloat16,
+                  symmetric: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric group-wise int4: (packed [N, Kp/2] uint8, scale [N, G], min [N, G], both bf16 or float16); or
+    symmetric by Q4_0's rule (min -8 scale, which a layer built with min_dtype "none" does not store).
 
     K is zero-padded to Kp, a multiple of the group size. The min costs no extra work in the kernel
     (it multiplies the group's sum of x, computed once per token) and cuts the error of groups whose
@@ -46,9 +47,15 @@ def quantize_int4(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype = t
     kp = -(-k // group_size) * group_size
     wf = F.pad(w.float(), (0, kp - k)).view(n, kp // group_size, group_size)
     lo, hi = wf.amin(-1), wf.amax(-1)
-    scale = ((hi - lo) / 15).to(scale_dtype)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    mins = lo.to(scale_dtype)
+    if symmetric:  # Q4_0's rule: the weight of largest magnitude is code 0 (-8 scale), the min is -8 scale
+        peak = torch.where(-lo > hi, lo, hi)
+        scale = (peak / -8).to(scale_dtype)
+        scale = torch.where(scale != 0, scale, torch.ones_like(scale))
+        mins = -8 * scale
+    else:
+        scale = ((hi - lo) / 15).to(scale_dtype)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        mins = lo.to(scale_dtype)
     q = torch.round((wf - mins.float()[..., None]) / scale.float()[..., None]).clamp(0, 15).to(torch.uint8)
     return pack_int4(q.view(n, kp)), scale, mins
 
@@ -105,12 +112,15 @@ class QuantizedLinear(PlannedLinear):
         self.method, self.group_size = cfg.method, cfg.group_size
         self.grouped = cfg.method in GROUPED_METHODS  # int4 weights: packed nibbles, group scale and min
         self.blocked = cfg.int8_blocks
+        self.symmetric = self.grouped and cfg.min_dtype == "none"  # no mins stored: each is -8 * scale
         if self.grouped:
             kp = -(-in_features // cfg.group_size) * cfg.group_size
             half = cfg.torch_scale_dtype
             self.register_buffer("qweight", torch.empty(out_features, kp // 2, dtype=torch.uint8))
             self.register_buffer("scales", torch.empty(out_features, kp // cfg.group_size, dtype=half))
-            self.register_buffer("mins", torch.empty(out_features, kp // cfg.group_size, dtype=cfg.torch_min_dtype))
+            if not self.symmetric:
+                self.register_buffer("mins", torch.empty(out_features, kp // cfg.group_size,
+                                                         dtype=cfg.torch_min_dtype))
         elif self.blocked:
             kp = -(-in_features // 32) * 32
             self.register_buffer("qweight", torch.empty(out_features, kp, dtype=torch.int8))
@@ -128,10 +138,11 @@ class QuantizedLinear(PlannedLinear):
     def quantize_from(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         """Fill the packed buffers from a full-precision weight [N, K]."""
         if self.grouped:
-            q, s, m = quantize_int4(weight, self.group_size, self.scales.dtype)
+            q, s, m = quantize_int4(weight, self.group_size, self.scales.dtype, self.symmetric)
             self.qweight.copy_(q)
             self.scales.copy_(s)
-            self.mins.copy_(m)
+            if not self.symmetric:
+                self.mins.copy_(m)
         elif self.blocked:
             q, s = quantize_int8_blocks(weight)
             self.qweight.copy_(q)
@@ -149,7 +160,8 @@ class QuantizedLinear(PlannedLinear):
         if self.grouped:
             n, g = self.out_features, self.scales.shape[1]
             q = unpack_int4(self.qweight).float().view(n, g, self.group_size)
-            w = q * self.scales.float()[..., None] + self.mins.float()[..., None]
+            mins = -8 * self.scales.float() if self.symmetric else self.mins.float()
+            w = q * self.scales.float()[..., None] + mins[..., None]
             return w.view(n, -1)[:, :self.in_features]
         if self.blocked:
             n, nb = self.scales.shape
@@ -176,7 +188,7 @@ class QuantizedLinear(PlannedLinear):
             bias = None if self.bias is None else self.bias.float().contiguous()
             fmt = ("q8a8" if self.method == "w8a8" else "q8") if self.blocked else self.method
             self._gemv = cpu_kernels.GemvWeights(fmt, self.qweight, self.in_features, self.scales,
-                                                 self.mins if self.grouped else None,
+                                                 self.mins if self.grouped and not self.symmetric else None,
                                                  self.group_size if self.grouped or self.blocked else 0, bias)
         return self._gemv
 
@@ -195,7 +207,7 @@ class QuantizedLinear(PlannedLinear):
                                                         32, bias)
             else:
                 self._gemv_a8 = cpu_kernels.GemvWeights("w4a8", self.qweight, self.in_features, self.scales,
-                                                        self.mins, self.group_size, bias)
+                                                        None if self.symmetric else self.mins, self.group_size, bias)
         xf = x if x.dtype == torch.float32 else x.float()
         return self._gemv_a8(xf if xf.stride(-1) == 1 else xf.contiguous())
 

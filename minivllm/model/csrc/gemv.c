@@ -11,7 +11,8 @@
  *   int4   w [N, Kp / 2] uint8, Kp = K rounded up to the group size G (a multiple of 32), per-group
  *          scale and min as bf16 [N, Kp / G]:                    W[n, k] = scale * q + min, q in 0..15;
  *          or as float16 (fmt | FMT_F16_SCALES), the mins as float32 (fmt | FMT_F32_MINS): GGUF's Q4_0 / Q4_1
- *          and GPTQ / AWQ / compressed-tensors checkpoints keep their scales (and -scale * zero) exactly so.
+ *          and GPTQ / AWQ / compressed-tensors checkpoints keep their scales (and -scale * zero) exactly so;
+ *          | FMT_SYM_MINS: no mins stored, each is -8 * scale (Q4_0's blocks: 18 bytes per 32 weights, not 20).
  *          Each 32-weight block is 16 bytes; byte j holds q[j] (low nibble) and q[j + 16] (high
  *          nibble), so one 16-byte load widens to two 16-lane vectors without shuffles.
  *   w8a8   the int8 weights; x is quantized per row here (symmetric, absmax / 127, round half to
@@ -123,6 +124,7 @@ typedef struct {
     int64_t G;
     const float *bias;
     int f16, f32mins; /* int4 group scales (and mins) are float16, else bfloat16; mins are float32 */
+    int sym;          /* no mins stored: each is -8 scale (codes centred on 8: GGUF's Q4_0, symmetric GPTQ) */
 } Layer;
 
 /* Float weights (f32 or bf16) against M rows of x. */
@@ -191,7 +193,8 @@ INLINE void int4_row(float *out, int64_t ldo, const float *x, int M, const Layer
     memset(a0, 0, sizeof a0);
     memset(a1, 0, sizeof a1);
     for (int64_t g = 0; g < ng; g++) {
-        const v16 table = iota * half_to_f32(scale[g], L->f16) + (L->f32mins ? minf[g] : half_to_f32(mins[g], L->f16));
+        const float s = half_to_f32(scale[g], L->f16);
+        const v16 table = iota * s + (L->sym ? -8.f * s : L->f32mins ? minf[g] : half_to_f32(mins[g], L->f16));
         for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
             v16i b = widen_u8(w + k / 2);
             v16 lo = __builtin_shuffle(table, b & 15), hi = __builtin_shuffle(table, b >> 4);
@@ -275,7 +278,7 @@ __attribute__((optimize("no-reciprocal-math"))) static float quantize_row_s8(con
 }
 
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_INT8 = 2, FMT_INT4 = 3, FMT_W8A8 = 4, FMT_W4A8 = 5, FMT_Q8 = 6, FMT_Q8A8 = 7,
-       FMT_F16_SCALES = 16, FMT_F32_MINS = 32 };
+       FMT_F16_SCALES = 16, FMT_F32_MINS = 32, FMT_SYM_MINS = 64 };
 
 /* csrc/gemv_w4a8.c */
 void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, const void *w,
@@ -295,10 +298,11 @@ void gemv_q8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_
 void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, int fmt,
                  const void *w, const void *scale, const void *mins, int64_t G, const float *bias, float *scratch,
                  int num_threads) {
-    const int halves = (fmt & (FMT_F16_SCALES | FMT_F32_MINS)) / FMT_F16_SCALES; /* bit 0: f16, bit 1: f32 mins */
-    fmt &= ~(FMT_F16_SCALES | FMT_F32_MINS);
+    /* bit 0: f16 scales, bit 1: f32 mins, bit 2: no mins (-8 scale) */
+    const int halves = (fmt & (FMT_F16_SCALES | FMT_F32_MINS | FMT_SYM_MINS)) / FMT_F16_SCALES;
+    fmt &= ~(FMT_F16_SCALES | FMT_F32_MINS | FMT_SYM_MINS);
     Layer L = {.w = w, .K = K, .Kv = ldx, .scale = scale, .mins = mins, .G = G, .bias = bias, .f16 = halves & 1,
-               .f32mins = halves >> 1};
+               .f32mins = (halves >> 1) & 1, .sym = halves >> 2};
     for (int m0 = 0; m0 < M; m0 += MAX_M) {
         int mm = M - m0 < MAX_M ? M - m0 : MAX_M;
         const float *xm = x + m0 * ldx;

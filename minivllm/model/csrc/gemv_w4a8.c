@@ -30,7 +30,8 @@ typedef struct {
     const uint16_t *scale;
     const void *mins;
     const float *bias;
-    int f16, f32mins;           /* scales (and mins) are float16, else bfloat16; mins are float32 */
+    int f16, f32mins, sym;      /* scales (and mins) are float16, else bfloat16; mins are float32; no mins (sym):
+                                 * each is -8 scale */
     int64_t Kp, G, ng, ngp, Kx; /* ngp: floats between rows of xg (ng rounded up to 16, zero-padded); Kx: bytes
                                  * between staged rows of xq (Kp rounded up to 128) */
 } W4A8Layer;
@@ -47,9 +48,14 @@ static inline float halff(uint16_t h, int f16) {
     return f;
 }
 
-/* sum_g min[g] * xg[g]: the min term of one weight row against one staged row. */
-static inline float min_term(const void *mn, const float *xg, int64_t ng, int f16, int f32mins) {
+/* sum_g min[g] * xg[g]: the min term of one weight row against one staged row (mn: the scales where sym). */
+static inline float min_term(const void *mn, const float *xg, int64_t ng, int f16, int f32mins, int sym) {
     float s = 0.f;
+    if (sym) {
+#pragma omp simd reduction(+ : s)
+        for (int64_t g = 0; g < ng; g++) s += -8.f * halff(((const uint16_t *)mn)[g], f16) * xg[g];
+        return s;
+    }
     if (f32mins) {
 #pragma omp simd reduction(+ : s)
         for (int64_t g = 0; g < ng; g++) s += ((const float *)mn)[g] * xg[g];
@@ -97,7 +103,7 @@ static inline __attribute__((always_inline)) void row_vnni(float *out, int64_t l
     const int64_t ng = L->ng, nbytes = L->Kp / 2, nchunks = (L->Kp + 127) / 128;
     const uint8_t *w = L->w + n * nbytes;
     const uint16_t *sc = L->scale + n * ng;
-    const char *mn = (const char *)L->mins + n * ng * (L->f32mins ? 4 : 2);
+    const char *mn = L->sym ? (const char *)sc : (const char *)L->mins + n * ng * (L->f32mins ? 4 : 2);
     const int shift = __builtin_ctzll((uint64_t)(L->G / 32)); /* 32-weight blocks per group, log2 */
     /* A superblock is 16 blocks (4 chunks): its groups' scales are one window of at most 16, loaded once, and
      * chunk u's lanes pick theirs with a constant index (block 4u + lane / 4, as a group of the window): one
@@ -142,6 +148,7 @@ static inline __attribute__((always_inline)) void row_vnni(float *out, int64_t l
         __m512 mv = L->f32mins ? (last ? _mm512_maskz_loadu_ps(mk, (const float *)mn + g0)
                                        : _mm512_loadu_ps((const float *)mn + g0))
                                : half16(LOAD_H(mk, (const uint16_t *)mn + g0), L->f16);
+        if (L->sym) mv = _mm512_mul_ps(mv, _mm512_set1_ps(-8.f)); /* mn is the scales */
         for (int m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(xg + m * L->ngp + g0), acc[m]);
     }
     for (int m = 0; m < M; m++) out[m * ldo + n] = _mm512_reduce_add_ps(acc[m]) * xs[m] + (L->bias ? L->bias[n] : 0.f);
@@ -153,7 +160,7 @@ static inline void row_portable(float *out, int64_t ldo, const int8_t *xq, const
                                 const W4A8Layer *L, int64_t n) {
     const uint8_t *w = L->w + n * (L->Kp / 2);
     const uint16_t *sc = L->scale + n * L->ng;
-    const char *mn = (const char *)L->mins + n * L->ng * (L->f32mins ? 4 : 2);
+    const char *mn = L->sym ? (const char *)sc : (const char *)L->mins + n * L->ng * (L->f32mins ? 4 : 2);
     const int64_t nblocks = L->Kp / 32, bpg = L->G / 32;
     for (int m = 0; m < M; m++) {
         const int8_t *xr = xq + m * L->Kx;
@@ -165,7 +172,7 @@ static inline void row_portable(float *out, int64_t ldo, const int8_t *xq, const
             for (int j = 0; j < 16; j++) d += (int32_t)(wb[j] & 15) * xl[j] + (int32_t)(wb[j] >> 4) * xh[j];
             y += (float)d * halff(sc[b / bpg], L->f16);
         }
-        y += min_term(mn, xg + m * L->ngp, L->ng, L->f16, L->f32mins);
+        y += min_term(mn, xg + m * L->ngp, L->ng, L->f16, L->f32mins, L->sym);
         out[m * ldo + n] = y * xs[m] + (L->bias ? L->bias[n] : 0.f);
     }
 }
@@ -212,8 +219,9 @@ void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int6
     float *xs = scratch, *xg = scratch + M;
     int8_t *xq = (int8_t *)(xg + (int64_t)M * ngp);
     for (int m = 0; m < M; m++) xs[m] = stage_row(x + m * ldx, K, G, xq + m * Kx, Kx, xg + m * ngp, ngp);
-    W4A8Layer L = {.w = (const uint8_t *)w, .scale = (const uint16_t *)scale, .mins = mins,
-                   .bias = bias, .f16 = halves & 1, .f32mins = (halves >> 1) & 1, .Kp = Kp, .G = G, .ng = ng, .ngp = ngp, .Kx = Kx};
+    W4A8Layer L = {.w = (const uint8_t *)w, .scale = (const uint16_t *)scale, .mins = mins, .bias = bias,
+                   .f16 = halves & 1, .f32mins = (halves >> 1) & 1, .sym = halves >> 2, .Kp = Kp, .G = G, .ng = ng,
+                   .ngp = ngp, .Kx = Kx};
     /* Rows whose unmasked loads (up to 16 groups of scales or mins, whole 64-byte chunks) could pass the end. */
     const int64_t nchunks = Kx / 128, tail_rows = 1 + (ngp + ng - 1) / ng + (nchunks * 64 + Kp / 2 - 1) / (Kp / 2);
 #pragma omp parallel num_threads(num_threads)
