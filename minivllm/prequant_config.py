@@ -15,8 +15,14 @@ from typing import Any
 
 from minivllm.quant_config import GROUP_SIZES
 
-# "gguf": a GGUF file whose projections are all Q4_0 / Q4_1, or all Q8_0, says so in the HF config it is read as.
+# "gguf": a GGUF file whose projections are all Q4_0 / Q4_1, or all Q8_0, or of the types converted at load to int8
+# blocks says so in the HF config it is read as (model/gguf_blocks.py).
 PREQUANTIZED_METHODS = ("gptq", "awq", "compressed-tensors", "gguf")
+GGUF_INT4_TYPES = frozenset({"Q4_0", "Q4_1"})  # run as they are on the int4 kernels
+# Converted at load to int8 blocks of 32 (Q8_0's layout) beside Q8_0's own: every value of these 4-6-bit types lies
+# within 1/254 of its block's peak of an int8 code, so the added error is small (and measured at load).
+GGUF_CONVERTED_TYPES = frozenset({"Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"})
+GGUF_INT8_TYPES = frozenset({"Q8_0"}) | GGUF_CONVERTED_TYPES | GGUF_INT4_TYPES  # (Q4 beside those: converted too)
 CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
 
 
@@ -39,7 +45,7 @@ class PrequantScheme:
             return None  # float layers besides the head: every projection of ours is one kind
         if self.bits == 8 and self.group_size == 0 and self.method == "compressed-tensors":
             return ("w8a8" if self.input_int8 else "int8"), 0
-        if self.bits == 8 and self.method == "gguf":  # Q8_0: int8 blocks of 32 (QuantConfig.int8_blocks)
+        if self.bits == 8 and self.method == "gguf":  # Q8_0, or converted: int8 blocks of 32 (QuantConfig.int8_blocks)
             return "int8", 32
         if self.bits == 4 and self.group_size in GROUP_SIZES and not self.act_order:
             return "int4", self.group_size
@@ -69,9 +75,9 @@ def parse_prequantized(d: dict[str, Any], where: str) -> PrequantScheme | None:
         return None
     if method == "gguf":
         types = d.get("types")
-        if not isinstance(types, list) or not (types == ["Q8_0"] or types and set(types) <= {"Q4_0", "Q4_1"}):
+        if not isinstance(types, list) or not types or not set(types) <= GGUF_INT8_TYPES:
             raise ValueError(f"{where}: a gguf quantization_config with types {types!r}")
-        bits = 8 if types == ["Q8_0"] else 4
+        bits = 4 if set(types) <= GGUF_INT4_TYPES else 8
         return PrequantScheme("gguf", "+".join(types), bits, 32, "Q4_1" not in types, False, False, ())
     if method == "gptq":
         bits = _need(d, "bits", int, where)

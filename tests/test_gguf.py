@@ -123,14 +123,19 @@ def test_each_tensor_type_matches_transformers_reading_of_the_same_file(gguf_fil
         assert len(quantized) == 4 * len(runner.model.layers) + 1  # type: ignore[attr-defined]
         assert all(m.method == "int4" and m.group_size == 32 and m.scales.dtype == torch.float16
                    and m.symmetric == (outtype == "Q4_0") for m in quantized)
-    elif outtype == "q8_0":  # Q8_0 projections as int8 blocks of 32 (the converter's head: the tied embedding)
+    elif outtype in ("q8_0", "Q5_0", "Q5_1"):  # int8 blocks of 32: Q8_0's own, the 5-bit types converted at load
         assert len(quantized) == 4 * len(runner.model.layers) + 1  # type: ignore[attr-defined]
         assert all(m.method == "int8" and m.blocked and m.scales.dtype == torch.float16 for m in quantized)
     else:
-        assert not quantized  # the other types load dequantized into the float model
+        assert not quantized  # the float types load into the float model
     ours = runner.execute([SequenceInput(ids, 0, list(range(16)), True)])[0]
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0, -1]
+    if outtype.startswith("Q5"):  # converted: its error measured at load (tests/test_gguf_converted.py)
+        conv = runner.layer_conversion
+        assert conv is not None and conv.types == (outtype,) and conv.kl < 1e-3 and conv.top1 >= 0.9
+        assert (ours - ref).abs().max().item() < 0.02 * ref.abs().max().item() and ours.argmax() == ref.argmax()
+        return
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     llm = LLM(path, quantization_kernel="native")
@@ -189,7 +194,7 @@ def test_q8_0_blocks_run_as_they_are_weight_only_or_w8a8(gguf_file, caplog):
     from gguf import GGUFReader
 
     path = gguf_file("tiny-qwen2", "q8_0")
-    with caplog.at_level(logging.INFO, logger="minivllm.model.head_conversion"):
+    with caplog.at_level(logging.INFO, logger="minivllm.model.gguf_conversion"):
         runner = make_runner(ModelConfig.from_pretrained(path), 16)
     layer = runner.model.layers[0].mlp.down_proj  # type: ignore[attr-defined]
     assert layer.method == "int8" and layer.blocked
@@ -353,7 +358,7 @@ def test_a_head_no_kernel_runs_as_it_is_is_converted_with_its_error_logged(gguf_
 
     path = str(tmp_path / "q4-head-q8.gguf")
     requantize(gguf_file("tiny-llama", "f32"), path, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0)
-    with caplog.at_level(logging.INFO, logger="minivllm.model.head_conversion"):
+    with caplog.at_level(logging.INFO, logger="minivllm.model.gguf_conversion"):
         kw = {"quantization": method} if method else {}
         runner = make_runner(ModelConfig.from_pretrained(path), 16, quantization_kernel="native", **kw)
     conv = runner.head_conversion

@@ -29,6 +29,7 @@ import torch
 
 from minivllm.model import gguf_blocks
 from minivllm.model.gguf_header import GGUFHeader, read_header
+from minivllm.prequant_config import GGUF_INT4_TYPES
 
 logger = logging.getLogger(__name__)
 
@@ -238,6 +239,7 @@ def iterate_weights(path: str, native: bool = False) -> Iterator[tuple[str, torc
     native_cfg = gguf_blocks.native_config(header, arch) or {}
     head = bool(native_cfg.get("lm_head"))
     symmetric = native_cfg.get("types") == ["Q4_0"]  # its layers store no mins (QuantConfig min_dtype "none")
+    int8 = bool(native_cfg) and not set(native_cfg["types"]) <= GGUF_INT4_TYPES  # int8 blocks, some converted
     extra: dict[str, Any] = {"tensors": {}}  # processors that rename a tensor put it here (GPT-2's output)
     for tensor in (t for part in parts(path) for t in GGUFReader(part).tensors):
         info = checked.get(tensor.name)
@@ -249,7 +251,7 @@ def iterate_weights(path: str, native: bool = False) -> Iterator[tuple[str, torc
             hf_name = names.get(key or "")
             if hf_name is None or not hf_name.endswith(".weight"):
                 raise ValueError(f"GGUF {path}: {kind} tensor {tensor.name!r} has no projection of the model to run in")
-            qweight, scales, mins = gguf_blocks.decode(tensor.name, tensor.data, kind, rows, symmetric)
+            qweight, scales, mins = gguf_blocks.decode(tensor.name, tensor.data, kind, rows, symmetric, int8)
             prefix = hf_name.removesuffix(".weight")
             yield from ((prefix + ".qweight", qweight), (prefix + ".scales", scales))
             if mins is not None:

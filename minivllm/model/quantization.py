@@ -66,7 +66,10 @@ def quantize_int8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = w.shape
     kp = -(-k // 32) * 32
     wf = F.pad(w.float(), (0, kp - k)).view(n, kp // 32, 32)
-    scale = (wf.abs().amax(-1) / 127).to(torch.float16)
+    amax = wf.abs().amax(-1)
+    scale = (amax / 127).to(torch.float16)
+    # A scale rounded down would clip the block's peak (at 127); the next float16 up keeps it within half a step.
+    scale = torch.where(scale.float() * 127 < amax, torch.nextafter(scale, torch.full_like(scale, torch.inf)), scale)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(wf / scale.float()[..., None]).clamp(-127, 127).to(torch.int8)
     return q.view(n, kp), scale

@@ -24,7 +24,7 @@ from minivllm.model.attention import (
     get_backend,
 )
 from minivllm.model.decode_stack import DecodeStack
-from minivllm.model.head_conversion import convert_gguf_head
+from minivllm.model.gguf_conversion import gguf_conversions
 from minivllm.model.input_batch import SequenceInput
 from minivllm.model.kernel_plan import PlanCheck, PlannedLinear, best_time, plan_kernels
 from minivllm.model.kv_quant import is_quantized, kv_storage_dtype
@@ -166,7 +166,7 @@ class ModelRunner:
         # Steps faster than the start-up timings allow re-time their class (not on CUDA: its forward time is not
         # synchronized; not across tensor-parallel ranks, which must keep one plan).
         cpu_alone = device.type == "cpu" and parallel.size == 1
-        self.head_conversion = convert_gguf_head(self)  # a GGUF head no kernel runs as it is: int8, error logged
+        self.head_conversion, self.layer_conversion = gguf_conversions(self)  # GGUF's conversions, errors logged
         plans = [self.linear_plan, self.quant_plan, *([self.head_conversion.plan] if self.head_conversion else [])]
         self.plan_check = PlanCheck(plans) if cpu_alone else None
 

@@ -1,0 +1,154 @@
+"""What a GGUF file's load converts, and the error each conversion adds, measured and logged.
+
+The LM head of a GGUF file whose projections run as int4 (int8) blocks (model/gguf_blocks.py) but whose head is
+a type no kernel of ours runs as it is, or is the tied embedding (llama.cpp's quantizer writes the head one type
+up: Q6_K or Q8_0 beside Q4_0). Dequantized, it would be a float32 matrix read whole at every decode step, often
+the largest single read of a small model's step (SmolLM2-135M: 113 MB against 60 MB for every projection). So it
+is converted at load to int8 per output channel (the w8a8 kernels beside w4a8 projections, int8 beside int4;
+beside Q8_0 projections, to their int8 blocks), and the error that adds is measured on a probe prompt, the file's
+dequantized head as the reference (KL of the logits and top-1 agreement), and logged: the conversion is never
+silent.
+
+A file whose projections were converted at load (model/gguf_blocks.py: K-quants and the 5-bit types to int8
+blocks) has the whole model's error measured the same way: the probe as served against the same model with every
+quantized layer computing with the file's dequantized weights.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from minivllm.model.input_batch import SequenceInput
+from minivllm.model.kernel_plan import KernelPlan, plan_kernels
+from minivllm.model.layers import Linear
+from minivllm.model.quantization import QuantizedLinear
+from minivllm.quant_config import QuantConfig
+
+if TYPE_CHECKING:
+    from minivllm.model.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+PROBE_TOKENS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class HeadConversion:
+    """What the head became and the error it added on the probe."""
+
+    method: str
+    kl: float  # mean KL(file's head || converted head) of the probe's next-token distributions, nats
+    top1: float  # share of the probe's positions whose most likely token is unchanged
+    plan: KernelPlan
+
+
+def convert_gguf_head(runner: ModelRunner) -> HeadConversion | None:
+    """Convert the head as the module docstring says; None where there is nothing to convert."""
+    qc = runner.mc.hf_config.get("quantization_config")
+    model = runner.model
+    head = getattr(model, "lm_head", None)
+    if not isinstance(qc, dict) or qc.get("quant_method") != "gguf" or qc.get("lm_head"):
+        return None
+    if not isinstance(head, Linear) or head.weight is None or runner.parallel.size > 1:
+        return None
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    method = "w8a8" if {m.method for m in layers} & {"w4a8", "w8a8"} else "int8"
+    # Beside Q8_0 projections the head takes their int8 blocks (a Q8_0 embedding converts back to its own codes).
+    blocked = any(m.blocked for m in layers)
+    probe = _probe(runner)
+    with torch.inference_mode():
+        ref = runner.execute(probe)
+        cfg = QuantConfig(method, int8_blocks=blocked)
+        q = QuantizedLinear(head.in_features, head.out_features, head.bias is not None, cfg)
+        q.quantize_from(head.weight.detach().float(), None if head.bias is None else head.bias.detach().float())
+        plan = plan_kernels([q], "auto", f"lm_head {method}", runner.dtype)
+        model.lm_head = q
+        new = runner.execute(probe)
+    kl, top1 = _divergence(ref, new)
+    logger.info("GGUF head (%s, %d x %d) converted to %s %s: KL %.2e nats, top-1 %.1f%% against the file's "
+                "dequantized head on a %d-token probe", runner.mc.path.rsplit("/", 1)[-1], head.out_features,
+                head.in_features, method, "in blocks of 32" if blocked else "per output channel", kl, 100 * top1,
+                PROBE_TOKENS)
+    return HeadConversion(method, kl, top1, plan)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerConversion:
+    """The error of a file's projections converted at load (gguf_blocks: K-quants, Q5 types -> int8 blocks)."""
+
+    types: tuple[str, ...]  # the file's types that were converted
+    layers: int
+    kl: float  # mean KL(file's dequantized weights || as served) of the probe's next-token distributions, nats
+    top1: float
+
+
+def gguf_conversions(runner: ModelRunner) -> tuple[HeadConversion | None, LayerConversion | None]:
+    """A GGUF file's conversions at load, each measured: its head (convert_gguf_head), then its projections."""
+    return convert_gguf_head(runner), measure_layer_conversion(runner)
+
+
+def measure_layer_conversion(runner: ModelRunner) -> LayerConversion | None:
+    """Where the file's projections were converted at load: the probe's logits with every quantized layer in its
+    method's exact math (the reference kernel: weight-only int8 in float32, w8a8 with int8 activations; the auto
+    plan may also quantize a weight-only layer's activations in many-token steps, a choice of its own) against the
+    same model with every quantized layer computing with the file's weights dequantized (a float copy of the model,
+    loaded for this and dropped); KL and top-1 logged."""
+    qc = runner.mc.hf_config.get("quantization_config")
+    if not isinstance(qc, dict) or qc.get("quant_method") != "gguf" or not qc.get("converted"):
+        return None
+    if runner.parallel.size > 1 or runner.device.type != "cpu":
+        return None
+    from minivllm.model.loader import load_model  # (the loader imports the layers this module builds on)
+
+    model = runner.model
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    probe = _probe(runner)
+    served = {name: m.kernels for name, m in layers.items()}
+    with torch.inference_mode():
+        try:
+            for m in layers.values():
+                m.kernels = (QuantizedLinear.forward_reference,) * len(m.kernels)
+            new = runner.execute(probe)
+            shadow = load_model(runner.mc, runner.dtype, runner.device, PROBE_TOKENS)
+            for name, m in layers.items():
+                ref = shadow.get_submodule(name)
+                assert isinstance(ref, Linear) and ref.weight is not None
+                m.kernels = (functools.partial(_float_forward, weight=ref.weight, bias=ref.bias),) * len(m.kernels)
+            ref_logits = runner.execute(probe)
+            del shadow
+        finally:
+            for name, m in layers.items():
+                m.kernels = served[name]
+    kl, top1 = _divergence(ref_logits, new)
+    types = tuple(str(t) for t in qc["converted"])
+    logger.info("GGUF %s: %d projections converted at load (%s -> int8 blocks of 32), in %s math: KL %.2e nats, "
+                "top-1 %.1f%% against the file's dequantized weights on a %d-token probe",
+                runner.mc.path.rsplit("/", 1)[-1], len(layers), ", ".join(types),
+                "/".join(sorted({m.method for m in layers.values()})), kl, 100 * top1, PROBE_TOKENS)
+    return LayerConversion(types, len(layers), kl, top1)
+
+
+def _float_forward(layer: QuantizedLinear, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                   ) -> torch.Tensor:
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+
+def _probe(runner: ModelRunner) -> list[SequenceInput]:
+    """PROBE_TOKENS random tokens as one prompt, every position's logits; its K/V in blocks no sequence holds yet."""
+    ids = np.random.default_rng(0).integers(0, runner.mc.vocab_size, PROBE_TOKENS).tolist()
+    blocks = list(range(-(-PROBE_TOKENS // runner.block_size)))
+    return [SequenceInput(ids, 0, blocks, True, all_logits=True, group_tables=(blocks,) * (runner.num_kv_groups - 1))]
+
+
+def _divergence(ref: torch.Tensor, new: torch.Tensor) -> tuple[float, float]:
+    """(mean KL(ref || new) of the rows' next-token distributions in nats, share of rows whose argmax agrees)."""
+    logp, logq = torch.log_softmax(ref.double(), -1), torch.log_softmax(new.double(), -1)
+    kl = float((logp.exp() * (logp - logq)).sum(-1).mean())
+    return kl, float((ref.argmax(-1) == new.argmax(-1)).double().mean())

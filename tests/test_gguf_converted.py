@@ -1,0 +1,151 @@
+"""GGUF files of the K-quants and 5-bit types (what Q4_K_M / Q5_K_M / Q6_K files hold): every projection is
+converted at load to int8 blocks of 32, the error that adds is measured against the file's dequantized weights and
+logged, and the logits stay close to transformers' reading of the same file."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import pytest
+import torch
+from conftest import PROMPTS
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf.quants import dequantize, quantize
+
+from minivllm import LLM, SamplingParams
+from minivllm.bench import llamacpp
+from minivllm.config import ModelConfig
+from minivllm.engine.tokenizer import get_tokenizer
+from minivllm.model.gguf_conversion import PROBE_TOKENS, _divergence
+from minivllm.model.quantization import QuantizedLinear
+from minivllm.model.runner import SequenceInput
+from tests.conftest import make_runner
+
+Q = GGMLQuantizationType
+# K-quant blocks of 256 weights: where the block's float16 d (and Q4_K's dmin) sit; everything else is codes and
+# sub-block scales, valid whatever their bits.
+_D_OFFSETS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+_BYTES = {Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
+
+
+def _random_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: GGMLQuantizationType) -> np.ndarray:
+    """Random valid blocks of a K-quant type (the gguf package cannot quantize to these): weights of ~0.05."""
+    data = rng.integers(0, 256, size=(rows, cols // 256, _BYTES[qtype]), dtype=np.uint8)
+    scale = 2e-5 if qtype == Q.Q6_K else 1e-4  # |w| <= d * 127 * 32 (Q6_K), d * 63 * 31 + dmin * 63 (Q4/5_K)
+    for off in _D_OFFSETS[qtype]:
+        d = (rng.uniform(0.5, 1.5, size=(rows, cols // 256)) * scale).astype(np.float16)
+        data[:, :, off:off + 2] = d[..., None].view(np.uint8).reshape(rows, cols // 256, 2)
+    return data.reshape(rows, -1)
+
+
+def write_mixed(src: str, dst: str, kinds: dict[str, GGMLQuantizationType]) -> None:
+    """Copy a float GGUF file with each 2-D weight whose name contains a key of `kinds` stored as that type (K-quants
+    as random blocks, others quantized from the weight by the gguf package); metadata as it was."""
+    rng = np.random.default_rng(0)
+    reader = GGUFReader(src)
+    writer = GGUFWriter(dst, str(reader.fields["general.architecture"].contents()))
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        sub = field.types[-1] if field.types[0].name == "ARRAY" else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        data = np.asarray(t.data)
+        kind = next((k for key, k in kinds.items() if key in t.name), None) if len(t.shape) == 2 else None
+        if kind is None:
+            writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+        elif kind in _BYTES:
+            blocks = _random_blocks(rng, data.shape[0], data.shape[1], kind)
+            writer.add_tensor(t.name, blocks, raw_dtype=kind)
+        else:
+            writer.add_tensor(t.name, quantize(data, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def f32_file(model_factory, tmp_path_factory):
+    """tiny-llama widened to rows of 256 (a K-quant block), as llama.cpp's converter writes it in float32."""
+    hf_dir = model_factory("tiny-llama", overrides=(("hidden_size", 256), ("intermediate_size", 512)))
+    out = str(tmp_path_factory.mktemp("kq") / "f32.gguf")
+    return llamacpp.convert(hf_dir, out, "f32")
+
+
+# Q4_K_M's mix (llama.cpp gives attn_v and ffn_down Q6_K in some layers, the head Q6_K); Q5_K_M's; the 5-bit types.
+MIXES = {
+    "Q4_K_M": {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "output.weight": Q.Q6_K, "blk.": Q.Q4_K},
+    "Q5_K_M": {"attn_v": Q.Q6_K, "output.weight": Q.Q6_K, "blk.": Q.Q5_K},
+    "Q5_0+Q8_0": {"ffn_": Q.Q5_0, "output.weight": Q.Q8_0, "blk.": Q.Q5_1},
+}
+
+
+def _hf(path: str):
+    """transformers' float32 reading of a GGUF file (the gguf package's dequantizer)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_k_quant_files_convert_to_int8_blocks_with_their_error_logged(f32_file, tmp_path, caplog, mix):
+    path = str(tmp_path / f"{mix}.gguf")
+    write_mixed(f32_file, path, MIXES[mix])
+    with caplog.at_level(logging.INFO, logger="minivllm.model.gguf_conversion"):
+        runner = make_runner(ModelConfig.from_pretrained(path), 16, quantization_kernel="native")  # (weight-only)
+    quantized = [m for m in runner.model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(quantized) == 4 * len(runner.model.layers) + 1  # type: ignore[attr-defined]
+    assert all(m.method == "int8" and m.blocked for m in quantized)
+    conv = runner.layer_conversion
+    expected = {k.name for k in MIXES[mix].values()} - {"Q8_0"}
+    assert conv is not None and set(conv.types) == expected and conv.layers == len(quantized)
+    # Random K-quant blocks: against the file alone. The 5-bit types, quantized from the float model: the added
+    # error is a small share of the file's own (KL from the float32 model's logits on the same probe; the share
+    # measured 8.5%).
+    if mix == "Q5_0+Q8_0":
+        probe = torch.tensor([np.random.default_rng(0).integers(0, 1024, PROBE_TOKENS).tolist()])
+        with torch.no_grad():
+            own = _divergence(_hf(f32_file)(probe).logits[0], _hf(path)(probe).logits[0])[0]
+        assert 1e-7 < conv.kl < 0.1 * own and conv.top1 >= 0.85
+    else:
+        assert 1e-7 < conv.kl < 1e-3 and conv.top1 >= 0.95  # (> 0: the measurement sees the re-quantization)
+    assert f"projections converted at load ({', '.join(conv.types)} -> int8 blocks of 32)" in caplog.text
+    # The codes of one converted layer are Q8_0's of the file's dequantized weight (the row order HF's).
+    down = runner.model.layers[0].mlp.down_proj  # type: ignore[attr-defined]
+    raw = next(t for t in GGUFReader(path).tensors if t.name == "blk.0.ffn_down.weight")
+    w = torch.from_numpy(dequantize(np.asarray(raw.data), raw.tensor_type).astype(np.float32))
+    step = down.scales.float().repeat_interleave(32, 1)
+    assert ((down.dequantize() - w).abs() <= step / 2 * 1.001).all()
+    # Logits close to transformers' float32 reading of the same file (its dequantized weights).
+    hf = _hf(path)
+    ids = get_tokenizer(path).encode(PROMPTS[0] + PROMPTS[2])
+    ours = runner.execute([SequenceInput(ids, 0, list(range(16)), True)])[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0, -1]
+    if mix == "Q5_0+Q8_0":  # (this 3-layer model is sharp: the file itself moves its logits far more)
+        with torch.no_grad():
+            own_dev = (_hf(f32_file)(torch.tensor([ids])).logits[0, -1] - ref).abs().max().item()
+        assert (ours - ref).abs().max().item() < 0.3 * own_dev
+    else:
+        assert (ours - ref).abs().max().item() < 0.02 * ref.abs().max().item()
+    assert ours.argmax() == ref.argmax()
+
+
+def test_converted_layers_serve_as_w8a8_on_request_not_as_int4(f32_file, tmp_path, caplog):
+    path = str(tmp_path / "q6k.gguf")
+    write_mixed(f32_file, path, {"blk.": Q.Q6_K})
+    with caplog.at_level(logging.INFO, logger="minivllm.model.gguf_conversion"):
+        llm = LLM(path, quantization="w8a8")
+    runner = llm.llm_engine.runner
+    assert {(m.method, m.blocked) for m in runner.model.modules() if isinstance(m, QuantizedLinear)} == \
+        {("w8a8", True)}
+    assert runner.layer_conversion is not None and runner.layer_conversion.types == ("Q6_K",)
+    assert "in w8a8 math" in caplog.text
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    assert len(llm.generate(PROMPTS[:2], params)[0].outputs[0].token_ids) == 6
+    with pytest.raises(ValueError, match="cannot be loaded as int4"):
+        LLM(path, quantization="int4")
