@@ -176,6 +176,25 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
                                   f"(medians); decode after {r['prompt_len']}-token prompts, TTFT of one "
                                   f"{r['prefill_len']}-token prompt. Target: issue 35, >= 1.1x at every point.", "",
                                   peers_report.report(r)]),
+        ("peers-gguf-blocks", lambda r: [
+            "## GGUF Q8_0 on its own blocks, Q4_0 without stored mins (`bench peers`)", "",
+            "llama.cpp's own Q8_0 and Q4_0 files (as in the section above) after Q8_0 started running block for block "
+            "(int8 codes and float16 scales copied: `gguf:Q8_0` weight-only, `+w8a8` against int8 activations as "
+            "llama.cpp's Q8_0 dot product) and Q4_0's blocks stopped storing a min (-8 d in the kernels: 18 bytes "
+            f"per 32 weights as the file). Every configuration a fresh process, {r['rounds']} rounds ABBA (medians). "
+            "Target: issue 35, >= 1.1x at every point.", "", peers_report.report(r)]),
+        ("peers-gguf-q8-rerun", lambda r: [
+            "### The 135M Q8_0 points again", "",
+            "Round 0 of `gguf:Q8_0+w8a8` above (35 tok/s at b=1 against 178 in round 1) ran while a short Python "
+            "process of ours (an import check) shared the two cores: this rerun of the 135M Q8_0 modes, nothing "
+            "else running, replaces it.", "", peers_report.report(r)]),
+        ("peers-gguf-kquant", lambda r: [
+            "## GGUF K-quants converted at load (`bench peers`)", "",
+            "llama.cpp's own Q4_K_M files (its quantizer: Q4_K projections with Q6_K attn_v / ffn_down in some "
+            "layers and a Q6_K head) served by us with every projection converted at load to int8 blocks of 32 "
+            "(`gguf:Q4_K_M` weight-only, `+w8a8` against int8 activations; the KL / top-1 the conversion adds is "
+            f"logged at load) and by llama.cpp. Every configuration a fresh process, {r['rounds']} rounds ABBA "
+            "(medians). Target: issue 35, >= 1.1x at every point.", "", peers_report.report(r)]),
     ]
     for name, section in sections:
         r = _load(out_dir, name)
