@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 
 import numpy as np
 import pytest
@@ -41,7 +42,7 @@ def _random_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: GGMLQu
 
 
 def write_mixed(src: str, dst: str, kinds: dict[str, GGMLQuantizationType]) -> None:
-    """Copy a float GGUF file with each 2-D weight whose name contains a key of `kinds` stored as that type (K-quants
+    """Copy a float GGUF file with each 2-D weight whose name matches a key of `kinds` stored as that type (K-quants
     as random blocks, others quantized from the weight by the gguf package); metadata as it was."""
     rng = np.random.default_rng(0)
     reader = GGUFReader(src)
@@ -53,7 +54,7 @@ def write_mixed(src: str, dst: str, kinds: dict[str, GGMLQuantizationType]) -> N
         writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
     for t in reader.tensors:
         data = np.asarray(t.data)
-        kind = next((k for key, k in kinds.items() if key in t.name), None) if len(t.shape) == 2 else None
+        kind = next((k for key, k in kinds.items() if re.search(key, t.name)), None) if len(t.shape) == 2 else None
         if kind is None:
             writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
         elif kind in _BYTES:
@@ -77,9 +78,9 @@ def f32_file(model_factory, tmp_path_factory):
 
 # Q4_K_M's mix (llama.cpp gives attn_v and ffn_down Q6_K in some layers, the head Q6_K); Q5_K_M's; the 5-bit types.
 MIXES = {
-    "Q4_K_M": {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "output.weight": Q.Q6_K, "blk.": Q.Q4_K},
-    "Q5_K_M": {"attn_v": Q.Q6_K, "output.weight": Q.Q6_K, "blk.": Q.Q5_K},
-    "Q5_0+Q8_0": {"ffn_": Q.Q5_0, "output.weight": Q.Q8_0, "blk.": Q.Q5_1},
+    "Q4_K_M": {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, r"^output\.": Q.Q6_K, "blk.": Q.Q4_K},
+    "Q5_K_M": {"attn_v": Q.Q6_K, r"^output\.": Q.Q6_K, "blk.": Q.Q5_K},
+    "Q5_0+Q8_0": {"ffn_": Q.Q5_0, r"^output\.": Q.Q8_0, "blk.": Q.Q5_1},
 }
 
 
@@ -99,7 +100,28 @@ def test_k_quant_files_convert_to_int8_blocks_with_their_error_logged(f32_file, 
         runner = make_runner(ModelConfig.from_pretrained(path), 16, quantization_kernel="native")  # (weight-only)
     quantized = [m for m in runner.model.modules() if isinstance(m, QuantizedLinear)]
     assert len(quantized) == 4 * len(runner.model.layers) + 1  # type: ignore[attr-defined]
-    assert all(m.method == "int8" and m.blocked for m in quantized)
+    # Modules whose every part is Q4_K (Q4_K_M's o_proj and gate_up here) run as int4 groups of 32; the others
+    # (a Q6_K part, the 5-bit types) as int8 blocks.
+    layers = len(runner.model.layers)  # type: ignore[attr-defined]
+    int4 = {f"layers.{i}.{m}" for i in range(layers) for m in ("self_attn.o_proj", "mlp.gate_up_proj")} \
+        if mix == "Q4_K_M" else set()
+    for name, m in runner.model.named_modules():
+        if not isinstance(m, QuantizedLinear):
+            continue
+        if name in int4:
+            assert m.method == "int4" and m.grouped and m.scales.dtype == torch.float16, name
+            assert m.mins.dtype == torch.float32, name
+        else:
+            assert m.method == "int8" and m.blocked, name
+    if mix == "Q4_K_M":  # each Q4_K sub-block: the file's codes, its min exactly, its scale d * sc in float16
+        raw = {t.name: t for t in GGUFReader(path).tensors}
+        layer = runner.model.layers[0]  # type: ignore[attr-defined]
+        for name, module in (("blk.0.attn_output.weight", layer.self_attn.o_proj),
+                             ("blk.0.ffn_up.weight", layer.mlp.gate_up_proj)):
+            w = torch.from_numpy(dequantize(np.asarray(raw[name].data), Q.Q4_K).astype(np.float32))
+            rows = slice(module.out_features - w.shape[0], None)  # (up: the second half of gate_up)
+            bound = 15 * module.scales.float().abs().repeat_interleave(32, 1)[rows] * 2 ** -11 + 1e-7
+            assert ((module.dequantize()[rows] - w).abs() <= bound).all(), name
     conv = runner.layer_conversion
     expected = {k.name for k in MIXES[mix].values()} - {"Q8_0"}
     assert conv is not None and set(conv.types) == expected and conv.layers == len(quantized)
@@ -113,7 +135,8 @@ def test_k_quant_files_convert_to_int8_blocks_with_their_error_logged(f32_file, 
         assert 1e-7 < conv.kl < 0.1 * own and conv.top1 >= 0.85
     else:
         assert 1e-7 < conv.kl < 1e-3 and conv.top1 >= 0.95  # (> 0: the measurement sees the re-quantization)
-    assert f"projections converted at load ({', '.join(conv.types)} -> int8 blocks of 32)" in caplog.text
+    assert f"its {', '.join(conv.types)} projections converted at load ({len(int4)} layers as int4 groups of 32, " \
+        f"{len(quantized) - len(int4)} as int8 blocks of 32)" in caplog.text
     # The codes of one converted layer are Q8_0's of the file's dequantized weight (the row order HF's).
     down = runner.model.layers[0].mlp.down_proj  # type: ignore[attr-defined]
     raw = next(t for t in GGUFReader(path).tensors if t.name == "blk.0.ffn_down.weight")
@@ -149,3 +172,19 @@ def test_converted_layers_serve_as_w8a8_on_request_not_as_int4(f32_file, tmp_pat
     assert len(llm.generate(PROMPTS[:2], params)[0].outputs[0].token_ids) == 6
     with pytest.raises(ValueError, match="cannot be loaded as int4"):
         LLM(path, quantization="int4")
+
+
+def test_without_memory_for_the_float_copy_the_error_is_not_measured_but_the_file_serves(f32_file, tmp_path,
+                                                                                        caplog, monkeypatch):
+    import psutil
+
+    path = str(tmp_path / "q6k.gguf")
+    write_mixed(f32_file, path, {"blk.": Q.Q6_K})
+    free = psutil.virtual_memory()._replace(available=1 << 20)  # 1 MiB free
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: free)
+    with caplog.at_level(logging.INFO, logger="minivllm.model.gguf_conversion"):
+        runner = make_runner(ModelConfig.from_pretrained(path), 16)
+    assert runner.layer_conversion is None
+    assert "their error is not measured: a float copy of the model needs" in caplog.text
+    ids = get_tokenizer(path).encode(PROMPTS[0])
+    assert torch.isfinite(runner.execute([SequenceInput(ids, 0, list(range(16)), True)])[0]).all()

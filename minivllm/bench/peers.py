@@ -43,9 +43,11 @@ def peer_type(mode: str) -> str:
 
 
 def valid_mode(mode: str) -> bool:
-    if mode.startswith("gguf:"):  # Q4 blocks run as int4 or w4a8, Q8_0's as int8 or w8a8; other types load as
-        kind, _, method = mode[5:].partition("+")  # floats, any mode on top
-        native = {"Q4_0": ("int4", "w4a8"), "Q4_1": ("int4", "w4a8"), "Q8_0": ("int8", "w8a8")}
+    if mode.startswith("gguf:"):  # Q4 blocks run as int4 or w4a8; Q8_0's, and the K-quants converted to int8
+        kind, _, method = mode[5:].partition("+")  # blocks, as int8 or w8a8; float files load as floats, any mode
+        int8 = ("int8", "w8a8")
+        native = {"Q4_0": ("int4", "w4a8"), "Q4_1": ("int4", "w4a8"), "Q8_0": int8, "Q4_K_M": int8, "Q5_K_M": int8,
+                  "Q6_K": int8}
         return kind in GGUF_TYPES and method in ("", *native.get(kind, ("int4", "w4a8", "int8", "w8a8")))
     return mode in MODES
 HF_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}

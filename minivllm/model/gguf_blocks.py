@@ -3,9 +3,11 @@ m, w = d * q + m) are the engine's int4 groups of 32 with float16 scale d and mi
 and a block's 16 code bytes are laid out as ours (byte j: code j in the low nibble, code j + 16 in the high); Q8_0
 (d and 32 int8 codes, w = d * q) is the engine's int8 blocks (QuantConfig.int8_blocks, csrc/gemv_q8.c). The codes
 are copied, never re-quantized. A file whose projections mix in the 5- and 6-bit types and the K-quants
-(prequant_config.GGUF_CONVERTED_TYPES: Q4_K_M, Q5_K_M, Q6_K files) has every projection converted at load to int8
-blocks of 32 (dequantized by the gguf package, then quantized as Q8_0 would), the error that adds measured on a probe
-and logged (model/gguf_conversion.py). Other files are dequantized at load (model/gguf_checkpoint.py).
+(prequant_config.GGUF_CONVERTED_TYPES: Q4_K_M, Q5_K_M, Q6_K files) has its projections converted at load: a module
+whose every part is Q4_K (or Q4_0 / Q4_1) to int4 groups of 32 (Q4_K's sub-blocks are such groups: its codes,
+scales d * sc rounded to float16, mins -dmin * m), every other one to int8 blocks of 32 (dequantized by the gguf
+package, then quantized to the nearest int8 codes); the error that adds is measured on a probe and logged
+(model/gguf_conversion.py). Other files are dequantized at load (model/gguf_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -16,12 +18,49 @@ import numpy as np
 import torch
 
 from minivllm.model.gguf_header import GGUFHeader
-from minivllm.model.quantization import quantize_int8_blocks
+from minivllm.model.quantization import pack_int4, quantize_int8_blocks
 from minivllm.prequant_config import GGUF_INT4_TYPES, GGUF_INT8_TYPES
+from minivllm.quant_config import QuantConfig
 
 NATIVE_TYPES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # bytes per 32-weight block
 # Matrices that are not projections: embeddings stay in the float dtype; the head is a projection of its own.
 _EMBEDDINGS = ("token_embd.weight", "position_embd.weight", "token_types.weight")
+# In a file of int8 blocks, the types whose 32-weight (sub-)blocks are int4 groups with a scale and a min: a module
+# all of whose parts are these runs on the int4 kernels (Q4_K: scale d * sc rounded to float16, min -dmin * m
+# exact in float32), the others on int8 blocks. Q4_K_M's Q4_K layers keep their 4.5 bits.
+INT4_GROUPS = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+# GGUF projection names -> the module of the engine's decoder layer (models/decoder.py) each runs in.
+_MODULES = {"attn_q": "self_attn.qkv_proj", "attn_k": "self_attn.qkv_proj", "attn_v": "self_attn.qkv_proj",
+            "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_up_proj",
+            "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"}
+
+
+def module_of(name: str) -> str | None:
+    """The engine module a GGUF projection tensor loads into (q, k, v share qkv_proj), or None if unknown."""
+    if name == "output.weight":
+        return "lm_head"
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _MODULES:
+        return f"layers.{parts[1]}.{_MODULES[parts[2]]}"
+    return None
+
+
+def int4_layers(mats: dict[str, str]) -> list[str]:
+    """The modules (of a file of int8 blocks) whose every part is of INT4_GROUPS: they run as int4 groups."""
+    parts: dict[str, set[str]] = {}
+    for name, ty in mats.items():
+        module = module_of(name)
+        if module is not None:
+            parts.setdefault(module, set()).add(ty)
+    return sorted(m for m, types in parts.items() if types <= INT4_GROUPS)
+
+
+def int4_overrides(qc: dict[str, Any], quant: QuantConfig) -> dict[str, QuantConfig]:
+    """Module name -> the int4 configuration of those modules in a file of int8 blocks (`quant` is the file's:
+    int8 -> int4, w8a8 -> w4a8, as the int8 layers quantize activations or not)."""
+    int4 = QuantConfig("w4a8" if quant.method == "w8a8" else "int4", 32, quant.quantize_lm_head, "float16",
+                       "float32")
+    return {name: int4 for name in qc.get("int4_layers") or ()}
 
 
 def native_config(header: GGUFHeader, arch: str) -> dict[str, Any] | None:
@@ -38,11 +77,13 @@ def native_config(header: GGUFHeader, arch: str) -> dict[str, Any] | None:
     head = mats.get("output.weight") in family
     types = sorted(proj | ({mats["output.weight"]} if head else set()))
     converted = [t for t in types if t != "Q8_0"] if family is GGUF_INT8_TYPES else []
-    return {"quant_method": "gguf", "types": types, "lm_head": head, "converted": converted}
+    int4 = int4_layers({k: v for k, v in mats.items() if k != "output.weight" or head}) if converted else []
+    return {"quant_method": "gguf", "types": types, "lm_head": head, "converted": converted, "int4_layers": int4}
 
 
 def is_native(name: str, ggml_type: str, lm_head: bool) -> bool:
-    """Whether this tensor loads as int4 blocks (a projection, or the head when the config says so)."""
+    """Whether this tensor loads as blocks (int4, or int8: Q8_0's own or converted), not dequantized: a projection,
+    or the head when the config says so."""
     if ggml_type not in GGUF_INT8_TYPES or name in _EMBEDDINGS:
         return False
     return lm_head or name != "output.weight"
@@ -52,8 +93,11 @@ def decode(name: str, data: np.ndarray, ggml_type: str, rows: np.ndarray | None,
            int8: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(packed codes [N, K/2] uint8, scales [N, K/32] float16, mins [N, K/32] float16) of one tensor's 4-bit
     blocks (mins None for Q4_0 with `symmetric`: a file of Q4_0 only, whose layers store none), or (codes [N, K]
-    int8, scales, None) of Q8_0's, or with `int8` of any other type converted to int8 blocks (data: uint8
-    [N, blocks * block bytes]), its rows reordered by `rows` (the HF layout's order, or None)."""
+    int8, scales, None) of Q8_0's, or with `int8` of any other type converted to int8 blocks, or Q4_K's as int4
+    groups (float32 mins; _q4_k) (data: uint8 [N, blocks * block bytes]), its rows reordered by `rows` (the HF
+    layout's order, or None)."""
+    if ggml_type == "Q4_K" and not int8:
+        return _q4_k(name, data, rows)
     if int8 and ggml_type != "Q8_0":
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
@@ -82,6 +126,32 @@ def decode(name: str, data: np.ndarray, ggml_type: str, rows: np.ndarray | None,
         idx = torch.from_numpy(rows)
         out = [t[idx] for t in out]
     return out[0], out[1], out[2] if len(out) == 3 else None
+
+
+def _q4_k(name: str, data: np.ndarray, rows: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K's 256-weight blocks as int4 groups of 32: packed codes, float16 scales d * sc, float32 mins -dmin * m.
+    A block: float16 d and dmin, 12 bytes of 6-bit sub-block scales and mins, 128 code bytes whose 32-byte chunk c
+    holds sub-block 2c in its low nibbles and 2c + 1 in its high ones (ggml's get_scale_min_k4 and dequantizer)."""
+    n = data.shape[0]
+    b = np.ascontiguousarray(data).reshape(n, -1, 144)
+    nb = b.shape[1]
+    d = b[:, :, 0:2].copy().view(np.float16)[:, :, 0].astype(np.float32)
+    dmin = b[:, :, 2:4].copy().view(np.float16)[:, :, 0].astype(np.float32)
+    q = b[:, :, 4:16]
+    sc = np.concatenate([q[:, :, 0:4] & 63, (q[:, :, 8:12] & 15) | ((q[:, :, 0:4] >> 6) << 4)], axis=2)
+    mn = np.concatenate([q[:, :, 4:8] & 63, (q[:, :, 8:12] >> 4) | ((q[:, :, 4:8] >> 6) << 4)], axis=2)
+    qs = b[:, :, 16:].reshape(n, nb, 4, 1, 32)
+    codes = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(n, nb * 256)  # chunk, half, position
+    with np.errstate(over="ignore"):
+        scales = (d[:, :, None] * sc).astype(np.float16).reshape(n, nb * 8)
+    if not np.isfinite(scales).all():
+        raise ValueError(f"GGUF tensor {name!r}: a Q4_K sub-block scale (d * sc) too large for float16")
+    out = [pack_int4(torch.from_numpy(codes)), torch.from_numpy(scales),
+           torch.from_numpy(-(dmin[:, :, None] * mn).reshape(n, nb * 8))]
+    if rows is not None:
+        idx = torch.from_numpy(rows)
+        out = [t[idx] for t in out]
+    return out[0], out[1], out[2]
 
 
 def row_order(processor: Any, name: str, n: int, names: dict[str, str]) -> tuple[str | None, np.ndarray | None]:

@@ -9,8 +9,9 @@ same load_weights, one tensor at a time.
 
 Weights are dequantized as they are read, to the dtype the engine runs (F32/F16/BF16 files load exactly;
 quantized tensors through the `gguf` package's own dequantizer, the reference for parity), except in a file whose
-every projection is Q4_0 / Q4_1 (or every one Q8_0): those run on the int4 (int8 block) kernels block for block
-(model/gguf_blocks.py), the file describing itself by a `quantization_config` of method "gguf" in its HF config.
+every projection is Q4_0 / Q4_1 (or every one Q8_0): those run on the int4 (int8 block) kernels block for block,
+and in a file whose projections hold K-quants or the 5-bit types, converted at load to int8 blocks
+(model/gguf_blocks.py); the file describes itself by a `quantization_config` of method "gguf" in its HF config.
 """
 
 from __future__ import annotations
@@ -213,8 +214,8 @@ def load_tokenizer(path: str) -> Any:
 
 def iterate_weights(path: str, native: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor) for every tensor of the file that the HF model has, one at a time; with native,
-    a Q4_0 / Q4_1 projection as its int4 `.qweight`, `.scales` and `.mins` instead, a Q8_0 one as its int8 blocks'
-    `.qweight` and `.scales` (model/gguf_blocks.py)."""
+    a Q4_0 / Q4_1 projection as its int4 `.qweight`, `.scales` and `.mins` instead, a Q8_0 one (or a K-quant one,
+    converted) as int8 blocks' `.qweight` and `.scales` (model/gguf_blocks.py)."""
     from gguf import GGUFReader, dequantize
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (
@@ -240,6 +241,7 @@ def iterate_weights(path: str, native: bool = False) -> Iterator[tuple[str, torc
     head = bool(native_cfg.get("lm_head"))
     symmetric = native_cfg.get("types") == ["Q4_0"]  # its layers store no mins (QuantConfig min_dtype "none")
     int8 = bool(native_cfg) and not set(native_cfg["types"]) <= GGUF_INT4_TYPES  # int8 blocks, some converted
+    int4_layers = set(native_cfg.get("int4_layers") or ())  # (in such a file: modules of int4 groups, float32 mins)
     extra: dict[str, Any] = {"tensors": {}}  # processors that rename a tensor put it here (GPT-2's output)
     for tensor in (t for part in parts(path) for t in GGUFReader(part).tensors):
         info = checked.get(tensor.name)
@@ -251,11 +253,13 @@ def iterate_weights(path: str, native: bool = False) -> Iterator[tuple[str, torc
             hf_name = names.get(key or "")
             if hf_name is None or not hf_name.endswith(".weight"):
                 raise ValueError(f"GGUF {path}: {kind} tensor {tensor.name!r} has no projection of the model to run in")
-            qweight, scales, mins = gguf_blocks.decode(tensor.name, tensor.data, kind, rows, symmetric, int8)
+            int4 = gguf_blocks.module_of(tensor.name) in int4_layers
+            qweight, scales, mins = gguf_blocks.decode(tensor.name, tensor.data, kind, rows, symmetric,
+                                                       int8 and not int4)
             prefix = hf_name.removesuffix(".weight")
             yield from ((prefix + ".qweight", qweight), (prefix + ".scales", scales))
             if mins is not None:
-                yield prefix + ".mins", mins
+                yield prefix + ".mins", mins.float() if int4 else mins
             continue
         weights = dequantize(tensor.data, tensor.tensor_type)
         result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names,

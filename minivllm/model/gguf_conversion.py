@@ -9,9 +9,10 @@ beside Q8_0 projections, to their int8 blocks), and the error that adds is measu
 dequantized head as the reference (KL of the logits and top-1 agreement), and logged: the conversion is never
 silent.
 
-A file whose projections were converted at load (model/gguf_blocks.py: K-quants and the 5-bit types to int8
-blocks) has the whole model's error measured the same way: the probe as served against the same model with every
-quantized layer computing with the file's dequantized weights.
+A file whose projections were converted at load (model/gguf_blocks.py: Q4_K modules to int4 groups, the other
+K-quants and the 5-bit types to int8 blocks) has the whole model's error measured the same way: the probe in each
+layer's exact math against the same model with every quantized layer computing with the file's dequantized
+weights.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+import psutil
 import torch
 import torch.nn.functional as F
 
@@ -60,7 +62,8 @@ def convert_gguf_head(runner: ModelRunner) -> HeadConversion | None:
         return None
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     method = "w8a8" if {m.method for m in layers} & {"w4a8", "w8a8"} else "int8"
-    # Beside Q8_0 projections the head takes their int8 blocks (a Q8_0 embedding converts back to its own codes).
+    # Beside int8 block projections the head takes their blocks (a Q8_0 embedding loaded in float32 converts back
+    # to its own codes and scales: llama.cpp's peak code is 127, so amax / 127 is d again).
     blocked = any(m.blocked for m in layers)
     probe = _probe(runner)
     with torch.inference_mode():
@@ -84,7 +87,7 @@ class LayerConversion:
     """The error of a file's projections converted at load (gguf_blocks: K-quants, Q5 types -> int8 blocks)."""
 
     types: tuple[str, ...]  # the file's types that were converted
-    layers: int
+    layers: int  # the model's quantized layers (the converted ones, and any Q8_0 ones beside them)
     kl: float  # mean KL(file's dequantized weights || as served) of the probe's next-token distributions, nats
     top1: float
 
@@ -105,10 +108,40 @@ def measure_layer_conversion(runner: ModelRunner) -> LayerConversion | None:
         return None
     if runner.parallel.size > 1 or runner.device.type != "cpu":
         return None
-    from minivllm.model.loader import load_model  # (the loader imports the layers this module builds on)
 
     model = runner.model
     layers = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    if not layers:  # (a float load of the file: a draft model)
+        return None
+    # The float copy is the whole model in the engine's dtype: measured only where memory holds it twice over.
+    need = sum(p.numel() for p in model.parameters()) * runner.dtype.itemsize + \
+        sum(m.in_features * m.out_features for m in layers.values()) * runner.dtype.itemsize
+    free = psutil.virtual_memory().available
+    path = runner.mc.path.rsplit("/", 1)[-1]
+    if need * 2 > free:
+        logger.warning("GGUF %s: projections converted at load (%s); their error is not "
+                       "measured: a float copy of the model needs %.1f GB, %.1f GB are free", path,
+                       ", ".join(qc["converted"]), need / 1e9, free / 1e9)
+        return None
+    try:
+        kl, top1 = _measure(runner, layers)
+    except Exception as e:  # a diagnostic: the engine serves without it
+        logger.warning("GGUF %s: the error of the projections converted at load could not be measured (%s: %s)",
+                       path, type(e).__name__, e)
+        return None
+    types = tuple(str(t) for t in qc["converted"])
+    int4 = sum(m.grouped for m in layers.values())
+    logger.info("GGUF %s: its %s projections converted at load (%d layers as int4 groups of 32, %d as int8 blocks of "
+                "32), in %s math: KL %.2e nats, top-1 %.1f%% against the file's dequantized weights on a %d-token "
+                "probe", path, ", ".join(types), int4, len(layers) - int4,
+                "/".join(sorted({m.method for m in layers.values()})), kl, 100 * top1, PROBE_TOKENS)
+    return LayerConversion(types, len(layers), kl, top1)
+
+
+def _measure(runner: ModelRunner, layers: dict[str, QuantizedLinear]) -> tuple[float, float]:
+    """(KL, top-1) of the probe: each layer's reference kernel against the file's dequantized weights."""
+    from minivllm.model.loader import load_model  # (the loader imports the layers this module builds on)
+
     probe = _probe(runner)
     served = {name: m.kernels for name, m in layers.items()}
     with torch.inference_mode():
@@ -126,13 +159,7 @@ def measure_layer_conversion(runner: ModelRunner) -> LayerConversion | None:
         finally:
             for name, m in layers.items():
                 m.kernels = served[name]
-    kl, top1 = _divergence(ref_logits, new)
-    types = tuple(str(t) for t in qc["converted"])
-    logger.info("GGUF %s: %d projections converted at load (%s -> int8 blocks of 32), in %s math: KL %.2e nats, "
-                "top-1 %.1f%% against the file's dequantized weights on a %d-token probe",
-                runner.mc.path.rsplit("/", 1)[-1], len(layers), ", ".join(types),
-                "/".join(sorted({m.method for m in layers.values()})), kl, 100 * top1, PROBE_TOKENS)
-    return LayerConversion(types, len(layers), kl, top1)
+    return _divergence(ref_logits, new)
 
 
 def _float_forward(layer: QuantizedLinear, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None

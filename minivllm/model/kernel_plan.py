@@ -60,6 +60,10 @@ class PlannedLinear(nn.Module):
         """Whether kernel `name` may run matmuls of the shape class whose largest M is largest_m."""
         return True
 
+    def plan_kind(self) -> str:
+        """Layers of one kind share a plan (the same candidates); a model may hold several kinds."""
+        return type(self).__name__
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.kernels[shape_class(x.shape[0])](self, x)
         return out if self.lora is None else self.lora(x, out)
@@ -206,6 +210,17 @@ class PlanCheck:
 
 
 @torch.no_grad()
+def plan_kinds(layers: Sequence[PlannedLinear], kernel: str = "auto", what: str = "linear",
+               dtype: torch.dtype = torch.float32) -> list[KernelPlan]:
+    """A plan per kind of layer (plan_kernels each; a GGUF file's int4 layers beside its int8 blocks), at least one."""
+    kinds: dict[str, list[PlannedLinear]] = {}
+    for q in layers:
+        kinds.setdefault(q.plan_kind(), []).append(q)
+    if len(kinds) <= 1:
+        return [plan_kernels(layers, kernel, what, dtype)]
+    return [plan_kernels(group, kernel, f"{what} ({kind})", dtype) for kind, group in kinds.items()]
+
+
 def plan_kernels(layers: Sequence[PlannedLinear], kernel: str = "auto", what: str = "linear",
                  dtype: torch.dtype = torch.float32) -> KernelPlan:
     """Time every candidate over the model's own layers (the first TIMED_WEIGHTS weights of them) for each

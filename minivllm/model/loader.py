@@ -17,7 +17,7 @@ from torch import nn
 from minivllm.config import ModelConfig
 from minivllm.distributed.parallel import attach_collectives, shard_model
 from minivllm.engine_config import ParallelConfig
-from minivllm.model import gguf_checkpoint, prequantized
+from minivllm.model import gguf_blocks, gguf_checkpoint, prequantized
 from minivllm.model.hugepages import place_in_hugepages
 from minivllm.model.models import get_model_class
 from minivllm.model.quantization import quantize_model
@@ -61,7 +61,7 @@ def checkpoint_names(path: str) -> list[str]:
 
 def iterate_weights(path: str, native: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every tensor of the checkpoint, one file at a time (a GGUF file: HF names,
-    dequantized, or with native its Q4_0 / Q4_1 projections as int4 blocks; model/gguf_checkpoint.py)."""
+    dequantized, or with native its projections as int4 or int8 blocks, K-quants converted; model/gguf_blocks.py)."""
     if path.endswith(".gguf"):
         yield from gguf_checkpoint.iterate_weights(path, native)
         return
@@ -111,7 +111,9 @@ def load_model(mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_mo
                 quant = dataclasses.replace(quant, quantize_lm_head=head)
             if saved or native:
                 assert quant is not None  # (saved implies it)
-                quantize_model(model, quant, materialize=False)
+                gguf = scheme is not None and scheme.method == "gguf"
+                quantize_model(model, quant, materialize=False, overrides=gguf_blocks.int4_overrides(
+                    mc.hf_config["quantization_config"], quant) if native and gguf else None)
     finally:
         torch.set_default_dtype(prev)
     model.to_empty(device=device)

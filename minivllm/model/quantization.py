@@ -70,6 +70,8 @@ def quantize_int8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = (amax / 127).to(torch.float16)
     # A scale rounded down would clip the block's peak (at 127); the next float16 up keeps it within half a step.
     scale = torch.where(scale.float() * 127 < amax, torch.nextafter(scale, torch.full_like(scale, torch.inf)), scale)
+    if not torch.isfinite(scale).all():
+        raise ValueError("int8 blocks: a block's peak weight is too large for a float16 scale (|w| > 8.3e6)")
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(wf / scale.float()[..., None]).clamp(-127, 127).to(torch.int8)
     return q.view(n, kp), scale
@@ -237,6 +239,9 @@ class QuantizedLinear(PlannedLinear):
             found["native_a8"] = self.forward_native_a8
         return found
 
+    def plan_kind(self) -> str:
+        return f"{self.method}{' blocks' if self.blocked else ''}"
+
     def quantizes_activations(self, name: str) -> bool:
         """Whether kernel `name` computes with x's rows quantized to int8 (W8A8 / W4A8 math)."""
         return self.method in ("w8a8", "w4a8") or name in ("int_mm", "native_a8")
@@ -263,19 +268,22 @@ def check_device(cfg: QuantConfig | None, device: torch.device) -> None:
         raise ValueError(f"quantization {cfg.method}: no kernel for device {device.type!r}; supported: cpu, cuda")
 
 
-def quantize_model(model: nn.Module, cfg: QuantConfig, materialize: bool = True) -> int:
-    """Replace every Linear (the LM head too unless cfg says not) by a QuantizedLinear, in place.
+def quantize_model(model: nn.Module, cfg: QuantConfig, materialize: bool = True,
+                   overrides: dict[str, QuantConfig] | None = None) -> int:
+    """Replace every Linear (the LM head too unless cfg says not) by a QuantizedLinear, in place; a module named in
+    `overrides` (its qualified name) takes that configuration instead (a GGUF file's int4 layers beside int8 ones).
 
     materialize=False builds empty quantized layers (for loading a saved quantized checkpoint).
     Returns the number of layers replaced."""
     replaced = 0
-    for parent in list(model.modules()):
+    for prefix, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if not isinstance(child, Linear) or (name == "lm_head" and not cfg.quantize_lm_head):
                 continue
             weight = child.weight
             assert weight is not None, "quantize before packing"
-            q = QuantizedLinear(child.in_features, child.out_features, child.bias is not None, cfg)
+            own = (overrides or {}).get(f"{prefix}.{name}" if prefix else name, cfg)
+            q = QuantizedLinear(child.in_features, child.out_features, child.bias is not None, own)
             if materialize:
                 q = q.to(weight.device)
                 q.quantize_from(weight.detach(), None if child.bias is None else child.bias.detach())

@@ -26,7 +26,7 @@ from minivllm.model.attention import (
 from minivllm.model.decode_stack import DecodeStack
 from minivllm.model.gguf_conversion import gguf_conversions
 from minivllm.model.input_batch import SequenceInput
-from minivllm.model.kernel_plan import PlanCheck, PlannedLinear, best_time, plan_kernels
+from minivllm.model.kernel_plan import PlanCheck, PlannedLinear, best_time, plan_kernels, plan_kinds
 from minivllm.model.kv_quant import is_quantized, kv_storage_dtype
 from minivllm.model.kv_swap import HostKVTier, block_bytes, check_capacity, uses_pinned_memory
 from minivllm.model.layers import Linear, onednn_linear_available
@@ -102,9 +102,9 @@ class ModelRunner:
         for m in linears:
             m.release_unused()
         quantized = [m for m in self.model.modules() if isinstance(m, QuantizedLinear)]
-        self.quant_plan = plan_kernels(quantized, ms.quantization_kernel, f"quantization {quant and quant.method}",
-                                       dtype)
-        self.quant_kernels = self.quant_plan.names
+        self.quant_plans = plan_kinds(quantized, ms.quantization_kernel, f"quantization {quant and quant.method}",
+                                      dtype)  # (a plan per kind: a GGUF file's int4 layers beside int8 blocks)
+        self.quant_kernels = self.quant_plans[0].names
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         assert len(layers) == mc.num_layers
         # Each layer's attention window (None: full attention); Gemma's local and global layers differ.
@@ -167,7 +167,7 @@ class ModelRunner:
         # synchronized; not across tensor-parallel ranks, which must keep one plan).
         cpu_alone = device.type == "cpu" and parallel.size == 1
         self.head_conversion, self.layer_conversion = gguf_conversions(self)  # GGUF's conversions, errors logged
-        plans = [self.linear_plan, self.quant_plan, *([self.head_conversion.plan] if self.head_conversion else [])]
+        plans = [self.linear_plan, *self.quant_plans, *([self.head_conversion.plan] if self.head_conversion else [])]
         self.plan_check = PlanCheck(plans) if cpu_alone else None
 
     def init_lora(self, max_loras: int, max_rank: int) -> LoRAModelManager:

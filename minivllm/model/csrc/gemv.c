@@ -186,8 +186,9 @@ INLINE void int8_row(float *out, int64_t ldo, const float *x, int M, const Layer
 INLINE void int4_row(float *out, int64_t ldo, const float *x, int M, const Layer *L, int64_t n) {
     const int64_t Kp = L->Kv, G = L->G, ng = Kp / G;
     const uint8_t *w = (const uint8_t *)L->w + n * (Kp / 2);
-    const uint16_t *scale = (const uint16_t *)L->scale + n * ng, *mins = (const uint16_t *)L->mins + n * ng;
-    const float *minf = (const float *)L->mins + n * ng;
+    const uint16_t *scale = (const uint16_t *)L->scale + n * ng;
+    const uint16_t *mins = L->sym ? NULL : (const uint16_t *)L->mins + n * ng; /* (no mins stored where sym) */
+    const float *minf = L->sym ? NULL : (const float *)L->mins + n * ng;
     const v16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     v16 a0[MB], a1[MB];
     memset(a0, 0, sizeof a0);
