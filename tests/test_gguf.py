@@ -365,6 +365,8 @@ def test_a_head_no_kernel_runs_as_it_is_is_converted_with_its_error_logged(gguf_
     head = runner.model.lm_head  # type: ignore[attr-defined]
     assert conv is not None and conv.method == head_method
     assert isinstance(head, QuantizedLinear) and head.method == head_method
+    # The float head it replaced left the float plan (its timing no longer bounds the steps; its weights freed).
+    assert not any(q.out_features == head.out_features for q in runner.linear_plan.layers)
     assert 0 <= conv.kl < 0.01 and conv.top1 >= 0.9
     assert f"converted to {head_method} per output channel: KL" in caplog.text
     if method is None:  # weight-only int8 head: close to the file's weights run in float32

@@ -129,6 +129,27 @@ def test_a_plan_timed_under_load_is_rechecked_when_steps_beat_its_timings():
     assert len(plan.rechecks) == 1
 
 
+def test_a_recheck_does_not_time_again_a_kernel_that_lost_by_far():
+    """A re-check runs inside a serving step: candidates more than RECHECK_SPAN slower than the choice at start-up
+    are not timed again (timing a portable path that dequantizes whole layers took a benchmark's b=1 window)."""
+    from minivllm.model.kernel_plan import KernelPlan
+
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    llm = LLM(num_kv_blocks=64, quantization="int8")  # candidates: native, int_mm (many tokens), reference
+    plan = llm.llm_engine.runner.quant_plans[0]
+    assert plan.timings[0] is not None and "reference" in plan.timings[0]
+    chosen = plan.chosen[0]
+    assert chosen != "reference"
+    plan.timings[0][chosen] *= 50  # the choice's timing inflated (steps now beat it)
+    plan.timings[0]["reference"] = plan.timings[0][chosen] * (KernelPlan.RECHECK_SPAN + 1)
+    others = [n for n in plan.timings[0] if n not in (chosen, "reference")]
+    llm.generate(PROMPTS[:1], sp, use_tqdm=False)
+    if others:  # re-timed among the near ones only
+        assert [c for c, _, _ in plan.rechecks] == [0] and "reference" not in (plan.timings[0] or {})
+    else:  # nothing near to choose between: the class is not checked again, and nothing was timed
+        assert plan.rechecks == [] and plan.timings[0] is None
+
+
 def test_a_recheck_times_only_the_kernels_whose_weight_layout_is_still_held():
     """A kernel timed at start-up whose layout was released since (no class chose it) is not timed again: the
     re-check used to look it up among the layer's candidates and raise KeyError inside a serving step."""

@@ -73,6 +73,7 @@ def convert_gguf_head(runner: ModelRunner) -> HeadConversion | None:
         q.quantize_from(head.weight.detach().float(), None if head.bias is None else head.bias.detach().float())
         plan = plan_kernels([q], "auto", f"lm_head {method}", runner.dtype)
         model.lm_head = q
+        runner.linear_plan.drop(head)
         new = runner.execute(probe)
     kl, top1 = _divergence(ref, new)
     logger.info("GGUF head (%s, %d x %d) converted to %s %s: KL %.2e nats, top-1 %.1f%% against the file's "

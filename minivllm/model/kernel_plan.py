@@ -157,6 +157,18 @@ class KernelPlan:
         self.chosen[c] = self.names[_label(c)] = name
         self.timings[c] = None
 
+    RECHECK_SPAN = 3.0
+
+    def drop(self, layer: PlannedLinear) -> None:
+        """A layer replaced after planning (a GGUF head converted at load) leaves the plan: kept, its weights stayed
+        alive and its start-up timing stayed in the bound every step is judged by (a float head of 1 GB, 19 ms a
+        step, made quiet steps look too fast and re-checks fire). If it was timed, the timings describe the plan no
+        more: no bound, no re-check."""
+        self.layers = [q for q in self.layers if q is not layer]
+        if any(q is layer for q in self.timed):
+            self.timed = [q for q in self.timed if q is not layer]
+            self.timings = [None] * len(SHAPE_CLASSES)
+
     def recheck(self, c: int) -> None:
         """Time shape class c's candidates again (the step costs its timings predicted turned out wrong)."""
         timings = self.timings[c]
@@ -164,9 +176,12 @@ class KernelPlan:
             return
         before = self.chosen[c]
         # Only kernels whose weight layout is still held: the unplanned copy was released after start-up (a
-        # packed layout no class chose is gone, and timing it raised KeyError inside a serving step).
+        # packed layout no class chose is gone, and timing it raised KeyError inside a serving step). And only
+        # those within RECHECK_SPAN of the choice's start-up timing: the re-check runs inside a step, and timing
+        # a portable path that lost by far (one that dequantizes whole layers) cost a benchmark's whole b=1 window
+        # (135M: ~1.5 s, 19 against 126 tok/s); the load that inflated the choice's timing slowed it alike.
         kept = self.timed[0].candidates() if self.timed else {}
-        names = [n for n in timings if n in kept]
+        names = [n for n in timings if n in kept and timings[n] <= self.RECHECK_SPAN * timings[before]]
         if len(names) < 2:
             self.timings[c] = None  # nothing left to choose between
             return
