@@ -12,8 +12,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPTS, hf_greedy
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from conftest import PROMPTS, hf_greedy, rewrite_gguf
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import quantize
 
 from minivllm import LLM, SamplingParams
@@ -52,24 +52,15 @@ def gguf_file(model_factory, tmp_path_factory):
 def requantize(src: str, dst: str, qtype: GGMLQuantizationType, head: GGMLQuantizationType | None = None) -> None:
     """Copy a GGUF file, its 2-D weights quantized to qtype (the head to `head` if given; metadata and everything
     else as they were)."""
-    reader = GGUFReader(src)
-    writer = GGUFWriter(dst, str(reader.fields["general.architecture"].contents()))
-    for field in reader.fields.values():
-        if field.name == "general.architecture" or field.name.startswith("GGUF."):
-            continue
-        sub = field.types[-1] if field.types[0].name == "ARRAY" else None
-        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
-    for t in reader.tensors:
+
+    def convert(t):
         data = np.asarray(t.data)
-        if len(t.shape) == 2 and t.tensor_type == GGMLQuantizationType.F32 and data.shape[-1] % 32 == 0:
-            kind = head if head is not None and t.name == "output.weight" else qtype
-            writer.add_tensor(t.name, quantize(data, kind), raw_dtype=kind)
-        else:
-            writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        if len(t.shape) != 2 or t.tensor_type != GGMLQuantizationType.F32 or data.shape[-1] % 32:
+            return None
+        kind = head if head is not None and t.name == "output.weight" else qtype
+        return quantize(data, kind), kind
+
+    rewrite_gguf(src, dst, convert)
 
 
 def _prompt_logits(path: str, ids: list[int]) -> torch.Tensor:

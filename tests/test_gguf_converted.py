@@ -11,8 +11,8 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPTS
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from conftest import PROMPTS, rewrite_gguf
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize, quantize
 
 from minivllm import LLM, SamplingParams
@@ -45,27 +45,17 @@ def write_mixed(src: str, dst: str, kinds: dict[str, GGMLQuantizationType]) -> N
     """Copy a float GGUF file with each 2-D weight whose name matches a key of `kinds` stored as that type (K-quants
     as random blocks, others quantized from the weight by the gguf package); metadata as it was."""
     rng = np.random.default_rng(0)
-    reader = GGUFReader(src)
-    writer = GGUFWriter(dst, str(reader.fields["general.architecture"].contents()))
-    for field in reader.fields.values():
-        if field.name == "general.architecture" or field.name.startswith("GGUF."):
-            continue
-        sub = field.types[-1] if field.types[0].name == "ARRAY" else None
-        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
-    for t in reader.tensors:
-        data = np.asarray(t.data)
+
+    def convert(t):
         kind = next((k for key, k in kinds.items() if re.search(key, t.name)), None) if len(t.shape) == 2 else None
         if kind is None:
-            writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
-        elif kind in _BYTES:
-            blocks = _random_blocks(rng, data.shape[0], data.shape[1], kind)
-            writer.add_tensor(t.name, blocks, raw_dtype=kind)
-        else:
-            writer.add_tensor(t.name, quantize(data, kind), raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+            return None
+        data = np.asarray(t.data)
+        if kind in _BYTES:
+            return _random_blocks(rng, data.shape[0], data.shape[1], kind), kind
+        return quantize(data, kind), kind
+
+    rewrite_gguf(src, dst, convert)
 
 
 @pytest.fixture(scope="module")

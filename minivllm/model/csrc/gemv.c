@@ -43,6 +43,7 @@ typedef uint16_t v16h __attribute__((vector_size(32)));
 #define INLINE static inline __attribute__((always_inline))
 #define MAX_M 16 /* rows of x staged per pass (scratch layout) */
 #define MB 4     /* rows of x per register block */
+#include "gemv_rows.h"
 
 INLINE v16 ld16(const float *p) {
     v16 v;
@@ -243,23 +244,6 @@ INLINE void w8a8_row(float *out, int64_t ldo, const int8_t *xq, const float *xs,
         out[m * ldo + n] = (float)s * xs[m] * sc + (L->bias ? L->bias[n] : 0.f);
     }
 }
-
-/* Every row of this thread's share of N against chunks of up to MB rows of x; ROW(c) is called with c
- * a literal so each chunk size gets its own register-resident code. */
-#define FOR_ROWS(N, mm, ROW)                                                          \
-    do {                                                                              \
-        int t_ = omp_get_thread_num(), nt_ = omp_get_num_threads();                   \
-        for (int64_t n = (N) * t_ / nt_; n < (N) * (t_ + 1) / nt_; n++) {             \
-            for (int j = 0; j < (mm); j += MB) {                                      \
-                switch ((mm) - j < MB ? (mm) - j : MB) {                              \
-                case 1: ROW(1); break;                                                \
-                case 2: ROW(2); break;                                                \
-                case 3: ROW(3); break;                                                \
-                default: ROW(4); break;                                               \
-                }                                                                     \
-            }                                                                         \
-        }                                                                             \
-    } while (0)
 
 /* One row of x as int8 codes, symmetric absmax / 127, round half to even; returns the scale. Division, not
  * a reciprocal (-ffast-math would allow one): the codes must be torch.round(x / s)'s. */

@@ -23,6 +23,7 @@
 #endif
 
 #define MB 4 /* rows of x per register block */
+#include "gemv_rows.h"
 
 typedef float v16 __attribute__((vector_size(64)));
 
@@ -173,21 +174,6 @@ __attribute__((optimize("no-reciprocal-math"))) static float stage_row(const flo
     }
     return s;
 }
-
-#define FOR_ROWS(N, M, ROW)                                                          \
-    do {                                                                             \
-        const int t_ = omp_get_thread_num(), nt_ = omp_get_num_threads();           \
-        for (int64_t n = (N) * t_ / nt_; n < (N) * (t_ + 1) / nt_; n++) {            \
-            for (int j = 0; j < (M); j += MB) {                                      \
-                switch ((M) - j < MB ? (M) - j : MB) {                               \
-                case 1: ROW(1); break;                                               \
-                case 2: ROW(2); break;                                               \
-                case 3: ROW(3); break;                                               \
-                default: ROW(4); break;                                              \
-                }                                                                    \
-            }                                                                        \
-        }                                                                            \
-    } while (0)
 
 /*
  * y = x W^T + bias for M rows of float32 x (rows ldx floats apart, K used); a8: q8a8, else q8.
