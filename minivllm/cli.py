@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from minivllm.config import EngineArgs
@@ -70,11 +71,21 @@ def _cmd_quantize(ns: argparse.Namespace) -> int:
 
     mc = ModelConfig.from_pretrained(ns.model)
     if "quantization_config" in mc.hf_config:
-        raise ValueError(f"{ns.model} is already quantized (config.json has a quantization_config); quantize the "
+        raise ValueError(f"{ns.model} is already quantized (its config has a quantization_config); quantize the "
                          "original model")
     cfg = QuantConfig(ns.quantization, ns.quantization_group_size, ns.quantize_lm_head)
     # Norms and embeddings keep the checkpoint's own dtype (float32 if it names none).
     dtype = _DTYPES.get(mc.checkpoint_dtype or "", torch.float32) if ns.dtype == "auto" else _DTYPES[ns.dtype]
+    if ns.out.endswith(".gguf"):
+        from minivllm.model.gguf_export import export_gguf
+
+        if not os.path.isdir(mc.path):
+            raise ValueError(f"quantize: {mc.path!r} is not a Hugging Face model directory")
+        report = export_gguf(mc.path, cfg, ns.out, dtype, ns.gguf_int4_type)
+        types = ", ".join(f"{n} {t}" for t, n in sorted(report.types.items()))
+        print(f"wrote {cfg.method} model to {report.path} as GGUF ({types}; {report.nbytes / 2**20:.1f} MiB); "
+              f"llama.cpp opens it, and so does `minivllm serve {report.path}`")
+        return 0
     model = load_model(mc, dtype, torch.device("cpu"), mc.max_position_embeddings, cfg)
     out = save_quantized(model, mc, cfg, ns.out)
     print(f"wrote {cfg.method} model to {out}")
@@ -140,7 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="quantize the LM head too")
     qz.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                     help="dtype of the tensors left in full precision (auto: the checkpoint's)")
-    qz.add_argument("--out", required=True, help="output directory (new or empty)")
+    qz.add_argument("--out", required=True, help="output directory (new or empty), or a new .gguf file: the model "
+                    "as GGUF (int8 / w8a8 as Q8_0, int4 / w4a8 as Q4_1 or Q4_0), which llama.cpp opens")
+    qz.add_argument("--gguf-int4-type", default="Q4_1", choices=["Q4_1", "Q4_0"],
+                    help="GGUF output of int4 / w4a8: Q4_1 (scale and min: the engine's own groups) or Q4_0 "
+                         "(symmetric, 2 bytes fewer per 32 weights)")
     qz.set_defaults(func=_cmd_quantize)
 
     from minivllm.profiling.monitor import add_monitor_args, run_monitor

@@ -165,26 +165,3 @@ def make_runner(mc: ModelConfig, num_blocks: int = 16, dtype: torch.dtype = torc
     kw = {"max_model_len": 256, "block_size": 16, **kw}
     return ModelRunner(EngineConfig.of_model(mc, dtype=str(dtype).removeprefix("torch."), device="cpu", **kw),
                        num_blocks)
-
-
-def rewrite_gguf(src: str, dst: str, convert) -> None:
-    """Copy a GGUF file, metadata as it was, each tensor through convert(tensor) -> (data, GGML type), or None:
-    kept as it was (tests write the types they need; the gguf package's own reader and writer)."""
-    import numpy as np
-    from gguf import GGUFReader, GGUFWriter
-
-    reader = GGUFReader(src)
-    writer = GGUFWriter(dst, str(reader.fields["general.architecture"].contents()))
-    for field in reader.fields.values():
-        if field.name == "general.architecture" or field.name.startswith("GGUF."):
-            continue
-        sub = field.types[-1] if field.types[0].name == "ARRAY" else None
-        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
-    for t in reader.tensors:
-        new = convert(t)
-        data, kind = new if new is not None else (np.asarray(t.data), t.tensor_type)
-        writer.add_tensor(t.name, data, raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()

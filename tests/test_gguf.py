@@ -12,7 +12,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPTS, hf_greedy, rewrite_gguf
+from conftest import PROMPTS, hf_greedy
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import quantize
 
@@ -21,6 +21,7 @@ from minivllm.bench import llamacpp
 from minivllm.config import ModelConfig
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.model.gguf_checkpoint import EOG_TEXTS, find_gguf
+from minivllm.model.gguf_export import rewrite_gguf
 from minivllm.model.gguf_header import read_header
 from minivllm.model.quantization import QuantizedLinear, unpack_int4
 from minivllm.model.runner import SequenceInput

@@ -11,7 +11,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPTS, rewrite_gguf
+from conftest import PROMPTS
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize, quantize
 
@@ -20,6 +20,7 @@ from minivllm.bench import llamacpp
 from minivllm.config import ModelConfig
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.model.gguf_conversion import PROBE_TOKENS, _divergence
+from minivllm.model.gguf_export import rewrite_gguf
 from minivllm.model.quantization import QuantizedLinear
 from minivllm.model.runner import SequenceInput
 from tests.conftest import make_runner

@@ -2,12 +2,9 @@
 
 Everything comes from llama-cpp-python, an optional bench dependency (`pip install -e ".[peers]"`): pip builds its
 sdist's vendored llama.cpp for this CPU (-march=native, as our kernels are); the converter (convert_hf_to_gguf.py
-and the gguf-py it ships) is read out of the same sdist, fetched from PyPI once into ~/.cache/minivllm. Decode is
+and the gguf-py it ships, model/gguf_converter.py) is read out of the same sdist. Decode is
 timed with llama_decode on a batch of one token per sequence, the logits of every row computed, as our steps do.
 
-Our test checkpoints carry a BPE tokenizer trained locally, whose pre-tokenizer hash the converter does not know:
-it is told the name of the split the tokenizer really uses (transformers' Qwen2 and Llama 3 tokenizers bring
-their own regex; GPT-2's byte-level split otherwise), so the file's tokenizer splits text as the checkpoint's.
 Gemma 2's converter reads only a SentencePiece tokenizer.model: one is trained on the same stdlib text
 (sentencepiece) and put beside the checkpoint for the conversion (the converter pads the vocabulary to the
 model's). Gemma 3's converter cuts the embedding to the tokenizer's size: the bench's copy of tokenizer.json
@@ -17,39 +14,17 @@ is padded with unused tokens to the model's vocabulary first, as the real tokeni
 from __future__ import annotations
 
 import ctypes
-import glob
 import os
-import subprocess
-import sys
-import tarfile
 import tempfile
 import time
 from typing import Any
+
+from minivllm.model.gguf_converter import convert_hf
 
 # Families whose llama.cpp conversion needs a SentencePiece tokenizer.model (our test checkpoints have none), and
 # those whose converter sizes the embedding by the tokenizer (ours is smaller than the model's vocabulary).
 NEEDS_SENTENCEPIECE = ("Gemma2ForCausalLM",)
 PAD_TOKENIZER = ("Gemma3ForCausalLM",)
-
-_CONVERT = r"""
-import runpy, sys
-root = sys.argv.pop(1)
-sys.path[:0] = [root, root + "/gguf-py"]
-from conversion import base
-original = base.TextModel.get_vocab_base_pre
-def vocab_base_pre(self, tokenizer):
-    try:
-        return original(self, tokenizer)
-    except NotImplementedError:  # a locally trained BPE: its pre-tokenizer hash is nobody's; name its split
-        split = str(tokenizer.backend_tokenizer.pre_tokenizer)
-        if r"\p{N}{1,3}" in split:
-            return "llama-bpe"
-        return "qwen2" if r"|\p{N}|" in split else "gpt-2"
-base.TextModel.get_vocab_base_pre = vocab_base_pre
-sys.argv[0] = root + "/convert_hf_to_gguf.py"
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
 
 _SILENT: list[Any] = []  # the log callback must outlive every llama.cpp call
 
@@ -71,39 +46,6 @@ def available() -> str | None:
     except ImportError as e:
         return f"llama.cpp comparison skipped: {e} (pip install -e '.[peers]')"
     return None
-
-
-# The sdist whose converter makes GGUF files where llama-cpp-python is not installed (the tests' GGUF files).
-CONVERTER_VERSION = "0.3.36"
-
-
-def converter_dir() -> str:
-    """llama.cpp's converter from the llama-cpp-python sdist of the installed version, or CONVERTER_VERSION's
-    without one (fetched once; the converter is Python: it needs no build)."""
-    try:
-        import llama_cpp
-
-        version = llama_cpp.__version__
-    except ImportError:
-        version = CONVERTER_VERSION
-    root = os.path.join(os.path.expanduser("~/.cache/minivllm"), f"llama.cpp-{version}")
-    if os.path.isfile(os.path.join(root, "convert_hf_to_gguf.py")):
-        return root
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={version}", "--no-binary",
-                        ":all:", "--no-deps", "-d", tmp, "-q"], check=True)
-        (sdist,) = glob.glob(os.path.join(tmp, "*.tar.gz"))
-        prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
-        wanted = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
-        with tarfile.open(sdist) as tar:
-            members = [m for m in tar.getmembers()
-                       if m.name.startswith(prefix) and m.name[len(prefix):].startswith(wanted) and m.isfile()]
-            for m in members:
-                m.name = m.name[len(prefix):]
-            os.makedirs(root + ".tmp", exist_ok=True)
-            tar.extractall(root + ".tmp", members=members, filter="data")
-    os.replace(root + ".tmp", root)
-    return root
 
 
 def _sentencepiece_model(hf_dir: str) -> None:
@@ -144,17 +86,13 @@ def _pad_tokenizer(hf_dir: str) -> None:
 
 
 def convert(hf_dir: str, out: str, outtype: str = "f32", architecture: str = "", extra: tuple[str, ...] = ()) -> str:
-    """The HF checkpoint as a GGUF file, written by llama.cpp's own converter (extra: more of its flags, e.g.
-    --split-max-tensors N)."""
+    """The HF checkpoint as a GGUF file, written by llama.cpp's own converter (model/gguf_converter.py), after the
+    test checkpoints' tokenizer quirks above (extra: more of its flags, e.g. --split-max-tensors N)."""
     if architecture in NEEDS_SENTENCEPIECE and not os.path.isfile(os.path.join(hf_dir, "tokenizer.model")):
         _sentencepiece_model(hf_dir)
     if architecture in PAD_TOKENIZER:
         _pad_tokenizer(hf_dir)
-    proc = subprocess.run([sys.executable, "-c", _CONVERT, converter_dir(), hf_dir, "--outfile", out, "--outtype",
-                           outtype, *extra], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"convert_hf_to_gguf failed for {hf_dir}: {proc.stderr.strip()[-600:]}")
-    return out
+    return convert_hf(hf_dir, out, outtype, extra)
 
 
 def quantize(gguf_in: str, gguf_out: str, ftype: str = "Q4_0", threads: int = 2) -> str:

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from minivllm.model import gguf_blocks
+from minivllm.model.gguf_families import complete_config
 from minivllm.model.gguf_header import GGUFHeader, read_header
 from minivllm.prequant_config import GGUF_INT4_TYPES
 
@@ -163,6 +164,10 @@ def hf_config(path: str) -> dict[str, Any]:
     eos += [i for i, text in enumerate(tokens) if text in EOG_TEXTS]
     if eos:
         cfg["eos_token_id"] = list(dict.fromkeys(int(i) for i in eos))
+    try:
+        complete_config(cfg, meta, str(meta.get("general.architecture", "")), functools.partial(_small_tensor, path))
+    except (ValueError, TypeError, KeyError, ZeroDivisionError) as e:
+        raise ValueError(f"GGUF {path}: {e}") from None
     _transformers_config(path, cfg)  # transformers checks every value's type: a wrong one fails here, named
     matrix_types = {t.ggml_type.name for t in header.tensors if len(t.dims) > 1}
     cfg["torch_dtype"] = _FLOAT_TYPES.get(matrix_types.pop() if len(matrix_types) == 1 else "", "float32")
@@ -170,6 +175,23 @@ def hf_config(path: str) -> dict[str, Any]:
     if native is not None:
         cfg["quantization_config"] = native
     return cfg
+
+
+def _small_tensor(path: str, name: str) -> np.ndarray | None:
+    """A small tensor of the file (rope factors), dequantized to float32; None if the file has none so named."""
+    from gguf import GGUFReader, dequantize
+
+    header, _ = _metadata(path)
+    info = next((t for t in header.tensors if t.name == name), None)
+    if info is None:
+        return None
+    if info.nbytes > 1 << 20:
+        raise ValueError(f"GGUF {path}: tensor {name!r} holds {info.nbytes} bytes; rope factors are a vector")
+    for part in parts(path):
+        for t in GGUFReader(part).tensors:
+            if t.name == name:
+                return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1)
+    return None
 
 
 def _transformers_config(path: str, cfg: dict[str, Any]) -> Any:
@@ -227,7 +249,8 @@ def iterate_weights(path: str, native: bool = False) -> Iterator[tuple[str, torc
     header, parsed = _metadata(path)
     logger.info("GGUF %s: %d tensors (%s)", os.path.basename(path), len(header.tensors),
                 ", ".join(f"{n} {t}" for t, n in tensor_types(path).items()))
-    config = dict(parsed["config"])
+    # The completed config (gguf_families): transformers' own parse may not even build its model (Phi-3's pad id).
+    config = {k: v for k, v in hf_config(path).items() if k not in ("architectures", "quantization_config")}
     arch = str(header.values.get("general.architecture", ""))
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config)
     # The HF names: from the HF model's own parameter names, mapped by the gguf package's name table.

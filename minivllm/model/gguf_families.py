@@ -1,0 +1,99 @@
+"""What a GGUF file says about its model that transformers' GGUF config mapping leaves out, in HF config terms.
+
+transformers maps the common keys of each architecture it knows (model/gguf_checkpoint.py reads the rest of the
+config through it), but drops what llama.cpp reads beyond them, and a model served without it computes other
+logits than the file's, silently: Llama 3's rope scaling (the converter stores it as per-dimension frequency
+factors, a `rope_freqs` tensor), rope scaling keys (`rope.scaling.type` linear / yarn), Qwen 3's head size
+(`attention.key_length`), Gemma 2's logit soft-capping, Gemma 3's local rope base, Phi-3's LongRoPE factors
+(`rope_factors_long` / `rope_factors_short` tensors), partial rotary and pretraining length. Each is filled in
+here as llama.cpp's loader (llama-model.cpp) reads the file, including where llama.cpp fixes a value the file
+does not hold (Gemma's attention scale and Gemma 3's sliding-window pattern).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+# llama.cpp's 27B Gemma 2 / Gemma 3 scale queries by 1 / sqrt(hidden / heads), the others by 1 / sqrt(head size):
+# it tells them apart by layer count.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+_GEMMA3_SWA_PATTERN = 6  # llama.cpp's fixed pattern: every sixth layer attends globally
+
+
+def complete_config(cfg: dict[str, Any], meta: dict[str, Any], arch: str,
+                    tensor: Callable[[str], np.ndarray | None]) -> None:
+    """Fill cfg (transformers' parse of the file) in place from the file's metadata `meta` (key -> value) and its
+    small tensors (tensor(name): float32 values, or None when the file has none of that name)."""
+
+    def key(name: str) -> Any:
+        """The value of `arch.name` (None if absent): a number, checked, since every key read here is one."""
+        value = meta.get(f"{arch}.{name}")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not np.isfinite(value)):
+            raise ValueError(f"metadata {arch}.{name!s} is {value!r}, not a finite number")
+        return value
+
+    heads = cfg.get("num_attention_heads") or cfg.get("n_head")
+    head_dim = key("attention.key_length")
+    if isinstance(head_dim, int) and "head_dim" not in cfg and arch != "gpt2":
+        cfg["head_dim"] = head_dim
+    head_dim = cfg.get("head_dim") or (cfg["hidden_size"] // heads if heads and "hidden_size" in cfg else None)
+    _rope_scaling(cfg, key, tensor, meta.get(f"{arch}.rope.scaling.type"))
+    if arch in ("gemma2", "gemma3"):
+        hidden = cfg["hidden_size"]
+        big = cfg.get("num_hidden_layers") == _GEMMA_27B_LAYERS[arch]
+        cfg["query_pre_attn_scalar"] = hidden // heads if big else head_dim
+        if arch == "gemma2":
+            for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+                if key(name) is not None:
+                    cfg[name] = float(key(name))
+        else:
+            cfg["sliding_window_pattern"] = int(key("attention.sliding_window_pattern") or _GEMMA3_SWA_PATTERN)
+            cfg["rope_local_base_freq"] = float(key("rope.freq_base_swa") or 10000.0)
+    if arch == "phi3":
+        rotary = key("rope.dimension_count")
+        if isinstance(rotary, int) and head_dim and rotary != head_dim:
+            cfg["partial_rotary_factor"] = rotary / head_dim
+        if not key("attention.sliding_window"):
+            cfg["sliding_window"] = None  # llama.cpp's 0: no window
+    if key("rope.scaling.original_context_length") is not None:
+        cfg["original_max_position_embeddings"] = int(key("rope.scaling.original_context_length"))
+    pad = meta.get("tokenizer.ggml.padding_token_id")
+    vocab = cfg.get("vocab_size")
+    # A config class's default pad id (Phi-3's 32000) may lie outside a smaller vocabulary: take the file's.
+    cfg["pad_token_id"] = pad if isinstance(pad, int) and (vocab is None or 0 <= pad < vocab) else None
+
+
+def _rope_scaling(cfg: dict[str, Any], key: Callable[[str], Any], tensor: Callable[[str], np.ndarray | None],
+                  kind: Any) -> None:
+    """rope_scaling from the file's rope keys and factor tensors, where transformers gave none."""
+    if cfg.get("rope_scaling"):
+        return
+    long, short = tensor("rope_factors_long.weight"), tensor("rope_factors_short.weight")
+    if long is not None and short is not None:  # Phi-3's LongRoPE
+        cfg["rope_scaling"] = {"rope_type": "longrope", "long_factor": long.tolist(), "short_factor": short.tolist()}
+        if key("rope.scaling.attn_factor") is not None:
+            cfg["rope_scaling"]["attention_factor"] = float(key("rope.scaling.attn_factor"))
+        return
+    freqs = tensor("rope_freqs.weight")
+    if freqs is not None:
+        # Llama 3's scaling, stored as what llama.cpp divides each frequency by: the same division is a LongRoPE
+        # with one factor set over the whole context and no attention scaling.
+        factors = freqs.tolist()
+        cfg["rope_scaling"] = {"rope_type": "longrope", "long_factor": factors, "short_factor": factors,
+                               "original_max_position_embeddings": int(cfg["max_position_embeddings"]),
+                               "attention_factor": 1.0}
+        return
+    factor = key("rope.scaling.factor")
+    if kind in ("linear", "yarn") and factor is not None:
+        scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
+        if key("rope.scaling.original_context_length") is not None:
+            scaling["original_max_position_embeddings"] = int(key("rope.scaling.original_context_length"))
+        for gguf_name, hf_name in (("rope.scaling.yarn_beta_fast", "beta_fast"),
+                                   ("rope.scaling.yarn_beta_slow", "beta_slow")):
+            if key(gguf_name) is not None:
+                scaling[hf_name] = float(key(gguf_name))
+        cfg["rope_scaling"] = scaling

@@ -1,0 +1,64 @@
+"""GGUF files of every family whose file llama.cpp's converter writes: what the file says beyond transformers' GGUF
+config mapping (model/gguf_families.py: Llama 3's rope factors, yarn, Qwen 3's head size, Gemma 2's soft-capping,
+Gemma 3's local rope base, Phi-3's LongRoPE and partial rotary) is read, so the file computes the logits of the
+checkpoint it came from, and those llama.cpp computes from the same file."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_runner
+
+from minivllm.bench import llamacpp
+from minivllm.config import ModelConfig
+from minivllm.model.runner import SequenceInput
+
+# (preset, config overrides): where llama.cpp fixes what a checkpoint may choose (Gemma's query scale is
+# 1 / sqrt(head size) below 27B; Gemma 3's every sixth layer is global), the checkpoint chooses as llama.cpp does.
+FAMILIES = [("tiny-llama3", ()), ("tiny-qwen2-yarn", ()), ("tiny-qwen3", ()),
+            ("tiny-gemma2", (("query_pre_attn_scalar", 32),)),
+            ("tiny-gemma3", (("query_pre_attn_scalar", 32), ("sliding_window_pattern", 6))),
+            ("tiny-phi3", ())]
+IDS = list(range(5, 45))  # past tiny-llama3's original context (64 -> scaled) needs no more: its factors act on all
+
+
+def _logits(path: str) -> torch.Tensor:
+    runner = make_runner(ModelConfig.from_pretrained(path), 16)
+    return runner.execute([SequenceInput(IDS, 0, list(range(16)), True)])[0]
+
+
+@pytest.mark.parametrize("preset,overrides", FAMILIES)
+def test_each_family_serves_its_checkpoints_logits_and_llama_cpps(model_factory, tmp_path, preset, overrides):
+    hf_dir = model_factory(preset, overrides=overrides)
+    mc = ModelConfig.from_pretrained(hf_dir)
+    path = llamacpp.convert(hf_dir, str(tmp_path / "m.gguf"), "f32", architecture=mc.architecture)
+    ours, ref = _logits(path), _logits(hf_dir)
+    torch.testing.assert_close(ours, ref, atol=2e-5, rtol=0)
+    gcfg = ModelConfig.from_pretrained(path).hf_config
+    if preset == "tiny-llama3":  # the rope_freqs tensor, as a LongRoPE of one factor set
+        assert gcfg["rope_scaling"]["rope_type"] == "longrope"
+    if preset == "tiny-phi3":  # llama.cpp's vocabulary loader refuses this test tokenizer (unordered_map::at)
+        assert gcfg["partial_rotary_factor"] == 0.5 and gcfg["original_max_position_embeddings"] == 256
+        return
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by the test extra")
+    llm = llama_cpp.Llama(path, n_ctx=256, n_threads=2, logits_all=True, verbose=False)
+    llm.eval(IDS)
+    theirs = torch.from_numpy(np.array(llm.scores[len(IDS) - 1], dtype=np.float32))
+    # llama.cpp's KV cache is float16: within a few thousandths, the same most likely token.
+    assert (ours - theirs).abs().max().item() < 5e-3 * ours.abs().max().item() + 2e-3
+    assert ours.argmax().item() == theirs.argmax().item()
+
+
+@pytest.mark.parametrize("key,value", [("qwen3.attention.key_length", "32"), ("qwen3.rope.scaling.factor", float("nan"))])
+def test_a_family_key_of_the_wrong_kind_is_named(model_factory, tmp_path, key, value):
+    """A key read beyond transformers' mapping that is not a finite number is a clear error naming it."""
+    from gguf import GGUFValueType
+
+    from minivllm.model.gguf_export import rewrite_gguf
+
+    src = llamacpp.convert(model_factory("tiny-qwen3"), str(tmp_path / "m.gguf"), "f32")
+    kind = GGUFValueType.STRING if isinstance(value, str) else GGUFValueType.FLOAT32
+    rewrite_gguf(src, str(tmp_path / "bad.gguf"), lambda t: None, {key: (value, kind)})
+    with pytest.raises(ValueError, match=f"metadata {key} is .*, not a finite number"):
+        ModelConfig.from_pretrained(str(tmp_path / "bad.gguf"))
