@@ -50,7 +50,8 @@ def test_each_family_serves_its_checkpoints_logits_and_llama_cpps(model_factory,
     assert ours.argmax().item() == theirs.argmax().item()
 
 
-@pytest.mark.parametrize("key,value", [("qwen3.attention.key_length", "32"), ("qwen3.rope.scaling.factor", float("nan"))])
+@pytest.mark.parametrize("key,value", [("qwen3.attention.key_length", "32"),
+                                       ("qwen3.rope.scaling.factor", float("nan"))])
 def test_a_family_key_of_the_wrong_kind_is_named(model_factory, tmp_path, key, value):
     """A key read beyond transformers' mapping that is not a finite number is a clear error naming it."""
     from gguf import GGUFValueType
