@@ -2,7 +2,8 @@
 
 The header is checked first (model/gguf_header.py); then the `gguf` package reads the file and transformers'
 GGUF support turns its metadata into a Hugging Face config and tokenizer (vocabulary, merges, special tokens,
-pre-tokenizer, chat template, bos/eos) and gives each GGUF tensor its HF name and layout (llama.cpp permutes
+pre-tokenizer, chat template, bos/eos; model/gguf_families.py completes the config as llama.cpp reads it, and
+reads the config of the families transformers refuses) and gives each GGUF tensor its HF name and layout (llama.cpp permutes
 Llama's q/k rows for its rope, stores GPT-2's projections transposed, Gemma's norms minus one: transformers'
 tensor processors undo each). So the rest of the engine sees an HF checkpoint: the same model classes, the
 same load_weights, one tensor at a time.
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 
 from minivllm.model import gguf_blocks
-from minivllm.model.gguf_families import complete_config
+from minivllm.model.gguf_families import OWN_ARCHITECTURES, PERMUTED_QK, complete_config, parse_config
 from minivllm.model.gguf_header import GGUFHeader, read_header
 from minivllm.prequant_config import GGUF_INT4_TYPES
 
@@ -118,8 +119,15 @@ def _read_metadata(path: str, mtime_ns: int, size: int) -> tuple[GGUFHeader, dic
         if not _loadable(t.ggml_type):
             raise ValueError(f"GGUF {path}: tensor {t.name!r} has type {t.ggml_type.name}, which cannot be loaded "
                              f"(the gguf package has no dequantizer for it)")
+    arch = str(header.values.get("general.architecture", ""))
     try:
-        parsed = load_gguf_checkpoint(path, return_tensors=False)
+        if arch in OWN_ARCHITECTURES:  # transformers' reader refuses these: their config is read by ours
+            tokens = _tokenizer_parts(path)[1]["tokens"]
+            tensor_names = {t.name for t in header.tensors}
+            parsed = {"config": parse_config(header.values, arch, tensor_names, len(tokens)),
+                      "tokenizer": {"tokens": tokens}}
+        else:
+            parsed = load_gguf_checkpoint(path, return_tensors=False)
     except (ValueError, KeyError, IndexError, TypeError, NotImplementedError) as e:
         raise ValueError(f"GGUF {path}: cannot read its metadata: {e}") from None
     # transformers looks for the output head in the first part only; it may sit in any.
@@ -215,13 +223,28 @@ def tensor_types(path: str) -> dict[str, int]:
     return counts
 
 
+def _tokenizer_parts(path: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """transformers' reading of the file's tokenizer metadata: (architecture, tokenizer dict, tokenizer config)."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import get_gguf_tokenizer
+
+    return get_gguf_tokenizer(path)
+
+
 def load_tokenizer(path: str) -> Any:
     """The fast tokenizer built from the file's tokenizer metadata (transformers' GGUF converter)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
 
     header, _ = _metadata(path)  # the header check comes first
+    tok: Any
     try:
-        tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+        if header.values.get("general.architecture") in OWN_ARCHITECTURES:  # (AutoTokenizer reads the config too)
+            arch, tokenizer, tokenizer_config = _tokenizer_parts(path)
+            backend, extra = convert_gguf_tokenizer(arch, tokenizer)
+            tok = PreTrainedTokenizerFast(tokenizer_object=backend, **{**tokenizer_config, **extra})
+        else:
+            tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                                gguf_file=os.path.basename(path))
     except Exception as e:  # tokenizers raises a plain Exception for a vocabulary its merges do not fit
         raise ValueError(f"GGUF {path}: cannot build its tokenizer: {e}") from None
     meta = header.values
@@ -242,6 +265,7 @@ def iterate_weights(path: str, native: bool = False) -> Iterator[tuple[str, torc
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
+        LlamaTensorProcessor,
         TensorProcessor,
         get_gguf_hf_weights_map,
     )
@@ -252,7 +276,8 @@ def iterate_weights(path: str, native: bool = False) -> Iterator[tuple[str, torc
     # The completed config (gguf_families): transformers' own parse may not even build its model (Phi-3's pad id).
     config = {k: v for k, v in hf_config(path).items() if k not in ("architectures", "quantization_config")}
     arch = str(header.values.get("general.architecture", ""))
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config)
+    default = LlamaTensorProcessor if arch in PERMUTED_QK else TensorProcessor
+    processor = TENSOR_PROCESSORS.get(arch, default)(config=config)
     # The HF names: from the HF model's own parameter names, mapped by the gguf package's name table.
     hf_cfg = _transformers_config(path, config)
     with torch.device("meta"):

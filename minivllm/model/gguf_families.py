@@ -97,3 +97,39 @@ def _rope_scaling(cfg: dict[str, Any], key: Callable[[str], Any], tensor: Callab
             if key(gguf_name) is not None:
                 scaling[hf_name] = float(key(gguf_name))
         cfg["rope_scaling"] = scaling
+
+
+# Families the engine serves whose GGUF files transformers' reader refuses ("not supported yet"): their config is
+# read here from the keys llama.cpp reads (GGUF architecture -> HF model type).
+OWN_ARCHITECTURES = {"olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3"}
+# Those whose q / k rows llama.cpp's converter reorders for its rope (its LlamaModel subclasses).
+PERMUTED_QK = frozenset({"granite", "smollm3"})
+_COMMON_KEYS = {"context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
+                "feed_forward_length": "intermediate_size", "embedding_length": "hidden_size",
+                "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
+                "rope.freq_base": "rope_theta", "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+                "vocab_size": "vocab_size", "attention.key_length": "head_dim"}
+_FAMILY_KEYS = {"granite": {"attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
+                            "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}}
+_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+
+
+def parse_config(meta: dict[str, Any], arch: str, tensor_names: set[str], vocab_size: int) -> dict[str, Any]:
+    """The HF config of a file of one of OWN_ARCHITECTURES, from its metadata (SmolLM3's no-rope layers: every
+    fourth, llama.cpp's fixed step and the family's default)."""
+    cfg: dict[str, Any] = {"model_type": OWN_ARCHITECTURES[arch]}
+    for name, hf_name in {**_COMMON_KEYS, **_FAMILY_KEYS.get(arch, {})}.items():
+        value = meta.get(f"{arch}.{name}")
+        if value is not None:
+            cfg[hf_name] = value
+    missing = [f"{arch}.{name}" for name, hf_name in _COMMON_KEYS.items() if hf_name in _REQUIRED
+               and hf_name not in cfg]
+    if missing:
+        raise ValueError(f"metadata {', '.join(missing)} missing")
+    cfg.setdefault("vocab_size", vocab_size)
+    cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
+    cfg["tie_word_embeddings"] = "output.weight" not in tensor_names
+    for name in ("bos", "eos"):
+        if isinstance(meta.get(f"tokenizer.ggml.{name}_token_id"), int):
+            cfg[f"{name}_token_id"] = meta[f"tokenizer.ggml.{name}_token_id"]
+    return cfg
