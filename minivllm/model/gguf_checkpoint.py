@@ -3,9 +3,9 @@
 The header is checked first (model/gguf_header.py); then the `gguf` package reads the file and transformers'
 GGUF support turns its metadata into a Hugging Face config and tokenizer (vocabulary, merges, special tokens,
 pre-tokenizer, chat template, bos/eos; model/gguf_families.py completes the config as llama.cpp reads it, and
-reads the config of the families transformers refuses) and gives each GGUF tensor its HF name and layout (llama.cpp permutes
-Llama's q/k rows for its rope, stores GPT-2's projections transposed, Gemma's norms minus one: transformers'
-tensor processors undo each). So the rest of the engine sees an HF checkpoint: the same model classes, the
+reads the config of the families transformers refuses) and gives each GGUF tensor its HF name and layout
+(llama.cpp permutes Llama's q/k rows for its rope, stores GPT-2's projections transposed, Gemma's norms minus one:
+transformers' tensor processors undo each). So the rest of the engine sees an HF checkpoint: the same model classes, the
 same load_weights, one tensor at a time.
 
 Weights are dequantized as they are read, to the dtype the engine runs (F32/F16/BF16 files load exactly;
