@@ -10,7 +10,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.config import ModelConfig
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.model.runner import SequenceInput
-from minivllm.modelgen.presets import NEW_FAMILIES
+from minivllm.modelgen.presets import MOE_FAMILIES, NEW_FAMILIES
 from tests.conftest import make_runner
 
 LAYER_ATTR = {"tiny-gpt2": ("transformer", "h")}
@@ -21,7 +21,7 @@ def _hf_layers(model, preset: str):
     return getattr(getattr(model, outer), inner)
 
 
-@pytest.mark.parametrize("preset", TINY_FAMILIES + ["tiny-llama3", "tiny-qwen2-yarn", *NEW_FAMILIES])
+@pytest.mark.parametrize("preset", TINY_FAMILIES + ["tiny-llama3", "tiny-qwen2-yarn", *NEW_FAMILIES, *MOE_FAMILIES])
 def test_hidden_states_and_logits_match_hf(model_factory, preset):
     path = model_factory(preset)
     mc = ModelConfig.from_pretrained(path)
@@ -62,7 +62,7 @@ def test_hidden_states_and_logits_match_hf(model_factory, preset):
 
 
 @pytest.mark.parametrize("backends", [("auto", "auto"), ("torch", "torch")], ids=["native", "portable"])
-@pytest.mark.parametrize("preset", TINY_FAMILIES + list(NEW_FAMILIES))
+@pytest.mark.parametrize("preset", TINY_FAMILIES + list(NEW_FAMILIES) + MOE_FAMILIES)
 def test_greedy_32_tokens_match_hf_generate(model_factory, preset, backends):
     """Both the CPU fast paths (compiled attention, oneDNN GEMMs) and the portable torch paths (what CUDA
     runs) reproduce HF; tiny-mistral's 8-token sliding window is exercised in decode."""

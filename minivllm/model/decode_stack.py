@@ -74,6 +74,8 @@ class DecodeStack:
         assert lib is not None
         self._fn = lib.decode_stack_f32
         self.native_classes = native_classes
+        if not all(hasattr(layer.mlp, "gate_up_proj") for layer in model.layers):
+            return None  # a mixture of experts' MLP runs its own grouped GEMMs (model/moe.py)
         first = model.layers[0]
         attn = first.self_attn.attn
         self.hidden = model.norm.weight.shape[0]
@@ -139,6 +141,8 @@ class DecodeStack:
         if not cpu_kernels.available() or not isinstance(getattr(model, "layers", None), nn.ModuleList) \
                 or not hasattr(model.layers[0], "norms"):
             return None  # GPT-2's blocks are another shape
+        if not all(hasattr(layer.mlp, "gate_up_proj") for layer in model.layers):
+            return None  # a mixture of experts' MLP runs its own grouped GEMMs (model/moe.py)
         first = model.layers[0]
         attn = first.self_attn.attn
         if not isinstance(attn.backend, CpuNativePagedAttention) or attn.k_cache.dtype not in cpu_kernels.KV_FORMATS:

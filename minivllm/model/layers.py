@@ -202,3 +202,16 @@ class GeluTanhAndMul(nn.Module):
 ACTIVATIONS: dict[str, type[nn.Module]] = {
     "silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul, "gelu_tanh": GeluTanhAndMul,
 }
+
+
+class GatedMLP(nn.Module):
+    """Gated MLP (SwiGLU, or GeGLU for Gemma) with a fused gate/up projection."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool, act: str) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.act = ACTIVATIONS[act]()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))

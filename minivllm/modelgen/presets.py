@@ -125,6 +125,11 @@ def _granite(**kw: Any) -> dict[str, Any]:
         embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625, logits_scaling=8.0), kw)
 
 
+def _moe(arch: str, model_type: str, **kw: Any) -> dict[str, Any]:
+    return _family(arch, model_type, dict(rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=None,
+                                          tie_word_embeddings=False, router_aux_loss_coef=0.001), kw)
+
+
 _TINY = {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 3, "num_attention_heads": 4,
          "num_key_value_heads": 2, "vocab_size": 1024, "max_position_embeddings": 1024}
 
@@ -240,6 +245,23 @@ PRESETS: dict[str, Preset] = {
                            chat_format="smollm3", added_tokens=THINK_TOOL_TOKENS),
     "tiny-olmo2": Preset(_olmo2(**_TINY, initializer_range=0.1), OLMO_SPECIALS, None, "<|endoftext|>", 1024,
                          init_std=0.1, chat_format="olmo2"),
+    # Mixtures of experts: 8 experts, top-2 (Qwen3-MoE with a dense layer among sparse ones; OLMoE unnormalised
+    # routing and whole-projection q/k norms; Qwen2-MoE's shared expert; Mixtral's renormalised routing).
+    "tiny-qwen3-moe": Preset(_moe("Qwen3MoeForCausalLM", "qwen3_moe", **{**_TINY, "head_dim": 32}, num_experts=8,
+                                  num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+                                  mlp_only_layers=[1], decoder_sparse_step=1, initializer_range=0.1),
+                             CHATML_SPECIALS, None, "<|endoftext|>", 1024, init_std=0.1, extra_eos=["<|im_end|>"]),
+    "tiny-mixtral": Preset(_moe("MixtralForCausalLM", "mixtral", **_TINY, num_local_experts=8, num_experts_per_tok=2,
+                                rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=None, initializer_range=0.1),
+                           LLAMA_SPECIALS, "<s>", "</s>", 1024, init_std=0.1),
+    "tiny-olmoe": Preset(_moe("OlmoeForCausalLM", "olmoe", **_TINY, num_experts=8, num_experts_per_tok=2,
+                              norm_topk_prob=False, clip_qkv=None, rms_norm_eps=1e-5, initializer_range=0.1),
+                         OLMO_SPECIALS, None, "<|endoftext|>", 1024, init_std=0.1),
+    "tiny-qwen2-moe": Preset(_moe("Qwen2MoeForCausalLM", "qwen2_moe", **_TINY, num_experts=8, num_experts_per_tok=2,
+                                  moe_intermediate_size=48, shared_expert_intermediate_size=96,
+                                  norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
+                                  use_sliding_window=False, initializer_range=0.1),
+                             CHATML_SPECIALS, None, "<|endoftext|>", 1024, init_std=0.1, extra_eos=["<|im_end|>"]),
     "tiny-granite": Preset(_granite(**_TINY, attention_multiplier=0.0625, initializer_range=0.1),
                            GRANITE_SPECIALS, None, "<|end_of_text|>", 1024, init_std=0.1, chat_format="granite"),
 }
@@ -260,6 +282,8 @@ def llama_twin(name: str) -> Preset:
 
 
 # The families of issue 31, tiny and real-size preset of each.
+# The mixtures of experts (tiny variants; model/moe.py).
+MOE_FAMILIES = ["tiny-qwen3-moe", "tiny-mixtral", "tiny-olmoe", "tiny-qwen2-moe"]
 NEW_FAMILIES = {"tiny-qwen3": "qwen3-0.6b", "tiny-gemma2": "gemma2-2b", "tiny-gemma3": "gemma3-1b",
                 "tiny-phi3": "phi4-mini", "tiny-smollm3": "smollm3-3b", "tiny-olmo2": "olmo2-1b",
                 "tiny-granite": "granite-3-2b"}

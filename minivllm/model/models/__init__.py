@@ -9,9 +9,13 @@ from minivllm.model.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from minivllm.model.models.gpt2 import GPT2LMHeadModel
 from minivllm.model.models.granite import GraniteForCausalLM
 from minivllm.model.models.llama import LlamaForCausalLM
+from minivllm.model.models.mixtral import MixtralForCausalLM
 from minivllm.model.models.olmo2 import Olmo2ForCausalLM
+from minivllm.model.models.olmoe import OlmoeForCausalLM
 from minivllm.model.models.phi3 import Phi3ForCausalLM
+from minivllm.model.models.qwen2_moe import Qwen2MoeForCausalLM
 from minivllm.model.models.qwen3 import Qwen3ForCausalLM
+from minivllm.model.models.qwen3_moe import Qwen3MoeForCausalLM
 from minivllm.model.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -27,6 +31,11 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
+    # Mixtures of experts (model/moe.py)
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
 }
 
 

@@ -22,8 +22,9 @@ from torch import nn
 from minivllm.config import ModelConfig
 from minivllm.model.attention import Attention
 from minivllm.model.decode_stack import DecodeStack
-from minivllm.model.layers import ACTIVATIONS, GroupRMSNorm, Linear, RMSNorm
+from minivllm.model.layers import GatedMLP, GroupRMSNorm, Linear, RMSNorm
 from minivllm.model.models.weights import WeightLoader
+from minivllm.model.moe import MoESpec, SparseMoE
 from minivllm.model.rotary import RopeInput, RotaryEmbedding
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -52,6 +53,7 @@ class DecoderSpec:
     embed_scale: float = 1.0  # Gemma's sqrt(hidden), Granite's embedding_multiplier
     logits_divisor: float = 1.0  # Granite's logits_scaling
     final_softcap: float | None = None
+    moe: MoESpec | None = None  # the expert layers of a mixture-of-experts family (model/moe.py)
 
 
 def layer_types_from(cfg: dict[str, Any], n: int, default: list[str]) -> tuple[str, ...]:
@@ -115,28 +117,20 @@ class DecoderAttention(nn.Module):
         return self.o_proj(self.attn(q, k, qkv[:, qs + kvs:]))
 
 
-class GatedMLP(nn.Module):
-    """Gated MLP (SwiGLU, or GeGLU for Gemma) with a fused gate/up projection."""
-
-    def __init__(self, hidden: int, intermediate: int, bias: bool, act: str) -> None:
-        super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = Linear(intermediate, hidden, bias=bias)
-        self.act = ACTIVATIONS[act]()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
-
-
 class DecoderLayer(nn.Module):
     """One residual block in vLLM's form: takes and returns (output, residual), the hidden state after the
     layer being their sum, so each norm before a sublayer adds its residual in the same fused pass."""
 
     def __init__(self, mc: ModelConfig, spec: DecoderSpec, window: int | None, rotary: RotaryEmbedding | None,
-                 rope_key: str | None, eps: float) -> None:
+                 rope_key: str | None, eps: float, sparse: bool = False) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(mc, spec, window, rotary, rope_key, eps)
-        self.mlp = GatedMLP(mc.hidden_size, mc.hf_config["intermediate_size"], spec.mlp_bias, spec.act)
+        self.mlp: nn.Module
+        if sparse:
+            assert spec.moe is not None
+            self.mlp = SparseMoE(mc.hidden_size, spec.moe, spec.act, spec.mlp_bias)
+        else:
+            self.mlp = GatedMLP(mc.hidden_size, mc.hf_config["intermediate_size"], spec.mlp_bias, spec.act)
         for name in spec.norms:
             if name is not None:
                 self.add_module(name, RMSNorm(mc.hidden_size, eps, spec.unit_offset_norms))
@@ -205,9 +199,10 @@ class DecoderForCausalLM(nn.Module):
                                                                          key if spec.rope_per_layer_type else None)
             rope_keys.append(key)
         self.embed_tokens = nn.Embedding(mc.vocab_size, mc.hidden_size)
+        sparse = spec.moe.sparse_layers if spec.moe is not None else (False,) * n
         self.layers = nn.ModuleList(
             DecoderLayer(mc, spec, spec.sliding_window if spec.layer_types[i] == SLIDING else None,
-                         None if key is None else rotaries[key], key, eps)
+                         None if key is None else rotaries[key], key, eps, sparse[i])
             for i, key in enumerate(rope_keys))
         self.norm = RMSNorm(mc.hidden_size, eps, spec.unit_offset_norms)
         self.tie_word_embeddings = bool(cfg["tie_word_embeddings"])
@@ -270,11 +265,10 @@ class DecoderForCausalLM(nn.Module):
         loader = WeightLoader(self, ignore=("rotary_emb.inv_freq",))
         first: Any = self.layers[0]  # walked by attribute name (a ModuleList's items are typed nn.Module)
         q, kv = first.self_attn.q_size, first.self_attn.kv_size
-        inter = first.mlp.down_proj.in_features
-        stacked = {
-            "q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
-            "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter),
-        }
+        stacked = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv)}
+        # Gated MLPs' gate / up halves, each of its own MLP's size (a dense layer's, or Qwen2-MoE's shared expert's).
+        inter = {name: m.down_proj.in_features for name, m in self.named_modules() if isinstance(m, GatedMLP)}
+        experts = {name: m.experts.down_proj.shape[2] for name, m in self.named_modules() if isinstance(m, SparseMoE)}
         offset = {f"{n}.weight" for n, m in self.named_modules() if isinstance(m, RMSNorm) and m.unit_offset}
         for source, tensor in weights:
             name = self.checkpoint_name(source)
@@ -285,9 +279,21 @@ class DecoderForCausalLM(nn.Module):
             if name in offset:
                 tensor = tensor.float() + 1.0
             parts = name.split(".")
+            owner = ".".join(parts[:-2])
             if len(parts) >= 2 and parts[-2] in stacked:
                 target, start, size = stacked[parts[-2]]
                 loader.load_slice(".".join(parts[:-2] + [target, parts[-1]]), tensor, start, size, source)
+            elif len(parts) >= 2 and parts[-2] in ("gate_proj", "up_proj") and owner in inter:
+                size = inter[owner]
+                loader.load_slice(f"{owner}.gate_up_proj.{parts[-1]}", tensor, 0 if parts[-2] == "gate_proj" else size,
+                                  size, source)
+            elif len(parts) >= 5 and parts[-4] == "experts" and parts[-3].isdigit() and ".".join(parts[:-4]) in experts:
+                # One expert of a checkpoint that stores them apart: its slice of the merged tensors.
+                moe, e, proj = ".".join(parts[:-4]), int(parts[-3]), parts[-2]
+                size = experts[moe]
+                target, start = ("down_proj", 0) if proj == "down_proj" else \
+                    ("gate_up_proj", 0 if proj == "gate_proj" else size)
+                loader.load_expert(f"{moe}.experts.{target}", e, tensor, start, tensor.shape[0], source)
             else:
                 loader.load(name, tensor, source)
         loader.finish()

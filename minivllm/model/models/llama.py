@@ -11,7 +11,8 @@ def llama_layer_types(mc: ModelConfig) -> tuple[tuple[str, ...], int | None]:
     """Per-layer attention types and the window, as the Llama-style configs state them."""
     cfg, n = mc.hf_config, mc.num_layers
     window = cfg.get("sliding_window")
-    if mc.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM"):
+    if mc.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM", "Qwen2MoeForCausalLM",
+                           "Qwen3MoeForCausalLM"):
         # These configs carry a window that only applies with use_sliding_window.
         if not cfg.get("use_sliding_window") or not window:
             return (FULL,) * n, None

@@ -1,0 +1,112 @@
+"""A mixture-of-experts MLP on the CPU: a router picks top-k experts per token, tokens are grouped by expert, and
+each active expert runs one GEMM over all its tokens (GEMV at one token); results are scattered back weighted by
+their routing probabilities. No Python runs per token: the loop is over the experts that received any.
+
+Every family (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE) routes the same way in transformers: softmax of the router
+logits in float32 over all experts, top-k, renormalised to sum 1 where the config says (`norm_topk_prob`;
+Mixtral always), cast back to the model's dtype. Qwen2-MoE adds a shared expert (a dense gated MLP) scaled by
+sigmoid(shared_expert_gate(x)). Expert weights are stored merged per layer, as checkpoints and GGUF files hold
+them: gate_up_proj [E, 2I, H] (gate rows first) and down_proj [E, H, I].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm.model.layers import ACTIVATIONS, GatedMLP
+
+
+@dataclass(frozen=True, slots=True)
+class MoESpec:
+    """A family's expert layers, read from its config."""
+
+    num_experts: int
+    top_k: int
+    intermediate: int  # each expert's (moe_intermediate_size)
+    norm_topk_prob: bool
+    sparse_layers: tuple[bool, ...]  # per layer: experts (True) or the dense MLP
+    shared_intermediate: int = 0  # Qwen2-MoE's shared expert (0: none)
+
+
+class FusedExperts(nn.Module):
+    """The experts of one layer, merged: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
+
+
+class SparseMoE(nn.Module):
+    """The MoE block that takes a decoder layer's MLP place: [T, H] -> [T, H]."""
+
+    expert_tokens: torch.Tensor  # a buffer (register_buffer)
+
+    def __init__(self, hidden: int, spec: MoESpec, act: str, mlp_bias: bool = False) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk_prob = spec.num_experts, spec.top_k, spec.norm_topk_prob
+        # torch's Linear, not ours: the router is tiny and decides discrete choices, so it is never quantized.
+        self.gate = nn.Linear(hidden, spec.num_experts, bias=False)
+        self.experts = FusedExperts(spec.num_experts, hidden, spec.intermediate)
+        self.act = ACTIVATIONS[act]()
+        self.shared_expert: nn.Module | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if spec.shared_intermediate:
+            self.shared_expert = GatedMLP(hidden, spec.shared_intermediate, mlp_bias, act)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        # Tokens routed to each expert since start-up (observability: /metrics, the live view).
+        self.register_buffer("expert_tokens", torch.zeros(spec.num_experts, dtype=torch.int64), persistent=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in x's dtype, expert ids [T, k]) as transformers' routers compute them."""
+        logits = self.gate(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        self.expert_tokens += counts
+        token_of = order // self.top_k
+        xs = x.index_select(0, token_of)
+        out = torch.empty_like(xs)
+        w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                seg = xs[start:start + n]
+                out[start:start + n] = F.linear(self.act(F.linear(seg, w13[e])), w2[e])
+                start += n
+        out.mul_(weights.reshape(-1).index_select(0, order).unsqueeze(1))
+        y = torch.zeros_like(x).index_add_(0, token_of, out)
+        if self.shared_expert is not None:
+            assert self.shared_expert_gate is not None
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y
+
+
+
+def moe_spec(cfg: dict[str, Any], num_layers: int, norm_topk_prob: bool, shared: bool = False) -> MoESpec:
+    """The expert layers a config describes: experts (num_experts or Mixtral's num_local_experts), top-k, each
+    expert's size (moe_intermediate_size, or Mixtral's intermediate_size), the sparse layers (Qwen's
+    decoder_sparse_step and mlp_only_layers: every layer by default), Qwen2-MoE's shared expert."""
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    if experts < 1 or not 1 <= top_k <= experts:
+        raise ValueError(f"mixture of experts: num_experts_per_tok {top_k} of {experts} experts; it needs 1 to "
+                         "num_experts")
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or ())
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    return MoESpec(experts, top_k, int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]), norm_topk_prob,
+                   sparse, int(cfg.get("shared_expert_intermediate_size") or 0) if shared else 0)

@@ -1,0 +1,121 @@
+"""Mixtures of experts (model/moe.py): the grouped expert layer equals a per-token reference, checkpoints that store
+each expert apart (as transformers saves them, Mixtral's `block_sparse_moe.experts.N.w1` too) load as the merged
+tensors, and what is not built yet is refused by name. Per-layer, logits and greedy parity with transformers for
+each family are in test_parity.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_runner
+
+from minivllm import LLM
+from minivllm.config import ModelConfig
+from minivllm.model.moe import MoESpec, SparseMoE
+from minivllm.model.runner import SequenceInput
+from minivllm.modelgen.presets import MOE_FAMILIES
+
+
+def _moe(shared: int, norm: bool, seed: int = 0) -> SparseMoE:
+    torch.manual_seed(seed)
+    moe = SparseMoE(32, MoESpec(8, 3, 24, norm, (True,), shared), "silu")
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+    return moe
+
+
+def _per_token(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    """Each token through its top-k experts one at a time, in the plain math of transformers' routers."""
+    probs = torch.softmax(x @ moe.gate.weight.T, dim=-1)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        w, ids = torch.topk(probs[t], moe.top_k)
+        if moe.norm_topk_prob:
+            w = w / w.sum()
+        for weight, e in zip(w, ids.tolist(), strict=True):
+            gate, up = (moe.experts.gate_up_proj[e] @ x[t]).chunk(2)
+            out[t] += weight * (moe.experts.down_proj[e] @ (torch.nn.functional.silu(gate) * up))
+        if moe.shared_expert is not None:
+            assert moe.shared_expert_gate is not None
+            out[t] += torch.sigmoid(moe.shared_expert_gate.weight @ x[t]) * moe.shared_expert(x[t:t + 1])[0]
+    return out
+
+
+@pytest.mark.parametrize("shared,norm", [(0, True), (0, False), (40, False)])
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+def test_grouped_experts_equal_each_token_through_its_experts(shared, norm, tokens):
+    """Grouping by expert, one GEMM per active expert, weighting and scattering back (and the shared expert) give
+    each token the sum of its experts' outputs; the per-expert load counters count every routed (token, slot)."""
+    moe = _moe(shared, norm)
+    x = torch.randn(tokens, 32)
+    with torch.no_grad():
+        got = moe(x)
+        torch.testing.assert_close(got, _per_token(moe, x), atol=1e-5, rtol=1e-5)
+        _, ids = moe.route(x)
+    assert torch.equal(moe.expert_tokens, torch.bincount(ids.reshape(-1), minlength=8))
+    assert int(moe.expert_tokens.sum()) == tokens * 3
+
+
+def _logits(path: str) -> torch.Tensor:
+    runner = make_runner(ModelConfig.from_pretrained(path), 16)
+    return runner.execute([SequenceInput(list(range(5, 40)), 0, list(range(16)), True)])[0]
+
+
+def _write_apart(merged: str, out: str, mixtral: bool) -> None:
+    """The merged checkpoint as the released ones store experts: one tensor per expert and projection
+    (experts.N.gate_proj / up_proj / down_proj; Mixtral's block_sparse_moe.experts.N.w1 / w3 / w2)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(merged, out)
+    tensors = {}
+    for name, t in load_file(f"{merged}/model.safetensors").items():
+        block = name.replace(".mlp.", ".block_sparse_moe.") if mixtral else name
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            prefix, half = block.removesuffix("gate_up_proj"), t.shape[1] // 2
+            for e in range(t.shape[0]):
+                gate, up = ("w1", "w3") if mixtral else ("gate_proj", "up_proj")
+                tensors[f"{prefix}{e}.{gate}.weight"] = t[e, :half].clone()
+                tensors[f"{prefix}{e}.{up}.weight"] = t[e, half:].clone()
+        elif name.endswith(".mlp.experts.down_proj"):
+            prefix = block.removesuffix("down_proj")
+            for e in range(t.shape[0]):
+                tensors[f"{prefix}{e}.{'w2' if mixtral else 'down_proj'}.weight"] = t[e].clone()
+        else:
+            tensors[block if ".mlp.gate." in name else name] = t
+    save_file(tensors, f"{out}/model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("preset", MOE_FAMILIES)
+def test_a_checkpoint_storing_each_expert_apart_loads_as_merged(model_factory, tmp_path, preset):
+    """Released checkpoints store experts one by one (Mixtral's under block_sparse_moe, as w1 / w3 / w2): such a
+    checkpoint serves exactly the merged one's logits, and transformers reads it as we do."""
+    from conftest import hf_model
+
+    merged, apart = model_factory(preset), str(tmp_path / "apart")
+    _write_apart(merged, apart, preset == "tiny-mixtral")
+    ours = _logits(apart)
+    torch.testing.assert_close(ours, _logits(merged), atol=0, rtol=0)
+    with torch.no_grad():
+        ref = hf_model(apart)(torch.tensor([list(range(5, 40))])).logits[0, -1]
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+
+
+def test_a_missing_expert_is_named(model_factory, tmp_path):
+    """A checkpoint without one expert's projection is an error naming the merged tensor it leaves incomplete."""
+    from safetensors.torch import load_file, save_file
+
+    path = str(tmp_path / "m")
+    _write_apart(model_factory("tiny-qwen3-moe"), path, False)
+    tensors = load_file(f"{path}/model.safetensors")
+    del tensors["model.layers.2.mlp.experts.5.down_proj.weight"]
+    save_file(tensors, f"{path}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="missing weights: layers.2.mlp.experts.down_proj"):
+        LLM(path, num_kv_blocks=32)
+
+
+def test_tensor_parallelism_is_refused_until_experts_split(model_factory):
+    with pytest.raises(ValueError, match="Qwen3MoeForCausalLM cannot be split across ranks: its experts"):
+        LLM(model_factory("tiny-qwen3-moe"), num_kv_blocks=32, tensor_parallel_size=2)
