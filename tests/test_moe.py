@@ -119,3 +119,37 @@ def test_a_missing_expert_is_named(model_factory, tmp_path):
 def test_tensor_parallelism_is_refused_until_experts_split(model_factory):
     with pytest.raises(ValueError, match="Qwen3MoeForCausalLM cannot be split across ranks: its experts"):
         LLM(model_factory("tiny-qwen3-moe"), num_kv_blocks=32, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("method", ["int8", "w8a8", "int4", "w4a8"])
+def test_quantized_experts_run_close_to_float(model_factory, method):
+    """--quantization quantizes every expert (they hold most of an MoE model's bytes), a QuantizedLinear per expert
+    and projection planned with the other layers; logits stay within the mode's bound of the float model's (a bit
+    looser than dense models': a routing choice near a tie may flip)."""
+    from minivllm.model.moe import QuantizedExperts
+    from minivllm.model.quantization import QuantizedLinear
+
+    mc = ModelConfig.from_pretrained(model_factory("tiny-qwen2-moe"))
+    ids = list(range(5, 45))
+    ref = make_runner(mc, 16).execute([SequenceInput(ids, 0, list(range(16)), True, all_logits=True)])
+    runner = make_runner(mc, 16, quantization=method)
+    experts = [m for m in runner.model.modules() if isinstance(m, QuantizedExperts)]
+    assert len(experts) == mc.num_layers
+    assert all(isinstance(q, QuantizedLinear) and q.method == method for e in experts for q in [*e.gate_up, *e.down])
+    got = runner.execute([SequenceInput(ids, 0, list(range(16)), True, all_logits=True)])
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert 0 < rel < (0.3 if method in ("int4", "w4a8") else 0.06), rel
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= (0.6 if method in ("int4", "w4a8") else 0.85)
+
+
+def test_a_saved_quantized_moe_loads_its_experts_as_saved(model_factory, tmp_path):
+    """`minivllm quantize` saves the quantized experts; loading fills empty quantized experts with them."""
+    from minivllm.cli import main
+
+    src = model_factory("tiny-olmoe")
+    out = str(tmp_path / "q")
+    assert main(["quantize", src, "--quantization", "w8a8", "--out", out]) == 0
+    want = make_runner(ModelConfig.from_pretrained(src), 16, quantization="w8a8")
+    got = make_runner(ModelConfig.from_pretrained(out), 16)
+    seq = [SequenceInput(list(range(5, 40)), 0, list(range(16)), True)]
+    torch.testing.assert_close(got.execute(seq)[0], want.execute(seq)[0], atol=0, rtol=0)

@@ -12,13 +12,15 @@ them: gate_up_proj [E, 2I, H] (gate rows first) and down_proj [E, H, I].
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from minivllm.model.layers import ACTIVATIONS, GatedMLP
+from minivllm.model.quantization import QuantizedLinear
+from minivllm.quant_config import QuantConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +43,35 @@ class FusedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
 
+    def run(self, e: int, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
+        """Expert e's gated MLP over its tokens x [n, H]: one GEMM (GEMV at one token) per projection."""
+        return F.linear(act(F.linear(x, self.gate_up_proj[e])), self.down_proj[e])
+
+    def quantized(self, cfg: QuantConfig, materialize: bool) -> QuantizedExperts:
+        """These experts as quantized layers (quantization.quantize_model's hook); materialize=False: empty
+        ones for a saved quantized checkpoint to fill."""
+        num, two_inter, hidden = self.gate_up_proj.shape
+        q = QuantizedExperts(num, hidden, two_inter // 2, cfg)
+        if materialize:
+            q = q.to(self.gate_up_proj.device)
+            for e in range(num):
+                cast(QuantizedLinear, q.gate_up[e]).quantize_from(self.gate_up_proj[e].detach(), None)
+                cast(QuantizedLinear, q.down[e]).quantize_from(self.down_proj[e].detach(), None)
+        return q
+
+
+class QuantizedExperts(nn.Module):
+    """The experts of one layer quantized (--quantization int8 / w8a8 / int4 / w4a8): a QuantizedLinear per expert
+    and projection, planned with the model's other quantized layers; they hold most of an MoE model's bytes."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, cfg: QuantConfig) -> None:
+        super().__init__()
+        self.gate_up = nn.ModuleList(QuantizedLinear(hidden, 2 * intermediate, False, cfg) for _ in range(num_experts))
+        self.down = nn.ModuleList(QuantizedLinear(intermediate, hidden, False, cfg) for _ in range(num_experts))
+
+    def run(self, e: int, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
+        return cast(torch.Tensor, self.down[e](act(self.gate_up[e](x))))
+
 
 class SparseMoE(nn.Module):
     """The MoE block that takes a decoder layer's MLP place: [T, H] -> [T, H]."""
@@ -50,9 +81,10 @@ class SparseMoE(nn.Module):
     def __init__(self, hidden: int, spec: MoESpec, act: str, mlp_bias: bool = False) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk_prob = spec.num_experts, spec.top_k, spec.norm_topk_prob
+        self.intermediate = spec.intermediate
         # torch's Linear, not ours: the router is tiny and decides discrete choices, so it is never quantized.
         self.gate = nn.Linear(hidden, spec.num_experts, bias=False)
-        self.experts = FusedExperts(spec.num_experts, hidden, spec.intermediate)
+        self.experts: FusedExperts | QuantizedExperts = FusedExperts(spec.num_experts, hidden, spec.intermediate)
         self.act = ACTIVATIONS[act]()
         self.shared_expert: nn.Module | None = None
         self.shared_expert_gate: nn.Linear | None = None
@@ -80,12 +112,10 @@ class SparseMoE(nn.Module):
         token_of = order // self.top_k
         xs = x.index_select(0, token_of)
         out = torch.empty_like(xs)
-        w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
         start = 0
         for e, n in enumerate(counts.tolist()):
             if n:
-                seg = xs[start:start + n]
-                out[start:start + n] = F.linear(self.act(F.linear(seg, w13[e])), w2[e])
+                out[start:start + n] = self.experts.run(e, xs[start:start + n], self.act)
                 start += n
         out.mul_(weights.reshape(-1).index_select(0, order).unsqueeze(1))
         y = torch.zeros_like(x).index_add_(0, token_of, out)

@@ -268,7 +268,7 @@ class DecoderForCausalLM(nn.Module):
         stacked = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv)}
         # Gated MLPs' gate / up halves, each of its own MLP's size (a dense layer's, or Qwen2-MoE's shared expert's).
         inter = {name: m.down_proj.in_features for name, m in self.named_modules() if isinstance(m, GatedMLP)}
-        experts = {name: m.experts.down_proj.shape[2] for name, m in self.named_modules() if isinstance(m, SparseMoE)}
+        experts = {name: m.intermediate for name, m in self.named_modules() if isinstance(m, SparseMoE)}
         offset = {f"{n}.weight" for n, m in self.named_modules() if isinstance(m, RMSNorm) and m.unit_offset}
         for source, tensor in weights:
             name = self.checkpoint_name(source)
