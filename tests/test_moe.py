@@ -153,3 +153,27 @@ def test_a_saved_quantized_moe_loads_its_experts_as_saved(model_factory, tmp_pat
     got = make_runner(ModelConfig.from_pretrained(out), 16)
     seq = [SequenceInput(list(range(5, 40)), 0, list(range(16)), True)]
     torch.testing.assert_close(got.execute(seq)[0], want.execute(seq)[0], atol=0, rtol=0)
+
+
+def test_metrics_count_the_tokens_routed_to_each_expert(model_factory, serve):
+    """A served MoE's /metrics has minivllm:moe_expert_tokens_total{layer, expert} for its sparse layers only (not
+    tiny-qwen3-moe's dense layer 1), read from the model's counters: each forwarded token adds top-k (2) to its
+    layer, so a request of P prompt tokens and N outputs (N - 1 forwarded after the prompt) adds 2 (P + N - 1)."""
+    import httpx
+    from server_utils import metrics, wait_idle
+
+    url = serve(model_factory("tiny-qwen3-moe"))
+    wait_idle(url)
+    before = metrics(url)
+    prompt = list(range(300, 337))
+    r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "ignore_eos": True,
+                                                  "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    after = wait_idle(url)
+    per_layer: dict[str, float] = {}
+    for key, value in after.items():
+        if key.startswith("minivllm:moe_expert_tokens_total{"):
+            layer = key.split('layer="')[1].split('"')[0]
+            per_layer[layer] = per_layer.get(layer, 0.0) + value - before.get(key, 0.0)
+    assert sorted(per_layer) == ["0", "2"]
+    assert set(per_layer.values()) == {2 * (len(prompt) + 6 - 1)}

@@ -48,6 +48,7 @@ from minivllm.engine.lora_registry import LoadedLoRA
 from minivllm.engine.request_lifecycle import TIMEOUT_REASON
 from minivllm.engine.stats import IterationStats, LoggingStatLogger, SchedulerSnapshot, StatLogger
 from minivllm.engine.step_trace import StepTracer
+from minivllm.model.moe import expert_load
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -76,8 +77,7 @@ class AsyncLLMEngine:
         self._loop_ready = threading.Event()
         self.dead_error: BaseException | None = None
         self.tracer = StepTracer()  # the live view's feed; costs nothing while nobody subscribes
-        self._thread = threading.Thread(target=self._thread_main, args=(engine,), name="minivllm-engine",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._thread_main, args=(engine,), name="minivllm-engine", daemon=True)
         self.engine: LLMEngine
         if isinstance(engine, LLMEngine):
             self.engine = engine
@@ -91,8 +91,7 @@ class AsyncLLMEngine:
             raise self._build_error
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, stat_loggers: Sequence[StatLogger] | None = None
-                         ) -> AsyncLLMEngine:
+    def from_engine_args(cls, args: EngineArgs, stat_loggers: Sequence[StatLogger] | None = None) -> AsyncLLMEngine:
         """Build the engine on its own thread from EngineArgs (the periodic log line is on by default)."""
         loggers = [LoggingStatLogger()] if stat_loggers is None else list(stat_loggers)
         return cls(lambda: LLMEngine(args, log_stats=True), loggers, args.batch_wait_ms, args.max_waiting,
@@ -151,10 +150,12 @@ class AsyncLLMEngine:
         """Gauges as of the last step (waiting includes requests not yet handed to the engine)."""
         return self._snapshot
 
+    def expert_load(self) -> dict[int, list[int]]:
+        return expert_load(self.engine.runner.model)  # (at scrape time: monotonic counts, at most a step behind)
+
     # ---- requests (event-loop thread) -----------------------------------------------------------
     def process_requests(self, request_id: str, prompts: list[Prompt], spec: RequestSpec) -> list[EngineRequest]:
-        """Tokenize and validate one call's requests (ValueError names the problem) without queueing; see
-        InputProcessor.process_call."""
+        """Tokenize and validate one call's requests (ValueError names the problem) without queueing."""
         return self.engine.input_processor.process_call(request_id, prompts, spec)
 
     # ---- LoRA adapters (run on the engine thread: slots belong to it) ----------------------------------
@@ -181,8 +182,7 @@ class AsyncLLMEngine:
         await self.call_engine(lambda eng: eng.remove_lora(name))
 
     async def call_engine(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """fn(engine) on the engine thread between two steps (state such as LoRA slots belongs to that thread):
-        its result, or its exception raised here."""
+        """fn(engine) on the engine thread between two steps (LoRA slots belong to it): its result or exception."""
         if not self.is_running:
             raise EngineDeadError(f"the engine loop is not running ({type(self.dead_error).__name__})")
         future = asyncio.get_running_loop().create_future()

@@ -80,6 +80,11 @@ class EngineClient(Protocol):
         """Running, waiting and KV usage as of the last step."""
         ...
 
+    def expert_load(self) -> dict[int, list[int]]:
+        """A mixture of experts' tokens routed to each expert since start-up, per MoE layer ({} otherwise, or where
+        each replica reports its own)."""
+        ...
+
     @property
     def tracer(self) -> StepTracer | None:
         """The live view's feed of step records; None where no single engine is followed (replicas)."""

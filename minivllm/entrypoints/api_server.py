@@ -175,6 +175,7 @@ def build_app(engine: EngineClient, args: ServerArgs, metrics: ServerMetrics | N
     launcher made; the metrics join the engine's loggers."""
     if metrics is None:
         metrics = ServerMetrics(served_model_name(engine.model_path, args), engine.num_speculative_tokens)
+        metrics.watch_experts(engine.expert_load)
     engine.stat_loggers.insert(0, metrics)
 
     @contextlib.asynccontextmanager

@@ -3,6 +3,8 @@ histograms, on a registry of their own (one per server)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -12,6 +14,8 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from minivllm.engine.stats import IterationStats, SchedulerSnapshot
 from minivllm.slo import CLASS_NAMES
@@ -48,6 +52,7 @@ class ServerMetrics:
         disable_created_metrics()
         self.registry = r = CollectorRegistry()
         er = r if engine_metrics else CollectorRegistry()  # the engine's families (unexported when off)
+        self._er = er
         ProcessCollector(registry=r)  # process_cpu_seconds_total, memory, fds: what the server process costs
         labels = {"model_name": model_name}
         names = list(labels)
@@ -201,6 +206,29 @@ class ServerMetrics:
             self._lag_max = lag_s
             self.loop_lag_max.set(lag_s)
 
+    def watch_experts(self, source: Callable[[], dict[int, list[int]]]) -> None:
+        """Export a mixture of experts' load, read from the model's own counters at scrape time (no per-step work):
+        minivllm:moe_expert_tokens_total{layer, expert}, tokens routed to each expert since start-up."""
+        self._er.register(_ExpertLoad(self._lbl["model_name"], source))
+
     def render(self) -> bytes:
         """The Prometheus text exposition."""
         return generate_latest(self.registry)
+
+
+class _ExpertLoad(Collector):
+    """minivllm:moe_expert_tokens_total per MoE layer and expert; nothing for a dense model."""
+
+    def __init__(self, model_name: str, source: Callable[[], dict[int, list[int]]]) -> None:
+        self.model_name, self.source = model_name, source
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        load = self.source()
+        if not load:
+            return
+        family = CounterMetricFamily("minivllm:moe_expert_tokens", "Tokens routed to each expert since start-up, "
+                                     "per mixture-of-experts layer", labels=["model_name", "layer", "expert"])
+        for layer, counts in load.items():
+            for e, n in enumerate(counts):
+                family.add_metric([self.model_name, str(layer), str(e)], n)
+        yield family

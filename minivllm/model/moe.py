@@ -126,6 +126,15 @@ class SparseMoE(nn.Module):
 
 
 
+def expert_load(model: nn.Module) -> dict[int, list[int]]:
+    """Tokens routed to each expert since start-up, per MoE layer index (empty for a dense model)."""
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        return {}
+    return {i: cast(SparseMoE, layer.mlp).expert_tokens.tolist() for i, layer in enumerate(layers)
+            if isinstance(getattr(layer, "mlp", None), SparseMoE)}
+
+
 def moe_spec(cfg: dict[str, Any], num_layers: int, norm_topk_prob: bool, shared: bool = False) -> MoESpec:
     """The expert layers a config describes: experts (num_experts or Mixtral's num_local_experts), top-k, each
     expert's size (moe_intermediate_size, or Mixtral's intermediate_size), the sparse layers (Qwen's

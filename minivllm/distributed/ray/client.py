@@ -99,6 +99,10 @@ class RayEngineClient:
         """The replicas' gauges summed (KV usage: their mean)."""
         return self._snapshot
 
+    def expert_load(self) -> dict[int, list[int]]:
+        """None here: each replica's engine reports its own (ReplicaCollector labels them by replica)."""
+        return {}
+
     @property
     def tracer(self) -> None:
         """No live view: each replica has its own engine (open a replica's own server to follow it)."""

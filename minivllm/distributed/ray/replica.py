@@ -104,6 +104,7 @@ class EngineReplica:
         _serve_grpc_on_loopback()
         self.metrics = ServerMetrics(model_name)
         self.engine = AsyncLLMEngine.from_engine_args(engine_args, [LoggingStatLogger(), self.metrics])
+        self.metrics.watch_experts(self.engine.expert_load)
         self.engine.start()
         self.replica_id = serve.get_replica_context().replica_tag
         self.board = board
