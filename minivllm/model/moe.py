@@ -5,8 +5,10 @@ their routing probabilities. No Python runs per token: the loop is over the expe
 Every family (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE) routes the same way in transformers: softmax of the router
 logits in float32 over all experts, top-k, renormalised to sum 1 where the config says (`norm_topk_prob`;
 Mixtral always), cast back to the model's dtype. Qwen2-MoE adds a shared expert (a dense gated MLP) scaled by
-sigmoid(shared_expert_gate(x)). Expert weights are stored merged per layer, as checkpoints and GGUF files hold
-them: gate_up_proj [E, 2I, H] (gate rows first) and down_proj [E, H, I].
+sigmoid(shared_expert_gate(x)). Checkpoints hold the experts merged per layer (gate_up_proj [E, 2I, H], gate rows
+first, and down_proj [E, H, I]) or one by one; they run as a Linear per expert and projection (Experts), the
+layout and kernel the model's plan picks for their shapes (one expert's GEMV at decode streams oneDNN's packed
+layout at 21 GB/s here where a slice of the merged tensor through aten streamed 14).
 """
 
 from __future__ import annotations
@@ -15,12 +17,9 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from minivllm.model.layers import ACTIVATIONS, GatedMLP
-from minivllm.model.quantization import QuantizedLinear
-from minivllm.quant_config import QuantConfig
+from minivllm.model.layers import ACTIVATIONS, GatedMLP, Linear
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,41 +34,19 @@ class MoESpec:
     shared_intermediate: int = 0  # Qwen2-MoE's shared expert (0: none)
 
 
-class FusedExperts(nn.Module):
-    """The experts of one layer, merged: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+class Experts(nn.Module):
+    """The experts of one layer: a gate/up and a down projection each, our Linear layers, so they run on the kernels
+    the model's plan times for their shapes (oneDNN's packed layout, the native GEMV at one token) and quantize
+    with the model (--quantization: a QuantizedLinear each). Checkpoints store them merged ([E, 2I, H] and
+    [E, H, I]) or one by one: both load into these (DecoderForCausalLM.load_weights)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
+        self.gate_up = nn.ModuleList(Linear(hidden, 2 * intermediate, bias=False) for _ in range(num_experts))
+        self.down = nn.ModuleList(Linear(intermediate, hidden, bias=False) for _ in range(num_experts))
 
     def run(self, e: int, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
         """Expert e's gated MLP over its tokens x [n, H]: one GEMM (GEMV at one token) per projection."""
-        return F.linear(act(F.linear(x, self.gate_up_proj[e])), self.down_proj[e])
-
-    def quantized(self, cfg: QuantConfig, materialize: bool) -> QuantizedExperts:
-        """These experts as quantized layers (quantization.quantize_model's hook); materialize=False: empty
-        ones for a saved quantized checkpoint to fill."""
-        num, two_inter, hidden = self.gate_up_proj.shape
-        q = QuantizedExperts(num, hidden, two_inter // 2, cfg)
-        if materialize:
-            q = q.to(self.gate_up_proj.device)
-            for e in range(num):
-                cast(QuantizedLinear, q.gate_up[e]).quantize_from(self.gate_up_proj[e].detach(), None)
-                cast(QuantizedLinear, q.down[e]).quantize_from(self.down_proj[e].detach(), None)
-        return q
-
-
-class QuantizedExperts(nn.Module):
-    """The experts of one layer quantized (--quantization int8 / w8a8 / int4 / w4a8): a QuantizedLinear per expert
-    and projection, planned with the model's other quantized layers; they hold most of an MoE model's bytes."""
-
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, cfg: QuantConfig) -> None:
-        super().__init__()
-        self.gate_up = nn.ModuleList(QuantizedLinear(hidden, 2 * intermediate, False, cfg) for _ in range(num_experts))
-        self.down = nn.ModuleList(QuantizedLinear(intermediate, hidden, False, cfg) for _ in range(num_experts))
-
-    def run(self, e: int, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
         return cast(torch.Tensor, self.down[e](act(self.gate_up[e](x))))
 
 
@@ -84,7 +61,7 @@ class SparseMoE(nn.Module):
         self.intermediate = spec.intermediate
         # torch's Linear, not ours: the router is tiny and decides discrete choices, so it is never quantized.
         self.gate = nn.Linear(hidden, spec.num_experts, bias=False)
-        self.experts: FusedExperts | QuantizedExperts = FusedExperts(spec.num_experts, hidden, spec.intermediate)
+        self.experts = Experts(spec.num_experts, hidden, spec.intermediate)
         self.act = ACTIVATIONS[act]()
         self.shared_expert: nn.Module | None = None
         self.shared_expert_gate: nn.Linear | None = None
@@ -105,6 +82,8 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
+        if x.shape[0] == 1:  # one decoding sequence: its k experts in turn, no grouping to do (a third of the ops)
+            return self._one_token(x, weights[0], ids[0])
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts)
@@ -119,10 +98,23 @@ class SparseMoE(nn.Module):
                 start += n
         out.mul_(weights.reshape(-1).index_select(0, order).unsqueeze(1))
         y = torch.zeros_like(x).index_add_(0, token_of, out)
-        if self.shared_expert is not None:
-            assert self.shared_expert_gate is not None
-            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return y
+        return self._add_shared(x, y)
+
+    def _one_token(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        self.expert_tokens.index_add_(0, ids, torch.ones_like(ids))
+        y: torch.Tensor | None = None
+        for w, e in zip(weights.tolist(), ids.tolist(), strict=True):
+            out = self.experts.run(e, x, self.act).mul_(w)
+            y = out if y is None else y.add_(out)
+        assert y is not None
+        return self._add_shared(x, y)
+
+    def _add_shared(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Qwen2-MoE's shared expert, gated per token, added to the routed experts' sum y."""
+        if self.shared_expert is None:
+            return y
+        assert self.shared_expert_gate is not None
+        return y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
 

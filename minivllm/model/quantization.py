@@ -278,10 +278,6 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, materialize: bool = True,
     replaced = 0
     for prefix, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
-            if hasattr(child, "quantized"):  # a module that quantizes itself (model/moe.py's experts)
-                setattr(parent, name, child.quantized(cfg, materialize))
-                replaced += 1
-                continue
             if not isinstance(child, Linear) or (name == "lm_head" and not cfg.quantize_lm_head):
                 continue
             weight = child.weight

@@ -190,6 +190,14 @@ PRESETS: dict[str, Preset] = {
         num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
         initializer_range=0.02), CHATML_SPECIALS, None, "<|endoftext|>", 8192, extra_eos=["<|im_end|>"],
         chat_format="qwen3", added_tokens=THINK_TOOL_TOKENS),
+    # A Qwen3-MoE of ~1B parameters (16 experts of 768, top-2: ~250M active; Qwen3-30B-A3B's layer at a quarter
+    # of its width and experts), for the bench against the dense model of the same active parameters.
+    "qwen3-moe-1b": Preset(_moe(
+        "Qwen3MoeForCausalLM", "qwen3_moe", hidden_size=1024, intermediate_size=3072, num_hidden_layers=24,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=64, vocab_size=32000, max_position_embeddings=40960,
+        num_experts=16, num_experts_per_tok=2, moe_intermediate_size=768, norm_topk_prob=True, mlp_only_layers=[],
+        decoder_sparse_step=1, initializer_range=0.02), CHATML_SPECIALS, None, "<|endoftext|>", 8192,
+        extra_eos=["<|im_end|>"]),
     "gemma2-2b": Preset(_gemma2(
         hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
         num_key_value_heads=4, head_dim=256, vocab_size=256000, max_position_embeddings=8192, sliding_window=4096,
@@ -275,15 +283,18 @@ def llama_twin(name: str) -> Preset:
     keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "vocab_size", "max_position_embeddings", "initializer_range")
     shape = {k: cfg[k] for k in keys if k in cfg}
+    if cfg.get("num_experts_per_tok"):  # a mixture of experts: the dense Llama with its active parameters
+        shape["intermediate_size"] = cfg["num_experts_per_tok"] * cfg.get("moe_intermediate_size",
+                                                                           cfg["intermediate_size"])
     shape["head_dim"] = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     return Preset(_llama(**shape, rope_theta=cfg.get("rope_theta", 10000.0),
                          tie_word_embeddings=bool(cfg.get("tie_word_embeddings", name.startswith("gemma")))),
                   LLAMA_SPECIALS, "<s>", "</s>", 8192)
 
 
-# The families of issue 31, tiny and real-size preset of each.
 # The mixtures of experts (tiny variants; model/moe.py).
 MOE_FAMILIES = ["tiny-qwen3-moe", "tiny-mixtral", "tiny-olmoe", "tiny-qwen2-moe"]
+# The families of issue 31, tiny and real-size preset of each.
 NEW_FAMILIES = {"tiny-qwen3": "qwen3-0.6b", "tiny-gemma2": "gemma2-2b", "tiny-gemma3": "gemma3-1b",
                 "tiny-phi3": "phi4-mini", "tiny-smollm3": "smollm3-3b", "tiny-olmo2": "olmo2-1b",
                 "tiny-granite": "granite-3-2b"}

@@ -288,12 +288,19 @@ class DecoderForCausalLM(nn.Module):
                 loader.load_slice(f"{owner}.gate_up_proj.{parts[-1]}", tensor, 0 if parts[-2] == "gate_proj" else size,
                                   size, source)
             elif len(parts) >= 5 and parts[-4] == "experts" and parts[-3].isdigit() and ".".join(parts[:-4]) in experts:
-                # One expert of a checkpoint that stores them apart: its slice of the merged tensors.
-                moe, e, proj = ".".join(parts[:-4]), int(parts[-3]), parts[-2]
+                # One expert of a checkpoint that stores them apart: its own projections.
+                moe, e, proj = ".".join(parts[:-4]), parts[-3], parts[-2]
                 size = experts[moe]
-                target, start = ("down_proj", 0) if proj == "down_proj" else \
-                    ("gate_up_proj", 0 if proj == "gate_proj" else size)
-                loader.load_expert(f"{moe}.experts.{target}", e, tensor, start, tensor.shape[0], source)
+                if proj == "down_proj":
+                    loader.load(f"{moe}.experts.down.{e}.{parts[-1]}", tensor, source)
+                else:
+                    loader.load_slice(f"{moe}.experts.gate_up.{e}.{parts[-1]}", tensor,
+                                      0 if proj == "gate_proj" else size, size, source)
+            elif len(parts) >= 3 and parts[-2] == "experts" and ".".join(parts[:-2]) in experts:
+                # A checkpoint that stores each layer's experts merged: [E, 2I, H] gate_up_proj, [E, H, I] down_proj.
+                moe, target = ".".join(parts[:-2]), "gate_up" if parts[-1] == "gate_up_proj" else "down"
+                for i, part in enumerate(tensor.unbind(0)):
+                    loader.load(f"{moe}.experts.{target}.{i}.weight", part, f"{source}[{i}]")
             else:
                 loader.load(name, tensor, source)
         loader.finish()

@@ -27,7 +27,6 @@ class WeightLoader:
         self.rows_loaded: dict[str, int] = {}
         self.sources: dict[str, list[str]] = {}  # stacked parameter → checkpoint names loaded into it
         self.unexpected: list[str] = []
-        self.row_units: dict[str, int] = {}  # merged expert parameters: rows per expert (counted one by one)
 
     def load(self, name: str, tensor: torch.Tensor, source: str | None = None) -> None:
         """Copy a whole tensor into parameter `name` (`source`: its name in the checkpoint)."""
@@ -51,28 +50,10 @@ class WeightLoader:
         if size < p.shape[0]:
             self.sources.setdefault(name, []).append(source)
 
-    def load_expert(self, name: str, expert: int, tensor: torch.Tensor, offset: int, size: int, source: str) -> None:
-        """Copy one expert's `tensor` into rows [offset, offset+size) of expert `expert` of the merged parameter
-        `name` [E, rows, cols] (counted in rows of all experts)."""
-        p = self.params.get(name)
-        if p is None or p.dim() != 3:
-            self.unexpected.append(source)
-            return
-        if not 0 <= expert < p.shape[0] or tuple(tensor.shape) != (size, *p.shape[2:]) \
-                or offset + size > p.shape[1]:
-            raise ValueError(f"{self.module_name}: weight {source!r} has shape {tuple(tensor.shape)} in the "
-                             f"checkpoint, expected ({p.shape[1] if name.endswith('down_proj') else p.shape[1] // 2}, "
-                             f"{p.shape[2]}) for expert {expert} of {p.shape[0]} from config.json")
-        with torch.no_grad():
-            p[expert, offset:offset + size].copy_(tensor)
-        self.row_units[name] = p.shape[1]
-        self.rows_loaded[name] = self.rows_loaded.get(name, 0) + size
-
     def finish(self) -> None:
         """Raise if any parameter was not (fully) loaded; warn about tensors nothing used."""
         missing = [n + (f" (only {', '.join(self.sources[n])} present)" if n in self.sources else "")
-                   for n, p in self.params.items()
-                   if self.rows_loaded.get(n, 0) < p.shape[0] * self.row_units.get(n, 1)]
+                   for n, p in self.params.items() if self.rows_loaded.get(n, 0) < p.shape[0]]
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise ValueError(f"{self.module_name}: checkpoint is missing weights: {shown}")
