@@ -195,6 +195,15 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
             "(`gguf:Q4_K_M` weight-only, `+w8a8` against int8 activations; the KL / top-1 the conversion adds is "
             f"logged at load) and by llama.cpp. Every configuration a fresh process, {r['rounds']} rounds ABBA "
             "(medians). Target: issue 35, >= 1.1x at every point.", "", peers_report.report(r)]),
+        ("families-moe", lambda r: [
+            "## A mixture of experts vs the dense model of its active parameters and llama.cpp (`bench families`)",
+            "", "`qwen3-moe-1b` (Qwen3-MoE: 24 layers, hidden 1024, 16 experts of 768, top-2; 1.05B parameters, "
+            "~250M active a token; random weights, a bf16 checkpoint) against its dense twin (a Llama whose MLP is "
+            "the two active experts' width, 1536: the same bytes a decoded token reads) and against llama.cpp on "
+            "the same weights (its converter and quantizer: f32, Q4_0). Decode tok/s after the prompts are "
+            f"prefilled (1 sequence: {r['steps']} steps; 64: {r['batch_steps']}), every configuration in a fresh "
+            f"process, {r['rounds']} rounds ABBA (medians). Targets (issue 36): b=1 step <= 1.3x the dense model's "
+            "(tok/s >= 0.77x); >= 1.0x llama.cpp at the same bits.", "", families.report(r)]),
     ]
     for name, section in sections:
         r = _load(out_dir, name)

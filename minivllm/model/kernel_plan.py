@@ -51,6 +51,9 @@ class PlannedLinear(nn.Module):
     out_features: int
     kernels: tuple[Callable[..., torch.Tensor], ...]
     lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # LoRA slots (model/lora.py), if on
+    # An expert's projection (model/moe.py): it runs only for the tokens routed to it, so a step's lower bound
+    # (KernelPlan.lower_bound) leaves it out: counting every expert, a mixture's steps all looked "too fast".
+    routed: bool = False
 
     def candidates(self) -> dict[str, Kernel]:
         """Kernel name → bound method, for every kernel that computes this layer's math here."""
@@ -107,7 +110,7 @@ class KernelPlan:
     def __init__(self, layers: Sequence[PlannedLinear], timed: list[PlannedLinear], what: str, dtype: torch.dtype
                  ) -> None:
         self.layers, self.timed, self.what, self.dtype = layers, timed, what, dtype
-        total = sum(q.in_features * q.out_features for q in layers)
+        total = sum(q.in_features * q.out_features for q in layers if not q.routed)  # (what every token runs)
         self.scale = total / max(sum(q.in_features * q.out_features for q in timed), 1)
         self.names: dict[str, str] = {}  # shape class label → kernel (what the engine logs and reports)
         self.chosen: list[str] = [""] * len(SHAPE_CLASSES)

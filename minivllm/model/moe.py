@@ -44,6 +44,8 @@ class Experts(nn.Module):
         super().__init__()
         self.gate_up = nn.ModuleList(Linear(hidden, 2 * intermediate, bias=False) for _ in range(num_experts))
         self.down = nn.ModuleList(Linear(intermediate, hidden, bias=False) for _ in range(num_experts))
+        for layer in (*self.gate_up, *self.down):
+            cast(Linear, layer).routed = True
 
     def run(self, e: int, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
         """Expert e's gated MLP over its tokens x [n, H]: one GEMM (GEMV at one token) per projection."""

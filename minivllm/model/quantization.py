@@ -284,6 +284,7 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, materialize: bool = True,
             assert weight is not None, "quantize before packing"
             own = (overrides or {}).get(f"{prefix}.{name}" if prefix else name, cfg)
             q = QuantizedLinear(child.in_features, child.out_features, child.bias is not None, own)
+            q.routed = child.routed
             if materialize:
                 q = q.to(weight.device)
                 q.quantize_from(weight.detach(), None if child.bias is None else child.bias.detach())
