@@ -178,3 +178,14 @@ def test_metrics_count_the_tokens_routed_to_each_expert(model_factory, serve):
             per_layer[layer] = per_layer.get(layer, 0.0) + value - before.get(key, 0.0)
     assert sorted(per_layer) == ["0", "2"]
     assert set(per_layer.values()) == {2 * (len(prompt) + 6 - 1)}
+
+
+def test_a_steps_lower_bound_counts_only_what_every_token_runs(model_factory):
+    """Experts run only for their tokens: the plan's bound on a step (PlanCheck re-times kernels when steps beat it)
+    leaves them out, or every MoE step would look too fast and kernels be re-timed inside steps."""
+    runner = make_runner(ModelConfig.from_pretrained(model_factory("tiny-qwen3-moe")), 16)
+    plan = runner.linear_plan
+    routed = [q for q in plan.layers if q.routed]
+    assert len(routed) == 2 * 8 * 2  # gate_up and down of 8 experts in each of the 2 sparse layers
+    every = sum(q.in_features * q.out_features for q in plan.layers if not q.routed)
+    assert plan.scale == every / sum(q.in_features * q.out_features for q in plan.timed)
