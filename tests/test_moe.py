@@ -125,8 +125,8 @@ def test_tensor_parallelism_is_refused_until_experts_split(model_factory):
 @pytest.mark.parametrize("method", ["int8", "w8a8", "int4", "w4a8"])
 def test_quantized_experts_run_close_to_float(model_factory, method):
     """--quantization quantizes every expert (they hold most of an MoE model's bytes), each expert's projections
-    QuantizedLinear layers planned with the other layers; logits stay within the mode's bound of the float model's (a bit
-    looser than dense models': a routing choice near a tie may flip)."""
+    QuantizedLinear layers planned with the other layers; logits stay within the mode's bound of the float model's
+    (a bit looser than dense models': a routing choice near a tie may flip)."""
     from minivllm.model.moe import Experts
     from minivllm.model.quantization import QuantizedLinear
 
