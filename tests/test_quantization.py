@@ -338,4 +338,5 @@ def test_weight_only_layers_quantize_activations_only_past_a_handful(method, a8)
     assert list(plan.values()) == ["native", "native", a8, a8]
     assert [f.__name__ for f in layers[0].kernels][:2] == ["forward_native", "forward_native"]
     auto = plan_kernels(layers, "auto").names
-    assert auto["m<=1"] == auto["m<=6"] == "native"
+    # (which exact kernel wins there is this machine's timing: without VNNI the reference may beat the native one)
+    assert a8 not in (auto["m<=1"], auto["m<=6"])
