@@ -17,6 +17,7 @@ and in a file whose projections hold K-quants or the 5-bit types, converted at l
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import glob
@@ -151,7 +152,15 @@ def _loadable(ggml_type: Any) -> bool:
 
 def hf_config(path: str) -> dict[str, Any]:
     """The Hugging Face config.json equivalent of a GGUF file's metadata, with `architectures` set from its
-    model type and `torch_dtype` from its tensor types."""
+    model type and `torch_dtype` from its tensor types (a copy: callers may change theirs)."""
+    st = os.stat(path)
+    return copy.deepcopy(_hf_config(path, st.st_mtime_ns, st.st_size))
+
+
+@functools.lru_cache(maxsize=4)
+def _hf_config(path: str, mtime_ns: int, size: int) -> dict[str, Any]:
+    """hf_config, built once per file identity (the engine's config, weights and tokenizer each ask; completing it
+    reads the rope factor tensors)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     header, parsed = _metadata(path)

@@ -70,7 +70,7 @@ class SparseMoE(nn.Module):
         if spec.shared_intermediate:
             self.shared_expert = GatedMLP(hidden, spec.shared_intermediate, mlp_bias, act)
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
-        # Tokens routed to each expert since start-up (observability: /metrics, the live view).
+        # Tokens routed to each expert since start-up (/metrics: minivllm:moe_expert_tokens_total).
         self.register_buffer("expert_tokens", torch.zeros(spec.num_experts, dtype=torch.int64), persistent=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +117,6 @@ class SparseMoE(nn.Module):
             return y
         assert self.shared_expert_gate is not None
         return y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-
 
 
 def expert_load(model: nn.Module) -> dict[int, list[int]]:
