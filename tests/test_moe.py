@@ -189,3 +189,14 @@ def test_a_steps_lower_bound_counts_only_what_every_token_runs(model_factory):
     assert len(routed) == 2 * 8 * 2  # gate_up and down of 8 experts in each of the 2 sparse layers
     every = sum(q.in_features * q.out_features for q in plan.layers if not q.routed)
     assert plan.scale == every / sum(q.in_features * q.out_features for q in plan.timed)
+
+
+def test_bfloat16_runs_close_to_float32(model_factory):
+    """A mixture in bfloat16 (router, experts and shared expert in the model's dtype) stays near its float32 logits."""
+    mc = ModelConfig.from_pretrained(model_factory("tiny-qwen2-moe"))
+    seq = [SequenceInput(list(range(5, 45)), 0, list(range(16)), True, all_logits=True)]
+    ref = make_runner(mc, 16).execute(seq)
+    got = make_runner(mc, 16, torch.bfloat16).execute(seq)
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert 0 < rel < 0.05, rel
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
