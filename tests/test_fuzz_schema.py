@@ -1,8 +1,9 @@
 """Schema-driven fuzzing (issue 20): schemathesis generates requests for every operation of the real server's
-/openapi.json (the seed endpoints /generate, /batch_generate, /health, /metrics and the OpenAI routes /v1/models,
-/v1/completions, /v1/chat/completions) and checks each response: never a 5xx, a declared status code, a
-declared content type, a body that matches the declared schema (errors in OpenAI's shape), and for invalid
-input a 4xx. Cases come in three kinds per operation: schema-valid ("positive"), schema-invalid ("negative"),
+/openapi.json (the seed endpoints /generate, /batch_generate, /health, /metrics, the OpenAI routes /v1/models,
+/v1/completions, /v1/chat/completions, /v1/responses, Anthropic's /v1/messages, /tokenize and /detokenize) and
+checks each response: never a 5xx, a declared status code, a declared content type, a body that matches the
+declared schema (errors in OpenAI's shape; Anthropic's on its routes), and for invalid input a 4xx. Cases come
+in three kinds per operation: schema-valid ("positive"), schema-invalid ("negative"),
 and "near-valid" (positive cases with the prompt, the token budget and every sampling value they carry put in
 range, so they get past validation and run in the engine with random combinations of settings).
 Derandomized: the same cases every run. Afterwards the server must be whole: 0 KV blocks in use, nothing
@@ -62,18 +63,21 @@ def test_openapi_declares_what_the_server_answers(url):
     the streaming ones their text/event-stream."""
     doc = httpx.get(url + "/openapi.json", timeout=TIMEOUT).json()
     assert "HTTPValidationError" not in doc["components"]["schemas"]
-    error_ref = "#/components/schemas/ErrorResponse"
     paths = doc["paths"]
     assert set(paths) >= {"/generate", "/batch_generate", "/health", "/metrics", "/v1/models", "/v1/completions",
-                          "/v1/chat/completions"}
+                          "/v1/chat/completions", "/v1/responses", "/v1/responses/{response_id}", "/v1/messages",
+                          "/v1/messages/count_tokens", "/tokenize", "/detokenize"}
     for path, ops in paths.items():
+        # Anthropic's routes answer errors in Anthropic's shape, every other route in OpenAI's
+        shape = "AnthropicErrorResponse" if path.startswith("/v1/messages") else "ErrorResponse"
         for method, op in ops.items():
             for status, resp in op["responses"].items():
                 if status.startswith("4"):
-                    assert resp["content"]["application/json"]["schema"]["$ref"] == error_ref, (method, path, status)
+                    assert resp["content"]["application/json"]["schema"]["$ref"] == f"#/components/schemas/{shape}", \
+                        (method, path, status)
             if method == "post":
                 assert {"400", "413", "429", "503"} <= set(op["responses"]), (path, op["responses"])
-    for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+    for path in ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"):
         assert "text/event-stream" in paths[path]["post"]["responses"]["200"]["content"]
     assert list(paths["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
 
@@ -86,6 +90,10 @@ def _text(max_size: int = 24) -> st.SearchStrategy[str]:
 
 
 _TOKEN_IDS = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8)
+_ANTHROPIC_MESSAGES = st.lists(st.fixed_dictionaries({
+    "role": st.sampled_from(["user", "assistant"]),
+    "content": st.one_of(_text(), st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": _text()}),
+                                           min_size=1, max_size=2))}), min_size=1, max_size=3)
 # In-range values of every sampling field: a near-valid case overwrites the ones it carries with these.
 _IN_RANGE: dict[str, st.SearchStrategy[Any]] = {
     "temperature": st.floats(0, 2), "top_p": st.floats(0.05, 1), "top_k": st.integers(-1, 40),
@@ -114,7 +122,18 @@ _REQUIRED: dict[str, dict[str, st.SearchStrategy[Any]]] = {
             "content": st.one_of(_text(), st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": _text()}),
                                                    min_size=1, max_size=2))}), min_size=1, max_size=3),
         "max_tokens": st.integers(1, 8), "logprobs": st.booleans()},
+    "POST /v1/responses": {"input": st.one_of(_text(), st.lists(st.fixed_dictionaries({
+        "role": st.sampled_from(["user", "system", "developer", "assistant"]), "content": _text()}), min_size=1,
+        max_size=3)), "max_output_tokens": st.integers(1, 8)},
+    "POST /v1/messages": {"messages": _ANTHROPIC_MESSAGES, "max_tokens": st.integers(1, 8)},
+    "POST /v1/messages/count_tokens": {"messages": _ANTHROPIC_MESSAGES},
+    "POST /tokenize": {"prompt": _text()},
+    "POST /detokenize": {"tokens": _TOKEN_IDS},
 }
+# The newer routes' cases: fewer per kind (each still reaches the engine through its near-valid cases).
+NEWER_EXAMPLES = {"positive": 40, "negative": 40, "near-valid": 60}
+NEWER = frozenset({"POST /v1/responses", "POST /v1/messages", "POST /v1/messages/count_tokens", "POST /tokenize",
+                   "POST /detokenize"})
 _DROPPED = ("logit_bias", "suffix", "chat_template", "best_of", "max_completion_tokens")
 
 
@@ -204,7 +223,9 @@ def test_schemathesis_fuzz(url, capsys):
         # An operation without a body or parameters has exactly one request (and none that is schema-invalid).
         # Generation routes get every kind; the LoRA admin routes (refused here: the server runs without LoRA)
         # fewer, and no near-valid cases, which only make sense for a request that reaches the engine.
-        kinds = EXAMPLES if op.label in _REQUIRED else ADMIN_EXAMPLES
+        kinds = NEWER_EXAMPLES if op.label in NEWER else EXAMPLES if op.label in _REQUIRED else ADMIN_EXAMPLES
+        if "{response_id}" in op.label:  # any string is a valid id (unknown: 404): there is no schema-invalid case
+            kinds = {"positive": 20}
         for kind, examples in (kinds if has_input else {"positive": 1}).items():
             fuzz.fuzz(op, kind, examples, model)
     counts, statuses, failures = fuzz.counts, fuzz.statuses, fuzz.failures
@@ -232,6 +253,10 @@ def test_undeclared_methods_get_405(url):
             r = httpx.request(method, url + path, timeout=TIMEOUT)
             assert r.status_code == 405, (method, path, r.status_code, r.text)
             assert set(r.headers["allow"].replace(" ", "").split(",")) >= declared, (method, path, r.headers)
-            assert method in assert_error_shape(r.json(), 405)
+            if path.startswith("/v1/messages"):  # Anthropic's shape on its routes
+                body = r.json()
+                assert body["type"] == "error" and method in body["error"]["message"], body
+            else:
+                assert method in assert_error_shape(r.json(), 405)
             n += 1
     assert n >= 20

@@ -148,14 +148,73 @@ _ERROR_TEXT = {
 }
 
 
-def responses(ok: type[BaseModel] | None, *errors: int, stream: bool = False) -> dict[int | str, dict[str, Any]]:
-    """FastAPI `responses=` of a route: its 200 (JSON `ok`, and SSE when it can stream) and its error statuses."""
+def responses(ok: type[BaseModel] | None, *errors: int, stream: bool = False,
+              error_model: type[BaseModel] = ErrorResponse) -> dict[int | str, dict[str, Any]]:
+    """FastAPI `responses=` of a route: its 200 (JSON `ok`, and SSE when it can stream) and its error statuses (in
+    OpenAI's shape, or `error_model`'s: Anthropic's on its routes)."""
     out: dict[int | str, dict[str, Any]] = {}
     if ok is not None:
         out[200] = {"model": ok, **({"content": _SSE} if stream else {})}
     for status in errors:
-        out[status] = {"model": ErrorResponse, "description": _ERROR_TEXT[status]}
+        out[status] = {"model": error_model, "description": _ERROR_TEXT[status]}
     return out
+
+
+# ---- the Responses API and Anthropic's Messages API --------------------------------------------------------
+class ResponseObject(BaseModel):
+    """POST /v1/responses (stream=false), GET /v1/responses/{id}: OpenAI's response object."""
+
+    id: str
+    object: str
+    created_at: int
+    status: str
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any]
+    instructions: str | None
+    previous_response_id: str | None
+    incomplete_details: dict[str, Any] | None
+
+
+class ResponseDeleted(BaseModel):
+    """DELETE /v1/responses/{id}."""
+
+    id: str
+    object: str
+    deleted: bool
+
+
+class AnthropicErrorDetail(BaseModel):
+    """An error on Anthropic's routes: its type (invalid_request_error, not_found_error, ...) and what is wrong."""
+
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Every 4xx/5xx answer of /v1/messages and /v1/messages/count_tokens: {"type": "error", "error"}."""
+
+    type: str
+    error: AnthropicErrorDetail
+
+
+class AnthropicMessageOut(BaseModel):
+    """POST /v1/messages (stream=false): the reply's content blocks, why it stopped, and its token counts."""
+
+    id: str
+    type: str
+    role: str
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: str | None
+    stop_sequence: str | None
+    usage: dict[str, int]
+
+
+class TokenCount(BaseModel):
+    """POST /v1/messages/count_tokens."""
+
+    input_tokens: int
 
 
 GENERATION_ERRORS = (400, 401, 413, 422, 429, 503)  # every route that takes a request body

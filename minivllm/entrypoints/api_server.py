@@ -21,11 +21,20 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from minivllm.config import EngineArgs, parse_size
 from minivllm.engine.async_engine import AsyncLLMEngine
 from minivllm.engine.protocol import EngineClient
-from minivllm.entrypoints import dashboard, lora_routes, openai_routes, seed_routes
+from minivllm.entrypoints import (
+    anthropic_routes,
+    dashboard,
+    lora_routes,
+    openai_routes,
+    responses_routes,
+    seed_routes,
+    tokenize_routes,
+)
 from minivllm.entrypoints.api_schema import HealthResponse
 from minivllm.entrypoints.auth import KeyPolicy, redact_access_logs
 from minivllm.entrypoints.clients import current_client
 from minivllm.entrypoints.metrics import HTTP_ENDPOINTS, ServerMetrics
+from minivllm.entrypoints.responses_store import ResponseStore
 from minivllm.entrypoints.server_args import ServerArgs, uvicorn_limits
 from minivllm.entrypoints.serving import (
     APIError,
@@ -72,7 +81,7 @@ class GuardMiddleware:
                 if scope["type"] == "websocket":
                     await send({"type": "websocket.close", "code": 1008, "reason": message[:120]})
                     return
-                return await APIError(401, message).response()(scope, receive, send)
+                return await APIError(401, message).response(scope["path"])(scope, receive, send)
             current_client.set(client)  # (this request's task and those it starts see it: clients.py)
         cookie = self.keys.page_set_cookie(scope) if self.keyed else None
         if cookie is not None:  # the live view's page opened with ?token=: a reload then needs none
@@ -90,7 +99,7 @@ class GuardMiddleware:
         if length is not None and length.isdigit() and int(length) > limit:
             err = APIError(413, f"request body of {int(length)} bytes exceeds the limit of {limit} bytes "
                                 "(--max-body-size)")
-            return await err.response()(scope, receive, send)
+            return await err.response(scope["path"])(scope, receive, send)
         seen, body_done = 0, False
 
         async def counting_receive() -> Message:
@@ -123,7 +132,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         if request.url.path in HTTP_ENDPOINTS:
             status = "client_error" if err.status < 500 else "server_error"
             state.count(request.url.path, status, getattr(request.state, "t0", time.monotonic()))
-        return err.response()
+        return err.response(request.url.path)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -202,6 +211,7 @@ def build_app(engine: EngineClient, args: ServerArgs, metrics: ServerMetrics | N
 
     app = FastAPI(title="Mini-vLLM", lifespan=lifespan)
     app.state.server = ServerState(engine, metrics, args)
+    app.state.response_store = ResponseStore()  # the Responses API's previous_response_id
     if app.state.server.clients.gates:
         metrics.registry.register(app.state.server.clients)
     app.state.request_exit = lambda: None  # run_server: stop serving (a test's in-process server: keep answering 503)
@@ -223,6 +233,9 @@ def build_app(engine: EngineClient, args: ServerArgs, metrics: ServerMetrics | N
     app.include_router(seed_routes.router)
     app.include_router(openai_routes.router)
     app.include_router(lora_routes.router)
+    app.include_router(tokenize_routes.router)
+    app.include_router(anthropic_routes.router)
+    app.include_router(responses_routes.router)
     redact_access_logs()  # a key may come as ?token= (the live view), and uvicorn logs query strings
     app.add_middleware(GuardMiddleware, keys=app.state.server.keys,
                        max_body_bytes=parse_size(args.max_body_size, "max_body_size"),

@@ -87,21 +87,23 @@ class KeyPolicy:
     def denial(self, path: str) -> str:
         """What a refused request is told."""
         which = "admin key (--admin-api-key)" if path in ADMIN_PATHS and self.admin_key else "API key"
-        how = "'Authorization: Bearer <key>'"
+        how = "'Authorization: Bearer <key>' (or 'x-api-key: <key>')"
         if path == "/dashboard":
             how += " or open /dashboard?token=<key>"
         return f"invalid or missing {which}: send {how}"
 
 
 def credentials(scope: Scope) -> list[str]:
-    """The keys a request presents: its bearer token; on a WebSocket also a key subprotocol and a token query
-    parameter; on GET /dashboard a token query parameter."""
+    """The keys a request presents: its bearer token or x-api-key header; on a WebSocket also a key subprotocol and a
+    token query parameter; on GET /dashboard a token query parameter."""
     found = []
     for name, value in scope.get("headers") or ():
         if name == b"authorization":
             auth = value.decode("latin-1")
             if auth.startswith("Bearer "):
                 found.append(auth[len("Bearer "):])
+        elif name == b"x-api-key":  # Anthropic's clients send the key so (vLLM and llama.cpp take it too)
+            found.append(value.decode("latin-1"))
     websocket = scope["type"] == "websocket"
     if websocket:
         found += [p[len(KEY_SUBPROTOCOL):] for p in scope.get("subprotocols") or () if p.startswith(KEY_SUBPROTOCOL)]

@@ -30,7 +30,8 @@ _TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192
 _LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 FINISH_REASONS = ("stop", "length", "abort")
 PREEMPTION_MODES = ("recompute", "swap")  # how a preemption went (auto picks one of the two each time)
-HTTP_ENDPOINTS = ("/generate", "/batch_generate", "/ws/generate", "/v1/completions", "/v1/chat/completions")
+HTTP_ENDPOINTS = ("/generate", "/batch_generate", "/ws/generate", "/v1/completions", "/v1/chat/completions",
+                  "/v1/messages", "/v1/responses", "/v1/embeddings")
 # gRPC calls are labelled with their method path (grpc_server.ENDPOINTS; a test keeps the two in step).
 GRPC_ENDPOINTS = ("/minivllm.v1.InferenceService/Generate", "/minivllm.v1.InferenceService/BatchGenerate",
                   "/minivllm.v1.InferenceService/GenerateStream")

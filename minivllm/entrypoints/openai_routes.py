@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -16,7 +15,8 @@ from minivllm.engine.async_engine import AsyncStream
 from minivllm.engine.input_processor import Prompt
 from minivllm.engine.lora_registry import LoadedLoRA
 from minivllm.entrypoints.api_schema import OPENAI_GENERATION_ERRORS, ChatCompletion, Completion, ModelList, responses
-from minivllm.entrypoints.chat_utils import ChoiceStream, chat_message, chat_prompt
+from minivllm.entrypoints.chat_serving import for_tools, render_chat, tool_plan
+from minivllm.entrypoints.chat_utils import ChoiceStream, chat_message
 from minivllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, beam_search_fields
 from minivllm.entrypoints.serving import (
     APIError,
@@ -26,8 +26,7 @@ from minivllm.entrypoints.serving import (
     prompt_logprobs_json,
 )
 from minivllm.entrypoints.streaming import merge, sse
-from minivllm.entrypoints.tool_calls import ToolPlan, finish_reason, plan_tools, template_messages
-from minivllm.entrypoints.tool_parsers import TOOL_PARSERS
+from minivllm.entrypoints.tool_calls import ToolPlan, finish_reason
 from minivllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from minivllm.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
 
@@ -247,22 +246,21 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    plan = _tool_plan(st, body)
-    params = _params(body, max_tokens, logprobs, body.prompt_logprobs, plan.constraint)
-    if plan.parser is not None and TOOL_PARSERS[plan.parser].keeps_special_tokens and params.skip_special_tokens:
-        # The calls' markers ([TOOL_CALLS], <|python_tag|>) are special tokens: the reply must keep them to be read.
-        params = params.clone(skip_special_tokens=False)
+    try:
+        guided = body.guided_decoding()
+    except ValueError as e:
+        raise bad_request(e) from None
+    plan = tool_plan(st, body.tools, body.tool_choice, body.parallel_tool_calls, guided)
+    params = for_tools(_params(body, max_tokens, logprobs, body.prompt_logprobs, plan.constraint), plan)
     if body.chat_template is not None:  # untrusted Jinja from a client: refused, as vLLM does by default
         raise APIError(400, "chat_template: a request may not carry its own chat template", "chat_template")
     try:
-        messages = [m.as_template_dict() for m in body.messages]
-        if any("tool_calls" in m for m in messages):  # earlier calls' arguments as objects for the template
-            messages = template_messages(messages)
-        # Rendering and tokenizing a long conversation would stall every stream: do it off the loop.
-        prompt = await asyncio.to_thread(chat_prompt, st.tokenizer, messages, body.add_generation_prompt, None,
-                                         plan.tools, body.template_kwargs())
+        template_kwargs = body.template_kwargs()
     except ValueError as e:
         raise bad_request(e) from None
+    turn = await render_chat(st, [m.as_template_dict() for m in body.messages], plan, template_kwargs,
+                             body.add_generation_prompt)
+    prompt = turn.prompt
     rid, streams = await _submit(st, [prompt], params, body, "chatcmpl", lora, request)
     created = int(time.time())
     k = body.top_logprobs or 0
@@ -285,20 +283,6 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if body.prompt_logprobs is not None:  # vLLM puts the chat's prompt logprobs beside the choices
         response["prompt_logprobs"] = prompt_logprobs_json(out, body.prompt_logprobs)
     return JSONResponse(response)
-
-
-def _tool_plan(st: ServerState, body: ChatCompletionRequest) -> ToolPlan:
-    """How the request uses tools (400 naming the field when tools, tool_choice and the server do not fit)."""
-    if not body.tools and body.tool_choice in (None, "none"):
-        return ToolPlan("none", None)
-    try:
-        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, st.auto_tool_parser)
-        if plan.constraint is not None and body.guided_decoding() is not None:
-            raise ValueError("tool_choice: a required or named tool call is already constrained; drop "
-                             "response_format / guided_* from this request")
-    except ValueError as e:
-        raise bad_request(e) from None
-    return plan
 
 
 async def _chat_events(body: ChatCompletionRequest, chunk: _Chunker, stream: AsyncStream, k: int, plan: ToolPlan,

@@ -9,7 +9,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -57,13 +57,26 @@ class APIError(Exception):
         """The JSON body."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
 
-    def response(self) -> JSONResponse:
-        """As an HTTP response."""
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict[str, Any]:
+        """The JSON body in Anthropic's shape, for the Messages API: {"type": "error", "error": {"type",
+        "message"}}."""
+        kind = _ANTHROPIC_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        """As an HTTP response (in Anthropic's shape on its routes, /v1/messages...)."""
+        body = self.anthropic_body() if path.startswith(ANTHROPIC_PREFIX) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "BadRequestError",
                 429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+ANTHROPIC_PREFIX = "/v1/messages"
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                    503: "overloaded_error"}
 
 
 class ClientDisconnected(Exception):
@@ -226,9 +239,11 @@ class ServerState:
             self.abort(streams)
             raise engine_error(e) from None
 
-    def stream_response(self, endpoint: str, t0: float, events: AsyncIterator[str], streams: list[AsyncStream]
+    def stream_response(self, endpoint: str, t0: float, events: AsyncIterator[str], streams: list[AsyncStream],
+                        done: str | None = sse("[DONE]"), error_event: Callable[[APIError], str] | None = None
                         ) -> EngineStreamingResponse:
-        """SSE of `events`, then [DONE]; an engine failure becomes an error event. Counted and aborted
+        """SSE of `events`, then `done` (OpenAI's [DONE]; None for the APIs that end on an event of their own);
+        an engine failure becomes an error event (`error_event`'s, else OpenAI's error shape). Counted and aborted
         whatever happens."""
         async def body() -> AsyncIterator[str]:
             status = "aborted"
@@ -236,10 +251,12 @@ class ServerState:
                 async for event in events:
                     yield event
                 status = "success"
-                yield sse("[DONE]")
+                if done is not None:
+                    yield done
             except Exception as e:
                 status = "server_error"
-                yield sse(json.dumps(engine_error(e).body()))
+                err = engine_error(e)
+                yield error_event(err) if error_event is not None else sse(json.dumps(err.body()))
             finally:
                 self.count(endpoint, status, t0)
 
