@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     gen.set_defaults(func=_cmd_generate)
 
-    from minivllm.config import add_dataclass_args
+    from minivllm.cli_args import add_dataclass_args
     from minivllm.entrypoints.server_args import ServerArgs
 
     srv = sub.add_parser("serve", help="serve a model over HTTP (seed endpoints, OpenAI API, SSE, WebSocket)")

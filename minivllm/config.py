@@ -70,6 +70,7 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+RUNNERS = ("generate", "pooling")
 BATCHING_MODES = ("continuous", "static")
 KV_CACHE_MODES = ("paged", "contiguous", "none")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
@@ -79,9 +80,9 @@ KV_EVICTION_MODES = ("none", "sink-window")
 
 # Each flag's section of the engine's config (engine_config.EngineConfig), which is also its group in --help.
 ARG_SECTIONS: dict[str, tuple[str, ...]] = {
-    "model": ("model", "dtype", "device", "max_model_len", "quantization", "quantization_group_size",
-              "quantize_lm_head", "quantization_kernel", "linear_backend", "attention_backend", "enforce_eager", "seed",
-              "num_threads"),
+    "model": ("model", "runner", "pooler_config", "dtype", "device", "max_model_len", "quantization",
+              "quantization_group_size", "quantize_lm_head", "quantization_kernel", "linear_backend",
+              "attention_backend", "enforce_eager", "seed", "num_threads"),
     "cache": ("kv_cache_memory", "num_kv_blocks", "kv_cache_dtype", "block_size", "enable_prefix_caching",
               "kv_cache_mode", "kv_eviction", "sink_tokens", "window_tokens", "preemption_mode", "swap_space",
               "swap_dir"),
@@ -107,6 +108,11 @@ class EngineArgs:
     """Every engine flag with its default; the CLI, `LLM(...)` and the server all build from this."""
 
     model: str | None = _arg(None, "Hugging Face-format model directory (default: the embedded model)")
+    runner: str = _arg("generate", "generate | pooling: pooling serves embeddings (/v1/embeddings, LLM.embed): "
+                       "prompts are pooled into one vector each, nothing is generated")
+    pooler_config: str | dict[str, Any] | None = _arg(
+        None, "--runner pooling: {\"pooling_type\": \"LAST\" | \"MEAN\" | \"CLS\", \"normalize\": true} (default: the "
+        "checkpoint's sentence-transformers config, else LAST, normalized)")
     dtype: str = _arg("auto", "float32 | bfloat16 | float16 | auto (float32 on CPU, checkpoint dtype on GPU)")
     kv_cache_memory: str = _arg("2GiB", "memory budget for the paged KV cache pool, e.g. 2GiB")
     num_kv_blocks: int | None = _arg(None, "pool size in blocks, overriding kv_cache_memory (tests, debugging)")
@@ -249,6 +255,10 @@ class EngineArgs:
             raise ValueError(f"client_stall_timeout must be > 0 seconds, got {self.client_stall_timeout}")
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
+        if self.pooler_config is not None and self.runner != "pooling":
+            raise ValueError("pooler_config applies to --runner pooling only")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSER_NAMES:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSER_NAMES)}, got "
                              f"{self.reasoning_parser!r}")
@@ -357,36 +367,14 @@ class EngineArgs:
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
         """Add one --flag per field, with the field's default and help, grouped by the config's sections."""
+        from minivllm.cli_args import add_dataclass_args
+
         add_dataclass_args(cls, parser, positional="model" if positional_model else None, sections=ARG_SECTIONS)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         """Build from parsed CLI arguments."""
         return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
-
-
-_CLI_TYPES = {"int": int, "int | None": int, "float": float, "float | None": float}
-
-
-def add_dataclass_args(cls: type, parser: argparse.ArgumentParser, positional: str | None = None,
-                       sections: dict[str, tuple[str, ...]] | None = None) -> None:
-    """One --flag per field of an args dataclass (help in the field's metadata); `positional` names an
-    optional positional field instead; `sections` puts each field in an argument group of its section."""
-    groups = {section: parser.add_argument_group(f"engine: {section}") for section in sections or {}}
-    group_of = {name: groups[section] for section, names in (sections or {}).items() for name in names}
-    for f in dataclasses.fields(cls):
-        target: argparse._ActionsContainer = group_of.get(f.name, parser)  # the parser or its section's group
-        flag = "--" + f.name.replace("_", "-")
-        if f.name == positional:
-            target.add_argument(f.name, nargs="?", default=f.default, help=f.metadata["help"])
-        elif str(f.type) == "list[str] | None":
-            target.add_argument(flag, nargs="+", default=f.default, help=f.metadata["help"])
-        elif f.type in ("bool", bool):
-            target.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
-                                help=f.metadata["help"])
-        else:
-            target.add_argument(flag, type=_CLI_TYPES.get(str(f.type), str), default=f.default,
-                                help=f.metadata["help"])
 
 
 def cpu_count() -> int:

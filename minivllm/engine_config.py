@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from minivllm.config import default_device, parse_size, resolve_dtype
-from minivllm.model_config import ModelConfig
+from minivllm.model_config import BASE_MODEL_KEY, ModelConfig
+from minivllm.pooler_config import PoolerConfig, resolve_pooler_config
 from minivllm.quant_config import QuantConfig
 
 if TYPE_CHECKING:
@@ -43,6 +44,8 @@ class ModelSettings:
     enforce_eager: bool
     seed: int
     num_threads: int | None  # None: every core this process may use
+    runner: str = "generate"  # or "pooling": embeddings (engine/pooling.py)
+    pooler: PoolerConfig | None = None  # --runner pooling: how hidden states become a vector (model/pooler.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,17 +201,27 @@ class EngineConfig:
             args.block_size, args.kv_cache_dtype, args.kv_cache_memory,
             (args.num_kv_blocks * args.block_size * per_token if args.num_kv_blocks
              else parse_size(args.kv_cache_memory, "kv_cache_memory")),
-            args.num_kv_blocks, args.enable_prefix_caching and paged, args.kv_cache_mode, args.sink_window,
+            # (pooling: a cached prefix's tokens would not be computed, and a mean over the prompt needs them all)
+            args.num_kv_blocks, args.enable_prefix_caching and paged and args.runner != "pooling", args.kv_cache_mode,
+            args.sink_window,
             args.preemption_mode, parse_size(args.swap_space, "swap_space"), args.swap_dir)
         scheduler = SchedulerConfig(
             args.max_num_seqs, budget, args.enable_chunked_prefill, static_batching=args.batching == "static",
             reserve_tokens=max_model_len if args.kv_cache_mode == "contiguous" else None,
             recompute_kv=args.kv_cache_mode == "none", preemption_mode=args.preemption_mode)
+        pooling = args.runner == "pooling"
+        if not pooling and mc.hf_config.get(BASE_MODEL_KEY):
+            raise ValueError(f"model: {mc.path} holds a {mc.hf_config[BASE_MODEL_KEY]} (the transformer without a "
+                             "language-model head, as embedding checkpoints are): serve it with --runner pooling")
+        if pooling and (args.speculative_model is not None or args.speculative_config is not None):
+            raise ValueError("runner: speculative decoding has nothing to speed up under --runner pooling (no tokens "
+                             "are generated); drop the speculative flags")
         model = ModelSettings(
             args.model, dtype, device, max_model_len,
             QuantConfig.resolve(args.quantization, args.quantization_group_size, args.quantize_lm_head, mc),
             args.quantization_kernel, args.linear_backend, args.attention_backend, args.enforce_eager, args.seed,
-            args.num_threads)
+            args.num_threads, args.runner,
+            resolve_pooler_config(args.model, mc.hf_config, mc.hidden_size, args.pooler_config) if pooling else None)
         speculative = None if args.speculative_model is None else SpeculativeSettings(
             args.speculative_model, args.num_speculative_tokens, args.speculative_adaptive, args.prompt_lookup_min,
             args.prompt_lookup_max, (args.suffix_decoding_max_tree_depth, args.suffix_decoding_max_cached_requests,

@@ -13,7 +13,7 @@ from minivllm.engine.input_processor import Prompt
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.entrypoints.chat_utils import chat_prompt
 from minivllm.lora_request import LoRARequest
-from minivllm.outputs import RequestOutput
+from minivllm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from minivllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
@@ -37,6 +37,25 @@ class LLM:
         is sooner, or a class name: interactive, batch, background), `ttft_slo_ms` (a TTFT deadline after
         arrival) and `lora_request` (the adapter, with LLM(enable_lora=True)) apply to every prompt, or come one
         per prompt."""
+        if self.llm_engine.pooler is not None:
+            raise ValueError("generate: this LLM was built with runner='pooling' (embeddings); call embed(), or build "
+                             "it with runner='generate'")
+        return self._generate(prompts, sampling_params, use_tqdm, priority, ttft_slo_ms, lora_request)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = True,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[EmbeddingRequestOutput]:
+        """Embed every prompt (vLLM's entry point; needs LLM(model, runner="pooling")): one vector per prompt, in
+        order, pooled and normalized as the checkpoint's sentence-transformers config (or pooler_config) says."""
+        if self.llm_engine.pooler is None:
+            raise ValueError("embed: this LLM generates; build it with LLM(model, runner='pooling') to embed")
+        outs = self._generate(prompts, SamplingParams(max_tokens=1), use_tqdm, None, None, lora_request)
+        return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.embedding or []))
+                for o in outs]
+
+    def _generate(self, prompts: Prompt | Sequence[Prompt],
+                  sampling_params: SamplingParams | Sequence[SamplingParams] | None, use_tqdm: bool,
+                  priority: int | str | Sequence[int | str] | None, ttft_slo_ms: float | Sequence[float | None] | None,
+                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None) -> list[RequestOutput]:
         if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)

@@ -29,6 +29,13 @@ def _read_json(path: str) -> dict[str, Any]:
     return data
 
 
+BASE_MODEL_KEY = "minivllm_base_model"  # in hf_config: the bare-transformer architecture a checkpoint named
+
+
+def _is_base_model(arch: str) -> bool:
+    return arch.endswith("Model") and not arch.endswith(("LMHeadModel", "PreTrainedModel"))
+
+
 # Multimodal checkpoints whose language model serves text on its own: their text_config is the model's config.
 TEXT_MODEL_WRAPPERS = ("Gemma3ForConditionalGeneration",)
 
@@ -81,6 +88,13 @@ class ModelConfig:
             for key in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype", "tie_word_embeddings"):
                 if key in top and key not in cfg:
                     cfg[key] = top[key]
+        if _is_base_model(archs[0]):
+            # A checkpoint of the bare transformer (what sentence-transformers saves: Qwen3Model, LlamaModel, ...): the
+            # family's causal-LM class with its head tied to the embeddings, and marked so that only --runner pooling
+            # serves it (engine_config.py): the tied head would generate nonsense.
+            suffix = "LMHeadModel" if archs[0] == "GPT2Model" else "ForCausalLM"
+            cfg = {**cfg, "architectures": [archs[0].removesuffix("Model") + suffix], "tie_word_embeddings": True,
+                   BASE_MODEL_KEY: archs[0]}
         gen_path = os.path.join(path, "generation_config.json")
         gen = _read_json(gen_path) if os.path.isfile(gen_path) else {}
         return ModelConfig._from_dicts(path, cfg_path, cfg, gen)

@@ -47,3 +47,21 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # first entry None
     num_cached_tokens: int = 0
+    embedding: list[float] | None = None  # --runner pooling: the prompt's pooled vector (no completion is generated)
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """One prompt's embedding (vLLM's name): its pooled vector."""
+
+    embedding: list[float]
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt (vLLM's shape: `.outputs.embedding`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

@@ -253,7 +253,7 @@ def test_reflection_lists_the_services(server):
         from google.protobuf.descriptor_pool import DescriptorPool
 
         methods = {m.name for m in DescriptorPool(db).FindServiceByName(SERVICE).methods}
-        assert methods == {"Generate", "BatchGenerate", "GenerateStream", "Health"}
+        assert methods == {"Generate", "BatchGenerate", "GenerateStream", "Health", "Tokenize", "Embed"}
 
 
 def test_grpc_and_http_share_one_engine(server):

@@ -99,6 +99,8 @@ def test_tokenize_and_detokenize(server, model_factory):
         r = _post(server, path, body)
         assert 400 <= r.status_code < 500 and words in r.json()["error"]["message"], (body, r.text)
     assert _post(server, "/tokenize", {"prompt": "x"}, key=None).status_code == 401  # behind the key, unlike vLLM
+    r = _post(server, "/v1/embeddings", {"input": "x"})  # a generating server: embeddings need --runner pooling
+    assert r.status_code == 400 and "--runner pooling" in r.json()["error"]["message"]
 
 
 # ---- OpenAI Responses ------------------------------------------------------------------------------------
@@ -252,7 +254,7 @@ def test_anthropic_tool_round_trip(server, oai, claude, model):
     assert all(b.type == "text" for b in reply.content)
     # output_config.format: Anthropic's structured outputs, as a constraint
     fmt = {"format": {"type": "json_schema", "schema": WEATHER}}
-    out = claude.messages.create(model=model, max_tokens=60, messages=ask, output_config=fmt)
+    out = claude.messages.create(model=model, max_tokens=60, messages=ask, extra_body={"output_config": fmt})
     jsonschema.validate(json.loads(_text(out)), WEATHER)
 
 

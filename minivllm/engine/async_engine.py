@@ -1,20 +1,19 @@
 """AsyncLLMEngine: the engine loop on its own thread, an async stream of outputs per request.
 
-Why a thread, not a process: the forward pass runs in oneDNN/ATen and the native kernels, which all
-release the GIL, so the event loop only competes for the GIL during the step's short Python parts
-(~2% of a step). A thread shares the tokenizer and needs no serialization of outputs; the measured
-event-loop lag and server/offline throughput ratio are in BENCHMARKS.md (`minivllm bench serve`).
+Why a thread, not a process: the forward pass runs in oneDNN/ATen and the native kernels, which all release the GIL,
+so the event loop only competes for the GIL during the step's short Python parts (~2% of a step). A thread shares the
+tokenizer and needs no serialization of outputs; the measured event-loop lag and server/offline throughput ratio are
+in BENCHMARKS.md (`minivllm bench serve`).
 
-Why the model is built on the engine thread (`from_engine_args`): libgomp cuts its spin-wait to ~1000
-iterations once it manages more threads than there are cores, and every thread that ever ran a parallel
-region keeps a pool. With the model loaded on the main thread and stepped on another, two pools exist
-and each of the hundreds of parallel regions per step pays a futex wake-up: a 2-thread decode step
-measured 70 ms instead of 50 ms here. Built and stepped on one thread, there is one pool.
+Why the model is built on the engine thread (`from_engine_args`): libgomp cuts its spin-wait to ~1000 iterations once
+it manages more threads than there are cores, and every thread that ever ran a parallel region keeps a pool. With the
+model loaded on the main thread and stepped on another, two pools exist and each of the hundreds of parallel regions
+per step pays a futex wake-up: a 2-thread decode step measured 70 ms instead of 50 ms here. Built and stepped on one
+thread, there is one pool.
 
-Threading contract: requests are tokenized and validated on the caller's thread (they only read
-immutable engine state); everything that mutates the engine (add, abort, step) happens on the engine
-thread, fed through one locked inbox. Outputs go back with one `call_soon_threadsafe` per step.
-"""
+Threading contract: requests are tokenized and validated on the caller's thread (they only read immutable engine
+state); everything that mutates the engine (add, abort, step) happens on the engine thread, fed through one locked
+inbox. Outputs go back with one `call_soon_threadsafe` per step."""
 
 from __future__ import annotations
 
@@ -42,20 +41,20 @@ from minivllm.engine.async_stream import (
     failure_text,
     settle,
 )
+from minivllm.engine.engine_readout import EngineReadout
 from minivllm.engine.input_processor import EngineRequest, Prompt, RequestSpec, duplicate_request_id
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.lora_registry import LoadedLoRA
 from minivllm.engine.request_lifecycle import TIMEOUT_REASON
 from minivllm.engine.stats import IterationStats, LoggingStatLogger, SchedulerSnapshot, StatLogger
 from minivllm.engine.step_trace import StepTracer
-from minivllm.model.moe import expert_load
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(EngineReadout):
     """Serves an LLMEngine to asyncio code: add requests, stream their outputs, abort them."""
 
     # A stream whose consumer has not taken an output for client_stall_timeout_s while more than this many wait
@@ -119,39 +118,10 @@ class AsyncLLMEngine:
         """Whether the engine loop is alive and serving (what /health reports)."""
         return self._loop is not None and self._thread.is_alive() and self.dead_error is None
 
-    # What the front ends read of the engine (they never reach into it; engine/protocol.py documents each).
-    @property
-    def model_path(self) -> str:
-        return self.engine.config.model.path
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def num_speculative_tokens(self) -> int:
-        spec = self.engine.speculator
-        return spec.k if spec is not None else 0
-
-    @property
-    def max_num_seqs(self) -> int:
-        return self.engine.scheduler_config.max_num_seqs
-
-    @property
-    def reasoning_parser(self) -> str | None:
-        return self.engine.config.serving.reasoning_parser
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.engine.tokenizer
-
     @property
     def snapshot(self) -> SchedulerSnapshot:
         """Gauges as of the last step (waiting includes requests not yet handed to the engine)."""
         return self._snapshot
-
-    def expert_load(self) -> dict[int, list[int]]:
-        return expert_load(self.engine.runner.model)  # (at scrape time: monotonic counts, at most a step behind)
 
     # ---- requests (event-loop thread) -----------------------------------------------------------
     def process_requests(self, request_id: str, prompts: list[Prompt], spec: RequestSpec) -> list[EngineRequest]:
@@ -159,20 +129,6 @@ class AsyncLLMEngine:
         return self.engine.input_processor.process_call(request_id, prompts, spec)
 
     # ---- LoRA adapters (run on the engine thread: slots belong to it) ----------------------------------
-    @property
-    def lora_enabled(self) -> bool:
-        """Whether the engine serves adapters (--enable-lora)."""
-        return self.engine.loras.manager is not None
-
-    @property
-    def max_lora_bytes(self) -> int | None:
-        return self.engine.loras.max_adapter_bytes
-
-    @property
-    def loras(self) -> dict[str, LoadedLoRA]:
-        """The adapters served, by name."""
-        return self.engine.loras.loaded
-
     async def add_lora(self, name: str, path: str, adapter: Any = None) -> LoadedLoRA:
         """Load an adapter under a name between two steps; ValueError naming the problem."""
         return await self.call_engine(lambda eng: eng.add_lora(name, path, adapter))

@@ -17,6 +17,7 @@ from minivllm.engine.input_processor import EngineRequest, InputProcessor, Promp
 from minivllm.engine.kv_groups import plan_for_engine
 from minivllm.engine.lora_registry import LoadedLoRA, LoRARegistry
 from minivllm.engine.output_processor import OutputProcessor
+from minivllm.engine.pooling import PoolingProcessor
 from minivllm.engine.request_lifecycle import TIMEOUT_REASON, RequestLifecycle
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -103,6 +104,9 @@ class LLMEngine:
         self._failures: dict[str, str] = {}  # this step's: request id → reason (failed once the step is done)
         self.faults = FaultInjector.from_env()  # None unless the test-only hook is armed
         self.speculator = build_speculator(config.speculative, self) if config.speculative else None
+        # --runner pooling: prompts are pooled into vectors after the forward instead of sampled (pooling.py)
+        self.pooler = PoolingProcessor(ms.pooler) if ms.pooler is not None else None
+        self.every_row = ms.pooler is not None and ms.pooler.every_row  # the runner returns every token's row
         self.hooks = HookSet([])
         self._install_hooks()
         self.timings = StepTimings()
@@ -112,6 +116,8 @@ class LLMEngine:
         self.requests = RequestLifecycle(self.device, self.scheduler, self.hooks, self.recorder, self.input_batch,
                                          self.input_processor, self.loras, self.output_processor, self.eos_token_ids)
         self.groups = self.requests.groups  # the unfinished requests (the same dict)
+        if self.pooler is not None:
+            self.pooler.requests = self.requests
         self.beams = BeamSearcher(self.scheduler, self.recorder, self.eos_token_ids, self.max_model_len)
         self._in_flight: SchedulerOutput | None = None  # the step in progress (to name its requests on error)
         self.last_schedule: SchedulerOutput | None = None  # the last step's, for the live view (step_trace.py)
@@ -146,6 +152,8 @@ class LLMEngine:
             hooks.append(SwapCostHook(self.swap))
         if self.faults is not None:
             hooks.append(FaultInjectionHook(self.faults, self.tokenizer))
+        if self.pooler is not None:
+            hooks.append(self.pooler)
         return hooks
 
     @classmethod
@@ -254,7 +262,7 @@ class LLMEngine:
             for seq, n in sched.scheduled:
                 self.block_manager.check_writable(seq, n)
         hooks.before_forward(sched.scheduled)
-        guarded = self.guard.forward(sched.scheduled, *runner_inputs(sched.scheduled))
+        guarded = self.guard.forward(sched.scheduled, *runner_inputs(sched.scheduled, self.every_row))
         sched.scheduled, logits = guarded.scheduled, guarded.logits
         failures = self._failures  # request id → reason: no outputs, aborted after the step
         failures.clear()
@@ -263,7 +271,8 @@ class LLMEngine:
             hooks.after_forward(sched, self.runner.last_forward_time, moves_s)
         t2 = time.perf_counter()
         self._sample_time = 0.0
-        touched = self._process(sched, guarded.inputs, guarded.spans, logits)
+        touched = (self._process(sched, guarded.inputs, guarded.spans, logits) if self.pooler is None
+                   else self.pooler.process(sched, guarded.inputs, guarded.spans, logits))  # logits: hidden states
         hooks.end_step()
         t3 = time.perf_counter()
         now = self.scheduler.clock()  # time.time() but for tests, which script it (deadlines in steps)

@@ -173,7 +173,7 @@ class OutputProcessor:
             prompt_lp = prompt_lp if complete and not group.prompt_logprobs_sent else None
             group.prompt_logprobs_sent |= prompt_lp is not None
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, finished,
-                             prompt_lp, group.num_cached_tokens)
+                             prompt_lp, group.num_cached_tokens, group.embedding)
 
     def _completion(self, seq: Sequence, kind: RequestOutputKind) -> CompletionOutput | None:
         det = seq.detokenizer

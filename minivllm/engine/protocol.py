@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from minivllm.engine.lora_registry import LoadedLoRA
     from minivllm.engine.stats import SchedulerSnapshot, StatLogger
     from minivllm.engine.step_trace import StepTracer
+    from minivllm.pooler_config import PoolerConfig
 
 
 class EngineClient(Protocol):
@@ -53,6 +54,11 @@ class EngineClient(Protocol):
     @property
     def reasoning_parser(self) -> str | None:
         """How the model's thinking is told from its answer (--reasoning-parser)."""
+        ...
+
+    @property
+    def pooler(self) -> PoolerConfig | None:
+        """--runner pooling: how prompts become embeddings; None when the engine generates."""
         ...
 
     @property

@@ -157,6 +157,7 @@ class SequenceGroup:
     lora: LoadedLoRA | None = None  # the LoRA adapter it runs with
     stop_matcher: StopMatcher | None = None  # its stop strings' automaton, built for its first sequence
     seats: ClientSeats | None = None  # its client's share of the engine (client_seats.py)
+    embedding: list[float] | None = None  # --runner pooling: its prompt's pooled vector, once computed (pooling.py)
 
     @property
     def finished(self) -> bool:

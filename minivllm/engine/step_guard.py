@@ -31,9 +31,10 @@ logger = logging.getLogger(__name__)
 Span = tuple[int, int, int, int]  # one scheduled entry's inputs [i0, i1) and logits rows [r0, r1)
 
 
-def runner_inputs(scheduled: list[Entry]) -> tuple[list[SequenceInput], list[Span]]:
+def runner_inputs(scheduled: list[Entry], every_row: bool = False) -> tuple[list[SequenceInput], list[Span]]:
     """One input per scheduled sequence (a speculating one gives one per token: see spec_decode), and the
-    step's layout, built here once: each entry's inputs and the logits rows the runner returns for them."""
+    step's layout, built here once: each entry's inputs and the logits rows the runner returns for them (every
+    token's with `every_row`: a pooling engine's MEAN / CLS)."""
     inputs: list[SequenceInput] = []
     spans: list[Span] = []
     r = 0
@@ -50,7 +51,7 @@ def runner_inputs(scheduled: list[Entry]) -> tuple[list[SequenceInput], list[Spa
         wants_prompt_lp = (lps is not None and seq.index == 0 and len(lps) < seq.num_prompt_tokens
                            and start < seq.num_prompt_tokens - 1)
         inp = SequenceInput(seq.token_ids[start:start + n], start, seq.block_table, start + n == seq.num_tokens,
-                            wants_prompt_lp, group.lora.slot if group.lora is not None else -1,
+                            wants_prompt_lp or every_row, group.lora.slot if group.lora is not None else -1,
                             tuple(v.block_table for v in seq.kv_views))
         inputs.append(inp)
         rows = inp.num_logits_rows

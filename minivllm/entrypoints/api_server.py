@@ -24,6 +24,7 @@ from minivllm.engine.protocol import EngineClient
 from minivllm.entrypoints import (
     anthropic_routes,
     dashboard,
+    embeddings_routes,
     lora_routes,
     openai_routes,
     responses_routes,
@@ -236,6 +237,7 @@ def build_app(engine: EngineClient, args: ServerArgs, metrics: ServerMetrics | N
     app.include_router(tokenize_routes.router)
     app.include_router(anthropic_routes.router)
     app.include_router(responses_routes.router)
+    app.include_router(embeddings_routes.router)
     redact_access_logs()  # a key may come as ?token= (the live view), and uvicorn logs query strings
     app.add_middleware(GuardMiddleware, keys=app.state.server.keys,
                        max_body_bytes=parse_size(args.max_body_size, "max_body_size"),

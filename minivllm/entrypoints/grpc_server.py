@@ -27,6 +27,7 @@ from minivllm.config import parse_size
 from minivllm.engine.async_engine import EngineDeadError, RequestFailedError
 from minivllm.engine.input_processor import check_timeout
 from minivllm.entrypoints.clients import current_client
+from minivllm.entrypoints.embeddings_routes import embed
 from minivllm.entrypoints.grpc_interceptors import SERVICE_NAME, ApiKeyInterceptor, RequestDecodingInterceptor
 from minivllm.entrypoints.proto import inference_pb2 as pb
 from minivllm.entrypoints.proto import inference_pb2_grpc as pb_grpc
@@ -41,13 +42,14 @@ from minivllm.entrypoints.serving import (
     new_request_id,
     validation_message,
 )
+from minivllm.entrypoints.tokenize_routes import tokenize_prompt
 from minivllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-METHODS = ("Generate", "BatchGenerate", "GenerateStream")
+METHODS = ("Generate", "BatchGenerate", "GenerateStream", "Tokenize", "Embed")
 ENDPOINTS = tuple(f"/{SERVICE_NAME}/{m}" for m in METHODS)  # the metrics' endpoint label: the gRPC method path
 _DEFAULT_MAX_TOKENS = 128  # as /generate
 _HEALTH_POLL_S = 0.25  # how often Watch subscribers learn of a change (Check is exact)
@@ -146,13 +148,16 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         finally:
             self.state.count(f"/{SERVICE_NAME}/{method}", status, t0)
 
-    async def _prepare(self, msg: pb.GenerateRequest | pb.BatchGenerateRequest, kind: RequestOutputKind,
-                       prompts: list[Any], request_id: str = "", context: grpc.aio.ServicerContext | None = None
-                       ) -> list:
+    def _identify(self, context: grpc.aio.ServicerContext | None) -> None:
         if context is not None and self.state.named_keys:  # a named key's client: its seats and bounds (clients.py)
             auth = dict(context.invocation_metadata() or ()).get("authorization", "")
             token = auth[len("Bearer "):] if isinstance(auth, str) and auth.startswith("Bearer ") else ""
             current_client.set(self.state.keys.match([token], self.state.keys.accepted("/generate"))[1])
+
+    async def _prepare(self, msg: pb.GenerateRequest | pb.BatchGenerateRequest, kind: RequestOutputKind,
+                       prompts: list[Any], request_id: str = "", context: grpc.aio.ServicerContext | None = None
+                       ) -> list:
+        self._identify(context)
         params = sampling_params(msg, kind)
         if len(request_id) > 256 or not request_id.isprintable():  # it reaches logs and metrics' exemplars
             raise APIError(400, "request_id: at most 256 printable characters", "request_id")
@@ -251,6 +256,29 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             status, message = pb.NOT_SERVING, dead_engine(engine.dead_error)
         return pb.HealthResponse(status=status, message=message, num_requests_running=snap.num_running,
                                  num_requests_waiting=snap.num_waiting, kv_cache_usage=snap.kv_cache_usage)
+
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        """A prompt's token ids, as POST /tokenize."""
+        async def work(t0: float) -> pb.TokenizeResponse:
+            ids = await tokenize_prompt(self.state, request.prompt, _opt(request, "add_special_tokens"))
+            strs = self.state.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else []
+            return pb.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.state.max_model_len,
+                                       token_strs=strs)
+
+        return await self._call("Tokenize", context, work)
+
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        """One embedding per input, as POST /v1/embeddings (a server started with --runner pooling)."""
+        async def work(t0: float) -> pb.EmbedResponse:
+            if not request.inputs:
+                raise APIError(400, "inputs: give at least one input", "inputs")
+            self._identify(context)
+            vectors = await embed(self.state, list(request.inputs), _opt(request, "dimensions"))
+            return pb.EmbedResponse(embeddings=[pb.Embedding(values=v, prompt_tokens=n) for v, n in vectors],
+                                    prompt_tokens=sum(n for _, n in vectors))
+
+        return await self._call("Embed", context, work)
 
 
 def _prompt(msg: pb.GenerateRequest) -> str | list[int]:

@@ -34,7 +34,8 @@ HTTP_ENDPOINTS = ("/generate", "/batch_generate", "/ws/generate", "/v1/completio
                   "/v1/messages", "/v1/responses", "/v1/embeddings")
 # gRPC calls are labelled with their method path (grpc_server.ENDPOINTS; a test keeps the two in step).
 GRPC_ENDPOINTS = ("/minivllm.v1.InferenceService/Generate", "/minivllm.v1.InferenceService/BatchGenerate",
-                  "/minivllm.v1.InferenceService/GenerateStream")
+                  "/minivllm.v1.InferenceService/GenerateStream", "/minivllm.v1.InferenceService/Tokenize",
+                  "/minivllm.v1.InferenceService/Embed")
 ENDPOINTS = HTTP_ENDPOINTS + GRPC_ENDPOINTS
 OUTCOMES = ("success", "client_error", "server_error", "aborted")
 # Families a front counts itself (HTTP requests, its event loop); every other family is the engine's.

@@ -123,7 +123,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     echo_logprobs = body.echo and body.logprobs is not None
     if echo_logprobs and body.stream:
         raise APIError(400, "echo together with logprobs is not supported with stream=true", "echo")
-    prompts = _completion_prompts(body.prompt)
+    prompts = completion_prompts(body.prompt)
     # echo with logprobs scores the prompt too (OpenAI's legacy behaviour): through prompt_logprobs.
     prompt_lp = max(body.prompt_logprobs or 0, body.logprobs or 0) if echo_logprobs else body.prompt_logprobs
     params = _params(body, body.max_tokens, body.logprobs, prompt_lp)
@@ -161,11 +161,12 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
                          "usage": _usage(sum(len(o.prompt_token_ids) for o in outs), completion_tokens)})
 
 
-def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
+def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]], field: str = "prompt") -> list[Prompt]:
+    """A text, texts, token ids or lists of them (OpenAI's prompt / input) → the engine's prompts."""
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
-        raise APIError(400, "prompt: the prompt list is empty", "prompt")
+        raise APIError(400, f"{field}: the list is empty", field)
     if all(isinstance(p, int) for p in prompt):
         return [{"prompt_token_ids": prompt}]
     if all(isinstance(p, str) for p in prompt):

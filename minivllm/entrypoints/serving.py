@@ -139,6 +139,7 @@ class ServerState:
         self.max_num_seqs = engine.max_num_seqs
         self.tokenizer = engine.tokenizer
         self.reasoning_parser = engine.reasoning_parser
+        self.pooler = engine.pooler  # --runner pooling: the server embeds, and generation is off
         self.created = int(time.time())
         self.max_body_bytes = parse_size(args.max_body_size, "max_body_size")
         named = load_keys_file(args.api_keys_file) if args.api_keys_file else ()
@@ -169,11 +170,16 @@ class ServerState:
     async def prepare(self, request_id: str, prompts: list[Prompt], params: SamplingParams, priority: int | str = 0,
                       default_max_tokens: int | None = None, ttft_slo_ms: float | None = None,
                       timeout_s: float | None = None, lora: LoadedLoRA | None = None,
-                      request: Request | None = None) -> list[EngineRequest]:
+                      request: Request | None = None, pooling: bool = False) -> list[EngineRequest]:
         """The requests of one call (ids request_id-0, -1, ...), from the route's fields: one RequestSpec under the
         servers' rules (vLLM's: an explicit max_tokens must fit the context with the prompt, a default one is
         clipped to what is left), tokenized and checked against every limit by the engine client's input
-        processor; APIError(400) naming the problem. Large inputs are tokenized on a worker thread, off the loop."""
+        processor; APIError(400) naming the problem. Large inputs are tokenized on a worker thread, off the loop.
+        `pooling`: an embedding request (a generating server refuses it, and an embedding server every other)."""
+        if pooling != (self.pooler is not None):
+            raise APIError(400, "this server embeds (--runner pooling): generation is off; use /v1/embeddings"
+                           if self.pooler is not None else
+                           "this server generates: start it with --runner pooling to serve embeddings")
         seats = None
         if self.named_keys:
             try:

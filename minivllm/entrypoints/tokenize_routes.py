@@ -71,6 +71,16 @@ async def _off_loop(size: int, fn: Any, *args: Any) -> Any:
     return fn(*args) if size <= _INLINE_CHARS else await asyncio.to_thread(fn, *args)
 
 
+async def tokenize_prompt(st: ServerState, prompt: str, add_special_tokens: bool | None) -> list[int]:
+    """A text's token ids (special tokens added unless asked not to); shared with gRPC's Tokenize."""
+    try:
+        check_unicode(prompt)
+    except ValueError as e:
+        raise bad_request(e) from None
+    add = True if add_special_tokens is None else add_special_tokens
+    return await _off_loop(len(prompt), lambda: st.tokenizer.encode(prompt, add_special_tokens=add))
+
+
 @router.post("/tokenize", responses=responses(TokenizeResponse, *OPENAI_GENERATION_ERRORS))
 async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     """Token ids of a prompt or of a conversation rendered by the chat template."""
@@ -80,12 +90,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
         raise APIError(400, "give exactly one of prompt (text) and messages (a conversation)", "prompt")
     tok = st.tokenizer
     if body.prompt is not None:
-        try:
-            check_unicode(body.prompt)
-        except ValueError as e:
-            raise bad_request(e) from None
-        add = True if body.add_special_tokens is None else body.add_special_tokens
-        ids = await _off_loop(len(body.prompt), lambda: tok.encode(body.prompt, add_special_tokens=add))
+        ids = await tokenize_prompt(st, body.prompt, body.add_special_tokens)
     else:
         assert body.messages is not None
         kwargs = dict(body.chat_template_kwargs or {})

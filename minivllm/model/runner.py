@@ -90,6 +90,7 @@ class ModelRunner:
                     config=config, num_blocks=num_blocks, group_blocks=group_blocks))
         self.parallel = parallel
         self.model = load_model(mc, dtype, device, max_model_len, quant, parallel)
+        self.head = self.model.compute_logits if ms.runner == "generate" else lambda h: h.float()  # pooling: states
         # Shape class → kernel of the full-precision and of the quantized projections, timed on this machine.
         linears = [m for m in self.model.modules() if isinstance(m, Linear)]
         # oneDNN's packed layout as a second copy where memory allows (a larger model keeps the plain one only).
@@ -221,8 +222,7 @@ class ModelRunner:
         self._copy(copies, kv_group)
 
     def _copy(self, copies: list[tuple[int, int]], kv_group: int = 0) -> None:
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
+        src, dst = (torch.tensor(list(ids), device=self.device) for ids in zip(*copies, strict=True))
         for pool in self.group_pools[kv_group]:
             pool[:, :, dst] = pool[:, :, src]
 
@@ -300,7 +300,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         with forward_context(md):
             hidden = self.model(input_ids, positions)
-        logits = self.model.compute_logits(hidden if logits_indices is None else hidden[logits_indices])
+        logits = self.head(hidden if logits_indices is None else hidden[logits_indices])
         self.last_forward_time = time.perf_counter() - t0
         if self.plan_check is not None and self.plan_check.observe(len(input_ids), self.last_forward_time) \
                 and self.decode_stack is not None:

@@ -32,6 +32,7 @@ from minivllm.engine.async_stream import (
 from minivllm.engine.input_processor import EngineRequest, InputProcessor, Prompt, RequestLimits, RequestSpec
 from minivllm.engine.lora_registry import LoadedLoRA
 from minivllm.engine.stats import SchedulerSnapshot, StatLogger
+from minivllm.pooler_config import PoolerConfig
 from minivllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class RayEngineClient:
         self.max_waiting: int = info["max_waiting"]
         self.num_speculative_tokens: int = info["num_speculative_tokens"]
         self.reasoning_parser: str | None = info.get("reasoning_parser")
+        self.pooler: PoolerConfig | None = info.get("pooler")
         self.client_stall_timeout_s: float = info["client_stall_timeout_s"]
         self.tokenizer = tokenizer
         bs = info["block_size"]

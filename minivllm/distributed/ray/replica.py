@@ -124,7 +124,7 @@ class EngineReplica:
                 "block_size": cc.block_size, "num_blocks": cc.num_blocks, "pool": eng.input_processor.pool,
                 "ttft_slo_ms": sv.ttft_slo_ms, "limits": dataclasses.astuple(eng.input_processor.limits),
                 "eos_token_ids": sorted(eng.eos_token_ids), "replica": self.replica_id, "pid": self.pid,
-                "reasoning_parser": sv.reasoning_parser,
+                "reasoning_parser": sv.reasoning_parser, "pooler": self.engine.pooler,
                 "client_stall_timeout_s": self.engine.client_stall_timeout_s}
 
     def _report(self) -> dict[str, Any]:

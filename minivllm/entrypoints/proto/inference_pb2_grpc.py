@@ -54,6 +54,16 @@ class InferenceServiceStub:
                 request_serializer=minivllm_dot_entrypoints_dot_proto_dot_inference__pb2.HealthRequest.SerializeToString,
                 response_deserializer=minivllm_dot_entrypoints_dot_proto_dot_inference__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/minivllm.v1.InferenceService/Tokenize',
+                request_serializer=minivllm_dot_entrypoints_dot_proto_dot_inference__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=minivllm_dot_entrypoints_dot_proto_dot_inference__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/minivllm.v1.InferenceService/Embed',
+                request_serializer=minivllm_dot_entrypoints_dot_proto_dot_inference__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=minivllm_dot_entrypoints_dot_proto_dot_inference__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServiceServicer:
@@ -87,6 +97,20 @@ class InferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """A prompt's token ids and the model's context length (as POST /tokenize).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Embed(self, request, context):
+        """One embedding per input, on a server started with --runner pooling (as POST /v1/embeddings).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +133,16 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=minivllm_dot_entrypoints_dot_proto_dot_inference__pb2.HealthRequest.FromString,
                     response_serializer=minivllm_dot_entrypoints_dot_proto_dot_inference__pb2.HealthResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=minivllm_dot_entrypoints_dot_proto_dot_inference__pb2.TokenizeRequest.FromString,
+                    response_serializer=minivllm_dot_entrypoints_dot_proto_dot_inference__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=minivllm_dot_entrypoints_dot_proto_dot_inference__pb2.EmbedRequest.FromString,
+                    response_serializer=minivllm_dot_entrypoints_dot_proto_dot_inference__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +253,60 @@ class InferenceService:
             '/minivllm.v1.InferenceService/Health',
             minivllm_dot_entrypoints_dot_proto_dot_inference__pb2.HealthRequest.SerializeToString,
             minivllm_dot_entrypoints_dot_proto_dot_inference__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/minivllm.v1.InferenceService/Tokenize',
+            minivllm_dot_entrypoints_dot_proto_dot_inference__pb2.TokenizeRequest.SerializeToString,
+            minivllm_dot_entrypoints_dot_proto_dot_inference__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/minivllm.v1.InferenceService/Embed',
+            minivllm_dot_entrypoints_dot_proto_dot_inference__pb2.EmbedRequest.SerializeToString,
+            minivllm_dot_entrypoints_dot_proto_dot_inference__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
