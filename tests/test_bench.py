@@ -89,6 +89,18 @@ def test_bench_latency_smoke(model_factory, tmp_path):
     assert (tmp_path / "latency.png").stat().st_size > 0
 
 
+def test_bench_embeddings_smoke(model_factory, tmp_path):
+    out = tmp_path / "embeddings.json"
+    rc = main(["bench", "embeddings", "--model", model_factory("tiny-qwen3"), "--single", "2", "--rounds", "1",
+               "--out", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert [x["batch"] for x in r["rows"]] == [1, 16, 64]
+    for x in r["rows"]:  # both sides embed the same ids the same way
+        assert x["ours_seq_per_s"] > 0 and x["hf_seq_per_s"] > 0 and x["max_abs_diff"] < 1e-4
+    assert (tmp_path / "embeddings.png").stat().st_size > 0
+
+
 def test_bench_serve_smoke_over_grpc_and_http(model_factory, tmp_path):
     """The real server started by the bench, two endpoints in ABBA order, the offline engine around them."""
     out = tmp_path / "serve.json"

@@ -87,6 +87,29 @@ def test_embed_matches_sentence_transformers(model_factory, tmp_path, preset, mo
     eng.check_invariants()
 
 
+FAMILIES = ["tiny-llama3", "tiny-qwen2", "tiny-mistral", "tiny-gpt2", "tiny-gemma2", "tiny-gemma3", "tiny-phi3",
+            "tiny-smollm3", "tiny-olmo2", "tiny-granite", "tiny-qwen3-moe", "tiny-mixtral", "tiny-olmoe",
+            "tiny-qwen2-moe"]
+
+
+def test_every_family_pools_hf_hidden_states(model_factory):
+    """Every decoder family the engine loads embeds: its mean-pooled final hidden states are HF's (AutoModel, the
+    bare transformer of the same checkpoint), also where a long prompt spans several steps."""
+    from transformers import AutoModel
+
+    for preset in FAMILIES:
+        path = model_factory(preset)
+        llm = LLM(path, runner="pooling", pooler_config={"pooling_type": "MEAN", "normalize": False}, **SMALL)
+        outs = llm.embed(TEXTS[:2], use_tqdm=False)
+        hf = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+        for o in outs:
+            with torch.no_grad():
+                want = hf(torch.tensor([o.prompt_token_ids])).last_hidden_state[0].mean(0)
+            got = torch.tensor(o.outputs.embedding)
+            assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (preset, (got - want).abs().max())
+        del llm, hf
+
+
 def test_pooler_config_overrides_and_refusals(qwen3_last, tmp_path):
     # --pooler-config over the checkpoint's files: the mean, not normalized, is HF's mean of the last hidden states
     from transformers import AutoModel, AutoTokenizer

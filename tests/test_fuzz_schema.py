@@ -31,7 +31,7 @@ import httpx
 import pytest
 import requests
 import schemathesis
-from fuzz_utils import SERVER_FLAGS, TIMEOUT, assert_error_shape, assert_server_whole, good_answer
+from fuzz_utils import SERVER_FLAGS, TIMEOUT, assert_error_shape, assert_server_whole, good_answer, wait_idle
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
@@ -129,11 +129,13 @@ _REQUIRED: dict[str, dict[str, st.SearchStrategy[Any]]] = {
     "POST /v1/messages/count_tokens": {"messages": _ANTHROPIC_MESSAGES},
     "POST /tokenize": {"prompt": _text()},
     "POST /detokenize": {"tokens": _TOKEN_IDS},
+    "POST /v1/embeddings": {"input": st.one_of(_text(), st.lists(_text(), min_size=1, max_size=3), _TOKEN_IDS,
+                                               st.lists(_TOKEN_IDS, min_size=1, max_size=2))},
 }
 # The newer routes' cases: fewer per kind (each still reaches the engine through its near-valid cases).
 NEWER_EXAMPLES = {"positive": 40, "negative": 40, "near-valid": 60}
 NEWER = frozenset({"POST /v1/responses", "POST /v1/messages", "POST /v1/messages/count_tokens", "POST /tokenize",
-                   "POST /detokenize"})
+                   "POST /detokenize", "POST /v1/embeddings"})
 _DROPPED = ("logit_bias", "suffix", "chat_template", "best_of", "max_completion_tokens")
 
 
@@ -240,6 +242,29 @@ def test_schemathesis_fuzz(url, capsys):
     assert not any(isinstance(s, int) and s >= 500 for s in statuses), statuses
     assert statuses[200] >= 100, statuses  # the near-valid cases do reach the engine
     assert_server_whole(url, expected)
+
+
+def test_schemathesis_fuzz_embeddings(model_factory, serve):
+    """/v1/embeddings on a --runner pooling server: schema-valid, schema-invalid and near-valid bodies (inputs that
+    reach the engine), never a 5xx, every answer as declared; afterwards nothing held, and the same input embeds
+    as before."""
+    url = serve(model_factory("tiny-llama"), *SERVER_FLAGS, "--runner", "pooling")
+    good = {"input": "def fibonacci(n):", "encoding_format": "float"}
+    before = httpx.post(url + "/v1/embeddings", json=good, timeout=TIMEOUT).json()["data"][0]["embedding"]
+    model = httpx.get(url + "/v1/models", timeout=TIMEOUT).json()["data"][0]["id"]
+    schema = schemathesis.openapi.from_url(url + "/openapi.json")
+    (op,) = [r.ok() for r in schema.get_all_operations() if r.ok().label == "POST /v1/embeddings"]
+    fuzz = _Run()
+    for kind, examples in NEWER_EXAMPLES.items():
+        fuzz.fuzz(op, kind, examples, model)
+    assert not fuzz.failures, f"{len(fuzz.failures)} failing cases; the first ones:\n\n" + "\n\n".join(
+        fuzz.failures[:5])
+    assert not any(isinstance(s, int) and s >= 500 for s in fuzz.statuses), fuzz.statuses
+    assert fuzz.statuses[200] >= 30, fuzz.statuses  # the near-valid cases do reach the engine
+    m = wait_idle(url, timeout=TIMEOUT)
+    assert m["minivllm:kv_cache_usage_perc"] == 0 and m["minivllm:num_requests_running"] == 0
+    after = httpx.post(url + "/v1/embeddings", json=good, timeout=TIMEOUT).json()["data"][0]["embedding"]
+    assert after == before
 
 
 def test_undeclared_methods_get_405(url):

@@ -21,6 +21,7 @@ def _load(out_dir: str, name: str) -> dict[str, Any] | None:
 def render(out_dir: str, argv: dict[str, list[str]]) -> str:
     """BENCHMARKS.md from the JSON files in out_dir (a section per bench found)."""
     from minivllm.bench import (
+        embeddings,
         fairness,
         families,
         guided,
@@ -204,6 +205,14 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
             f"prefilled (1 sequence: {r['steps']} steps; 64: {r['batch_steps']}), every configuration in a fresh "
             f"process, {r['rounds']} rounds ABBA (medians). Targets (issue 36): b=1 step <= 1.3x the dense model's "
             "(tok/s >= 0.77x); >= 1.0x llama.cpp at the same bits.", "", families.report(r)]),
+        ("embeddings", lambda r: [
+            "## Embeddings: `--runner pooling` vs HF transformers (`bench embeddings`)", "",
+            f"`{r['preset'] or os.path.basename(r['model'].rstrip('/'))}` (Qwen3-Embedding-0.6B's shape, random "
+            f"weights, float32) embedding inputs of {r['min_len']}-{r['max_len']} random tokens: sequences/s one at "
+            "a time, and in calls of 16 and 64, against HF transformers' forward of the same checkpoint (AutoModel, "
+            "each call one left-padded batch). Both pool the last token's final hidden state and normalize it; the "
+            f"vectors agree to the max abs diff shown. {r['threads']} threads, {r['rounds']} rounds ABBA per point "
+            "(medians).", "", embeddings.report(r)]),
     ]
     for name, section in sections:
         r = _load(out_dir, name)

@@ -68,6 +68,9 @@ VERBS: dict[str, tuple[str, str, str, str]] = {
     "peers": ("peers", "add_peers_args", "run_peers",
               "llama.cpp (same bits: F32, BF16, Q8_0, Q4_0) and HF transformers beside us on the same weights at "
               "every precision: b=1, 64 and a 512-token prefill, each engine's streamed bandwidth vs the probe"),
+    "embeddings": ("embeddings", "add_embeddings_args", "run_embeddings",
+                   "embedding throughput (--runner pooling) at 1, 16 and 64 sequences per call vs HF transformers' "
+                   "forward on the same checkpoint"),
     "all": ("all", "add_all_args", "run_all", "every bench in turn, then BENCHMARKS.md regenerated from their results"),
 }
 
