@@ -194,6 +194,32 @@ def test_native_kernel_edge_cases():
     assert out[1] == logits[1].argmax()  # a vanishing top_p keeps only the most likely token
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler")
+@pytest.mark.parametrize("top_k", [5, -1, 300])
+@pytest.mark.parametrize("top_p", [1.0, 0.5])
+def test_native_kernel_returns_on_rows_without_a_distribution(top_k, top_p):
+    """A row whose every token is forbidden (-inf) or that holds NaN looped forever in the small-top_k path and its
+    selections (found by fuzzing /v1/messages: the engine thread spun and every client timed out). Each call must
+    return, with a token id inside the vocabulary (the first id for a row with nothing allowed, as greedy's argmax)."""
+    import threading
+
+    rows = torch.randn(4, 1024)
+    rows[0] = float("-inf")
+    rows[1] = float("nan")
+    rows[2, 0] = float("nan")
+    rows[3, ::7] = float("nan")
+    n = rows.shape[0]
+    result: list[torch.Tensor] = []
+    call = threading.Thread(target=lambda: result.append(cpu_kernels.sample_rows(
+        rows, torch.full((n,), 0.7), torch.full((n,), top_k), torch.full((n,), top_p), torch.zeros(n),
+        torch.full((n,), 0.5, dtype=torch.float64))), daemon=True)
+    call.start()
+    call.join(30)
+    assert result, "sample_rows did not return"
+    (out,) = result
+    assert out[0] == 0 and out[1] == 0 and ((out >= 0) & (out < 1024)).all(), out
+
+
 def test_loading_the_kernels_keeps_denormals():
     # -ffast-math at link time would add crtfastmath.o and flush denormals to zero process-wide.
     cpu_kernels.available()

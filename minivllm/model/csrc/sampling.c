@@ -58,9 +58,19 @@ static float median3(float a, float b, float c) {
     return a > b ? a : b;
 }
 
-/* The k-th largest value of a[0..n) (k >= 1); a is reordered. */
+/* Whether f is finite, by its bits: the library is built with -ffast-math, under which isfinite() and comparisons
+ * with infinities may be folded away. */
+static inline int finite_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (u & 0x7F800000u) != 0x7F800000u;
+}
+
+/* The k-th largest value of a[0..n) (k >= 1); a is reordered. Past the entries (k > n, which only non-finite
+ * input can cause) it gives up with -FLT_MAX rather than loop. */
 static float kth_largest(float *a, int64_t n, int64_t k) {
     while (1) {
+        if (n <= 0) return -FLT_MAX;
         const float pivot = median3(a[0], a[n / 2], a[n - 1]);
         int64_t lt, gt;
         partition3(a, n, pivot, &lt, &gt);
@@ -80,6 +90,7 @@ static float kth_largest(float *a, int64_t n, int64_t k) {
 /* Smallest value v of a[0..n) such that the mass of all entries <= v exceeds r (r < total mass). */
 static float mass_threshold(float *a, int64_t n, double r) {
     while (1) {
+        if (n <= 0) return 1.0f; /* (only non-finite input gets here: keep the top token) */
         const float pivot = median3(a[0], a[n / 2], a[n - 1]);
         int64_t lt, gt;
         partition3(a, n, pivot, &lt, &gt);
@@ -301,6 +312,15 @@ void sample_rows_f32(const float *logits, int64_t rows, int64_t vocab, const flo
         float *p = scratch + (size_t)omp_get_thread_num() * (2 * vocab + 2 * NBUCKETS);
         float *work = p + vocab;
         double *hist = (double *)(work + vocab);
+        float top = x[0];
+#pragma omp simd reduction(max : top)
+        for (int64_t i = 1; i < vocab; i++) top = x[i] > top ? x[i] : top;
+        /* Every token forbidden (-inf: the max reduction's identity is -FLT_MAX, so an all -inf row reads as that),
+         * or NaN: no distribution to draw from; the first id, as the greedy path's argmax gives. */
+        if (!finite_bits(top) || top <= -FLT_MAX) {
+            out[r] = 0;
+            continue;
+        }
         if (top_k[r] > 0 && top_k[r] <= TOPK_INSERT_MAX && top_k[r] < vocab) {
             out[r] = sample_top_k(x, vocab, top_k[r], temperature[r], top_p[r], min_p[r], u[r], (int32_t *)p, work,
                                   (float *)hist);
