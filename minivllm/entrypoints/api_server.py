@@ -9,13 +9,15 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from minivllm.config import EngineArgs, parse_size
@@ -155,10 +157,17 @@ def _install_error_handlers(app: FastAPI) -> None:
             detail = f"invalid JSON body: {str(exc.__cause__).split('; use sys.')[0]}"
         if exc.status_code == 404 and detail == "Not Found":
             detail = f"no route {request.method} {request.url.path}"
-        elif exc.status_code == 405:
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
             detail = f"method {request.method} is not allowed on {request.url.path}"
-        # Keep the exception's headers: a 405 must say which methods are allowed (Allow, RFC 9110).
-        return counted(request, APIError(exc.status_code, detail, headers=dict(exc.headers or {})))
+            # A 405 must name every method the path takes (Allow, RFC 9110); Starlette names the first matching
+            # route's only, and a path may have several (GET and DELETE /v1/responses/{id}).
+            allowed = {m for r in _flat_routes(request.app.routes) if r.path_regex.match(request.url.path)
+                       for m in r.methods or ()}
+            if allowed - {"HEAD"}:
+                headers = {k: v for k, v in headers.items() if k.lower() != "allow"}
+                headers["Allow"] = ", ".join(sorted(allowed - {"HEAD"}))
+        return counted(request, APIError(exc.status_code, detail, headers=headers))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -169,6 +178,16 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _gone(request: Request, exc: ClientDisconnected) -> Response:
         request.app.state.server.count(request.url.path, "aborted", getattr(request.state, "t0", time.monotonic()))
         return Response(status_code=499)
+
+
+def _flat_routes(routes: list[Any]) -> Iterator[Route]:
+    """Every route of the app, through the routers it includes (FastAPI keeps those as included-router entries)."""
+    for r in routes:
+        if isinstance(r, Route):
+            yield r
+        inner = getattr(r, "routes", None) or getattr(getattr(r, "original_router", None), "routes", None)
+        if inner:
+            yield from _flat_routes(inner)
 
 
 async def _lag_probe(metrics: ServerMetrics) -> None:
