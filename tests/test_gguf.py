@@ -300,7 +300,8 @@ def test_fuzzed_headers_are_clear_errors_never_crashes(gguf_file, tmp_path):
         try:
             mc = ModelConfig.from_pretrained(str(path))
             get_tokenizer(str(path))
-            runner_ok = make_runner(mc, 4) is not None
+            # (kernels named: what is under test is the file's reading, not the start-up timing of kernel candidates)
+            runner_ok = make_runner(mc, 4, linear_backend="torch", quantization_kernel="reference") is not None
             outcomes["ok"] += runner_ok
         except (ValueError, FileNotFoundError) as e:
             assert str(e), "an error must say what is wrong"
