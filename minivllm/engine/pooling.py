@@ -34,12 +34,12 @@ class PoolingProcessor(StepHook):
     def __init__(self, config: PoolerConfig, requests: RequestLifecycle | None = None) -> None:
         self.config = config
         self.requests = requests  # set by the engine once its request lifecycle exists
-        self._partial: dict[int, torch.Tensor] = {}  # id(seq) → MEAN: the float32 sum so far; CLS: the first state
+        self._partial: dict[int, torch.Tensor] = {}  # seq_id → MEAN: the float32 sum so far; CLS: the first state
         logger.info("runner pooling: %s pooling, %snormalized (%s)", config.pooling_type,
                     "" if config.normalize else "not ", config.source)
 
     def sequence_finished(self, seq: Sequence) -> None:
-        self._partial.pop(id(seq), None)
+        self._partial.pop(seq.seq_id, None)
 
     def process(self, sched: SchedulerOutput, inputs: list[SequenceInput], spans: list[Span], hidden: torch.Tensor
                 ) -> list[SequenceGroup]:
@@ -50,7 +50,7 @@ class PoolingProcessor(StepHook):
         touched: list[SequenceGroup] = []
         for (seq, n), (i0, _, r0, r1) in zip(sched.scheduled, spans, strict=True):
             rows = hidden[r0:r1]
-            key = id(seq)
+            key = seq.seq_id
             if kind == "MEAN":
                 part = rows.sum(0, dtype=torch.float32)
                 self._partial[key] = part if key not in self._partial else self._partial[key] + part

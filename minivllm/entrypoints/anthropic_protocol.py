@@ -107,6 +107,10 @@ class OutputConfig(_Block):
     format: OutputFormat | None = None
 
 
+# Anthropic's tool_choice types in chat completions' terms ("tool", naming one, is a NamedToolChoice)
+_CHOICES: dict[str, ToolChoice] = {"auto": "auto", "any": "required", "none": "none"}
+
+
 class CountTokensRequest(_Block):
     """POST /v1/messages/count_tokens."""
 
@@ -167,7 +171,7 @@ class CountTokensRequest(_Block):
             if c.name is None:
                 raise ValueError('tool_choice: type "tool" needs the name of the tool')
             return tools, NamedToolChoice(type="function", function=NamedFunction(name=c.name)), parallel
-        return tools, {"auto": "auto", "any": "required", "none": "none"}[c.type], parallel  # type: ignore[return-value]
+        return tools, _CHOICES[c.type], parallel
 
     def template_kwargs(self) -> dict[str, Any]:
         """The chat template's variables: thinking on or off when the request says."""

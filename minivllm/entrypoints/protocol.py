@@ -261,8 +261,12 @@ class ChatCompletionRequest(_OpenAIRequest):
 
     def template_kwargs(self) -> dict[str, Any]:
         """chat_template_kwargs, without the names the server itself passes to the template (400 naming them)."""
-        kwargs = self.chat_template_kwargs or {}
-        taken = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
-        if taken:
-            raise ValueError(f"chat_template_kwargs: {', '.join(taken)} cannot be set here (the server sets them)")
-        return kwargs
+        return checked_template_kwargs(self.chat_template_kwargs)
+
+
+def checked_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """A request's chat_template_kwargs; ValueError naming those the server itself passes to the template."""
+    taken = sorted(set(kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
+    if taken:
+        raise ValueError(f"chat_template_kwargs: {', '.join(taken)} cannot be set here (the server sets them)")
+    return dict(kwargs or {})

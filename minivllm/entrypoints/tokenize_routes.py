@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse
 from minivllm.engine.input_processor import check_unicode
 from minivllm.entrypoints.api_schema import OPENAI_GENERATION_ERRORS, responses
 from minivllm.entrypoints.chat_utils import chat_prompt
-from minivllm.entrypoints.protocol import MAX_TEMPLATE_KWARGS, RESERVED_TEMPLATE_KWARGS, ChatMessage
+from minivllm.entrypoints.protocol import MAX_TEMPLATE_KWARGS, ChatMessage, checked_template_kwargs
 from minivllm.entrypoints.serving import APIError, ServerState, bad_request
 from minivllm.entrypoints.tool_calls import ChatTool, template_messages
 
@@ -93,11 +93,10 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
         ids = await tokenize_prompt(st, body.prompt, body.add_special_tokens)
     else:
         assert body.messages is not None
-        kwargs = dict(body.chat_template_kwargs or {})
-        taken = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
-        if taken:
-            raise APIError(400, f"chat_template_kwargs: {', '.join(taken)} cannot be set here (the server sets them)",
-                           "chat_template_kwargs")
+        try:
+            kwargs = checked_template_kwargs(body.chat_template_kwargs)
+        except ValueError as e:
+            raise bad_request(e) from None
         if body.continue_final_message:
             if body.add_generation_prompt:
                 raise APIError(400, "continue_final_message: cannot be combined with add_generation_prompt (set it "
