@@ -4,6 +4,8 @@ decode tokens, and taken only where it runs the same kernels."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from conftest import PROMPTS
@@ -13,7 +15,9 @@ from minivllm.config import ModelConfig
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.model import cpu_kernels
 from minivllm.model.decode_stack import DecodeStack
+from minivllm.model.moe import SparseMoE
 from minivllm.model.runner import ModelRunner, SequenceInput
+from minivllm.modelgen.presets import MOE_FAMILIES
 from tests.conftest import make_runner
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="native CPU kernels did not build here")
@@ -39,9 +43,11 @@ def _runner(path: str, method: str | None, dtype: torch.dtype = torch.float32) -
     return make_runner(mc, 32, dtype, linear_backend="native", quantization=method, quantization_kernel="native")
 
 
-def _decode_steps(runner: ModelRunner, path: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _decode_steps(runner: ModelRunner, path: str, counts: Callable[[], torch.Tensor] | None = None
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Prefill three sequences, then three all-decode steps (3, 1 and 2 tokens), each run through the stack and
-    again module by module (rewriting the same K/V into the same slots): [(stack logits, module logits)]."""
+    again module by module (rewriting the same K/V into the same slots): [(stack logits, module logits)].
+    `counts`: a reading (tokens routed per expert) each step must add the same to on both paths."""
     stack = runner.decode_stack
     tok = get_tokenizer(path)
     # Contexts past tiny-mistral's window of 8.
@@ -52,10 +58,15 @@ def _decode_steps(runner: ModelRunner, path: str) -> list[tuple[torch.Tensor, to
     out = []
     for step, batch in enumerate(([0, 1, 2], [1], [2, 0])):
         seqs = [SequenceInput([5 + step + i], lens[i], tables[i], True) for i in batch]
+        before = counts() if counts else None
         with_stack = runner.execute(seqs)
+        mid = counts() if counts else None
         runner.model.decode_stack = None
         modules = runner.execute(seqs)
         runner.model.decode_stack = stack
+        if counts:
+            added = mid - before
+            assert added.sum() > 0 and torch.equal(added, counts() - mid)
         out.append((with_stack, modules))
         for i in batch:
             lens[i] += 1
@@ -69,6 +80,21 @@ def test_stack_equals_module_path(model_factory, stack_calls, preset, method):
     runner = _runner(path, method)
     assert runner.decode_stack is not None and runner.decode_stack.native_classes == (True, True, True, True)
     for with_stack, modules in _decode_steps(runner, path):
+        torch.testing.assert_close(with_stack, modules, atol=1e-5, rtol=0)
+    assert stack_calls == [3, 1, 2]
+
+
+@pytest.mark.parametrize("preset", MOE_FAMILIES)
+@pytest.mark.parametrize("method", [None, "w4a8"])
+def test_stack_runs_a_mixture_of_experts_as_the_modules_do(model_factory, stack_calls, preset, method):
+    """Router, top-k routing (renormalised or not), the experts grouped by token and Qwen2-MoE's gated shared
+    expert in csrc/moe_decode.c: the module path's logits at 3, 1 and 2 decode tokens (tokens sharing an expert
+    read it once), tiny-qwen3-moe's dense layer among the sparse ones, and the same tokens counted per expert."""
+    path = model_factory(preset)
+    runner = _runner(path, method)
+    assert runner.decode_stack is not None and runner.decode_stack.native_classes == (True, True, True, True)
+    moes = [layer.mlp for layer in runner.model.layers if isinstance(layer.mlp, SparseMoE)]
+    for with_stack, modules in _decode_steps(runner, path, counts=lambda: sum(m.expert_tokens for m in moes)):
         torch.testing.assert_close(with_stack, modules, atol=1e-5, rtol=0)
     assert stack_calls == [3, 1, 2]
 

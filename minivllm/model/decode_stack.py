@@ -3,9 +3,10 @@ for all-decode steps.
 
 A batch-1 decode step is ~30 layers of nine small native kernels; dispatching them one by one from
 Python (module calls, views, ctypes marshalling) cost ~90 us a layer, a tenth of an fp32 step and a
-quarter to a third of a quantized one. csrc/decode_stack.c runs the same kernels back to back, and the
-stack is only taken where the module path would have run them too: every projection planned `native`
-for the step's shape class, the compiled paged attention, no prefill tokens. With float32 activations
+quarter to a third of a quantized one. csrc/decode_stack.c runs the same kernels back to back (a mixture of
+experts' router, routing and expert GEMVs too: csrc/moe_decode.c), and the stack is only taken where the
+module path would have run them too: every projection (every expert's) planned `native` for the step's shape
+class, the compiled paged attention, no prefill tokens. With float32 activations
 it computes exactly what the modules do (tests/test_decode_stack.py). In a bfloat16 model (bf16
 weights and KV pool) it keeps the activations in float32 between the kernels, where the module path
 rounds them to bf16 after every op: the same weights and cache with a little more precision, within
@@ -24,6 +25,7 @@ from torch import nn
 from minivllm.model import cpu_kernels
 from minivllm.model.attention import CpuNativePagedAttention, get_metadata
 from minivllm.model.kernel_plan import SHAPE_CLASSES, shape_class
+from minivllm.model.moe import SparseMoE
 
 _p, _i64, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _MAX_KV_GROUPS = 4  # csrc/decode_stack.c's
@@ -34,11 +36,17 @@ class _Proj(ctypes.Structure):
                 ("fmt", _i64)]
 
 
+class _MoE(ctypes.Structure):
+    _fields_ = [("E", _i64), ("k", _i64), ("I", _i64), ("norm_topk", _i64), ("router", _Proj), ("gate_up", _p),
+                ("down", _p), ("shared_I", _i64), ("shared_gate_up", _Proj), ("shared_down", _Proj),
+                ("shared_gate", _Proj), ("expert_tokens", _p)]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [("attn_norm", _p), ("attn_out_norm", _p), ("mlp_norm", _p), ("mlp_out_norm", _p), ("q_norm", _p),
                 ("k_norm", _p), ("q_norm_size", _i64), ("k_norm_size", _i64), ("cos_sin", _p), ("rot", _i64),
                 ("window", _i64), ("group", _i64), ("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj), ("down", _Proj),
-                ("k_cache", _p), ("v_cache", _p), ("k_scale", _p), ("v_scale", _p)]
+                ("k_cache", _p), ("v_cache", _p), ("k_scale", _p), ("v_scale", _p), ("moe", _p)]
 
 
 class _Step(ctypes.Structure):
@@ -47,7 +55,7 @@ class _Step(ctypes.Structure):
                 ("positions", _p), ("slot_mapping", _p * _MAX_KV_GROUPS), ("block_tables", _p * _MAX_KV_GROUPS),
                 ("bt_stride", _i64 * _MAX_KV_GROUPS), ("sinks", _i64), ("max_ctx", _i64), ("gemv_scratch", _p),
                 ("attn_scratch", _p), ("work", _p), ("num_threads", _i64),
-                ("kv_fmt", _i64)]
+                ("kv_fmt", _i64), ("moe_work", _p), ("moe_ids", _p)]
 
 _ACTS = {"SiluAndMul": 0, "GeluTanhAndMul": 1}
 
@@ -55,8 +63,13 @@ _ACTS = {"SiluAndMul": 0, "GeluTanhAndMul": 1}
 # The decoder's module tree is walked by attribute name below (layers[i].self_attn.qkv_proj, ...): nn.Module's
 # __getattr__ types every child `Tensor | Module`, so the walked objects are `Any`.
 def _projections(layer: Any) -> tuple[Any, ...]:
+    """Every planned projection of a layer: attention's, then the gated MLP's or every expert's (and Qwen2-MoE's
+    shared expert's)."""
     attn, mlp = layer.self_attn, layer.mlp
-    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+    if not isinstance(mlp, SparseMoE):
+        return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+    shared = () if mlp.shared_expert is None else (mlp.shared_expert.gate_up_proj, mlp.shared_expert.down_proj)
+    return attn.qkv_proj, attn.o_proj, *mlp.experts.gate_up, *mlp.experts.down, *shared
 
 
 def _native_classes(model: Any) -> tuple[bool, ...]:
@@ -74,12 +87,15 @@ class DecodeStack:
         assert lib is not None
         self._fn = lib.decode_stack_f32
         self.native_classes = native_classes
-        if not all(hasattr(layer.mlp, "gate_up_proj") for layer in model.layers):
-            return None  # a mixture of experts' MLP runs its own grouped GEMMs (model/moe.py)
         first = model.layers[0]
         attn = first.self_attn.attn
         self.hidden = model.norm.weight.shape[0]
-        self.inter = first.mlp.down_proj.in_features
+        mlps = [layer.mlp for layer in model.layers]
+        self.inter = max((m.down_proj.in_features for m in mlps if not isinstance(m, SparseMoE)), default=0)
+        moes = [m for m in mlps if isinstance(m, SparseMoE)]
+        # (experts, top-k, the larger intermediate of an expert and a shared expert): csrc/moe_decode.c's work
+        self.moe_shape = (max(m.num_experts for m in moes), max(m.top_k for m in moes),
+                          max(max(m.intermediate, _shared_intermediate(m)) for m in moes)) if moes else None
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.dtype = model.norm.weight.dtype
         self.layers = (_Layer * len(model.layers))()
@@ -93,6 +109,13 @@ class DecodeStack:
 
         def ptr(module: Any) -> int | None:  # a norm (its `weight`), or None
             return None if module is None else f32(module.weight).data_ptr()
+
+        def bound(proj: Any) -> _Proj:
+            """A planned projection's (or a router's) native weights, kept alive with the stack."""
+            g = proj.gemv_weights() if hasattr(proj, "gemv_weights") else _router_weights(proj)
+            keep.append(g)
+            w, scale, mins, bias = g.ptrs
+            return _Proj(w, scale, mins, bias, g.k, g.n, g.group, g.fmt)
 
         tables: dict[int, torch.Tensor] = {}  # one float32 copy per rope table the layers share
         for layer, row in zip(model.layers, self.layers, strict=True):
@@ -108,11 +131,12 @@ class DecodeStack:
                 row.cos_sin, row.rot = table.data_ptr(), sa.rotary.rot_dim
             row.window = sa.attn.sliding_window or 0
             row.group = sa.attn.kv_group
-            for name, proj in zip(("qkv", "o", "gate_up", "down"), _projections(layer), strict=True):
-                g = proj.gemv_weights()
-                keep.append(g)
-                w, scale, mins, bias = g.ptrs
-                setattr(row, name, _Proj(w, scale, mins, bias, g.k, g.n, g.group, g.fmt))
+            row.qkv, row.o = bound(sa.qkv_proj), bound(sa.o_proj)
+            if isinstance(layer.mlp, SparseMoE):
+                moe = self._moe_table(layer.mlp, bound, keep)
+                row.moe = ctypes.addressof(moe)
+            else:
+                row.gate_up, row.down = bound(layer.mlp.gate_up_proj), bound(layer.mlp.down_proj)
             a = layer.self_attn.attn
             row.k_cache, row.v_cache = a.k_cache.data_ptr(), a.v_cache.data_ptr()
             keep += [a.k_cache, a.v_cache]
@@ -133,7 +157,25 @@ class DecodeStack:
         self._layers_ptr, self._step_ptr = ctypes.addressof(self.layers), ctypes.addressof(self.step)
         self.residual = torch.empty(0)
         self.work = torch.empty(0)
+        self.moe_work, self.moe_ids = torch.empty(0), torch.empty(0, dtype=torch.int64)
         self.attn_scratch = torch.empty(0)
+
+    @staticmethod
+    def _moe_table(moe: SparseMoE, bound: Any, keep: list[object]) -> _MoE:
+        """csrc/moe_decode.c's table of one layer's experts (and arrays it points to, kept alive)."""
+        ex = moe.experts
+        gate_up = (_Proj * moe.num_experts)(*(bound(q) for q in ex.gate_up))
+        down = (_Proj * moe.num_experts)(*(bound(q) for q in ex.down))
+        table = _MoE(E=moe.num_experts, k=moe.top_k, I=moe.intermediate, norm_topk=int(moe.norm_topk_prob),
+                     router=bound(moe.gate), gate_up=ctypes.addressof(gate_up), down=ctypes.addressof(down),
+                     expert_tokens=moe.expert_tokens.data_ptr())
+        if moe.shared_expert is not None:
+            se: Any = moe.shared_expert
+            table.shared_I = _shared_intermediate(moe)
+            table.shared_gate_up, table.shared_down = bound(se.gate_up_proj), bound(se.down_proj)
+            table.shared_gate = bound(moe.shared_expert_gate)
+        keep += [gate_up, down, table, moe.expert_tokens]
+        return table
 
     @staticmethod
     def build(model: Any) -> DecodeStack | None:
@@ -141,8 +183,6 @@ class DecodeStack:
         if not cpu_kernels.available() or not isinstance(getattr(model, "layers", None), nn.ModuleList) \
                 or not hasattr(model.layers[0], "norms"):
             return None  # GPT-2's blocks are another shape
-        if not all(hasattr(layer.mlp, "gate_up_proj") for layer in model.layers):
-            return None  # a mixture of experts' MLP runs its own grouped GEMMs (model/moe.py)
         first = model.layers[0]
         attn = first.self_attn.attn
         if not isinstance(attn.backend, CpuNativePagedAttention) or attn.k_cache.dtype not in cpu_kernels.KV_FORMATS:
@@ -174,6 +214,11 @@ class DecodeStack:
             self.residual = torch.empty(m, self.hidden)
             qkv = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
             self.work = torch.empty(m * (2 * self.hidden + qkv + self.num_heads * self.head_dim + 3 * self.inter))
+            if self.moe_shape is not None:  # csrc/moe_decode.c's: M (E + k + 2H + 3 Imax) floats, 3 M k ids
+                e, k, inter = self.moe_shape
+                self.moe_work = torch.empty(m * (e + k + 2 * self.hidden + 3 * inter))
+                self.moe_ids = torch.empty(3 * m * k, dtype=torch.int64)
+                self.step.moe_work, self.step.moe_ids = self.moe_work.data_ptr(), self.moe_ids.data_ptr()
         threads = torch.get_num_threads()
         need = cpu_kernels.attention_scratch_floats(threads, self.num_heads, md.max_decode_seq_len)
         if self.attn_scratch.numel() < need:
@@ -189,3 +234,15 @@ class DecodeStack:
         self._fn(self._layers_ptr, self.n_layers, self.final_norm.data_ptr(), self._step_ptr, h.data_ptr(),
                  self.residual.data_ptr())
         return h if self.dtype == torch.float32 else h.to(self.dtype)
+
+
+def _router_weights(gate: nn.Linear) -> cpu_kernels.GemvWeights:
+    """A router's (or shared-expert gate's) torch Linear as csrc/gemv.c takes it, in the model's float type."""
+    w = gate.weight.detach().contiguous()
+    return cpu_kernels.GemvWeights("f32" if w.dtype == torch.float32 else "bf16", w, gate.in_features)
+
+
+def _shared_intermediate(moe: SparseMoE) -> int:
+    """Qwen2-MoE's shared expert's intermediate size (0: none)."""
+    se: Any = moe.shared_expert
+    return 0 if se is None else int(se.down_proj.in_features)

@@ -10,15 +10,15 @@
  * A layer's variants are data, not code: norms before and/or after each sublayer (NULL where the family has
  * none), q/k norms per head or over the projection, the layer's rope table (NULL: NoPE) and window, the
  * residual multiplier, attention soft-capping and the MLP's activation.
+ * A layer's MLP may be a mixture of experts (csrc/moe_decode.c).
  * float32 activations; KV cache float32, bfloat16 or int8 (+ float16 scales); weights in any format of
  * csrc/gemv.c.
  */
 #include <stdint.h>
 #include <string.h>
 
-void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, int fmt,
-                 const void *w, const void *scale, const void *mins, int64_t G, const float *bias, float *scratch,
-                 int num_threads);
+#include "decode_stack.h"
+
 void add_rmsnorm_f32(float *residual, const float *x, int64_t ldx, float xscale, const float *w, float eps,
                      float *out, int64_t M, int64_t H, int num_threads);
 void rmsnorm_groups_f32(float *x, int64_t ldx, int64_t M, int64_t n, int64_t size, const float *w, float eps,
@@ -26,54 +26,14 @@ void rmsnorm_groups_f32(float *x, int64_t ldx, int64_t M, int64_t n, int64_t siz
 void rope_kv_write_f32(float *qkv, int64_t ldx, int64_t M, int nq, int nkv, int D, int rot, const int64_t *pos,
                        const float *cos_sin, void *k_cache, void *v_cache, int kv_fmt, _Float16 *k_scale,
                        _Float16 *v_scale, const int64_t *slot_mapping, int num_threads);
-void silu_mul_f32(const float *gu, int64_t ldg, float *out, int64_t M, int64_t I, int num_threads);
-void gelu_tanh_mul_f32(const float *gu, int64_t ldg, float *out, int64_t M, int64_t I, int num_threads);
 void paged_attention_f32(float *out, const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                          int kv_fmt, const _Float16 *k_scale, const _Float16 *v_scale, const int64_t *block_tables,
                          int64_t bt_stride, const int64_t *positions, int64_t num_tokens, int num_heads,
                          int num_kv_heads, int head_dim, int block_size, float scale, float softcap, int64_t window,
                          int64_t sinks, int64_t max_ctx, float *scratch, int num_threads);
 
-/* One projection as csrc/gemv.c takes it (the fields of cpu_kernels.GemvWeights). */
-typedef struct {
-    const void *w, *scale, *mins;
-    const float *bias;
-    int64_t K, N, G;
-    int64_t fmt;
-} proj_t;
-
-typedef struct {
-    /* Norms before attention, after attention, before the MLP, after the MLP (NULL: the family has none). */
-    const float *attn_norm, *attn_out_norm, *mlp_norm, *mlp_out_norm;
-    const float *q_norm, *k_norm; /* NULL: none; else one weight per group of q_norm_size / k_norm_size */
-    int64_t q_norm_size, k_norm_size;
-    const float *cos_sin; /* [positions, rot]; NULL: no rotary (NoPE layer) */
-    int64_t rot, window;  /* window <= 0: full attention */
-    int64_t group;        /* its KV group: which slots and block tables of the step it reads */
-    proj_t qkv, o, gate_up, down;
-    void *k_cache, *v_cache;
-    _Float16 *k_scale, *v_scale; /* int8 caches only */
-} layer_t;
-
-#define MAX_KV_GROUPS 4
-
-/* The model's shape and the step's inputs (attention metadata of an all-decode step; slots and block tables per
- * KV group: the layers of one attention window share a pool). */
-typedef struct {
-    int64_t M, H, I;
-    int64_t nq, nkv, D, block_size;
-    float eps, scale, softcap, res_scale;
-    int64_t act; /* 0: SiLU, 1: GeLU-tanh */
-    const int64_t *positions;
-    const int64_t *slot_mapping[MAX_KV_GROUPS], *block_tables[MAX_KV_GROUPS];
-    int64_t bt_stride[MAX_KV_GROUPS], sinks, max_ctx;
-    float *gemv_scratch, *attn_scratch, *work;
-    int64_t num_threads, kv_fmt;
-} step_t;
-
 static void project(float *out, const float *x, const proj_t *p, const step_t *s) {
-    linear_gemv(out, p->N, x, p->K, (int)s->M, p->K, p->N, (int)p->fmt, p->w, p->scale, p->mins, p->G, p->bias,
-                s->gemv_scratch, (int)s->num_threads);
+    project_rows(out, p->N, x, p->K, s->M, p, s);
 }
 
 /* The input of a sublayer: `pending` (the previous sublayer's output, NULL for the first) joins the residual
@@ -121,12 +81,13 @@ void decode_stack_f32(const layer_t *layers, int64_t n_layers, const float *fina
         project(proj, attn, &L->o, s);
         if (L->attn_out_norm) add_rmsnorm_f32(proj, NULL, H, 1.f, L->attn_out_norm, s->eps, proj, M, H, nt);
         x = sublayer_input(residual, proj, L->mlp_norm, normed, s);
-        project(gu, x, &L->gate_up, s);
-        if (s->act == 1)
-            gelu_tanh_mul_f32(gu, 2 * I, act, M, I, nt);
-        else
-            silu_mul_f32(gu, 2 * I, act, M, I, nt);
-        project(proj, act, &L->down, s);
+        if (L->moe) {
+            moe_f32(proj, x, L->moe, s);
+        } else {
+            project(gu, x, &L->gate_up, s);
+            gated_act(gu, act, M, I, s);
+            project(proj, act, &L->down, s);
+        }
         if (L->mlp_out_norm) add_rmsnorm_f32(proj, NULL, H, 1.f, L->mlp_out_norm, s->eps, proj, M, H, nt);
     }
     add_rmsnorm_f32(residual, n_layers ? proj : NULL, H, s->res_scale, final_norm, s->eps, h, M, H, nt);

@@ -1,0 +1,84 @@
+/*
+ * The tables csrc/decode_stack.c and csrc/moe_decode.c share (mirrored by model/decode_stack.py's ctypes
+ * structures: change both together).
+ */
+#ifndef MINIVLLM_DECODE_STACK_H
+#define MINIVLLM_DECODE_STACK_H
+#include <stdint.h>
+
+/* One projection as csrc/gemv.c takes it (the fields of cpu_kernels.GemvWeights). */
+typedef struct {
+    const void *w, *scale, *mins;
+    const float *bias;
+    int64_t K, N, G;
+    int64_t fmt;
+} proj_t;
+
+/* A mixture of experts in a layer's MLP place (model/moe.py's SparseMoE). */
+typedef struct {
+    int64_t E, k, I;       /* experts, experts per token, each expert's intermediate size */
+    int64_t norm_topk;     /* renormalise the k routing weights to sum 1 */
+    proj_t router;         /* [E, H]: float logits, softmax over all experts in float32 */
+    const proj_t *gate_up; /* [E]: [2I, H] each, gate rows first */
+    const proj_t *down;    /* [E]: [H, I] each */
+    int64_t shared_I;      /* Qwen2-MoE's shared expert's intermediate size (0: none) */
+    proj_t shared_gate_up, shared_down, shared_gate; /* the shared expert and its [1, H] sigmoid gate */
+    int64_t *expert_tokens; /* [E] tokens routed to each expert (the /metrics counters) */
+} moe_t;
+
+typedef struct {
+    /* Norms before attention, after attention, before the MLP, after the MLP (NULL: the family has none). */
+    const float *attn_norm, *attn_out_norm, *mlp_norm, *mlp_out_norm;
+    const float *q_norm, *k_norm; /* NULL: none; else one weight per group of q_norm_size / k_norm_size */
+    int64_t q_norm_size, k_norm_size;
+    const float *cos_sin; /* [positions, rot]; NULL: no rotary (NoPE layer) */
+    int64_t rot, window;  /* window <= 0: full attention */
+    int64_t group;        /* its KV group: which slots and block tables of the step it reads */
+    proj_t qkv, o, gate_up, down; /* gate_up / down unused where moe is set */
+    void *k_cache, *v_cache;
+    _Float16 *k_scale, *v_scale; /* int8 caches only */
+    const moe_t *moe;            /* NULL: the dense gated MLP */
+} layer_t;
+
+#define MAX_KV_GROUPS 4
+
+/* The model's shape and the step's inputs (attention metadata of an all-decode step; slots and block tables per
+ * KV group: the layers of one attention window share a pool). */
+typedef struct {
+    int64_t M, H, I;
+    int64_t nq, nkv, D, block_size;
+    float eps, scale, softcap, res_scale;
+    int64_t act; /* 0: SiLU, 1: GeLU-tanh */
+    const int64_t *positions;
+    const int64_t *slot_mapping[MAX_KV_GROUPS], *block_tables[MAX_KV_GROUPS];
+    int64_t bt_stride[MAX_KV_GROUPS], sinks, max_ctx;
+    float *gemv_scratch, *attn_scratch, *work;
+    int64_t num_threads, kv_fmt;
+    float *moe_work;  /* moe_work_floats(M, H, E, k, Imax) floats, where a layer has experts */
+    int64_t *moe_ids; /* 3 M k int64 */
+} step_t;
+
+void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, int fmt,
+                 const void *w, const void *scale, const void *mins, int64_t G, const float *bias, float *scratch,
+                 int num_threads);
+void silu_mul_f32(const float *gu, int64_t ldg, float *out, int64_t M, int64_t I, int num_threads);
+void gelu_tanh_mul_f32(const float *gu, int64_t ldg, float *out, int64_t M, int64_t I, int num_threads);
+
+/* out [rows, p->N] (ldo floats apart) = x [rows, p->K] (ldx apart) W^T + b. */
+static inline void project_rows(float *out, int64_t ldo, const float *x, int64_t ldx, int64_t rows, const proj_t *p,
+                                const step_t *s) {
+    linear_gemv(out, ldo, x, ldx, (int)rows, p->K, p->N, (int)p->fmt, p->w, p->scale, p->mins, p->G, p->bias,
+                s->gemv_scratch, (int)s->num_threads);
+}
+
+/* The gated activation of gu [rows, 2I] (gate columns first) into out [rows, I]. */
+static inline void gated_act(const float *gu, float *out, int64_t rows, int64_t I, const step_t *s) {
+    if (s->act == 1)
+        gelu_tanh_mul_f32(gu, 2 * I, out, rows, I, (int)s->num_threads);
+    else
+        silu_mul_f32(gu, 2 * I, out, rows, I, (int)s->num_threads);
+}
+
+void moe_f32(float *out, const float *x, const moe_t *e, const step_t *s);
+
+#endif
