@@ -61,6 +61,7 @@ def test_live_view_follows_a_burst(tmp_path):
             log = page.inner_text("#log")
             total = int(page.get_attribute("#kv-stats", "data-total"))
             page.screenshot(path=str(tmp_path / "live_view_idle.png"), full_page=True)
+            experts_hidden = page.is_hidden("#experts-panel")
             browser.close()
     finally:
         server.stop()
@@ -74,6 +75,35 @@ def test_live_view_follows_a_burst(tmp_path):
     assert steps_points > 0 and tput_points > 0
     assert "admitted" in log and "finished (length)" in log and "prefill chunk" in log
     assert (tmp_path / "live_view_busy.png").stat().st_size > 0
+    assert experts_hidden, "a dense model has no expert heat map"
+
+
+def test_live_view_heat_map_of_a_mixtures_expert_load(model_factory, tmp_path):
+    """A mixture of experts' server shows a heat map (a row per sparse layer, a column per expert): after a request
+    of P prompt tokens and N outputs, every sparse layer of tiny-qwen3-moe (0 and 2: layer 1 is dense) has routed
+    top-k (2) x (P + N - 1) tokens since the view connected, the same count /metrics adds."""
+    server = ServerProcess(model_factory("tiny-qwen3-moe"), "--log-level", "warning")
+    prompt = list(range(300, 337))
+    try:
+        with sync_api.sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+            page = browser.new_page(viewport={"width": 1200, "height": 900})
+            page.goto(server.url + "/dashboard")
+            page.wait_for_selector('#status[data-state="live"]', timeout=30_000)
+            page.wait_for_selector("#experts-panel", state="visible", timeout=10_000)
+            r = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "ignore_eos": True,
+                                                                 "temperature": 0}, timeout=60)
+            assert r.status_code == 200, r.text
+            want = str(2 * (len(prompt) + 6 - 1))
+            page.wait_for_function(f"document.getElementById('experts-stats').dataset.routed === '{want},{want}'",
+                                   timeout=15_000)
+            layers = page.get_attribute("#experts-stats", "data-layers")
+            experts = page.get_attribute("#experts-stats", "data-experts")
+            page.screenshot(path=str(tmp_path / "live_view_experts.png"), full_page=True)
+            browser.close()
+    finally:
+        server.stop()
+    assert layers == "0,2" and experts == "8"
 
 
 def test_live_view_behind_the_key_in_a_browser():

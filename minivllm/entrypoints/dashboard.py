@@ -1,13 +1,16 @@
 """The live view (SPEC §7): `GET /dashboard` (HTML, JS and CSS from the package: no build step, no CDN)
 and `WS /ws/events`, which streams the engine's step records (engine/step_trace.py) to the page. Both take the
 admin key (or the API key) when one is set (auth.py): the page is opened as /dashboard?token=<key> and hands the
-key to its WebSocket as a subprotocol; at most --max-live-viewers feeds run at once."""
+key to its WebSocket as a subprotocol; at most --max-live-viewers feeds run at once. A mixture of experts' server
+adds the tokens routed to each expert of each sparse layer (the counters /metrics reads) to the hello and to a
+steps message at most every EXPERT_LOAD_PERIOD seconds: the page draws them as a heat map."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import time
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from starlette.responses import FileResponse, Response
@@ -18,6 +21,9 @@ router = APIRouter()
 STATIC = os.path.join(os.path.dirname(__file__), "static")
 _FILES = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 _MAX_BATCH = 64  # records per WebSocket message when a viewer is behind
+# Seconds between expert-load snapshots on a feed: a large mixture's table (48 layers x 128 experts) in every
+# steps message would cost more than the records.
+EXPERT_LOAD_PERIOD = 0.5
 
 
 @router.get("/dashboard", include_in_schema=False)
@@ -50,8 +56,10 @@ async def events(ws: WebSocket) -> None:
         await ws.close(1011)
         return
     eng = state.engine
+    load = eng.expert_load()  # {} for a dense model
     await ws.send_json({"type": "hello", "model": state.model_name, "max_num_seqs": state.max_num_seqs,
-                        "max_model_len": state.max_model_len})
+                        "max_model_len": state.max_model_len, "expert_load": load})
+    load_sent = time.monotonic()
     sub = tracer.subscribe()
 
     async def until_closed() -> None:
@@ -69,8 +77,12 @@ async def events(ws: WebSocket) -> None:
             records = [get.result()]
             while len(records) < _MAX_BATCH and not sub.queue.empty():
                 records.append(sub.queue.get_nowait())
-            await ws.send_text(json.dumps({"type": "steps", "records": records, "dropped": sub.dropped,
-                                           "running": eng.is_running}))
+            msg = {"type": "steps", "records": records, "dropped": sub.dropped, "running": eng.is_running}
+            last = records[-1]
+            drained = last.get("num_running") == 0 and last.get("num_waiting") == 0  # (the final counts, unthrottled)
+            if load and (drained or time.monotonic() - load_sent >= EXPERT_LOAD_PERIOD):
+                msg["expert_load"], load_sent = eng.expert_load(), time.monotonic()
+            await ws.send_text(json.dumps(msg))
     except (WebSocketDisconnect, RuntimeError):
         pass
     finally:

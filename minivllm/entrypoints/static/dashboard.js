@@ -1,10 +1,12 @@
 // Mini-vLLM live view: follows /ws/events (one record per engine step) and draws the requests' states,
-// the KV block grid, each step's batch, throughput / latency, and the scheduler's events. No libraries.
+// the KV block grid, each step's batch, throughput / latency, the scheduler's events and, for a mixture of
+// experts, a heat map of the tokens routed to each expert. No libraries.
 "use strict";
 const MAX_ROWS = 200, MAX_POINTS = 240, MAX_LOG = 300;
 const requests = new Map();            // request id -> {state, tokens, history, row}
 const stepPts = [], tputPts = [], latPts = [];
 let lastKv = null, stepsSeen = 0;
+let expertBase = null, expertNow = null;  // {layer: [tokens per expert]}: at hello, and the latest snapshot
 
 const $ = (id) => document.getElementById(id);
 function hue(s) { let h = 0; for (const c of s) h = (h * 31 + c.charCodeAt(0)) >>> 0; return h % 360; }
@@ -189,17 +191,53 @@ function connect() {
   };
   ws.onmessage = (ev) => {
     const msg = JSON.parse(ev.data);
-    if (msg.type === "hello") $("model").textContent = msg.model;
+    if (msg.type === "hello") {
+      $("model").textContent = msg.model;
+      if (msg.expert_load && Object.keys(msg.expert_load).length) {
+        expertBase = expertNow = msg.expert_load;
+        $("experts-panel").hidden = false;
+      }
+    }
     else if (msg.type === "error") { $("status").textContent = msg.message; }
     else if (msg.type === "steps") {
       msg.records.forEach(onStep);
       $("dropped").textContent = msg.dropped;
       $("steps-seen").textContent = stepsSeen;
+      if (msg.expert_load) expertNow = msg.expert_load;
     }
   };
 }
 
+// Rows: sparse layers; columns: experts; shade: an expert's share of its layer's routed tokens since the page
+// connected, against the busiest expert of that layer (an even spread is evenly shaded).
+function drawExperts() {
+  if (!expertNow) return;
+  const layers = Object.keys(expertNow).map(Number).sort((a, b) => a - b);
+  const cv = $("experts"), ctx = cv.getContext("2d");
+  const n = Math.max(...layers.map((l) => expertNow[l].length)), left = 34, top = 4;
+  const w = (cv.width - left) / n, h = (cv.height - top) / layers.length;
+  const routed = [];
+  ctx.clearRect(0, 0, cv.width, cv.height);
+  ctx.font = "10px sans-serif";
+  layers.forEach((l, row) => {
+    const counts = expertNow[l].map((c, e) => c - ((expertBase[l] || [])[e] || 0));
+    const peak = Math.max(1, ...counts);
+    routed.push(counts.reduce((a, b) => a + b, 0));
+    counts.forEach((c, e) => {
+      const x = left + e * w, y = top + row * h, f = c / peak;
+      ctx.fillStyle = `hsl(230, 70%, ${96 - 66 * f}%)`;
+      ctx.fillRect(x, y, Math.max(1, w - (w > 3 ? 1 : 0)), Math.max(1, h - (h > 3 ? 1 : 0)));
+      if (w >= 24 && h >= 14) { ctx.fillStyle = f > 0.5 ? "#fff" : "#333"; ctx.fillText(`${c}`, x + 3, y + 12); }
+    });
+    if (h >= 9) { ctx.fillStyle = "#666"; ctx.fillText(`L${l}`, 2, top + row * h + Math.min(h, 14) - 3); }
+  });
+  const s = $("experts-stats");
+  Object.assign(s.dataset, {layers: layers.join(","), routed: routed.join(","), experts: n});
+  s.textContent = `${layers.length} sparse layers x ${n} experts; ${routed.reduce((a, b) => a + b, 0)} tokens ` +
+                  "routed since this view connected";
+}
+
 // Redrawn 4 times a second: enough to follow, cheap for the machine that serves.
-function frame() { drawKv(); drawSteps(); drawCharts(); }
+function frame() { drawKv(); drawSteps(); drawCharts(); drawExperts(); }
 connect();
 setInterval(frame, 250);
