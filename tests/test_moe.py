@@ -1,7 +1,7 @@
 """Mixtures of experts (model/moe.py): the grouped expert layer equals a per-token reference, checkpoints that store
 each expert apart (as transformers saves them, Mixtral's `block_sparse_moe.experts.N.w1` too) load as the merged
-tensors, and what is not built yet is refused by name. Per-layer, logits and greedy parity with transformers for
-each family are in test_parity.py."""
+tensors, experts split across tensor-parallel ranks, and what cannot be built is refused by name. Per-layer,
+logits and greedy parity with transformers for each family are in test_parity.py."""
 
 from __future__ import annotations
 
@@ -117,9 +117,66 @@ def test_a_missing_expert_is_named(model_factory, tmp_path):
         LLM(path, num_kv_blocks=32)
 
 
-def test_tensor_parallelism_is_refused_until_experts_split(model_factory):
-    with pytest.raises(ValueError, match="Qwen3MoeForCausalLM cannot be split across ranks: its experts"):
-        LLM(model_factory("tiny-qwen3-moe"), num_kv_blocks=32, tensor_parallel_size=2)
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("shared", [0, 40])
+def test_expert_shards_sum_to_the_whole_layer(shared, tokens):
+    """Expert parallelism (distributed/parallel.py): two ranks' shares of one layer (experts 0-3 and 4-7, each
+    with half of the shared expert) give partial outputs whose sum, what the all-reduce forms, is the layer's."""
+    import copy
+
+    from minivllm.distributed.parallel import _shard_experts
+
+    whole = _moe(shared, norm=False, seed=3)
+    x = torch.randn(tokens, 32)
+    shards = [copy.deepcopy(whole) for _ in range(2)]
+    for rank, moe in enumerate(shards):
+        _shard_experts(moe, rank, 2)
+        assert len(moe.experts.gate_up) == 4 and moe.experts.start == 4 * rank
+    with torch.no_grad():
+        want = whole(x)
+        parts = [moe(x) for moe in shards]
+    torch.testing.assert_close(parts[0] + parts[1], want, atol=1e-5, rtol=1e-5)
+    if tokens > 1:  # (one token's two experts may both be one rank's)
+        assert all(not torch.allclose(p, want) for p in parts)  # each rank alone has only part of it
+    assert all(torch.equal(moe.expert_tokens, whole.expert_tokens) for moe in shards)  # every rank counts all
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-qwen2-moe"])  # (a dense layer; a shared expert)
+def test_tensor_parallel_splits_the_experts_and_equals_one_process(model_factory, preset):
+    """--tensor-parallel-size 2: each rank holds half of every layer's experts (and half of Qwen2-MoE's shared
+    expert); the greedy tokens equal one process's, and rank 0's per-expert counts (/metrics) equal them too."""
+    from minivllm import SamplingParams
+    from minivllm.model.moe import expert_load
+
+    path = model_factory(preset)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(100 + 7 * i, 130 + 9 * i))} for i in range(4)]
+    one = LLM(path, num_kv_blocks=64)
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    split = LLM(path, num_kv_blocks=64, tensor_parallel_size=2)
+    try:
+        got = [o.outputs[0].token_ids for o in split.generate(prompts, params, use_tqdm=False)]
+        model = split.llm_engine.runner.model
+        held = {len(layer.mlp.experts.gate_up) for layer in model.layers if isinstance(layer.mlp, SparseMoE)}
+        load = expert_load(model)
+    finally:
+        group = split.llm_engine.runner.group
+        assert group is not None
+        group.shutdown()
+    assert got == want
+    assert held == {4}  # of 8
+    assert load == expert_load(one.llm_engine.runner.model)
+    forwarded = sum(len(p["prompt_token_ids"]) + 20 - 1 for p in prompts)
+    assert load and all(sum(counts) == 2 * forwarded for counts in load.values())  # counted from zero: top-2
+
+
+def test_tensor_parallelism_refusals_name_the_reason(model_factory):
+    """OLMoE's q/k norms span the whole projections (as OLMo 2's); experts must split evenly."""
+    with pytest.raises(ValueError, match="OlmoeForCausalLM cannot be split across ranks: q_norm and k_norm"):
+        LLM(model_factory("tiny-olmoe"), num_kv_blocks=32, tensor_parallel_size=2)
+    path = model_factory("tiny-qwen3-moe", overrides=(("num_experts", 6),))
+    with pytest.raises(ValueError, match="tensor_parallel_size 4 must divide the model's 6 experts"):
+        LLM(path, num_kv_blocks=32, tensor_parallel_size=4)
 
 
 @pytest.mark.parametrize("method", ["int8", "w8a8", "int4", "w4a8"])

@@ -9,6 +9,12 @@ the LM head (each rank computes its vocabulary slice, an all-gather joins the lo
 with the query heads; with fewer KV heads than ranks, each rank keeps the one KV head its query heads
 read (replicated across the ranks that share it). Sharding runs on the loaded full-precision model,
 before quantization and kernel planning, so every later stage sees only the rank's shard.
+
+A mixture of experts' layer is split by experts (expert parallelism): each rank keeps E / size whole experts
+and, for every token, adds the outputs of those of its k chosen experts that it holds; the router is
+replicated, so every rank routes identically (the all-reduce gives every rank the same bits). Qwen2-MoE's
+shared expert is split like a dense MLP and its partial output joins the routed one: one all-reduce per MoE
+layer, after the whole block.
 """
 
 from __future__ import annotations
@@ -38,6 +44,14 @@ def check_tensor_parallel(mc: ModelConfig, size: int, intermediate: int | None) 
                          f"nor replicated evenly ({size} is not a multiple of {kv})")
     if intermediate is not None and intermediate % size:
         raise ValueError(f"tensor_parallel_size {size} must divide the MLP's intermediate size {intermediate}")
+    cfg = mc.hf_config
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if experts % size:
+        raise ValueError(f"tensor_parallel_size {size} must divide the model's {experts} experts (each rank holds "
+                         "an equal share of every MoE layer's experts)")
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    if shared % size:
+        raise ValueError(f"tensor_parallel_size {size} must divide the shared expert's intermediate size {shared}")
 
 
 def _param(t: torch.Tensor) -> nn.Parameter:
@@ -119,8 +133,10 @@ def _head_spans(first: int, count: int, d: int, offset: int = 0) -> list[tuple[i
 
 
 def _row_parallel_names(model: Any) -> list[str]:
+    """The modules whose outputs are partial sums: o_proj and the MLP's down projection, or a whole MoE block."""
     if hasattr(model, "layers"):
-        return [f"layers.{i}.{m}" for i in range(len(model.layers)) for m in ("self_attn.o_proj", "mlp.down_proj")]
+        return [f"layers.{i}.{m}" for i, layer in enumerate(model.layers)
+                for m in ("self_attn.o_proj", "mlp" if hasattr(layer.mlp, "experts") else "mlp.down_proj")]
     return [f"h.{i}.{m}" for i in range(len(model.h)) for m in ("attn.c_proj", "mlp.c_proj")]
 
 
@@ -137,6 +153,22 @@ def attach_collectives(model: nn.Module, mc: ModelConfig, pc: ParallelConfig) ->
         return torch.cat(get_comm().all_gather(out), dim=-1)[..., :vocab]
 
     model.get_submodule("lm_head").register_forward_hook(gather)
+
+
+def _shard_gated_mlp(mlp: Any, r: int, n: int) -> None:
+    """Column-parallel gate/up (this rank's slice of both halves), row-parallel down."""
+    inter = mlp.down_proj.in_features
+    per = inter // n
+    _column_parallel(mlp.gate_up_proj, [(r * per, (r + 1) * per), (inter + r * per, inter + (r + 1) * per)])
+    _row_parallel(mlp.down_proj, r * per, (r + 1) * per, r)
+
+
+def _shard_experts(moe: Any, r: int, n: int) -> None:
+    """Keep experts [r E/n, (r+1) E/n) of a MoE block (model/moe.py) and this rank's slice of its shared expert."""
+    per = moe.num_experts // n
+    moe.keep_experts(r * per, (r + 1) * per)
+    if moe.shared_expert is not None:
+        _shard_gated_mlp(moe.shared_expert, r, n)
 
 
 def shard_model(model: nn.Module, mc: ModelConfig, pc: ParallelConfig) -> None:
@@ -158,11 +190,10 @@ def shard_model(model: nn.Module, mc: ModelConfig, pc: ParallelConfig) -> None:
             _row_parallel(attn.o_proj, r * hq * d, (r + 1) * hq * d, r)
             attn.q_size, attn.kv_size = hq * d, kv * d
             attn.attn.num_heads, attn.attn.num_kv_heads = hq, kv
-            mlp = layer.mlp
-            inter = mlp.down_proj.in_features
-            per = inter // n
-            _column_parallel(mlp.gate_up_proj, [(r * per, (r + 1) * per), (inter + r * per, inter + (r + 1) * per)])
-            _row_parallel(mlp.down_proj, r * per, (r + 1) * per, r)
+            if hasattr(layer.mlp, "experts"):
+                _shard_experts(layer.mlp, r, n)
+            else:
+                _shard_gated_mlp(layer.mlp, r, n)
         _shard_vocab(model, "embed_tokens", mc.vocab_size, pc)
     elif hasattr(model, "h"):  # GPT-2: fused [q; k; v] rows, heads == KV heads
         hidden = mc.hidden_size

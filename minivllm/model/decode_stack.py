@@ -183,6 +183,9 @@ class DecodeStack:
         if not cpu_kernels.available() or not isinstance(getattr(model, "layers", None), nn.ModuleList) \
                 or not hasattr(model.layers[0], "norms"):
             return None  # GPT-2's blocks are another shape
+        if any(isinstance(layer.mlp, SparseMoE) and len(layer.mlp.experts.gate_up) != layer.mlp.num_experts
+               for layer in model.layers):
+            return None  # a rank's share of the experts (expert parallelism): its ranks run the module path
         first = model.layers[0]
         attn = first.self_attn.attn
         if not isinstance(attn.backend, CpuNativePagedAttention) or attn.k_cache.dtype not in cpu_kernels.KV_FORMATS:

@@ -42,14 +42,19 @@ class Experts(nn.Module):
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
         super().__init__()
+        self.start = 0  # the global id of gate_up[0]: under expert parallelism a rank holds a contiguous share
         self.gate_up = nn.ModuleList(Linear(hidden, 2 * intermediate, bias=False) for _ in range(num_experts))
         self.down = nn.ModuleList(Linear(intermediate, hidden, bias=False) for _ in range(num_experts))
         for layer in (*self.gate_up, *self.down):
             cast(Linear, layer).routed = True
 
+    def holds(self, e: int) -> bool:
+        """Whether global expert e is held here (all of them without expert parallelism)."""
+        return 0 <= e - self.start < len(self.gate_up)
+
     def run(self, e: int, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
-        """Expert e's gated MLP over its tokens x [n, H]: one GEMM (GEMV at one token) per projection."""
-        return cast(torch.Tensor, self.down[e](act(self.gate_up[e](x))))
+        """Global expert e's gated MLP over its tokens x [n, H]: one GEMM (GEMV at one token) per projection."""
+        return cast(torch.Tensor, self.down[e - self.start](act(self.gate_up[e - self.start](x))))
 
 
 class SparseMoE(nn.Module):
@@ -73,6 +78,19 @@ class SparseMoE(nn.Module):
         # Tokens routed to each expert since start-up (/metrics: minivllm:moe_expert_tokens_total).
         self.register_buffer("expert_tokens", torch.zeros(spec.num_experts, dtype=torch.int64), persistent=False)
 
+    def reset_buffers(self) -> None:
+        """The counters from zero (the loader builds the model on the meta device: to_empty leaves them garbage,
+        and /metrics reported start-up counts in the trillions)."""
+        self.expert_tokens.zero_()
+
+    def keep_experts(self, start: int, end: int) -> None:
+        """Expert parallelism (distributed/parallel.py): hold experts [start, end) only; the others' tokens add
+        nothing here (another rank's partial sum carries them). The router stays whole: every rank routes alike
+        and counts every routed token."""
+        ex = self.experts
+        ex.gate_up, ex.down = nn.ModuleList(ex.gate_up[start:end]), nn.ModuleList(ex.down[start:end])
+        ex.start = start
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k]) as transformers' routers compute them."""
         logits = self.gate(x)
@@ -92,12 +110,13 @@ class SparseMoE(nn.Module):
         self.expert_tokens += counts
         token_of = order // self.top_k
         xs = x.index_select(0, token_of)
-        out = torch.empty_like(xs)
+        whole = len(self.experts.gate_up) == self.num_experts
+        out = torch.empty_like(xs) if whole else torch.zeros_like(xs)  # (another rank's experts' rows: 0)
         start = 0
         for e, n in enumerate(counts.tolist()):
-            if n:
+            if n and self.experts.holds(e):
                 out[start:start + n] = self.experts.run(e, xs[start:start + n], self.act)
-                start += n
+            start += n
         out.mul_(weights.reshape(-1).index_select(0, order).unsqueeze(1))
         y = torch.zeros_like(x).index_add_(0, token_of, out)
         return self._add_shared(x, y)
@@ -106,10 +125,10 @@ class SparseMoE(nn.Module):
         self.expert_tokens.index_add_(0, ids, torch.ones_like(ids))
         y: torch.Tensor | None = None
         for w, e in zip(weights.tolist(), ids.tolist(), strict=True):
-            out = self.experts.run(e, x, self.act).mul_(w)
-            y = out if y is None else y.add_(out)
-        assert y is not None
-        return self._add_shared(x, y)
+            if self.experts.holds(e):
+                out = self.experts.run(e, x, self.act).mul_(w)
+                y = out if y is None else y.add_(out)
+        return self._add_shared(x, torch.zeros_like(x) if y is None else y)
 
     def _add_shared(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Qwen2-MoE's shared expert, gated per token, added to the routed experts' sum y."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 from minivllm.config import ModelConfig
 from minivllm.model.models.decoder import DecoderForCausalLM, DecoderSpec, require
 from minivllm.model.models.llama import llama_layer_types
-from minivllm.model.models.qwen3_moe import MOE_TP_REFUSAL
 from minivllm.model.moe import moe_spec
 
 _EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -16,7 +15,6 @@ _EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 class MixtralForCausalLM(DecoderForCausalLM):
     """MixtralForCausalLM."""
 
-    tensor_parallel_refusal = MOE_TP_REFUSAL
     config_defaults = {"tie_word_embeddings": False, "rms_norm_eps": 1e-5}
 
     @staticmethod

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from minivllm.config import ModelConfig
 from minivllm.model.models.decoder import FULL, DecoderForCausalLM, DecoderSpec, require
-from minivllm.model.models.qwen3_moe import MOE_TP_REFUSAL
+from minivllm.model.models.olmo2 import Olmo2ForCausalLM
 from minivllm.model.moe import moe_spec
 
 
 class OlmoeForCausalLM(DecoderForCausalLM):
     """OlmoeForCausalLM."""
 
-    tensor_parallel_refusal = MOE_TP_REFUSAL
+    tensor_parallel_refusal = Olmo2ForCausalLM.tensor_parallel_refusal  # (the same whole-projection q/k norms)
     config_defaults = {"tie_word_embeddings": False, "rms_norm_eps": 1e-5, "norm_topk_prob": False}
 
     @staticmethod

@@ -6,14 +6,12 @@ from __future__ import annotations
 from minivllm.config import ModelConfig
 from minivllm.model.models.decoder import DecoderForCausalLM, DecoderSpec, require
 from minivllm.model.models.llama import llama_layer_types
-from minivllm.model.models.qwen3_moe import MOE_TP_REFUSAL
 from minivllm.model.moe import moe_spec
 
 
 class Qwen2MoeForCausalLM(DecoderForCausalLM):
     """Qwen2MoeForCausalLM."""
 
-    tensor_parallel_refusal = MOE_TP_REFUSAL
     config_defaults = {"tie_word_embeddings": False, "rms_norm_eps": 1e-6, "norm_topk_prob": False}
 
     @staticmethod

@@ -8,14 +8,10 @@ from minivllm.model.models.decoder import DecoderForCausalLM, DecoderSpec, requi
 from minivllm.model.models.llama import llama_layer_types
 from minivllm.model.moe import moe_spec
 
-# Expert parallelism is not built yet: each rank would need its experts' share and one collective per MoE layer.
-MOE_TP_REFUSAL = "its experts are not split across ranks yet (expert parallelism)"
-
 
 class Qwen3MoeForCausalLM(DecoderForCausalLM):
     """Qwen3MoeForCausalLM."""
 
-    tensor_parallel_refusal = MOE_TP_REFUSAL
     config_defaults = {"tie_word_embeddings": False, "rms_norm_eps": 1e-6, "norm_topk_prob": False}
 
     @staticmethod
