@@ -1,8 +1,9 @@
 """GGUF files of every family whose file llama.cpp's converter writes: what the file says beyond transformers' GGUF
 config mapping (model/gguf_families.py: Llama 3's rope factors, yarn, Qwen 3's head size, Gemma 2's soft-capping,
 Gemma 3's local rope base, Phi-3's LongRoPE and partial rotary) is read, and the families transformers' reader
-refuses (OLMo 2, Granite, SmolLM3) are read by ours, so the file tokenizes as its checkpoint and computes the
-checkpoint's logits, and those llama.cpp computes from the same file."""
+refuses (OLMo 2, Granite, SmolLM3) are read by ours, a mixture of experts' expert widths and routing too, so the
+file tokenizes as its checkpoint and computes the checkpoint's logits, and those llama.cpp computes from the same
+file."""
 
 from __future__ import annotations
 
@@ -21,7 +22,10 @@ from minivllm.model.runner import SequenceInput
 FAMILIES = [("tiny-llama3", ()), ("tiny-qwen2-yarn", ()), ("tiny-qwen3", ()),
             ("tiny-gemma2", (("query_pre_attn_scalar", 32),)),
             ("tiny-gemma3", (("query_pre_attn_scalar", 32), ("sliding_window_pattern", 6))),
-            ("tiny-phi3", ()), ("tiny-olmo2", ()), ("tiny-granite", ()), ("tiny-smollm3", ())]
+            ("tiny-phi3", ()), ("tiny-olmo2", ()), ("tiny-granite", ()), ("tiny-smollm3", ()),
+            # Mixtures of experts (merged ffn_*_exps tensors): llama.cpp's converter writes no dense layer among
+            # Qwen3-MoE's sparse ones; Qwen2-MoE's shared expert and its gate.
+            ("tiny-qwen3-moe", (("mlp_only_layers", None),)), ("tiny-qwen2-moe", ())]
 IDS = list(range(5, 45))  # past tiny-llama3's original context (64 -> scaled) needs no more: its factors act on all
 
 
@@ -47,10 +51,11 @@ def test_each_family_serves_its_checkpoints_logits_and_llama_cpps(model_factory,
         assert gcfg["partial_rotary_factor"] == 0.5 and gcfg["original_max_position_embeddings"] == 256
         return
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by the test extra")
-    llm = llama_cpp.Llama(path, n_ctx=256, n_threads=2, logits_all=True, verbose=False)
+    # llama.cpp's KV cache in float32 (type 0), as ours: its default float16 moves a mixture's logits by 2% of
+    # their scale where a token's two best experts nearly tie and the rounding flips its routing.
+    llm = llama_cpp.Llama(path, n_ctx=256, n_threads=2, logits_all=True, verbose=False, type_k=0, type_v=0)
     llm.eval(IDS)
     theirs = torch.from_numpy(np.array(llm.scores[len(IDS) - 1], dtype=np.float32))
-    # llama.cpp's KV cache is float16: within a few thousandths, the same most likely token.
     assert (ours - theirs).abs().max().item() < 5e-3 * ours.abs().max().item() + 2e-3
     assert ours.argmax().item() == theirs.argmax().item()
 
@@ -68,3 +73,16 @@ def test_a_family_key_of_the_wrong_kind_is_named(model_factory, tmp_path, key, v
     rewrite_gguf(src, str(tmp_path / "bad.gguf"), lambda t: None, {key: (value, kind)})
     with pytest.raises(ValueError, match=f"metadata {key} is .*, not a finite number"):
         ModelConfig.from_pretrained(str(tmp_path / "bad.gguf"))
+
+
+def test_a_mixture_of_experts_of_another_architecture_is_refused_by_name(model_factory, tmp_path):
+    """Expert tensors are read for qwen2moe / qwen3moe files; another architecture claiming experts (a Mixtral
+    `llama` file) is refused naming the key, not served with its experts silently missing."""
+    from gguf import GGUFValueType
+
+    from minivllm.model.gguf_export import rewrite_gguf
+
+    src = llamacpp.convert(model_factory("tiny-qwen3"), str(tmp_path / "m.gguf"), "f32")
+    rewrite_gguf(src, str(tmp_path / "moe.gguf"), lambda t: None, {"qwen3.expert_count": (8, GGUFValueType.UINT32)})
+    with pytest.raises(ValueError, match="qwen3.expert_count: mixture-of-experts GGUF files are read for Qwen2-MoE"):
+        ModelConfig.from_pretrained(str(tmp_path / "moe.gguf"))

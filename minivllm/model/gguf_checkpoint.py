@@ -300,6 +300,9 @@ def iterate_weights(path: str, native: bool = False) -> Iterator[tuple[str, torc
     int8 = bool(native_cfg) and not set(native_cfg["types"]) <= GGUF_INT4_TYPES  # int8 blocks, some converted
     int4_layers = set(native_cfg.get("int4_layers") or ())  # (in such a file: modules of int4 groups, float32 mins)
     extra: dict[str, Any] = {"tensors": {}}  # processors that rename a tensor put it here (GPT-2's output)
+    # A mixture's merged gate/up experts: the processor fills one tensor from two of the file's (ffn_gate_exps,
+    # ffn_up_exps), so it is yielded once both halves are in (yielded at the first, the up half stayed zeros).
+    halves: dict[str, int] = {}
     for tensor in (t for part in parts(path) for t in GGUFReader(part).tensors):
         info = checked.get(tensor.name)
         if info is None or tensor.data_offset != info.start or int(tensor.n_bytes) != info.nbytes:
@@ -322,10 +325,20 @@ def iterate_weights(path: str, native: bool = False) -> Iterator[tuple[str, torc
         result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names,
                                    parsed_parameters=extra)
         for name, value in list(extra["tensors"].items()):
+            if name.endswith("experts.gate_up_proj"):
+                halves[name] = halves.get(name, 0) + 1
+                if halves[name] < 2:
+                    continue
             yield name, value
             del extra["tensors"][name]
         if result.name is None or result.name not in names:
             continue
         # A copy: an F32 tensor is a read-only view of the file's mapping.
-        yield names[result.name], torch.from_numpy(np.array(result.weights, dtype=np.float32))
+        value = torch.from_numpy(np.array(result.weights, dtype=np.float32))
+        if value.dim() > 2 and all(d == 1 for d in value.shape[:-2]):
+            value = value.reshape(value.shape[-2:])  # Qwen2-MoE's shared-expert gate comes as [1, 1, H]
+        yield names[result.name], value
+    if extra["tensors"]:
+        raise ValueError(f"GGUF {path}: {', '.join(extra['tensors'])} read from half of the file's tensors "
+                         "(an ffn_gate_exps without its ffn_up_exps, or the reverse)")
 

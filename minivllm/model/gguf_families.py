@@ -7,7 +7,9 @@ factors, a `rope_freqs` tensor), rope scaling keys (`rope.scaling.type` linear /
 (`attention.key_length`), Gemma 2's logit soft-capping, Gemma 3's local rope base, Phi-3's LongRoPE factors
 (`rope_factors_long` / `rope_factors_short` tensors), partial rotary and pretraining length. Each is filled in
 here as llama.cpp's loader (llama-model.cpp) reads the file, including where llama.cpp fixes a value the file
-does not hold (Gemma's attention scale and Gemma 3's sliding-window pattern).
+does not hold (Gemma's attention scale and Gemma 3's sliding-window pattern). A mixture of experts' expert and
+shared-expert widths (`expert_feed_forward_length`, `expert_shared_feed_forward_length`) are dropped too, and
+whether the k routing weights are renormalised is fixed per architecture by llama.cpp's graph, not stored.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ import numpy as np
 # it tells them apart by layer count.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _GEMMA3_SWA_PATTERN = 6  # llama.cpp's fixed pattern: every sixth layer attends globally
+# Whether llama.cpp's graph renormalises each token's top-k routing weights, per GGUF architecture (it reads no
+# key for it): Qwen3-MoE does, Qwen2-MoE does not. (Mixtral's `llama` files with experts: transformers' tensor
+# processor for `llama` does not read expert tensors, so they are refused by name.)
+_MOE_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False}
 
 
 def complete_config(cfg: dict[str, Any], meta: dict[str, Any], arch: str,
@@ -59,12 +65,30 @@ def complete_config(cfg: dict[str, Any], meta: dict[str, Any], arch: str,
             cfg["partial_rotary_factor"] = rotary / head_dim
         if not key("attention.sliding_window"):
             cfg["sliding_window"] = None  # llama.cpp's 0: no window
+    if key("expert_count"):
+        _experts(cfg, key, arch)
     if key("rope.scaling.original_context_length") is not None:
         cfg["original_max_position_embeddings"] = int(key("rope.scaling.original_context_length"))
     pad = meta.get("tokenizer.ggml.padding_token_id")
     vocab = cfg.get("vocab_size")
     # A config class's default pad id (Phi-3's 32000) may lie outside a smaller vocabulary: take the file's.
     cfg["pad_token_id"] = pad if isinstance(pad, int) and (vocab is None or 0 <= pad < vocab) else None
+
+
+def _experts(cfg: dict[str, Any], key: Callable[[str], Any], arch: str) -> None:
+    """A mixture of experts' widths and routing (every layer sparse: llama.cpp's converter writes no dense layer
+    among expert ones)."""
+    if arch not in _MOE_NORM_TOPK:
+        raise ValueError(f"{arch}.expert_count: mixture-of-experts GGUF files are read for Qwen2-MoE and Qwen3-MoE "
+                         f"(qwen2moe, qwen3moe), not {arch}; serve the Hugging Face checkpoint instead")
+    cfg["num_experts"] = int(key("expert_count"))
+    cfg["num_experts_per_tok"] = int(key("expert_used_count") or 0)
+    if key("expert_feed_forward_length") is not None:
+        cfg["moe_intermediate_size"] = int(key("expert_feed_forward_length"))
+    if key("expert_shared_feed_forward_length") is not None:
+        cfg["shared_expert_intermediate_size"] = int(key("expert_shared_feed_forward_length"))
+    cfg["norm_topk_prob"] = _MOE_NORM_TOPK[arch]
+    cfg["mlp_only_layers"], cfg["decoder_sparse_step"] = [], 1
 
 
 def _rope_scaling(cfg: dict[str, Any], key: Callable[[str], Any], tensor: Callable[[str], np.ndarray | None],
