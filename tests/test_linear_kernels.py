@@ -168,3 +168,29 @@ def test_a_recheck_times_only_the_kernels_whose_weight_layout_is_still_held():
         assert [c for c, _, _ in plan.rechecks] == [0] and set(plan.timings[0]) == held
     else:  # one kernel left: nothing to re-time, and the class is not checked again
         assert plan.rechecks == [] and plan.timings[0] is None
+
+
+def test_a_second_engine_of_the_same_layers_reuses_the_start_up_timings(monkeypatch):
+    """Start-up timings are kept per process by what was timed: a second engine of the same model times nothing and
+    plans the same kernels (with its own copy of the timings); other layers (bf16 activations and weights) are
+    timed; a re-check's timings replace the kept ones."""
+    from minivllm.model import kernel_plan
+
+    monkeypatch.setattr(Linear, "release_unused", lambda self: None)  # (both layouts stay: a re-check has a choice)
+    monkeypatch.setattr(kernel_plan.KernelPlan, "RECHECK_SPAN", float("inf"))
+    plan = LLM(num_kv_blocks=64).llm_engine.runner.linear_plan
+    calls: list[int] = []
+    original = kernel_plan.best_time
+    monkeypatch.setattr(kernel_plan, "best_time", lambda fn, reps=3: calls.append(1) or original(fn, reps))
+    again = LLM(num_kv_blocks=64).llm_engine.runner.linear_plan
+    assert calls == [] and again.chosen == plan.chosen and again.timings == plan.timings
+    assert again.timings[0] is not plan.timings[0]
+    LLM(num_kv_blocks=64, dtype="bfloat16")
+    assert calls  # other layers: timed
+    calls.clear()
+    timed = again.timings[0]
+    assert timed is not None and len(timed) > 1
+    again.timings[0] = {n: t * 50 for n, t in timed.items()}
+    again.recheck(0)  # times afresh, and keeps what it found
+    assert calls and again.timings[0] != plan.timings[0]
+    assert LLM(num_kv_blocks=64).llm_engine.runner.linear_plan.timings[0] == again.timings[0]

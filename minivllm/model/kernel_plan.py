@@ -4,7 +4,9 @@ where steps later run faster than those timings allow (PlanCheck: the start-up t
 What is fastest differs by CPU (oneDNN's prepacked GEMM wins at many tokens; a plain weight streamed
 by csrc/gemv.c wins at one), so no choice is hard-coded: every layer type offers the kernels that
 compute its math (`candidates()`), and `plan_kernels` times each on the model's own layers for each
-shape class and binds the fastest to every layer (`kernels`, one per class).
+shape class and binds the fastest to every layer (`kernels`, one per class). Timings are kept per process by
+what was timed (layer types, shapes, formats, candidates, activation dtype, tokens): a second engine of the same
+shapes in one process (a notebook, a test suite: ~1 s of start-up each) reuses them; a re-check times afresh.
 """
 
 from __future__ import annotations
@@ -67,6 +69,15 @@ class PlannedLinear(nn.Module):
         """Layers of one kind share a plan (the same candidates); a model may hold several kinds."""
         return type(self).__name__
 
+    def timing_key(self) -> tuple[object, ...]:
+        """What a kernel's time on this layer depends on: its type and format attributes, and its tensors'
+        names, dtypes, shapes and devices (the layouts held: plain, packed, quantized)."""
+        tensors = [*self.named_parameters(recurse=False), *self.named_buffers(recurse=False)]
+        return (type(self).__name__, self.in_features, self.out_features,
+                tuple(getattr(self, a, None) for a in ("method", "group_size", "blocked", "symmetric", "grouped")),
+                tuple((n, t.dtype, tuple(t.shape), t.device.type) for n, t in tensors if t is not None),
+                tuple(sorted(n for n, v in vars(self).items() if isinstance(v, torch.Tensor))))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.kernels[shape_class(x.shape[0])](self, x)
         return out if self.lora is None else self.lora(x, out)
@@ -95,6 +106,10 @@ def _timed_or_refused(fn: Callable[[], object], name: str, what: str, m: int) ->
 # Timing covers the first layers up to this many weights (all of them for a small model): well past the
 # last-level cache, so the times are the streaming ones, without timing a 1B model three times over.
 TIMED_WEIGHTS = 64 * 2**20
+
+# Start-up timings made in this process, by KernelPlan._timing_key (most recent last; at most _MAX_KEPT).
+_KEPT_TIMINGS: dict[tuple[object, ...], dict[str, float]] = {}
+_MAX_KEPT = 256
 
 
 class KernelPlan:
@@ -125,9 +140,21 @@ class KernelPlan:
             return None  # (layers so small that the timing measured calls, not kernels: no bound)
         return self.scale * t[self.chosen[c]] * min(1.0, m / SHAPE_CLASSES[c][1])
 
-    def time_class(self, c: int, names: list[str]) -> str:
+    def _timing_key(self, c: int, names: list[str]) -> tuple[object, ...]:
+        return (self.what, self.dtype, SHAPE_CLASSES[c][1], tuple(names), tuple(q.timing_key() for q in self.timed))
+
+    def time_class(self, c: int, names: list[str], reuse: bool = False) -> str:
         """Time `names` for shape class c on the timed layers (interleaved rounds: a burst of load skews all
-        alike), record the timings, bind the fastest to every layer's class c; returns it."""
+        alike), record the timings, bind the fastest to every layer's class c; returns it. With `reuse`, timings
+        an earlier plan of this process made of the same layers stand in for timing them again."""
+        key = self._timing_key(c, names)
+        kept = _KEPT_TIMINGS.get(key) if reuse else None
+        if kept is not None:
+            self.timings[c] = dict(kept)
+            best = min(kept, key=kept.__getitem__)
+            logger.info("%s, %d tokens: %s (timed earlier in this process)", self.what, SHAPE_CLASSES[c][1], best)
+            self.bind(c, best)
+            return best
         m = SHAPE_CLASSES[c][1]
         first = next(iter(self.layers[0].buffers()), next(iter(self.layers[0].parameters()), None))
         dev = first.device if first is not None else torch.device("cpu")
@@ -143,6 +170,10 @@ class KernelPlan:
         best = min(timings, key=timings.__getitem__)
         logger.info("%s, %d tokens: %s", self.what, m, ", ".join(f"{n} {t * 1e3:.1f} ms" for n, t in timings.items()))
         self.timings[c] = timings
+        _KEPT_TIMINGS.pop(key, None)
+        _KEPT_TIMINGS[key] = dict(timings)  # (a re-check's timings replace the start-up ones it found wrong)
+        while len(_KEPT_TIMINGS) > _MAX_KEPT:
+            del _KEPT_TIMINGS[next(iter(_KEPT_TIMINGS))]
         self.bind(c, best)
         return best
 
@@ -265,7 +296,7 @@ def plan_kernels(layers: Sequence[PlannedLinear], kernel: str = "auto", what: st
         # (a kernel forced by name where it may not run: the native kernel there, else the portable one)
         fits = fits or [next(n for n in ("native", "reference") if n in every and layers[0].eligible(n, largest))]
         if len(fits) > 1:
-            plan.time_class(c, fits)
+            plan.time_class(c, fits, reuse=True)
         else:
             plan.bind(c, fits[0])
     return plan
