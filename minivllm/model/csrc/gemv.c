@@ -137,6 +137,22 @@ INLINE void dense_row(float *out, int64_t ldo, const float *x, int M, const Laye
     const float *wf = (const float *)L->w + n * K;
     const uint16_t *wh = (const uint16_t *)L->w + n * K;
     int64_t k = 0;
+    if (M == 1) {
+        /* One token: four accumulators held in registers. Through the arrays below (indexed by the row of x) GCC
+         * kept them in memory on AVX2, where a v16 is two registers: 15 GB/s against oneDNN's 38 on an EPYC. */
+        v16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+        for (; k + 64 <= K; k += 64) {
+            s0 += ld16(x + k) * (bf16 ? ld16_bf16(wh + k) : ld16(wf + k));
+            s1 += ld16(x + k + 16) * (bf16 ? ld16_bf16(wh + k + 16) : ld16(wf + k + 16));
+            s2 += ld16(x + k + 32) * (bf16 ? ld16_bf16(wh + k + 32) : ld16(wf + k + 32));
+            s3 += ld16(x + k + 48) * (bf16 ? ld16_bf16(wh + k + 48) : ld16(wf + k + 48));
+        }
+        for (; k + 16 <= K; k += 16) s0 += ld16(x + k) * (bf16 ? ld16_bf16(wh + k) : ld16(wf + k));
+        float s = hsum((s0 + s1) + (s2 + s3));
+        for (int64_t j = k; j < K; j++) s += x[j] * (bf16 ? bf16_to_f32(wh[j]) : wf[j]);
+        out[n] = s + (L->bias ? L->bias[n] : 0.f);
+        return;
+    }
     for (; k + 32 <= K; k += 32) {
         v16 w0 = bf16 ? ld16_bf16(wh + k) : ld16(wf + k), w1 = bf16 ? ld16_bf16(wh + k + 16) : ld16(wf + k + 16);
         for (int m = 0; m < M; m++) {
