@@ -165,3 +165,29 @@ def make_runner(mc: ModelConfig, num_blocks: int = 16, dtype: torch.dtype = torc
     kw = {"max_model_len": 256, "block_size": 16, **kw}
     return ModelRunner(EngineConfig.of_model(mc, dtype=str(dtype).removeprefix("torch."), device="cpu", **kw),
                        num_blocks)
+
+
+def write_experts_apart(merged: str, out: str, mixtral: bool) -> None:
+    """The merged checkpoint as the released ones store experts: one tensor per expert and projection
+    (experts.N.gate_proj / up_proj / down_proj; Mixtral's block_sparse_moe.experts.N.w1 / w3 / w2)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(merged, out)
+    tensors = {}
+    for name, t in load_file(f"{merged}/model.safetensors").items():
+        block = name.replace(".mlp.", ".block_sparse_moe.") if mixtral else name
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            prefix, half = block.removesuffix("gate_up_proj"), t.shape[1] // 2
+            for e in range(t.shape[0]):
+                gate, up = ("w1", "w3") if mixtral else ("gate_proj", "up_proj")
+                tensors[f"{prefix}{e}.{gate}.weight"] = t[e, :half].clone()
+                tensors[f"{prefix}{e}.{up}.weight"] = t[e, half:].clone()
+        elif name.endswith(".mlp.experts.down_proj"):
+            prefix = block.removesuffix("down_proj")
+            for e in range(t.shape[0]):
+                tensors[f"{prefix}{e}.{'w2' if mixtral else 'down_proj'}.weight"] = t[e].clone()
+        else:
+            tensors[block if ".mlp.gate." in name else name] = t
+    save_file(tensors, f"{out}/model.safetensors", metadata={"format": "pt"})

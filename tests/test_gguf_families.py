@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPTS, make_runner
+from conftest import PROMPTS, make_runner, write_experts_apart
 
 from minivllm.bench import llamacpp
 from minivllm.config import ModelConfig
@@ -50,6 +50,25 @@ def test_each_family_serves_its_checkpoints_logits_and_llama_cpps(model_factory,
     if preset == "tiny-phi3":  # llama.cpp's vocabulary loader refuses this test tokenizer (unordered_map::at)
         assert gcfg["partial_rotary_factor"] == 0.5 and gcfg["original_max_position_embeddings"] == 256
         return
+    _agrees_with_llama_cpp(path, ours)
+
+
+def test_a_mixtral_file_serves_its_checkpoints_logits_and_llama_cpps(model_factory, tmp_path):
+    """Mixtral's files are `llama` ones with experts (ffn_*_exps, q / k permuted for llama.cpp's rope): read as a
+    Mixtral, they compute the checkpoint's logits and llama.cpp's. (llama.cpp's converter takes Mixtral's experts
+    one tensor each, as released checkpoints store them.)"""
+    merged = model_factory("tiny-mixtral")
+    apart = str(tmp_path / "apart")
+    write_experts_apart(merged, apart, True)
+    path = llamacpp.convert(apart, str(tmp_path / "m.gguf"), "f32", architecture="MixtralForCausalLM")
+    assert ModelConfig.from_pretrained(path).architecture == "MixtralForCausalLM"
+    ours = _logits(path)
+    torch.testing.assert_close(ours, _logits(merged), atol=2e-5, rtol=0)
+    _agrees_with_llama_cpp(path, ours)
+
+
+def _agrees_with_llama_cpp(path: str, ours: torch.Tensor) -> None:
+    """llama.cpp's logits of the same file at the last of IDS: within a few thousandths, the same argmax."""
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by the test extra")
     # llama.cpp's KV cache in float32 (type 0), as ours: its default float16 moves a mixture's logits by 2% of
     # their scale where a token's two best experts nearly tie and the rounding flips its routing.
@@ -76,13 +95,13 @@ def test_a_family_key_of_the_wrong_kind_is_named(model_factory, tmp_path, key, v
 
 
 def test_a_mixture_of_experts_of_another_architecture_is_refused_by_name(model_factory, tmp_path):
-    """Expert tensors are read for qwen2moe / qwen3moe files; another architecture claiming experts (a Mixtral
-    `llama` file) is refused naming the key, not served with its experts silently missing."""
+    """Expert tensors are read for llama (Mixtral) / qwen2moe / qwen3moe files; another architecture claiming experts
+    is refused naming the key, not served with its experts silently missing."""
     from gguf import GGUFValueType
 
     from minivllm.model.gguf_export import rewrite_gguf
 
     src = llamacpp.convert(model_factory("tiny-qwen3"), str(tmp_path / "m.gguf"), "f32")
     rewrite_gguf(src, str(tmp_path / "moe.gguf"), lambda t: None, {"qwen3.expert_count": (8, GGUFValueType.UINT32)})
-    with pytest.raises(ValueError, match="qwen3.expert_count: mixture-of-experts GGUF files are read for Qwen2-MoE"):
+    with pytest.raises(ValueError, match="qwen3.expert_count: mixture-of-experts GGUF files are read for Mixtral"):
         ModelConfig.from_pretrained(str(tmp_path / "moe.gguf"))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_runner
+from conftest import make_runner, write_experts_apart
 
 from minivllm import LLM
 from minivllm.config import ModelConfig
@@ -62,32 +62,6 @@ def _logits(path: str) -> torch.Tensor:
     return runner.execute([SequenceInput(list(range(5, 40)), 0, list(range(16)), True)])[0]
 
 
-def _write_apart(merged: str, out: str, mixtral: bool) -> None:
-    """The merged checkpoint as the released ones store experts: one tensor per expert and projection
-    (experts.N.gate_proj / up_proj / down_proj; Mixtral's block_sparse_moe.experts.N.w1 / w3 / w2)."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(merged, out)
-    tensors = {}
-    for name, t in load_file(f"{merged}/model.safetensors").items():
-        block = name.replace(".mlp.", ".block_sparse_moe.") if mixtral else name
-        if name.endswith(".mlp.experts.gate_up_proj"):
-            prefix, half = block.removesuffix("gate_up_proj"), t.shape[1] // 2
-            for e in range(t.shape[0]):
-                gate, up = ("w1", "w3") if mixtral else ("gate_proj", "up_proj")
-                tensors[f"{prefix}{e}.{gate}.weight"] = t[e, :half].clone()
-                tensors[f"{prefix}{e}.{up}.weight"] = t[e, half:].clone()
-        elif name.endswith(".mlp.experts.down_proj"):
-            prefix = block.removesuffix("down_proj")
-            for e in range(t.shape[0]):
-                tensors[f"{prefix}{e}.{'w2' if mixtral else 'down_proj'}.weight"] = t[e].clone()
-        else:
-            tensors[block if ".mlp.gate." in name else name] = t
-    save_file(tensors, f"{out}/model.safetensors", metadata={"format": "pt"})
-
-
 @pytest.mark.parametrize("preset", MOE_FAMILIES)
 def test_a_checkpoint_storing_each_expert_apart_loads_as_merged(model_factory, tmp_path, preset):
     """Released checkpoints store experts one by one (Mixtral's under block_sparse_moe, as w1 / w3 / w2): such a
@@ -95,7 +69,7 @@ def test_a_checkpoint_storing_each_expert_apart_loads_as_merged(model_factory, t
     from conftest import hf_model
 
     merged, apart = model_factory(preset), str(tmp_path / "apart")
-    _write_apart(merged, apart, preset == "tiny-mixtral")
+    write_experts_apart(merged, apart, preset == "tiny-mixtral")
     ours = _logits(apart)
     # (each runner times its own kernel plan: float rounding may differ, a misplaced weight would not be 1e-5)
     torch.testing.assert_close(ours, _logits(merged), atol=1e-5, rtol=0)
@@ -109,7 +83,7 @@ def test_a_missing_expert_is_named(model_factory, tmp_path):
     from safetensors.torch import load_file, save_file
 
     path = str(tmp_path / "m")
-    _write_apart(model_factory("tiny-qwen3-moe"), path, False)
+    write_experts_apart(model_factory("tiny-qwen3-moe"), path, False)
     tensors = load_file(f"{path}/model.safetensors")
     del tensors["model.layers.2.mlp.experts.5.down_proj.weight"]
     save_file(tensors, f"{path}/model.safetensors", metadata={"format": "pt"})

@@ -185,6 +185,8 @@ def _hf_config(path: str, mtime_ns: int, size: int) -> dict[str, Any]:
         complete_config(cfg, meta, str(meta.get("general.architecture", "")), functools.partial(_small_tensor, path))
     except (ValueError, TypeError, KeyError, ZeroDivisionError) as e:
         raise ValueError(f"GGUF {path}: {e}") from None
+    if cfg.get("model_type") != model_type:  # (a `llama` file with experts is a Mixtral)
+        cfg["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[str(cfg["model_type"])]]
     _transformers_config(path, cfg)  # transformers checks every value's type: a wrong one fails here, named
     matrix_types = {t.ggml_type.name for t in header.tensors if len(t.dims) > 1}
     cfg["torch_dtype"] = _FLOAT_TYPES.get(matrix_types.pop() if len(matrix_types) == 1 else "", "float32")
@@ -266,6 +268,24 @@ def load_tokenizer(path: str) -> Any:
     return tok
 
 
+def _mixtral_processor(config: dict[str, Any]) -> Any:
+    """transformers' tensor processors know a Mixtral GGUF file (a `llama` one with ffn_*_exps) by halves: Llama's
+    un-permutes q / k, Qwen2-MoE's maps the merged experts (gate and up into one gate_up tensor); one of both."""
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor, Qwen2MoeTensorProcessor
+
+    class MixtralTensorProcessor(Qwen2MoeTensorProcessor):
+        def __init__(self, config: dict[str, Any]) -> None:
+            super().__init__(config=config)
+            self.llama = LlamaTensorProcessor(config=config)
+
+        def process(self, weights: Any, name: str, **kwargs: Any) -> Any:
+            if ".attn_q." in name or ".attn_k." in name:
+                weights = self.llama.process(weights, name).weights
+            return super().process(weights, name, **kwargs)
+
+    return MixtralTensorProcessor(config)
+
+
 def iterate_weights(path: str, native: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor) for every tensor of the file that the HF model has, one at a time; with native,
     a Q4_0 / Q4_1 projection as its int4 `.qweight`, `.scales` and `.mins` instead, a Q8_0 one (or a K-quant one,
@@ -287,11 +307,14 @@ def iterate_weights(path: str, native: bool = False) -> Iterator[tuple[str, torc
     arch = str(header.values.get("general.architecture", ""))
     default = LlamaTensorProcessor if arch in PERMUTED_QK else TensorProcessor
     processor = TENSOR_PROCESSORS.get(arch, default)(config=config)
+    if config.get("model_type") == "mixtral":  # a `llama` file with experts
+        processor = _mixtral_processor(config)
     # The HF names: from the HF model's own parameter names, mapped by the gguf package's name table.
     hf_cfg = _transformers_config(path, config)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(hf_cfg)
-    names = get_gguf_hf_weights_map(skeleton, processor)
+    # (gguf-py's name table knows a Mixtral as the `llama` architecture its files are written as)
+    names = get_gguf_hf_weights_map(skeleton, processor, model_type="llama" if arch == "llama" else None)
     del skeleton
     checked = {t.name: t for t in header.tensors}
     native_cfg = gguf_blocks.native_config(header, arch) or {}
@@ -324,11 +347,12 @@ def iterate_weights(path: str, native: bool = False) -> Iterator[tuple[str, torc
         weights = dequantize(tensor.data, tensor.tensor_type)
         result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names,
                                    parsed_parameters=extra)
+        if ".ffn_gate_exps." in tensor.name or ".ffn_up_exps." in tensor.name:
+            target = names.get(tensor.name.rsplit(".", 1)[0], "")
+            halves[target] = halves.get(target, 0) + 1
         for name, value in list(extra["tensors"].items()):
-            if name.endswith("experts.gate_up_proj"):
-                halves[name] = halves.get(name, 0) + 1
-                if halves[name] < 2:
-                    continue
+            if name.endswith("experts.gate_up_proj") and halves.get(name, 0) < 2:
+                continue  # (its other half is still to come)
             yield name, value
             del extra["tensors"][name]
         if result.name is None or result.name not in names:

@@ -24,9 +24,8 @@ import numpy as np
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _GEMMA3_SWA_PATTERN = 6  # llama.cpp's fixed pattern: every sixth layer attends globally
 # Whether llama.cpp's graph renormalises each token's top-k routing weights, per GGUF architecture (it reads no
-# key for it): Qwen3-MoE does, Qwen2-MoE does not. (Mixtral's `llama` files with experts: transformers' tensor
-# processor for `llama` does not read expert tensors, so they are refused by name.)
-_MOE_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False}
+# key for it): Qwen3-MoE and Mixtral (a `llama` file with experts) do, Qwen2-MoE does not.
+_MOE_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False, "llama": True}
 
 
 def complete_config(cfg: dict[str, Any], meta: dict[str, Any], arch: str,
@@ -79,11 +78,14 @@ def _experts(cfg: dict[str, Any], key: Callable[[str], Any], arch: str) -> None:
     """A mixture of experts' widths and routing (every layer sparse: llama.cpp's converter writes no dense layer
     among expert ones)."""
     if arch not in _MOE_NORM_TOPK:
-        raise ValueError(f"{arch}.expert_count: mixture-of-experts GGUF files are read for Qwen2-MoE and Qwen3-MoE "
-                         f"(qwen2moe, qwen3moe), not {arch}; serve the Hugging Face checkpoint instead")
+        raise ValueError(f"{arch}.expert_count: mixture-of-experts GGUF files are read for Mixtral, Qwen2-MoE and "
+                         f"Qwen3-MoE (llama, qwen2moe, qwen3moe), not {arch}; serve its Hugging Face checkpoint")
     cfg["num_experts"] = int(key("expert_count"))
     cfg["num_experts_per_tok"] = int(key("expert_used_count") or 0)
-    if key("expert_feed_forward_length") is not None:
+    if arch == "llama":  # Mixtral: a Llama whose MLPs are experts, each of the feed-forward length
+        cfg["model_type"], cfg["num_local_experts"] = "mixtral", cfg.pop("num_experts")
+        cfg.setdefault("sliding_window", None)
+    elif key("expert_feed_forward_length") is not None:
         cfg["moe_intermediate_size"] = int(key("expert_feed_forward_length"))
     if key("expert_shared_feed_forward_length") is not None:
         cfg["shared_expert_intermediate_size"] = int(key("expert_shared_feed_forward_length"))
