@@ -4,9 +4,12 @@ never pixels; a screenshot is saved under the test's tmp dir for a person to loo
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -34,15 +37,23 @@ def _burst(url: str, n: int, done: threading.Event) -> None:
     done.set()
 
 
+@contextlib.contextmanager
+def _live_page(server: ServerProcess) -> Iterator[Any]:
+    """A headless chromium page on the server's live view, once its feed is live."""
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page(viewport={"width": 1200, "height": 900})
+        page.goto(server.url + "/dashboard")
+        page.wait_for_selector('#status[data-state="live"]', timeout=30_000)
+        yield page
+        browser.close()
+
+
 def test_live_view_follows_a_burst(tmp_path):
     server = ServerProcess(None, "--num-kv-blocks", "192", "--block-size", "16", "--max-num-seqs", "6",
                            "--max-num-batched-tokens", "64", "--log-level", "warning")
     try:
-        with sync_api.sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
-            page = browser.new_page(viewport={"width": 1200, "height": 900})
-            page.goto(server.url + "/dashboard")
-            page.wait_for_selector('#status[data-state="live"]', timeout=30_000)
+        with _live_page(server) as page:
             done = threading.Event()
             threading.Thread(target=_burst, args=(server.url, 16, done), daemon=True).start()
             max_owned = 0
@@ -62,7 +73,6 @@ def test_live_view_follows_a_burst(tmp_path):
             total = int(page.get_attribute("#kv-stats", "data-total"))
             page.screenshot(path=str(tmp_path / "live_view_idle.png"), full_page=True)
             experts_hidden = page.is_hidden("#experts-panel")
-            browser.close()
     finally:
         server.stop()
     assert total == 192
@@ -85,11 +95,7 @@ def test_live_view_heat_map_of_a_mixtures_expert_load(model_factory, tmp_path):
     server = ServerProcess(model_factory("tiny-qwen3-moe"), "--log-level", "warning")
     prompt = list(range(300, 337))
     try:
-        with sync_api.sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
-            page = browser.new_page(viewport={"width": 1200, "height": 900})
-            page.goto(server.url + "/dashboard")
-            page.wait_for_selector('#status[data-state="live"]', timeout=30_000)
+        with _live_page(server) as page:
             page.wait_for_selector("#experts-panel", state="visible", timeout=10_000)
             r = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "ignore_eos": True,
                                                                  "temperature": 0}, timeout=60)
@@ -100,7 +106,6 @@ def test_live_view_heat_map_of_a_mixtures_expert_load(model_factory, tmp_path):
             layers = page.get_attribute("#experts-stats", "data-layers")
             experts = page.get_attribute("#experts-stats", "data-experts")
             page.screenshot(path=str(tmp_path / "live_view_experts.png"), full_page=True)
-            browser.close()
     finally:
         server.stop()
     assert layers == "0,2" and experts == "8"
