@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import platform
+import time
 from typing import Any
 
 SEED_STATIC = "--batching static --max-num-seqs 8 --batch-wait-ms 20"
@@ -158,7 +159,9 @@ def run_all(ns: argparse.Namespace) -> int:
         for b in only:
             print(f"=== minivllm bench {' '.join(argv[b])}", flush=True)
             out = os.path.join(ns.out_dir, f"{b}.json")
+            start = time.perf_counter()
             codes[b] = run_bench([*argv[b], "--out", out])
+            print(f"=== {b}: exit {codes[b]} in {time.perf_counter() - start:.1f} s", flush=True)
             if os.path.isfile(out):  # what produced it and when, for the report
                 with open(out) as f:
                     r = json.load(f)

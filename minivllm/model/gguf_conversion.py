@@ -71,10 +71,13 @@ def convert_gguf_head(runner: ModelRunner) -> HeadConversion | None:
         cfg = QuantConfig(method, int8_blocks=blocked)
         q = QuantizedLinear(head.in_features, head.out_features, head.bias is not None, cfg)
         q.quantize_from(head.weight.detach().float(), None if head.bias is None else head.bias.detach().float())
-        plan = plan_kernels([q], "auto", f"lm_head {method}", runner.dtype)
+        # Measured in the method's own math (the probe is a many-token step, where the auto plan may also quantize a
+        # weight-only head's activations: not the conversion's error), then planned for serving.
+        plan_kernels([q], "native" if "native" in q.candidates() else "reference", f"lm_head {method}", runner.dtype)
         model.lm_head = q
         runner.linear_plan.drop(head)
         new = runner.execute(probe)
+        plan = plan_kernels([q], "auto", f"lm_head {method}", runner.dtype)
     kl, top1 = _divergence(ref, new)
     logger.info("GGUF head (%s, %d x %d) converted to %s %s: KL %.2e nats, top-1 %.1f%% against the file's "
                 "dequantized head on a %d-token probe", runner.mc.path.rsplit("/", 1)[-1], head.out_features,

@@ -283,6 +283,58 @@ INLINE void int4_row(float *out, int64_t ldo, const float *x, int M, const Layer
     for (int m = 0; m < M; m++) out[m * ldo + n] = hsum(a0[m] + a1[m]) + (L->bias ? L->bias[n] : 0.f);
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+/* int4 on AVX2: 16-entry tables need two 8-lane permutes and a blend here, and the 64-byte vectors above compile
+ * to scalar shuffles (1B shape, one token: 1.1 tok/s). Instead each group's sum of q * x is taken in float
+ * (codes widened to int32 and converted: three instructions per 8 weights) and scaled once per group; the mins
+ * meet the group's sum of x (xg, computed once per call). */
+INLINE void int4_row_avx2(float *out, int64_t ldo, const float *x, const float *xg, int M, const Layer *L,
+                          int64_t n) {
+    const int64_t Kp = L->Kv, G = L->G, ng = Kp / G;
+    const uint8_t *w = (const uint8_t *)L->w + n * (Kp / 2);
+    const uint16_t *scale = (const uint16_t *)L->scale + n * ng;
+    const uint16_t *mins = L->sym ? NULL : (const uint16_t *)L->mins + n * ng;
+    const float *minf = L->sym ? NULL : (const float *)L->mins + n * ng;
+    const __m128i nib = _mm_set1_epi8(0x0F);
+    __m256 acc[MB];
+    float ymin[MB] = {0.f};
+    for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        __m256 sq[MB];
+        for (int m = 0; m < M; m++) sq[m] = _mm256_setzero_ps();
+        for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)(w + k / 2));
+            const __m128i lo = _mm_and_si128(b, nib), hi = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
+            const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+            const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+            const __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+            const __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+            for (int m = 0; m < M; m++) {
+                const float *xr = x + m * Kp + k;
+                sq[m] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(xr), sq[m]);
+                sq[m] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xr + 8), sq[m]);
+                sq[m] = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xr + 16), sq[m]);
+                sq[m] = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xr + 24), sq[m]);
+            }
+        }
+        const float s = half_to_f32(scale[g], L->f16);
+        const float mn = L->sym ? -8.f * s : L->f32mins ? minf[g] : half_to_f32(mins[g], L->f16);
+        const __m256 sv = _mm256_set1_ps(s);
+        for (int m = 0; m < M; m++) {
+            acc[m] = _mm256_fmadd_ps(sq[m], sv, acc[m]);
+            ymin[m] += mn * xg[m * ng + g];
+        }
+    }
+    for (int m = 0; m < M; m++) {
+        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
+        float v[4];
+        _mm_storeu_ps(v, h);
+        out[m * ldo + n] = ((v[0] + v[1]) + (v[2] + v[3])) + ymin[m] + (L->bias ? L->bias[n] : 0.f);
+    }
+}
+#define INT4_AVX2 1
+#endif
+
 /* x here is the int8 quantized rows (Kv bytes apart), xs their scales. With AVX512-VNNI, vpdpbusd sums
  * 64 byte products per instruction; it takes one unsigned operand, so x is shifted to x + 128 (a
  * sign-bit flip) and 128 * sum(w), summed by the same instruction against a vector of ones, is taken
@@ -305,6 +357,25 @@ INLINE void w8a8_row(float *out, int64_t ldo, const int8_t *xq, const float *xs,
         }
     }
     wsum = _mm512_reduce_add_epi32(wacc);
+#elif defined(__AVX2__)
+    /* vpmaddubsw on |w| and x carrying w's sign (x within +-127: negation cannot overflow; pairs at most
+     * 2 * 128 * 127, no int16 saturation), widened by vpmaddwd against ones: exact, 3-4x the widening loop. */
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i acc8[MB];
+    for (int m = 0; m < M; m++) acc8[m] = _mm256_setzero_si256();
+    for (; k + 32 <= K; k += 32) {
+        const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + k)), wa = _mm256_sign_epi8(wv, wv);
+        for (int m = 0; m < M; m++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * L->Kv + k));
+            acc8[m] = _mm256_add_epi32(acc8[m], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, wv)),
+                                                                  ones));
+        }
+    }
+    for (int m = 0; m < M; m++) {
+        int32_t v[8];
+        _mm256_storeu_si256((__m256i *)v, acc8[m]);
+        for (int i = 0; i < 8; i++) acc[m][i] += v[i];
+    }
 #endif
     for (; k + 16 <= K; k += 16) {
         v16i wv = widen_s8(w + k);
@@ -379,7 +450,20 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
                 memset(xp + m * Kp + K, 0, (Kp - K) * sizeof(float));
             }
             L.Kv = Kp;
+#ifdef INT4_AVX2
+            /* each row's per-group sums of x, after the staged rows (scratch holds MAX_M * Kp / G more floats) */
+            const int64_t ng = Kp / G;
+            float *xg = scratch + (int64_t)mm * Kp;
+            for (int m = 0; m < mm; m++)
+                for (int64_t g = 0; g < ng; g++) {
+                    float t = 0.f;
+                    for (int64_t k = g * G; k < (g + 1) * G; k++) t += xp[m * Kp + k];
+                    xg[m * ng + g] = t;
+                }
+#define R4(c) int4_row_avx2(o + j * ldo, ldo, xp + j * Kp, xg + j * ng, c, &L, n)
+#else
 #define R4(c) int4_row(o + j * ldo, ldo, xp + j * Kp, c, &L, n)
+#endif
 #pragma omp parallel num_threads(num_threads)
             FOR_ROWS(N, mm, R4);
         } else if (fmt == FMT_W8A8) {

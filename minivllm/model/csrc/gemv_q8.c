@@ -15,7 +15,7 @@
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -126,6 +126,34 @@ static inline __attribute__((always_inline)) void q8a8_row(float *out, int64_t l
             acc[m] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(xg + m * L->nbp + 16 * full), acc[m]);
     }
     for (int m = 0; m < M; m++) out[m * ldo + n] = _mm512_reduce_add_ps(acc[m]) * xs[m] + (L->bias ? L->bias[n] : 0.f);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2 without VNNI: vpmaddubsw takes an unsigned operand, so each block multiplies |w| by x with w's sign moved
+ * onto x (vpsignb; x is within +-127, so negating it cannot overflow), pairs summed in int16 (at most 2 * 128 *
+ * 127, no saturation), widened by vpmaddwd against ones; one FMA scales the block. */
+static inline __attribute__((always_inline)) void q8a8_row(float *out, int64_t ldo, const int8_t *xq, const float *xs,
+                                                           const float *xg, int M, const Q8Layer *L, int64_t n) {
+    (void)xg;
+    const int8_t *w = L->w + n * L->Kp;
+    const uint16_t *sc = L->scale + n * L->nb;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[MB];
+    for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < L->nb; b++) {
+        const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + 32 * b)), wa = _mm256_sign_epi8(wv, wv);
+        const __m256 d = _mm256_set1_ps(f16_to_f32(sc[b]));
+        for (int m = 0; m < M; m++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * L->Kx + 32 * b));
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, wv)), ones);
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, acc[m]);
+        }
+    }
+    for (int m = 0; m < M; m++) {
+        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
+        float v[4];
+        _mm_storeu_ps(v, h);
+        out[m * ldo + n] = ((v[0] + v[1]) + (v[2] + v[3])) * xs[m] + (L->bias ? L->bias[n] : 0.f);
+    }
 }
 #else
 static inline void q8a8_row(float *out, int64_t ldo, const int8_t *xq, const float *xs, const float *xg, int M,
