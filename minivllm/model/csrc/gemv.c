@@ -128,79 +128,7 @@ typedef struct {
     int sym;          /* no mins stored: each is -8 scale (codes centred on 8: GGUF's Q4_0, symmetric GPTQ) */
 } Layer;
 
-/* The one-token kernels below use the machine's own vector width: a 64-byte v16 on AVX2 is two registers, and GCC
- * compiles such code worse (a four-row pass streamed 19-20 GB/s with v16, 30-32 with 32-byte vectors, on a
- * 2-core AVX2 EPYC). */
-#if defined(__AVX512F__)
-#define VL 16
-#else
-#define VL 8
-#endif
-typedef float vf __attribute__((vector_size(VL * 4)));
-typedef uint16_t vfh __attribute__((vector_size(VL * 2)));
-typedef uint32_t vfu __attribute__((vector_size(VL * 4)));
-
-INLINE vf ldv(const float *p) {
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-INLINE vf ldv_bf16(const uint16_t *p) {
-    vfh h;
-    memcpy(&h, p, sizeof h);
-    vfu u = __builtin_convertvector(h, vfu) << 16;
-    vf f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-INLINE float hsumv(vf v) {
-    float s = 0.f;
-    for (int i = 0; i < VL; i++) s += v[i];
-    return s;
-}
-
-/* One token against four consecutive weight rows, each load of x serving all four: one row per pass streamed
- * 16-18 GB/s (21-26 with 32-byte vectors) on a 2-core AVX2 EPYC, four rows 27-32, oneDNN's plain-weight GEMM
- * 19-25 (same probe: 24 distinct 512x2048 .. 2048x8192 weights, one token). Fewer loads per FMA, and four
- * streams in flight per core. */
-INLINE void dense_rows4_m1(float *out, const float *x, const Layer *L, int bf16, int64_t n) {
-    const int64_t K = L->K;
-    vf a[4][2] = {{{0}}};
-    const float *wf = (const float *)L->w + n * K;
-    const uint16_t *wh = (const uint16_t *)L->w + n * K;
-#define WV(r, k) (bf16 ? ldv_bf16(wh + (r) * K + (k)) : ldv(wf + (r) * K + (k)))
-    int64_t k = 0;
-    for (; k + 2 * VL <= K; k += 2 * VL) {
-        const vf x0 = ldv(x + k), x1 = ldv(x + k + VL);
-        for (int r = 0; r < 4; r++) {
-            a[r][0] += x0 * WV(r, k);
-            a[r][1] += x1 * WV(r, k + VL);
-        }
-    }
-#undef WV
-    for (int r = 0; r < 4; r++) {
-        float s = hsumv(a[r][0] + a[r][1]);
-        for (int64_t j = k; j < K; j++) s += x[j] * (bf16 ? bf16_to_f32(wh[r * K + j]) : wf[r * K + j]);
-        out[n + r] = s + (L->bias ? L->bias[n + r] : 0.f);
-    }
-}
-
-/* One token against one weight row (a share's last rows): four accumulators held in registers. */
-INLINE void dense_row_m1(float *out, const float *x, const Layer *L, int bf16, int64_t n) {
-    const int64_t K = L->K;
-    const float *wf = (const float *)L->w + n * K;
-    const uint16_t *wh = (const uint16_t *)L->w + n * K;
-    vf a[4] = {{0}};
-    int64_t k = 0;
-    for (; k + 4 * VL <= K; k += 4 * VL)
-        for (int i = 0; i < 4; i++) a[i] += ldv(x + k + i * VL) * (bf16 ? ldv_bf16(wh + k + i * VL) : ldv(wf + k + i * VL));
-    for (; k + VL <= K; k += VL) a[0] += ldv(x + k) * (bf16 ? ldv_bf16(wh + k) : ldv(wf + k));
-    float s = hsumv((a[0] + a[1]) + (a[2] + a[3]));
-    for (int64_t j = k; j < K; j++) s += x[j] * (bf16 ? bf16_to_f32(wh[j]) : wf[j]);
-    out[n] = s + (L->bias ? L->bias[n] : 0.f);
-}
+#include "gemv_m1.h"
 
 /* Float weights (f32 or bf16) against M rows of x. */
 INLINE void dense_row(float *out, int64_t ldo, const float *x, int M, const Layer *L, int bf16, int64_t n) {
@@ -283,57 +211,7 @@ INLINE void int4_row(float *out, int64_t ldo, const float *x, int M, const Layer
     for (int m = 0; m < M; m++) out[m * ldo + n] = hsum(a0[m] + a1[m]) + (L->bias ? L->bias[n] : 0.f);
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-/* int4 on AVX2: 16-entry tables need two 8-lane permutes and a blend here, and the 64-byte vectors above compile
- * to scalar shuffles (1B shape, one token: 1.1 tok/s). Instead each group's sum of q * x is taken in float
- * (codes widened to int32 and converted: three instructions per 8 weights) and scaled once per group; the mins
- * meet the group's sum of x (xg, computed once per call). */
-INLINE void int4_row_avx2(float *out, int64_t ldo, const float *x, const float *xg, int M, const Layer *L,
-                          int64_t n) {
-    const int64_t Kp = L->Kv, G = L->G, ng = Kp / G;
-    const uint8_t *w = (const uint8_t *)L->w + n * (Kp / 2);
-    const uint16_t *scale = (const uint16_t *)L->scale + n * ng;
-    const uint16_t *mins = L->sym ? NULL : (const uint16_t *)L->mins + n * ng;
-    const float *minf = L->sym ? NULL : (const float *)L->mins + n * ng;
-    const __m128i nib = _mm_set1_epi8(0x0F);
-    __m256 acc[MB];
-    float ymin[MB] = {0.f};
-    for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < ng; g++) {
-        __m256 sq[MB];
-        for (int m = 0; m < M; m++) sq[m] = _mm256_setzero_ps();
-        for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
-            const __m128i b = _mm_loadu_si128((const __m128i *)(w + k / 2));
-            const __m128i lo = _mm_and_si128(b, nib), hi = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
-            const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-            const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-            const __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-            const __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-            for (int m = 0; m < M; m++) {
-                const float *xr = x + m * Kp + k;
-                sq[m] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(xr), sq[m]);
-                sq[m] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xr + 8), sq[m]);
-                sq[m] = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xr + 16), sq[m]);
-                sq[m] = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xr + 24), sq[m]);
-            }
-        }
-        const float s = half_to_f32(scale[g], L->f16);
-        const float mn = L->sym ? -8.f * s : L->f32mins ? minf[g] : half_to_f32(mins[g], L->f16);
-        const __m256 sv = _mm256_set1_ps(s);
-        for (int m = 0; m < M; m++) {
-            acc[m] = _mm256_fmadd_ps(sq[m], sv, acc[m]);
-            ymin[m] += mn * xg[m * ng + g];
-        }
-    }
-    for (int m = 0; m < M; m++) {
-        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
-        float v[4];
-        _mm_storeu_ps(v, h);
-        out[m * ldo + n] = ((v[0] + v[1]) + (v[2] + v[3])) + ymin[m] + (L->bias ? L->bias[n] : 0.f);
-    }
-}
-#define INT4_AVX2 1
-#endif
+#include "gemv_avx2.h"
 
 /* x here is the int8 quantized rows (Kv bytes apart), xs their scales. With AVX512-VNNI, vpdpbusd sums
  * 64 byte products per instruction; it takes one unsigned operand, so x is shifted to x + 128 (a
@@ -450,7 +328,7 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
                 memset(xp + m * Kp + K, 0, (Kp - K) * sizeof(float));
             }
             L.Kv = Kp;
-#ifdef INT4_AVX2
+#ifdef GEMV_AVX2
             /* each row's per-group sums of x, after the staged rows (scratch holds MAX_M * Kp / G more floats) */
             const int64_t ng = Kp / G;
             float *xg = scratch + (int64_t)mm * Kp;
@@ -475,7 +353,11 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
 #pragma omp parallel num_threads(num_threads)
             FOR_ROWS(N, mm, RW);
         } else if (fmt == FMT_INT8) {
+#ifdef GEMV_AVX2
+#define R8(c) int8_row_avx2(o + j * ldo, ldo, xm + j * ldx, c, &L, n)
+#else
 #define R8(c) int8_row(o + j * ldo, ldo, xm + j * ldx, c, &L, n)
+#endif
 #pragma omp parallel num_threads(num_threads)
             FOR_ROWS(N, mm, R8);
         } else if (mm == 1) {

@@ -158,60 +158,7 @@ static inline __attribute__((always_inline)) void row_vnni(float *out, int64_t l
 }
 #endif
 
-#ifdef W4A8_AVX2
-/* AVX2 without VNNI: vpmaddubsw multiplies 32 nibbles (unsigned bytes) by 32 activation bytes and adds pairs
- * (at most 2 * 15 * 127: no saturation), vpmaddwd against ones widens to int32, one FMA scales a pair of blocks
- * (lanes 0-3 the first block, 4-7 the second). The portable loop below took 3-4x as long per weight. */
-static inline __attribute__((always_inline)) void row_avx2(float *out, int64_t ldo, const int8_t *xq, const float *xs,
-                                                           const float *xg, int M, const W4A8Layer *L, int64_t n) {
-    const int64_t nblocks = L->Kp / 32, bpg = L->G / 32;
-    const uint8_t *w = L->w + n * (L->Kp / 2);
-    const uint16_t *sc = L->scale + n * L->ng;
-    const char *mn = L->sym ? (const char *)sc : (const char *)L->mins + n * L->ng * (L->f32mins ? 4 : 2);
-    const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    __m256 acc[MB];
-    float tail[MB] = {0.f};
-    for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 2 <= nblocks; b += 2) { /* (b even: both blocks in one group whenever groups span two or more) */
-        const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + b * 16));
-        const __m256i lo = _mm256_and_si256(wv, nib), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), nib);
-        const float s0 = halff(sc[b / bpg], L->f16), s1 = bpg > 1 ? s0 : halff(sc[b + 1], L->f16);
-        const __m256 s = _mm256_setr_m128(_mm_set1_ps(s0), _mm_set1_ps(s1));
-        const int8_t *xb = xq + (b / 4) * 128 + (b % 4) * 16; /* low halves; high halves 64 bytes on */
-        for (int m = 0; m < M; m++) {
-            const int8_t *xr = xb + m * L->Kx;
-            const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xr)),
-                                               _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xr + 64))));
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(d, ones)), s, acc[m]);
-        }
-    }
-    if (b < nblocks) { /* an odd last block: 16 bytes (a 32-byte load could leave the allocation) */
-        const __m128i wv = _mm_loadu_si128((const __m128i *)(w + b * 16)), nb = _mm_set1_epi8(0x0F);
-        const __m128i lo = _mm_and_si128(wv, nb), hi = _mm_and_si128(_mm_srli_epi16(wv, 4), nb);
-        const float s0 = halff(sc[b / bpg], L->f16);
-        const int8_t *xb = xq + (b / 4) * 128 + (b % 4) * 16;
-        for (int m = 0; m < M; m++) {
-            const int8_t *xr = xb + m * L->Kx;
-            const __m128i d = _mm_madd_epi16(
-                _mm_add_epi16(_mm_maddubs_epi16(lo, _mm_loadu_si128((const __m128i *)xr)),
-                              _mm_maddubs_epi16(hi, _mm_loadu_si128((const __m128i *)(xr + 64)))),
-                _mm_set1_epi16(1));
-            int32_t v[4];
-            _mm_storeu_si128((__m128i *)v, d);
-            tail[m] = (float)((v[0] + v[1]) + (v[2] + v[3])) * s0;
-        }
-    }
-    for (int m = 0; m < M; m++) {
-        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
-        float v[4];
-        _mm_storeu_ps(v, h);
-        const float y = (v[0] + v[1]) + (v[2] + v[3]) + tail[m] +
-                        min_term(mn, xg + m * L->ngp, L->ng, L->f16, L->f32mins, L->sym);
-        out[m * ldo + n] = y * xs[m] + (L->bias ? L->bias[n] : 0.f);
-    }
-}
-#endif
+#include "gemv_w4a8_avx2.h"
 
 /* The same sums without VNNI, block by block from the staged layout. */
 __attribute__((unused)) static inline void row_portable(float *out, int64_t ldo, const int8_t *xq, const float *xs,
@@ -285,6 +232,9 @@ void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int6
 #pragma omp parallel num_threads(num_threads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+#ifdef W4A8_AVX2
+        float sf[4 * 2 * (ng + 8)]; /* up to four weight rows' group scales and mins as float (rows_avx2) */
+#endif
         for (int64_t n = N * t / nt; n < N * (t + 1) / nt; n++) {
             for (int j = 0; j < M; j += MB) {
                 const int mm = M - j < MB ? M - j : MB;
@@ -300,11 +250,18 @@ void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int6
                 default: row_vnni(oj, ldo, xqj, xs + j, xgj, 4, &L, n, last); break;
                 }
 #elif defined(W4A8_AVX2)
+                float *o = out + j * ldo, *xgj = xg + j * ngp;
+                const int8_t *xqj = xq + j * Kx;
+                if (M == 1 && n + 4 <= N * (t + 1) / nt) { /* one token: four weight rows per pass */
+                    rows_avx2(o, ldo, xqj, xs + j, xgj, 1, &L, n, 4, sf);
+                    n += 3;
+                    continue;
+                }
                 switch (mm) {
-                case 1: row_avx2(out + j * ldo, ldo, xq + j * Kx, xs + j, xg + j * ngp, 1, &L, n); break;
-                case 2: row_avx2(out + j * ldo, ldo, xq + j * Kx, xs + j, xg + j * ngp, 2, &L, n); break;
-                case 3: row_avx2(out + j * ldo, ldo, xq + j * Kx, xs + j, xg + j * ngp, 3, &L, n); break;
-                default: row_avx2(out + j * ldo, ldo, xq + j * Kx, xs + j, xg + j * ngp, 4, &L, n); break;
+                case 1: rows_avx2(o, ldo, xqj, xs + j, xgj, 1, &L, n, 1, sf); break;
+                case 2: rows_avx2(o, ldo, xqj, xs + j, xgj, 2, &L, n, 1, sf); break;
+                case 3: rows_avx2(o, ldo, xqj, xs + j, xgj, 3, &L, n, 1, sf); break;
+                default: rows_avx2(o, ldo, xqj, xs + j, xgj, 4, &L, n, 1, sf); break;
                 }
 #else
                 row_portable(out + j * ldo, ldo, xq + j * Kx, xs + j, xg + j * ngp, mm, &L, n);

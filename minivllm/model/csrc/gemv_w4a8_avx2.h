@@ -1,0 +1,116 @@
+/* csrc/gemv_w4a8.c's rows for AVX2 without VNNI; included there after W4A8Layer and halff (where W4A8_AVX2).
+ *
+ * vpmaddubsw multiplies 32 nibbles (unsigned bytes) by 32 activation bytes and adds pairs (at most 2 * 15 * 127:
+ * no saturation), vpmaddwd against ones widens to int32, one FMA scales a pair of blocks (lanes 0-3 the first
+ * block, 4-7 the second). Each weight row's group scales and mins are converted to float once, 8 per instruction
+ * (per pair of blocks: one load and a permute, where two scalar conversions and a merge took six instructions; the
+ * min term a vector dot product with xg, where its scalar loop, a chain of dependent adds, took a third of the
+ * row). At one token four weight rows go per pass, each load of x serving all four (csrc/gemv.c's float rows
+ * gained 1.2-1.5x so on a 2-core AVX2 EPYC; these measured no faster there, 10-13 GB/s either way: they are
+ * bound by their instructions, not the memory). The portable loop took 3-4x as long as one row of this. */
+#ifndef MINIVLLM_GEMV_W4A8_AVX2_H
+#define MINIVLLM_GEMV_W4A8_AVX2_H
+
+/* Row n's scales into sf[0, ng) and, where stored as half floats, its mins into sf[ng + 8, ...); returns the
+ * mins as float (the scales where symmetric: their term is then -8 times the scales'). */
+static inline const float *row_floats(const W4A8Layer *L, int64_t n, float *sf) {
+    const int64_t ng = L->ng;
+    const uint16_t *sc = L->scale + n * ng;
+    const char *mn = L->sym ? (const char *)sc : (const char *)L->mins + n * ng * (L->f32mins ? 4 : 2);
+    float *mf = sf + ng + 8;
+    const int cvt_mins = !L->sym && !L->f32mins;
+    int64_t g = 0;
+    for (; g + 8 <= ng; g += 8) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)(sc + g));
+        _mm256_storeu_ps(sf + g, L->f16 ? _mm256_cvtph_ps(h)
+                                        : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+        if (cvt_mins) {
+            const __m128i hm = _mm_loadu_si128((const __m128i *)((const uint16_t *)mn + g));
+            _mm256_storeu_ps(mf + g, L->f16 ? _mm256_cvtph_ps(hm)
+                                            : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hm), 16)));
+        }
+    }
+    for (; g < ng; g++) {
+        sf[g] = halff(sc[g], L->f16);
+        if (cvt_mins) mf[g] = halff(((const uint16_t *)mn)[g], L->f16);
+    }
+    return L->sym ? sf : L->f32mins ? (const float *)mn : mf;
+}
+
+static inline __attribute__((always_inline)) float hsum8(__m256 v) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    float f[4];
+    _mm_storeu_ps(f, h);
+    return (f[0] + f[1]) + (f[2] + f[3]);
+}
+
+/* R weight rows from n (R 1 or 4) against M rows of x (M 1 where R is 4); sf holds R * 2 * (ng + 8) floats. */
+static inline __attribute__((always_inline)) void rows_avx2(float *out, int64_t ldo, const int8_t *xq,
+                                                            const float *xs, const float *xg, int M,
+                                                            const W4A8Layer *L, int64_t n, int R, float *sf) {
+    const int64_t nblocks = L->Kp / 32, bpg = L->G / 32, ng = L->ng, rowb = L->Kp / 2;
+    const float *mins[4], *sfr[4];
+    for (int r = 0; r < R; r++) {
+        sfr[r] = sf + r * 2 * (ng + 8);
+        mins[r] = row_floats(L, n + r, sf + r * 2 * (ng + 8));
+    }
+    const uint8_t *w = L->w + n * rowb;
+    const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i pairidx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    __m256 acc[MB];
+    float tail[MB] = {0.f};
+    for (int i = 0; i < R * M; i++) acc[i] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nblocks; b += 2) { /* (b even: both blocks of a pair in one group whenever groups span two+) */
+        const int8_t *xb = xq + (b / 4) * 128 + (b % 4) * 16; /* low halves; high halves 64 bytes on */
+        __m256i xl[MB], xh[MB];
+        for (int m = 0; m < M; m++) {
+            xl[m] = _mm256_loadu_si256((const __m256i *)(xb + m * L->Kx));
+            xh[m] = _mm256_loadu_si256((const __m256i *)(xb + m * L->Kx + 64));
+        }
+        for (int r = 0; r < R; r++) {
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + r * rowb + b * 16));
+            const __m256i lo = _mm256_and_si256(wv, nib), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), nib);
+            const __m256 s = bpg > 1 ? _mm256_broadcast_ss(sfr[r] + b / bpg)
+                                     : _mm256_permutevar8x32_ps(
+                                           _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double *)(sfr[r] + b)))),
+                                           pairidx);
+            for (int m = 0; m < M; m++) {
+                const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl[m]), _mm256_maddubs_epi16(hi, xh[m]));
+                acc[r * M + m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(d, ones)), s, acc[r * M + m]);
+            }
+        }
+    }
+    if (b < nblocks) { /* an odd last block: 16 bytes (a 32-byte load could leave the allocation) */
+        const __m128i nb = _mm_set1_epi8(0x0F);
+        const int8_t *xb = xq + (b / 4) * 128 + (b % 4) * 16;
+        for (int r = 0; r < R; r++) {
+            const __m128i wv = _mm_loadu_si128((const __m128i *)(w + r * rowb + b * 16));
+            const __m128i lo = _mm_and_si128(wv, nb), hi = _mm_and_si128(_mm_srli_epi16(wv, 4), nb);
+            for (int m = 0; m < M; m++) {
+                const int8_t *xr = xb + m * L->Kx;
+                const __m128i d = _mm_madd_epi16(
+                    _mm_add_epi16(_mm_maddubs_epi16(lo, _mm_loadu_si128((const __m128i *)xr)),
+                                  _mm_maddubs_epi16(hi, _mm_loadu_si128((const __m128i *)(xr + 64)))),
+                    _mm_set1_epi16(1));
+                int32_t v[4];
+                _mm_storeu_si128((__m128i *)v, d);
+                tail[r * M + m] = (float)((v[0] + v[1]) + (v[2] + v[3])) * sfr[r][b / bpg];
+            }
+        }
+    }
+    const float mscale = L->sym ? -8.f : 1.f; /* (symmetric rows: each min is -8 scale) */
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) {
+            const float *xm = xg + m * L->ngp;
+            __m256 t = _mm256_setzero_ps();
+            int64_t g = 0;
+            for (; g + 8 <= ng; g += 8) t = _mm256_fmadd_ps(_mm256_loadu_ps(mins[r] + g), _mm256_loadu_ps(xm + g), t);
+            float rest = 0.f;
+            for (; g < ng; g++) rest += mins[r][g] * xm[g];
+            const float y = hsum8(_mm256_fmadd_ps(t, _mm256_set1_ps(mscale), acc[r * M + m])) + mscale * rest;
+            out[m * ldo + n + r] = (y + tail[r * M + m]) * xs[m] + (L->bias ? L->bias[n + r] : 0.f);
+        }
+}
+
+#endif
