@@ -3,23 +3,10 @@
 #ifndef MINIVLLM_GEMV_M1_H
 #define MINIVLLM_GEMV_M1_H
 
-/* The one-token kernels below use the machine's own vector width: a 64-byte v16 on AVX2 is two registers, and GCC
- * compiles such code worse (a four-row pass streamed 19-20 GB/s with v16, 30-32 with 32-byte vectors, on a
- * 2-core AVX2 EPYC). */
-#if defined(__AVX512F__)
-#define VL 16
-#else
-#define VL 8
-#endif
-typedef float vf __attribute__((vector_size(VL * 4)));
+#include "simd_width.h"
+
 typedef uint16_t vfh __attribute__((vector_size(VL * 2)));
 typedef uint32_t vfu __attribute__((vector_size(VL * 4)));
-
-INLINE vf ldv(const float *p) {
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
 
 INLINE vf ldv_bf16(const uint16_t *p) {
     vfh h;

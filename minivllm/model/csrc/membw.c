@@ -7,21 +7,9 @@
 #include <stdint.h>
 #include <string.h>
 
-/* The machine's own vector width: an array of 64-byte vectors on AVX2 (two registers each) was kept in memory by
- * GCC, and the probe read 20 GB/s where llama.cpp's decode streamed 28 (2-core AVX2 EPYC). */
-#if defined(__AVX512F__)
-#define VL 16
-#else
-#define VL 8
-#endif
-typedef float vf __attribute__((vector_size(VL * 4)));
-#define ROW 2048
+#include "simd_width.h"
 
-static inline vf ldv(const float *p) { /* (a load into a register: a memcpy into an array went through the stack) */
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
+#define ROW 2048
 
 double stream_read_f32(const float *buf, int64_t n, int num_threads) {
     double total = 0.0;
