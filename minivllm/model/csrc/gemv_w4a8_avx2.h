@@ -113,4 +113,89 @@ static inline __attribute__((always_inline)) void rows_avx2(float *out, int64_t 
         }
 }
 
+/* One token, four weight rows (n .. n+3) per pass, an even number of blocks: rows_avx2's pair loop with its four
+ * accumulators in registers and the scale lookup chosen once (the general loop re-tested it per row and pair and
+ * stored every accumulator back to the stack). `ahead` bytes on, the next pass's rows are prefetched: 1-4 KiB
+ * rows are too short for the hardware prefetcher to learn before they end. */
+static inline __attribute__((always_inline)) void rows4_m1_avx2(float *out, const int8_t *xq, float xs,
+                                                                const float *xg, const W4A8Layer *L, int64_t n,
+                                                                float *sf, int64_t ahead) {
+    const int64_t npairs = L->Kp / 64, ng = L->ng, rowb = L->Kp / 2, bpg = L->G / 32;
+    const int shift = __builtin_ctzll((unsigned long long)bpg); /* (G a power of two: 32 .. 256) */
+    const float *mins[4], *sc[4];
+    for (int r = 0; r < 4; r++) {
+        sc[r] = sf + r * 2 * (ng + 8);
+        mins[r] = row_floats(L, n + r, sf + r * 2 * (ng + 8));
+    }
+    const uint8_t *w = L->w + n * rowb;
+    const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i pairidx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+#define W4A8_ROW(r, acc, s)                                                                                          \
+    do {                                                                                                             \
+        const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (r) * rowb + q * 32));                          \
+        const __m256i lo = _mm256_and_si256(wv, nib), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), nib);         \
+        const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));             \
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(d, ones)), (s), acc);                            \
+    } while (0)
+#define PAIR_SCALE(r) _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double *)(sc[r] + 2 * q)))), pairidx)
+    int64_t p = 0;
+    for (; p + 2 <= npairs; p += 2) { /* two pairs (one 128-weight chunk of x) per iteration */
+        const int8_t *xb = xq + (p >> 1) * 128;
+        if (ahead) { /* the next four rows, 4 * rowb bytes on, over this pass's pairs: two lines per pair */
+            __builtin_prefetch(w + ahead + p * 128);
+            __builtin_prefetch(w + ahead + p * 128 + 64);
+            __builtin_prefetch(w + ahead + p * 128 + 128);
+            __builtin_prefetch(w + ahead + p * 128 + 192);
+        }
+        for (int u = 0; u < 2; u++) {
+            const int64_t q = p + u;
+            const __m256i xl = _mm256_loadu_si256((const __m256i *)(xb + 32 * u));
+            const __m256i xh = _mm256_loadu_si256((const __m256i *)(xb + 32 * u + 64));
+            if (shift == 0) {
+                W4A8_ROW(0, a0, PAIR_SCALE(0));
+                W4A8_ROW(1, a1, PAIR_SCALE(1));
+                W4A8_ROW(2, a2, PAIR_SCALE(2));
+                W4A8_ROW(3, a3, PAIR_SCALE(3));
+            } else {
+                const int64_t g = (2 * q) >> shift;
+                W4A8_ROW(0, a0, _mm256_broadcast_ss(sc[0] + g));
+                W4A8_ROW(1, a1, _mm256_broadcast_ss(sc[1] + g));
+                W4A8_ROW(2, a2, _mm256_broadcast_ss(sc[2] + g));
+                W4A8_ROW(3, a3, _mm256_broadcast_ss(sc[3] + g));
+            }
+        }
+    }
+    for (; p < npairs; p++) { /* an odd last pair */
+        const int8_t *xb = xq + (p >> 1) * 128;
+        const int64_t q = p;
+        const __m256i xl = _mm256_loadu_si256((const __m256i *)xb), xh = _mm256_loadu_si256((const __m256i *)(xb + 64));
+        if (shift == 0) {
+            W4A8_ROW(0, a0, PAIR_SCALE(0));
+            W4A8_ROW(1, a1, PAIR_SCALE(1));
+            W4A8_ROW(2, a2, PAIR_SCALE(2));
+            W4A8_ROW(3, a3, PAIR_SCALE(3));
+        } else {
+            const int64_t g = (2 * q) >> shift;
+            W4A8_ROW(0, a0, _mm256_broadcast_ss(sc[0] + g));
+            W4A8_ROW(1, a1, _mm256_broadcast_ss(sc[1] + g));
+            W4A8_ROW(2, a2, _mm256_broadcast_ss(sc[2] + g));
+            W4A8_ROW(3, a3, _mm256_broadcast_ss(sc[3] + g));
+        }
+    }
+#undef W4A8_ROW
+#undef PAIR_SCALE
+    const __m256 acc[4] = {a0, a1, a2, a3};
+    const float mscale = L->sym ? -8.f : 1.f;
+    for (int r = 0; r < 4; r++) {
+        __m256 t = _mm256_setzero_ps();
+        int64_t g = 0;
+        for (; g + 8 <= ng; g += 8) t = _mm256_fmadd_ps(_mm256_loadu_ps(mins[r] + g), _mm256_loadu_ps(xg + g), t);
+        float rest = 0.f;
+        for (; g < ng; g++) rest += mins[r][g] * xg[g];
+        const float y = hsum8(_mm256_fmadd_ps(t, _mm256_set1_ps(mscale), acc[r])) + mscale * rest;
+        out[n + r] = y * xs + (L->bias ? L->bias[n + r] : 0.f);
+    }
+}
+
 #endif
