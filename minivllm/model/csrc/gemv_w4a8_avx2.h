@@ -131,58 +131,45 @@ static inline __attribute__((always_inline)) void rows4_m1_avx2(float *out, cons
     const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const __m256i pairidx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-#define W4A8_ROW(r, acc, s)                                                                                          \
+#define W4A8_ROW(r, acc, q, xl, xh, s)                                                                               \
     do {                                                                                                             \
-        const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (r) * rowb + q * 32));                          \
+        const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (r) * rowb + (q) * 32));                       \
         const __m256i lo = _mm256_and_si256(wv, nib), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), nib);         \
         const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));             \
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(d, ones)), (s), acc);                            \
     } while (0)
-#define PAIR_SCALE(r) _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double *)(sc[r] + 2 * q)))), pairidx)
+#define PAIR_SCALE(r, q) /* [scale of block 2q x4, of block 2q+1 x4] */                                            \
+    _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double *)(sc[r] + 2 * (q))))),   \
+                             pairidx)
+#define PAIR4(q, xlo, xhi)                                                                                           \
+    do {                                                                                                             \
+        const __m256i xl = (xlo), xh = (xhi);                                                                        \
+        if (shift == 0) {                                                                                            \
+            W4A8_ROW(0, a0, q, xl, xh, PAIR_SCALE(0, q));                                                            \
+            W4A8_ROW(1, a1, q, xl, xh, PAIR_SCALE(1, q));                                                            \
+            W4A8_ROW(2, a2, q, xl, xh, PAIR_SCALE(2, q));                                                            \
+            W4A8_ROW(3, a3, q, xl, xh, PAIR_SCALE(3, q));                                                            \
+        } else {                                                                                                     \
+            const int64_t g = (2 * (q)) >> shift;                                                                    \
+            W4A8_ROW(0, a0, q, xl, xh, _mm256_broadcast_ss(sc[0] + g));                                              \
+            W4A8_ROW(1, a1, q, xl, xh, _mm256_broadcast_ss(sc[1] + g));                                              \
+            W4A8_ROW(2, a2, q, xl, xh, _mm256_broadcast_ss(sc[2] + g));                                              \
+            W4A8_ROW(3, a3, q, xl, xh, _mm256_broadcast_ss(sc[3] + g));                                              \
+        }                                                                                                            \
+    } while (0)
+#define LOAD_X(p) _mm256_loadu_si256((const __m256i *)(p))
     int64_t p = 0;
-    for (; p + 2 <= npairs; p += 2) { /* two pairs (one 128-weight chunk of x) per iteration */
-        const int8_t *xb = xq + (p >> 1) * 128;
+    for (; p + 2 <= npairs; p += 2) { /* two pairs (one 128-weight chunk of x) per iteration: 1.17x one pair */
+        const int8_t *xb = xq + (p >> 1) * 128; /* the chunk's low halves; high halves 64 on */
         if (ahead) { /* the next four rows, 4 * rowb bytes on, over this pass's pairs: two lines per pair */
-            __builtin_prefetch(w + ahead + p * 128);
-            __builtin_prefetch(w + ahead + p * 128 + 64);
-            __builtin_prefetch(w + ahead + p * 128 + 128);
-            __builtin_prefetch(w + ahead + p * 128 + 192);
+            for (int c = 0; c < 4; c++) __builtin_prefetch(w + ahead + p * 128 + 64 * c);
         }
-        for (int u = 0; u < 2; u++) {
-            const int64_t q = p + u;
-            const __m256i xl = _mm256_loadu_si256((const __m256i *)(xb + 32 * u));
-            const __m256i xh = _mm256_loadu_si256((const __m256i *)(xb + 32 * u + 64));
-            if (shift == 0) {
-                W4A8_ROW(0, a0, PAIR_SCALE(0));
-                W4A8_ROW(1, a1, PAIR_SCALE(1));
-                W4A8_ROW(2, a2, PAIR_SCALE(2));
-                W4A8_ROW(3, a3, PAIR_SCALE(3));
-            } else {
-                const int64_t g = (2 * q) >> shift;
-                W4A8_ROW(0, a0, _mm256_broadcast_ss(sc[0] + g));
-                W4A8_ROW(1, a1, _mm256_broadcast_ss(sc[1] + g));
-                W4A8_ROW(2, a2, _mm256_broadcast_ss(sc[2] + g));
-                W4A8_ROW(3, a3, _mm256_broadcast_ss(sc[3] + g));
-            }
-        }
+        PAIR4(p, LOAD_X(xb), LOAD_X(xb + 64));
+        PAIR4(p + 1, LOAD_X(xb + 32), LOAD_X(xb + 96));
     }
-    for (; p < npairs; p++) { /* an odd last pair */
-        const int8_t *xb = xq + (p >> 1) * 128;
-        const int64_t q = p;
-        const __m256i xl = _mm256_loadu_si256((const __m256i *)xb), xh = _mm256_loadu_si256((const __m256i *)(xb + 64));
-        if (shift == 0) {
-            W4A8_ROW(0, a0, PAIR_SCALE(0));
-            W4A8_ROW(1, a1, PAIR_SCALE(1));
-            W4A8_ROW(2, a2, PAIR_SCALE(2));
-            W4A8_ROW(3, a3, PAIR_SCALE(3));
-        } else {
-            const int64_t g = (2 * q) >> shift;
-            W4A8_ROW(0, a0, _mm256_broadcast_ss(sc[0] + g));
-            W4A8_ROW(1, a1, _mm256_broadcast_ss(sc[1] + g));
-            W4A8_ROW(2, a2, _mm256_broadcast_ss(sc[2] + g));
-            W4A8_ROW(3, a3, _mm256_broadcast_ss(sc[3] + g));
-        }
-    }
+    if (p < npairs) PAIR4(p, LOAD_X(xq + (p >> 1) * 128), LOAD_X(xq + (p >> 1) * 128 + 64)); /* an odd last pair */
+#undef PAIR4
+#undef LOAD_X
 #undef W4A8_ROW
 #undef PAIR_SCALE
     const __m256 acc[4] = {a0, a1, a2, a3};
