@@ -252,7 +252,10 @@ def test_a_split_gguf_file_serves_as_one(model_factory, tmp_path):
 
 
 def _header_fields(path: str) -> list[tuple[int, int, str]]:
-    """(offset, size, what) of every count, length, dimension, type and offset field in the header."""
+    """(offset, size, what) of every count, length, dimension, type and offset field in the header: every metadata
+    entry's, and every field of one tensor of each kind (type, dimensions) and of the last tensor (its data ends
+    the file). Tensors of one kind are parsed and checked by the same code: all 233 fields of the tiny model took
+    2.5 minutes of the suite on a 2-core AVX2 machine."""
     reader = GGUFReader(path)
     spots = [(8, 8, "tensor count"), (16, 8, "metadata count")]
     for field in reader.fields.values():
@@ -260,7 +263,13 @@ def _header_fields(path: str) -> list[tuple[int, int, str]]:
             continue
         spots.append((field.offset, 8, f"{field.name} key length"))
         spots.append((field.offset + 8 + len(field.name), 4, f"{field.name} type"))
+    kinds: dict[tuple[int, int], object] = {}
     for t in reader.tensors:
+        kinds.setdefault((int(t.tensor_type), len(t.shape)), t)
+    chosen = list(kinds.values()) + [reader.tensors[-1]]
+    for t in reader.tensors:
+        if not any(t is c for c in chosen):
+            continue
         off = t.field.offset
         n = len(t.name)
         spots.append((off, 8, f"{t.name} name length"))
