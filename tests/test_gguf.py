@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import PROMPTS, hf_greedy
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import quantize
 
 from minivllm import LLM, SamplingParams
@@ -263,13 +263,10 @@ def _header_fields(path: str) -> list[tuple[int, int, str]]:
             continue
         spots.append((field.offset, 8, f"{field.name} key length"))
         spots.append((field.offset + 8 + len(field.name), 4, f"{field.name} type"))
-    kinds: dict[tuple[int, int], object] = {}
+    kinds: dict[tuple[int, int], ReaderTensor] = {}
     for t in reader.tensors:
         kinds.setdefault((int(t.tensor_type), len(t.shape)), t)
-    chosen = list(kinds.values()) + [reader.tensors[-1]]
-    for t in reader.tensors:
-        if not any(t is c for c in chosen):
-            continue
+    for t in {id(t): t for t in [*kinds.values(), reader.tensors[-1]]}.values():  # (the last once, if chosen)
         off = t.field.offset
         n = len(t.name)
         spots.append((off, 8, f"{t.name} name length"))

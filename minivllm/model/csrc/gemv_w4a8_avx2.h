@@ -44,6 +44,17 @@ static inline __attribute__((always_inline)) float hsum8(__m256 v) {
     return (f[0] + f[1]) + (f[2] + f[3]);
 }
 
+/* sum_g min[g] * xg[g] (times mscale: -8 where the mins are the scales) plus the row's accumulated block sums. */
+static inline __attribute__((always_inline)) float row_total(const float *mins, const float *xg, int64_t ng,
+                                                             float mscale, __m256 acc) {
+    __m256 t = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= ng; g += 8) t = _mm256_fmadd_ps(_mm256_loadu_ps(mins + g), _mm256_loadu_ps(xg + g), t);
+    float rest = 0.f;
+    for (; g < ng; g++) rest += mins[g] * xg[g];
+    return hsum8(_mm256_fmadd_ps(t, _mm256_set1_ps(mscale), acc)) + mscale * rest;
+}
+
 /* R weight rows from n (R 1 or 4) against M rows of x (M 1 where R is 4); sf holds R * 2 * (ng + 8) floats. */
 static inline __attribute__((always_inline)) void rows_avx2(float *out, int64_t ldo, const int8_t *xq,
                                                             const float *xs, const float *xg, int M,
@@ -102,21 +113,15 @@ static inline __attribute__((always_inline)) void rows_avx2(float *out, int64_t 
     const float mscale = L->sym ? -8.f : 1.f; /* (symmetric rows: each min is -8 scale) */
     for (int r = 0; r < R; r++)
         for (int m = 0; m < M; m++) {
-            const float *xm = xg + m * L->ngp;
-            __m256 t = _mm256_setzero_ps();
-            int64_t g = 0;
-            for (; g + 8 <= ng; g += 8) t = _mm256_fmadd_ps(_mm256_loadu_ps(mins[r] + g), _mm256_loadu_ps(xm + g), t);
-            float rest = 0.f;
-            for (; g < ng; g++) rest += mins[r][g] * xm[g];
-            const float y = hsum8(_mm256_fmadd_ps(t, _mm256_set1_ps(mscale), acc[r * M + m])) + mscale * rest;
+            const float y = row_total(mins[r], xg + m * L->ngp, ng, mscale, acc[r * M + m]);
             out[m * ldo + n + r] = (y + tail[r * M + m]) * xs[m] + (L->bias ? L->bias[n + r] : 0.f);
         }
 }
 
 /* One token, four weight rows (n .. n+3) per pass, an even number of blocks: rows_avx2's pair loop with its four
  * accumulators in registers and the scale lookup chosen once (the general loop re-tested it per row and pair and
- * stored every accumulator back to the stack). `ahead` bytes on, the next pass's rows are prefetched: 1-4 KiB
- * rows are too short for the hardware prefetcher to learn before they end. */
+ * stored every accumulator back to the stack). `ahead` bytes on, the next pass's rows are prefetched (1-4 KiB
+ * rows are short for the hardware prefetcher to learn; the prefetch was not measured apart). */
 static inline __attribute__((always_inline)) void rows4_m1_avx2(float *out, const int8_t *xq, float xs,
                                                                 const float *xg, const W4A8Layer *L, int64_t n,
                                                                 float *sf, int64_t ahead) {
@@ -174,15 +179,8 @@ static inline __attribute__((always_inline)) void rows4_m1_avx2(float *out, cons
 #undef PAIR_SCALE
     const __m256 acc[4] = {a0, a1, a2, a3};
     const float mscale = L->sym ? -8.f : 1.f;
-    for (int r = 0; r < 4; r++) {
-        __m256 t = _mm256_setzero_ps();
-        int64_t g = 0;
-        for (; g + 8 <= ng; g += 8) t = _mm256_fmadd_ps(_mm256_loadu_ps(mins[r] + g), _mm256_loadu_ps(xg + g), t);
-        float rest = 0.f;
-        for (; g < ng; g++) rest += mins[r][g] * xg[g];
-        const float y = hsum8(_mm256_fmadd_ps(t, _mm256_set1_ps(mscale), acc[r])) + mscale * rest;
-        out[n + r] = y * xs + (L->bias ? L->bias[n + r] : 0.f);
-    }
+    for (int r = 0; r < 4; r++)
+        out[n + r] = row_total(mins[r], xg, ng, mscale, acc[r]) * xs + (L->bias ? L->bias[n + r] : 0.f);
 }
 
 #endif
