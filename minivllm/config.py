@@ -147,7 +147,7 @@ class EngineArgs:
     quantize_lm_head: bool = _arg(True, "quantize the LM head too (the largest matrix of a small model)")
     quantization_kernel: str = _arg(
         "auto", "quantized matmul kernel: auto (timed per shape class at start-up) | native | reference | int_mm "
-        "(w8a8; int8 at many-token steps) | native_a8 (int4 at many-token steps, W4A8's kernel)")
+        "(w8a8; int8 at many-token steps) | native_a8 (int4 / int8 at many-token steps: W4A8's / W8A8's kernel)")
     enforce_eager: bool = _arg(
         False, "run every step module by module (vLLM's name): the one-call native decoder stack that all-decode "
         "steps take on CPU float32 activations is off (debugging, A/B)")

@@ -103,7 +103,7 @@ def test_every_kernel_equals_dequantized_reference(method, k, n, m, bias):
 
 @pytest.mark.parametrize("group", [32, 64, 128, 256])
 @pytest.mark.parametrize("k", [2048, 1568, 800])
-@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("m", [1, 5, 12])  # (AVX2: one row against blocks of up to 8 tokens: 5, and 8 + 4)
 @pytest.mark.parametrize("scale_dtype,min_dtype", [("bfloat16", ""), ("float16", ""), ("float16", "float32"),
                                                     ("bfloat16", "float32"), ("float16", "none")])
 def test_w4a8_kernel_superblocks_and_tails_every_group_size(group, k, m, scale_dtype, min_dtype):
@@ -137,6 +137,21 @@ def test_w4a8_kernel_superblocks_and_tails_every_group_size(group, k, m, scale_d
         ref = ((xq.double() * xs.double()[:, None]) if a8 else x.double()) @ q4.dequantize().double().t()
         ref = ref + q4.bias.double()
         assert (kernel(x).double() - ref).abs().max().item() <= 2e-6 * ref.abs().max().item(), name
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no cc")
+@pytest.mark.parametrize("k", [1, 15, 16, 577, 2048])
+def test_native_activation_codes_equal_torchs(k):
+    """The native quantizer of x's rows (vector bodies of 16, a scalar tail) gives torch's codes and scales exactly,
+    ties included: round half to even, as torch.round."""
+    torch.manual_seed(k)
+    x = torch.randn(9, k)
+    x[0] = 0  # an all-zero row: scale 1, codes 0
+    x[1] = torch.arange(k) % 200 - 99.5  # amax 127 (scale exactly 1): every other code an exact tie
+    x[1, 0] = 127
+    xq, xs = cpu_kernels.quantize_rows_s8(x)
+    ref_q, ref_s = quantize_rows_int8(x)
+    assert torch.equal(xs, ref_s) and torch.equal(xq, ref_q)
 
 
 @pytest.mark.parametrize("method", ["int8", "w8a8"])
@@ -325,7 +340,7 @@ def test_quantized_layers_under_a_bfloat16_model(model_factory, tmp_path, method
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no cc")
-@pytest.mark.parametrize("method,a8", [("int8", "int_mm"), ("int4", "native_a8")])
+@pytest.mark.parametrize("method,a8", [("int8", "int_mm"), ("int8", "native_a8"), ("int4", "native_a8")])
 def test_weight_only_layers_quantize_activations_only_past_a_handful(method, a8):
     # One-token and speculative-handful steps keep the exact weight-only math: the activation-quantized kernel is
     # never timed nor bound there, even when forced by name (the native kernel runs there instead).
@@ -339,4 +354,4 @@ def test_weight_only_layers_quantize_activations_only_past_a_handful(method, a8)
     assert [f.__name__ for f in layers[0].kernels][:2] == ["forward_native", "forward_native"]
     auto = plan_kernels(layers, "auto").names
     # (which exact kernel wins there is this machine's timing: without VNNI the reference may beat the native one)
-    assert a8 not in (auto["m<=1"], auto["m<=6"])
+    assert not {auto["m<=1"], auto["m<=6"]} & {"int_mm", "native_a8"}

@@ -203,11 +203,14 @@ class QuantizedLinear(PlannedLinear):
         return self.gemv_weights()(xf if xf.stride(-1) == 1 else xf.contiguous())
 
     def forward_native_a8(self, x: torch.Tensor) -> torch.Tensor:
-        """int4 (int8 block) weights through W4A8's (q8a8's) native kernel: x's rows quantized to int8, integer dot
-        products."""
+        """int4 (int8, int8 block) weights through W4A8's (W8A8's, q8a8's) native kernel: x's rows quantized to
+        int8, integer dot products."""
         if self._gemv_a8 is None:
             bias = None if self.bias is None else self.bias.float().contiguous()
-            if self.blocked:
+            if not self.grouped and not self.blocked:  # per-channel int8: W8A8's kernel (where int_mm has no VNNI)
+                self._gemv_a8 = cpu_kernels.GemvWeights("w8a8", self.qweight, self.in_features, self.scales, None, 0,
+                                                        bias)
+            elif self.blocked:
                 self._gemv_a8 = cpu_kernels.GemvWeights("q8a8", self.qweight, self.in_features, self.scales, None,
                                                         32, bias)
             else:
@@ -234,8 +237,9 @@ class QuantizedLinear(PlannedLinear):
             found["native"] = self.forward_native
         if self.method in ("w8a8", "int8") and not self.blocked:  # int8 and w8a8: the same per-channel int8
             found["int_mm"] = self.forward_int_mm
-        # int4 and w4a8 weights are the same packed groups; int8 blocks run weight-only or against int8 x
-        if (self.method == "int4" or self.method == "int8" and self.blocked) and "native" in found:
+        # int4 and w4a8 weights are the same packed groups, int8 and w8a8 the same per-channel codes; int8 blocks run
+        # weight-only or against int8 x
+        if self.method in ("int4", "int8") and "native" in found:
             found["native_a8"] = self.forward_native_a8
         return found
 

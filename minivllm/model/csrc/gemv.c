@@ -268,22 +268,8 @@ INLINE void w8a8_row(float *out, int64_t ldo, const int8_t *xq, const float *xs,
     }
 }
 
-/* One row of x as int8 codes, symmetric absmax / 127, round half to even; returns the scale. Division, not
- * a reciprocal (-ffast-math would allow one): the codes must be torch.round(x / s)'s. */
-__attribute__((optimize("no-reciprocal-math"))) static float quantize_row_s8(const float *xr, int64_t K, int8_t *xq) {
-    float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-    for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(xr[k]));
-    const float s = amax > 0.f ? amax / 127.f : 1.f;
-    int64_t k = 0;
-#if defined(__AVX512F__)
-    const __m512 sv = _mm512_set1_ps(s);
-    for (; k + 16 <= K; k += 16)
-        _mm_storeu_si128((__m128i *)(xq + k), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(xr + k), sv))));
-#endif
-    for (; k < K; k++) xq[k] = (int8_t)__builtin_lrintf(xr[k] / s);
-    return s;
-}
+/* csrc/quantize_rows.c: one row of x as int8 codes (absmax / 127, round half to even); returns the scale */
+float quantize_row_s8(const float *xr, int64_t K, int8_t *xq);
 
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_INT8 = 2, FMT_INT4 = 3, FMT_W8A8 = 4, FMT_W4A8 = 5, FMT_Q8 = 6, FMT_Q8A8 = 7,
        FMT_F16_SCALES = 16, FMT_F32_MINS = 32, FMT_SYM_MINS = 64 };
@@ -384,23 +370,5 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
 #pragma omp parallel num_threads(num_threads)
             FOR_ROWS(N, mm, RF);
         }
-    }
-}
-
-/* W8A8 at many tokens, around torch's integer GEMM: each row of x quantized in one pass (as above:
- * absmax / 127, round half to even) ... */
-void quantize_rows_s8(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t *xq, float *xs, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (M >= 8) schedule(static)
-    for (int64_t m = 0; m < M; m++) xs[m] = quantize_row_s8(x + m * ldx, K, xq + m * K);
-}
-
-/* ... and the int32 products scaled back in one pass: out = acc * xs[m] * ws[n] (+ bias[n]). */
-void rescale_i32(const int32_t *acc, int64_t M, int64_t N, const float *xs, const float *ws, const float *bias,
-                 float *out, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (M >= 8) schedule(static)
-    for (int64_t m = 0; m < M; m++) {
-        float s = xs[m];
-#pragma omp simd
-        for (int64_t n = 0; n < N; n++) out[m * N + n] = (float)acc[m * N + n] * s * ws[n] + (bias ? bias[n] : 0.f);
     }
 }
