@@ -92,8 +92,9 @@ def _cmd_quantize(ns: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of every verb."""
+def build_parser(bench_verbs: bool = True) -> argparse.ArgumentParser:
+    """The argument parser of every verb; without `bench_verbs`, `bench` has none of its own (a command line that
+    is not `bench ...` never parses them)."""
     from minivllm.modelgen.presets import PRESETS
 
     parser = argparse.ArgumentParser(prog="minivllm", description="Mini-vLLM inference engine")
@@ -170,17 +171,19 @@ def build_parser() -> argparse.ArgumentParser:
     prof.set_defaults(func=run_profile)
 
     bench = sub.add_parser("bench", help="benchmarks")
-    bsub = bench.add_subparsers(dest="bench", required=True)
-    from minivllm.bench.verbs import add_bench_verbs
+    if bench_verbs:  # (each bench module's flags import it, and several import the engine: seconds per call)
+        bsub = bench.add_subparsers(dest="bench", required=True)
+        from minivllm.bench.verbs import add_bench_verbs
 
-    add_bench_verbs(bsub)
+        add_bench_verbs(bsub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `minivllm` command."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    ns = build_parser().parse_args(argv)
+    args = sys.argv[1:] if argv is None else argv
+    ns = build_parser(bench_verbs=args[:1] == ["bench"]).parse_args(args)
     try:
         return ns.func(ns)
     except (ValueError, FileNotFoundError) as e:

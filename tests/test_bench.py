@@ -253,3 +253,33 @@ def test_bench_peers_smoke_and_its_verdicts(tmp_path):
     assert "| 1.30x |" in text and ">= 1.4x: NOT MET" in text and "0.90x" in text and ">= 1.1x: NOT MET" in text
     assert "| ours | w4a8 | 770 MB | 39.0 | 30.0 GB/s | 100% | >= 85%: met |" in text
     assert "below a peer's decode: the probe measures the wrong thing" in text  # llama.cpp streams 33 GB/s
+
+
+def test_bench_replicas_verdict_with_every_variant_or_the_latency_pair_alone():
+    """`bench all --quick` runs the router's latency pair only (each Ray deployment costs ~30 s): the verdict then
+    judges the pair; with every variant it judges the replicas too. Unknown variant names are refused."""
+    import argparse
+
+    from minivllm.bench import replicas
+
+    def col(tok: float) -> dict:
+        return {"output_tok_per_s": tok, "runs_tok_per_s": [tok], "e2e_ms": {"p50": 1000.0, "p95": 1100.0,
+                                                                              "p99": 1200.0}}
+
+    def result(names: list[str]) -> dict:
+        tok = {"server": 100.0, "1 replica x 1 thread": 60.0, "2 replicas x 1 thread": 120.0,
+               "1 replica x 2 threads": 95.0}
+        lat = {"server": 10.0, "1 replica x 2 threads": 14.0}
+        return {"variants": {n: replicas.VARIANTS[n] for n in names},
+                "latency_pair": list(replicas.LATENCY_PAIR),
+                "throughput": {"server": {f"{n}/http": col(tok[n]) for n in names}},
+                "latency": {"server": {f"{n}/http": {"e2e_ms": {"p50": lat[n], "p95": lat[n], "p99": lat[n] + 1}}
+                                       for n in replicas.LATENCY_PAIR}}}
+
+    full = replicas.verdict(result(list(replicas.VARIANTS)))
+    assert "2 replicas x 1 thread: **2.00x** one replica of 1 thread" in full and "**1.20x** the plain server" in full
+    pair = replicas.verdict(result(list(replicas.LATENCY_PAIR)))
+    assert "2 replicas" not in pair and "**0.95x**" in pair and "router adds +4.0 ms at p50" in pair
+    ns = argparse.Namespace(variants="server,3 replicas")
+    with pytest.raises(ValueError, match="--variants"):
+        replicas.run_replicas(ns)

@@ -54,7 +54,9 @@ def _argv(quick: bool, model: str | None) -> dict[str, list[str]]:
             "step": ["step", *m, "--batches", "4,8", "--steps", "2", "--kv-cache-memory", "8MiB"],
             "parallel": ["parallel", *m, "--batches", "1,4", "--steps", "3", "--rounds", "1", "--prompt-len", "8",
                          "--kv-cache-memory", "8MiB"],
-            "replicas": ["replicas", *m, "--concurrency", "4", "--num-requests", "8", "--output-len", "3",
+            # The latency pair alone: each Ray deployment costs a front and a replica start (~30 s here).
+            "replicas": ["replicas", *m, "--variants", "server,1 replica x 2 threads", "--concurrency", "4",
+                         "--num-requests", "8", "--output-len", "3",
                          "--max-num-seqs", "4", "--kv-cache-memory", "64MiB", "--rounds", "1",
                          "--latency-requests", "4", "--latency-output-len", "2"],
             "liveview": ["liveview", *m, "--concurrency", "2", "--num-requests", "4", "--output-len", "3",

@@ -49,6 +49,9 @@ def add_replicas_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=2, help="runs per variant, in ABBA order")
     p.add_argument("--latency-requests", type=int, default=100, help="one at a time, per latency run")
     p.add_argument("--latency-output-len", type=int, default=4)
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated subset of: {', '.join(VARIANTS)} (the router's latency pair, "
+                        f"{' and '.join(LATENCY_PAIR)}, always runs)")
     p.add_argument("--out", default=None, help="write the results as JSON here (and a PNG plot next to it)")
 
 
@@ -70,6 +73,10 @@ def run_replicas(ns: argparse.Namespace) -> int:
     from minivllm.bench.serve import run_serve
     from minivllm.bench.throughput import resolve_model
 
+    chosen = [n.strip() for n in ns.variants.split(",") if n.strip()]
+    if any(n not in VARIANTS for n in chosen) or len(set(chosen)) != len(chosen):
+        raise ValueError(f"--variants: each of {', '.join(VARIANTS)} at most once, got {ns.variants!r}")
+    chosen = [n for n in VARIANTS if n in chosen or n in LATENCY_PAIR]
     try:
         import ray  # noqa: F401
     except ImportError:
@@ -80,7 +87,7 @@ def run_replicas(ns: argparse.Namespace) -> int:
     # A cluster on this machine's loopback for the bench only: no token (the fronts inherit this setting).
     os.environ["RAY_AUTH_MODE"] = "disabled"
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    cpus = 2 * sum(int(v.split()[-1]) for v in VARIANTS.values())
+    cpus = 2 * sum(int(VARIANTS[n].split()[-1]) for n in chosen)
     subprocess.run([*_ray_cli(), "start", "--head", "--port", str(port), "--num-cpus", str(cpus),
                     "--include-dashboard=false", "--disable-usage-stats"], check=True, env=env,
                    stdout=subprocess.DEVNULL)
@@ -94,12 +101,13 @@ def run_replicas(ns: argparse.Namespace) -> int:
             out += ["--variant", f"{name}={flags}"]
         return out
 
-    result: dict[str, Any] = {"model": path, "variants": VARIANTS, "base": BASE, "latency_pair": list(LATENCY_PAIR)}
+    result: dict[str, Any] = {"model": path, "variants": {n: VARIANTS[n] for n in chosen},
+                              "base": BASE if BASE in chosen else LATENCY_PAIR[0], "latency_pair": list(LATENCY_PAIR)}
     try:
         with tempfile.TemporaryDirectory() as tmp:
             codes = []
             codes.append(run_serve(_serve_ns([
-                *common, *variants(list(VARIANTS)), "--concurrency", str(ns.concurrency), "--num-requests",
+                *common, *variants(chosen), "--concurrency", str(ns.concurrency), "--num-requests",
                 str(ns.num_requests), "--input-len-min", str(ns.input_len_min), "--input-len-max",
                 str(ns.input_len_max), "--output-len", str(ns.output_len), "--rounds", str(ns.rounds),
                 "--out", os.path.join(tmp, "throughput.json")])))
@@ -190,26 +198,30 @@ def plot(r: dict[str, Any], path: str) -> None:
 
 
 def verdict(r: dict[str, Any]) -> str:
-    """What the run shows, in ratios from this run."""
+    """What the run shows, in ratios from this run (the replica line where its three variants ran)."""
     t = r["throughput"]
     tok = {n: _col(t, n)["output_tok_per_s"] for n in r["variants"]}
-    two, one, wide, plain = (tok[n] for n in ("2 replicas x 1 thread", BASE, "1 replica x 2 threads", "server"))
+    wide, plain = tok["1 replica x 2 threads"], tok["server"]
     lat = r["latency"]
     a, b = (_col(lat, n)["e2e_ms"] for n in r["latency_pair"])
     e2e = [_col(t, n)["e2e_ms"]["p50"] for n in r["variants"]]
     runs = [x for n in ("1 replica x 2 threads", "server") for x in _col(t, n).get("runs_tok_per_s", [])]
     spread = (max(runs) - min(runs)) / min(runs) if runs else 0.0
     drift = ": the gap is within the runs' spread" if abs(wide / plain - 1) <= spread else ""
-    return (f"- 2 replicas x 1 thread: **{two / one:.2f}x** one replica of 1 thread, **{two / wide:.2f}x** one "
-            f"replica of 2 threads on the same 2 cores, **{two / plain:.2f}x** the plain server. Two engines of one "
-            "thread each use the cores better than one engine of two: each step's serial parts (scheduling, "
-            "sampling, the Python between kernels) and the OpenMP barriers inside it do not get faster with a "
-            "second thread, while a second engine runs them side by side.\n"
-            f"- 1 replica x 2 threads vs the plain server (the same engine and flags): **{wide / plain:.2f}x** (runs "
-            f"{_runs(t, '1 replica x 2 threads')} vs {_runs(t, 'server')} tok/s{drift}); the "
-            f"router adds {b['p50'] - a['p50']:+.1f} ms at p50 and {b['p99'] - a['p99']:+.1f} ms at p99 per request "
-            "(front → Serve router → replica → front over Ray, two messages for a whole answer), against end-to-end "
-            f"latencies of {min(e2e) / 1000:.1f}–{max(e2e) / 1000:.1f} s (p50) under the seed's load.")
+    lines = []
+    if "2 replicas x 1 thread" in tok and BASE in tok:
+        two, one = tok["2 replicas x 1 thread"], tok[BASE]
+        lines.append(f"- 2 replicas x 1 thread: **{two / one:.2f}x** one replica of 1 thread, **{two / wide:.2f}x** "
+                     f"one replica of 2 threads on the same 2 cores, **{two / plain:.2f}x** the plain server. Two "
+                     "engines of one thread each use the cores better than one engine of two: each step's serial parts "
+                     "(scheduling, sampling, the Python between kernels) and the OpenMP barriers inside it do not get "
+                     "faster with a second thread, while a second engine runs them side by side.")
+    lines.append(f"- 1 replica x 2 threads vs the plain server (the same engine and flags): **{wide / plain:.2f}x** "
+                 f"(runs {_runs(t, '1 replica x 2 threads')} vs {_runs(t, 'server')} tok/s{drift}); the "
+                 f"router adds {b['p50'] - a['p50']:+.1f} ms at p50 and {b['p99'] - a['p99']:+.1f} ms at p99 per "
+                 "request (front → Serve router → replica → front over Ray, two messages for a whole answer), against "
+                 f"end-to-end latencies of {min(e2e) / 1000:.1f}–{max(e2e) / 1000:.1f} s (p50) under the seed's load.")
+    return "\n".join(lines)
 
 
 def _runs(t: dict[str, Any], variant: str) -> str:
