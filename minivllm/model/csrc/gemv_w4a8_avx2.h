@@ -44,6 +44,26 @@ static inline __attribute__((always_inline)) float hsum8(__m256 v) {
     return (f[0] + f[1]) + (f[2] + f[3]);
 }
 
+/* 32 weight bytes as their low and high nibbles (unsigned bytes: vpmaddubsw's first operand). */
+static inline __attribute__((always_inline)) void nibbles(__m256i wv, __m256i *lo, __m256i *hi) {
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    *lo = _mm256_and_si256(wv, nib);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), nib);
+}
+
+/* A pair of blocks' nibbles against their activation bytes (xl: the low halves, xh: the high): 8 int32 sums as
+ * float, lanes 0-3 the first block's, 4-7 the second's. */
+static inline __attribute__((always_inline)) __m256 pair_dot(__m256i lo, __m256i hi, __m256i xl, __m256i xh) {
+    const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(d, _mm256_set1_epi16(1)));
+}
+
+/* [s[0] x4, s[1] x4]: a pair's two block scales (groups of 32), one load and a permute. */
+static inline __attribute__((always_inline)) __m256 pair_scale(const float *s) {
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double *)s))),
+                                    _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+}
+
 /* sum_g min[g] * xg[g] (times mscale: -8 where the mins are the scales) plus the row's accumulated block sums. */
 static inline __attribute__((always_inline)) float row_total(const float *mins, const float *xg, int64_t ng,
                                                              float mscale, __m256 acc) {
@@ -66,8 +86,6 @@ static inline __attribute__((always_inline)) void rows_avx2(float *out, int64_t 
         mins[r] = row_floats(L, n + r, sf + r * 2 * (ng + 8));
     }
     const uint8_t *w = L->w + n * rowb;
-    const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    const __m256i pairidx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     __m256 acc[MB];
     float tail[MB] = {0.f};
     for (int i = 0; i < R * M; i++) acc[i] = _mm256_setzero_ps();
@@ -80,16 +98,11 @@ static inline __attribute__((always_inline)) void rows_avx2(float *out, int64_t 
             xh[m] = _mm256_loadu_si256((const __m256i *)(xb + m * L->Kx + 64));
         }
         for (int r = 0; r < R; r++) {
-            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + r * rowb + b * 16));
-            const __m256i lo = _mm256_and_si256(wv, nib), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), nib);
-            const __m256 s = bpg > 1 ? _mm256_broadcast_ss(sfr[r] + b / bpg)
-                                     : _mm256_permutevar8x32_ps(
-                                           _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double *)(sfr[r] + b)))),
-                                           pairidx);
-            for (int m = 0; m < M; m++) {
-                const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl[m]), _mm256_maddubs_epi16(hi, xh[m]));
-                acc[r * M + m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(d, ones)), s, acc[r * M + m]);
-            }
+            __m256i lo, hi;
+            nibbles(_mm256_loadu_si256((const __m256i *)(w + r * rowb + b * 16)), &lo, &hi);
+            const __m256 s = bpg > 1 ? _mm256_broadcast_ss(sfr[r] + b / bpg) : pair_scale(sfr[r] + b);
+            for (int m = 0; m < M; m++)
+                acc[r * M + m] = _mm256_fmadd_ps(pair_dot(lo, hi, xl[m], xh[m]), s, acc[r * M + m]);
         }
     }
     if (b < nblocks) { /* an odd last block: 16 bytes (a 32-byte load could leave the allocation) */
@@ -133,19 +146,14 @@ static inline __attribute__((always_inline)) void rows4_m1_avx2(float *out, cons
         mins[r] = row_floats(L, n + r, sf + r * 2 * (ng + 8));
     }
     const uint8_t *w = L->w + n * rowb;
-    const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    const __m256i pairidx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
 #define W4A8_ROW(r, acc, q, xl, xh, s)                                                                               \
     do {                                                                                                             \
-        const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (r) * rowb + (q) * 32));                       \
-        const __m256i lo = _mm256_and_si256(wv, nib), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), nib);         \
-        const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));             \
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(d, ones)), (s), acc);                            \
+        __m256i lo, hi;                                                                                              \
+        nibbles(_mm256_loadu_si256((const __m256i *)(w + (r) * rowb + (q) * 32)), &lo, &hi);                        \
+        acc = _mm256_fmadd_ps(pair_dot(lo, hi, xl, xh), (s), acc);                                                  \
     } while (0)
-#define PAIR_SCALE(r, q) /* [scale of block 2q x4, of block 2q+1 x4] */                                            \
-    _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double *)(sc[r] + 2 * (q))))),   \
-                             pairidx)
+#define PAIR_SCALE(r, q) pair_scale(sc[r] + 2 * (q)) /* [scale of block 2q x4, of block 2q+1 x4] */
 #define PAIR4(q, xlo, xhi)                                                                                           \
     do {                                                                                                             \
         const __m256i xl = (xlo), xh = (xhi);                                                                        \
@@ -194,25 +202,21 @@ static inline __attribute__((always_inline)) void row_mt_avx2(float *out, int64_
     const int shift = __builtin_ctzll((unsigned long long)bpg);
     const float *mins = row_floats(L, n, sf);
     const uint8_t *w = L->w + n * rowb;
-    const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    const __m256i pairidx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     __m256 acc[8];
     for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
 #define W4A8_PAIR(wp, xo, s)                                                                                         \
     do {                                                                                                             \
-        const __m256i wv = _mm256_loadu_si256((const __m256i *)(wp));                                               \
-        const __m256i lo = _mm256_and_si256(wv, nib), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), nib);         \
+        __m256i lo, hi;                                                                                              \
+        nibbles(_mm256_loadu_si256((const __m256i *)(wp)), &lo, &hi);                                                \
         const __m256 sv = (s);                                                                                       \
         for (int m = 0; m < M; m++) {                                                                                \
             const int8_t *xm = xq + m * Kx + (xo);                                                                   \
-            const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xm)),    \
-                                               _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xm + 64)))); \
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(d, ones)), sv, acc[m]);                   \
+            acc[m] = _mm256_fmadd_ps(pair_dot(lo, hi, _mm256_loadu_si256((const __m256i *)xm),                      \
+                                              _mm256_loadu_si256((const __m256i *)(xm + 64))),                       \
+                                     sv, acc[m]);                                                                    \
         }                                                                                                            \
     } while (0)
-#define PAIR_SCALE(q) /* [scale of block 2q x4, of block 2q+1 x4] */                                               \
-    _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double *)(sf + 2 * (q))))),      \
-                             pairidx)
+#define PAIR_SCALE(q) pair_scale(sf + 2 * (q)) /* [scale of block 2q x4, of block 2q+1 x4] */
     int64_t c = 0;
     if (shift == 0) { /* groups of 32: each block its own scale */
         for (; c < nchunks; c++) {
