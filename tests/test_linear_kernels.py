@@ -179,6 +179,7 @@ def test_a_second_engine_of_the_same_layers_reuses_the_start_up_timings(monkeypa
     monkeypatch.setattr(Linear, "release_unused", lambda self: None)  # (both layouts stay: a re-check has a choice)
     monkeypatch.setattr(kernel_plan.KernelPlan, "RECHECK_SPAN", float("inf"))
     monkeypatch.setattr(kernel_plan, "_KEPT_TIMINGS", {})  # (as a fresh process: earlier tests built these engines)
+    monkeypatch.setattr(kernel_plan, "_KEPT_CHOICES", {})
     plan = LLM(num_kv_blocks=64).llm_engine.runner.linear_plan
     calls: list[int] = []
     original = kernel_plan.best_time

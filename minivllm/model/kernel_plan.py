@@ -110,6 +110,8 @@ TIMED_WEIGHTS = 64 * 2**20
 # Start-up timings made in this process, by KernelPlan._timing_key (most recent last; at most _MAX_KEPT).
 _KEPT_TIMINGS: dict[tuple[object, ...], dict[str, float]] = {}
 _MAX_KEPT = 256
+# Decisions made by timing whole steps (KernelPlan.keep_choice), by the same key plus the measure's name.
+_KEPT_CHOICES: dict[tuple[object, ...], bool] = {}
 
 
 class KernelPlan:
@@ -176,6 +178,19 @@ class KernelPlan:
             del _KEPT_TIMINGS[next(iter(_KEPT_TIMINGS))]
         self.bind(c, best)
         return best
+
+    def kept_choice(self, c: int, measure: str) -> bool | None:
+        """What an earlier plan of the same layers in this process decided for class c by `measure` (a timing of
+        whole steps), if it did: a second engine of one model decides as the first (two engines of the same
+        layers planned differently where the two whole-step timings were near and noise picked)."""
+        return _KEPT_CHOICES.get((*self._timing_key(c, [measure]), len(self.layers), self.scale))
+
+    def keep_choice(self, c: int, measure: str, choice: bool) -> bool:
+        """Record `choice` for kept_choice; returns it."""
+        _KEPT_CHOICES[(*self._timing_key(c, [measure]), len(self.layers), self.scale)] = choice
+        while len(_KEPT_CHOICES) > _MAX_KEPT:
+            del _KEPT_CHOICES[next(iter(_KEPT_CHOICES))]
+        return choice
 
     def bind(self, c: int, name: str) -> None:
         """Kernel `name` for every layer's shape class c."""

@@ -182,32 +182,32 @@ class ModelRunner:
         return self.lora
 
     def _plan_handful_with_stack(self) -> None:
-        """The projections' timing cannot see that native kernels in every layer let the decode stack run a
-        whole step in one call: where the handful class (2-6 rows: a batch-1 speculative verification) was
-        planned otherwise, time a 4-row decode step both ways and keep the faster. The dummy rows write
-        K/V into block 0, which holds nothing yet."""
+        """The projections' timing cannot see that native kernels in every layer let the decode stack run a whole
+        step in one call: where the handful class (2-6 rows: a batch-1 speculative verification) was planned
+        otherwise, time a 4-row decode step both ways and keep the faster (dummy rows: K/V into empty block 0)."""
         stack, handful = self.decode_stack, 1
         if stack is None or stack.native_classes[handful]:
             return
         projs = [m for m in self.model.modules() if isinstance(m, PlannedLinear)]
         if not all("native" in m.candidates() for m in projs):
             return
-        inputs = [SequenceInput([0], i, [0] * (i // self.block_size + 1), True,
-                                group_tables=([0] * (i // self.block_size + 1),) * (self.num_kv_groups - 1))
-                  for i in range(4)]
-        planned = [m.kernels for m in projs]
-        module_time = best_time(lambda: self.execute(inputs))
+        inputs = [SequenceInput([0], i, [0] * (i // self.block_size + 1), True, group_tables=(
+            [0] * (i // self.block_size + 1),) * (self.num_kv_groups - 1)) for i in range(4)]
+        planned, plan = [m.kernels for m in projs], self.linear_plan
+        use_stack = plan.kept_choice(handful, "decode stack")  # (decided by an engine of these layers before)
+        module_time = best_time(lambda: self.execute(inputs)) if use_stack is None else 0.0
         for m in projs:
             ks = list(m.kernels)
             ks[handful] = m.candidates()["native"].__func__  # type: ignore[attr-defined]
             m.kernels = tuple(ks)
         stack.native_classes = tuple(c or i == handful for i, c in enumerate(stack.native_classes))
-        stack_time = best_time(lambda: self.execute(inputs))
-        logger.info("4-row decode step: %s %.2f ms, native stack %.2f ms", self.linear_kernels.get("m<=6"),
-                    module_time * 1e3, stack_time * 1e3)
-        if stack_time < module_time:
-            self.linear_plan.pin(handful, "native")
-            return
+        if use_stack is None:
+            stack_time = best_time(lambda: self.execute(inputs))
+            logger.info("4-row decode step: %s %.2f ms, native stack %.2f ms", self.linear_kernels.get("m<=6"),
+                        module_time * 1e3, stack_time * 1e3)
+            use_stack = plan.keep_choice(handful, "decode stack", stack_time < module_time)
+        if use_stack:
+            return plan.pin(handful, "native")
         for m, kernels in zip(projs, planned, strict=True):
             m.kernels = kernels
         stack.native_classes = tuple(c and i != handful for i, c in enumerate(stack.native_classes))
