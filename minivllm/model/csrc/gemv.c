@@ -335,9 +335,14 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
             int8_t *xq = (int8_t *)(scratch + MAX_M);
             for (int m = 0; m < mm; m++) xs[m] = quantize_row_s8(xm + m * ldx, K, xq + m * K);
             L.Kv = K;
+#ifdef GEMV_AVX2
+#pragma omp parallel num_threads(num_threads)
+            w8a8_rows_avx2(o, ldo, xq, xs, mm, &L, N);
+#else
 #define RW(c) w8a8_row(o + j * ldo, ldo, xq + j * K, xs + j, c, &L, n)
 #pragma omp parallel num_threads(num_threads)
             FOR_ROWS(N, mm, RW);
+#endif
         } else if (fmt == FMT_INT8) {
 #ifdef GEMV_AVX2
 #define R8(c) int8_row_avx2(o + j * ldo, ldo, xm + j * ldx, c, &L, n)

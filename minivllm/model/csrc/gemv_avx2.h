@@ -81,6 +81,61 @@ INLINE void int8_row_avx2(float *out, int64_t ldo, const float *x, int M, const 
         out[m * ldo + n] = s * sc + (L->bias ? L->bias[n] : 0.f);
     }
 }
+
+/* W8A8 on AVX2, one weight row against M (1..8) tokens: vpmaddubsw on |w| and x carrying w's sign (x within
+ * +-127: negation cannot overflow; pairs at most 2 * 128 * 127, no int16 saturation), widened by vpmaddwd
+ * against ones; the int32 accumulators stay in registers and are reduced for all M at once by horizontal adds
+ * (four tokens per pass, each reduced alone through memory, put a quarter of a 576-wide row's instructions
+ * in its reductions). Exact: the integer sums, then xs * scale as before. */
+INLINE void w8a8_row_avx2(float *out, int64_t ldo, const int8_t *xq, const float *xs, const int M, const Layer *L,
+                          int64_t n) {
+    const int64_t K = L->K;
+    const int8_t *w = (const int8_t *)L->w + n * K;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i acc[8];
+    for (int m = 0; m < 8; m++) acc[m] = _mm256_setzero_si256();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + k)), wa = _mm256_sign_epi8(wv, wv);
+        for (int m = 0; m < M; m++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * L->Kv + k));
+            acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, wv)),
+                                                                ones));
+        }
+    }
+    const __m256i q0 = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[0], acc[1]), _mm256_hadd_epi32(acc[2], acc[3]));
+    const __m256i q1 = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[4], acc[5]), _mm256_hadd_epi32(acc[6], acc[7]));
+    int32_t sums[8];
+    _mm256_storeu_si256((__m256i *)sums, _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20),
+                                                          _mm256_permute2x128_si256(q0, q1, 0x31)));
+    const float sc = ((const float *)L->scale)[n];
+    for (int m = 0; m < M; m++) {
+        int64_t s = sums[m];
+        for (int64_t j = k; j < K; j++) s += (int32_t)xq[m * L->Kv + j] * w[j];
+        out[m * ldo + n] = (float)s * xs[m] * sc + (L->bias ? L->bias[n] : 0.f);
+    }
+}
+
+/* This thread's share of N, each row against all M tokens, 8 per pass (inside an omp parallel region). */
+static inline void w8a8_rows_avx2(float *out, int64_t ldo, const int8_t *xq, const float *xs, int M, const Layer *L,
+                                  int64_t N) {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    for (int64_t n = N * t / nt; n < N * (t + 1) / nt; n++)
+        for (int j = 0; j < M; j += 8) {
+            float *o = out + j * ldo;
+            const int8_t *x = xq + j * L->Kv;
+            switch (M - j < 8 ? M - j : 8) {
+            case 1: w8a8_row_avx2(o, ldo, x, xs + j, 1, L, n); break;
+            case 2: w8a8_row_avx2(o, ldo, x, xs + j, 2, L, n); break;
+            case 3: w8a8_row_avx2(o, ldo, x, xs + j, 3, L, n); break;
+            case 4: w8a8_row_avx2(o, ldo, x, xs + j, 4, L, n); break;
+            case 5: w8a8_row_avx2(o, ldo, x, xs + j, 5, L, n); break;
+            case 6: w8a8_row_avx2(o, ldo, x, xs + j, 6, L, n); break;
+            case 7: w8a8_row_avx2(o, ldo, x, xs + j, 7, L, n); break;
+            default: w8a8_row_avx2(o, ldo, x, xs + j, 8, L, n); break;
+            }
+        }
+}
 #define GEMV_AVX2 1
 #endif
 

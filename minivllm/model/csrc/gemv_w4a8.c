@@ -247,7 +247,8 @@ void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int6
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
 #ifdef W4A8_AVX2
-        float sf[4 * 2 * (ng + 8)]; /* up to four weight rows' group scales and mins as float (rows_avx2) */
+        float sf[4 * 2 * (ng + 8)]; /* up to four weight rows' group scales and mins as float (rows_avx2; one row
+                                     * and its scaled mins, row_all_tokens_avx2) */
 #endif
         for (int64_t n = N * t / nt; n < N * (t + 1) / nt; n++) {
             for (int j = 0; j < M; j += MB) {
@@ -278,19 +279,8 @@ void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int6
                     continue;
                 }
                 if (M > 1 && !(Kp & 63)) { /* several tokens: one weight row against up to 8 of them per pass */
-                    const int mt = M - j < 8 ? M - j : 8;
-                    switch (mt) {
-                    case 1: rows_avx2(o, ldo, xqj, xs + j, xgj, 1, &L, n, 1, sf); break;
-                    case 2: row_mt_avx2(o, ldo, xqj, xs + j, xgj, 2, &L, n, sf); break;
-                    case 3: row_mt_avx2(o, ldo, xqj, xs + j, xgj, 3, &L, n, sf); break;
-                    case 4: row_mt_avx2(o, ldo, xqj, xs + j, xgj, 4, &L, n, sf); break;
-                    case 5: row_mt_avx2(o, ldo, xqj, xs + j, xgj, 5, &L, n, sf); break;
-                    case 6: row_mt_avx2(o, ldo, xqj, xs + j, xgj, 6, &L, n, sf); break;
-                    case 7: row_mt_avx2(o, ldo, xqj, xs + j, xgj, 7, &L, n, sf); break;
-                    default: row_mt_avx2(o, ldo, xqj, xs + j, xgj, 8, &L, n, sf); break;
-                    }
-                    j += 8 - MB; /* (the loop adds MB) */
-                    continue;
+                    row_all_tokens_avx2(o, ldo, xqj, xs, xgj, M, &L, n, sf);
+                    break; /* (every token done) */
                 }
                 switch (mm) {
                 case 1: rows_avx2(o, ldo, xqj, xs + j, xgj, 1, &L, n, 1, sf); break;

@@ -191,19 +191,29 @@ static inline __attribute__((always_inline)) void rows4_m1_avx2(float *out, cons
         out[n + r] = row_total(mins[r], xg, ng, mscale, acc[r]) * xs + (L->bias ? L->bias[n + r] : 0.f);
 }
 
-/* One weight row against M (2..8) tokens, an even number of blocks: the pair's nibbles and scales are decoded
- * once for all M, every accumulator stays in a register, the x loads are folded into the multiply-adds, and the
- * scale lookup is chosen once per row (rows_avx2 with M rows kept x in 2M registers and spilled its accumulators
- * to the stack every pair: perf put a third of a 64-token GEMV on those stores and the index arithmetic). */
+/* The sums of eight vectors, lane i the sum of a[i] (a transpose by horizontal adds: 9 instructions for all
+ * eight, where a reduction each took about 8 with its scalar adds). */
+static inline __attribute__((always_inline)) __m256 hsum8x8(const __m256 *a) {
+    const __m256 q0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 q1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
+}
+
+/* One weight row against M (1..8) tokens, an even number of blocks: the pair's nibbles and scales are decoded
+ * once for all M, every accumulator stays in a register, the x loads are folded into the multiply-adds
+ * (rows_avx2 with M rows kept x in 2M registers and spilled its accumulators to the stack every pair: perf put a
+ * third of a 64-token GEMV on those stores and the index arithmetic). sf: the row's scales (row_floats); mv: its
+ * mins times mscale, zero-padded to ngp, which meet xg in the same accumulators; one transposed reduction for
+ * all M (the per-token reductions and min terms were a fifth of a 576-wide row's instructions). */
 static inline __attribute__((always_inline)) void row_mt_avx2(float *out, int64_t ldo, const int8_t *xq,
                                                               const float *xs, const float *xg, const int M,
-                                                              const W4A8Layer *L, int64_t n, float *sf) {
-    const int64_t nchunks = L->Kp / 128, ng = L->ng, rowb = L->Kp / 2, bpg = L->G / 32, Kx = L->Kx;
+                                                              const W4A8Layer *L, int64_t n, const float *sf,
+                                                              const float *mv) {
+    const int64_t nchunks = L->Kp / 128, rowb = L->Kp / 2, bpg = L->G / 32, Kx = L->Kx;
     const int shift = __builtin_ctzll((unsigned long long)bpg);
-    const float *mins = row_floats(L, n, sf);
     const uint8_t *w = L->w + n * rowb;
     __m256 acc[8];
-    for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+    for (int m = 0; m < 8; m++) acc[m] = _mm256_setzero_ps();
 #define W4A8_PAIR(wp, xo, s)                                                                                         \
     do {                                                                                                             \
         __m256i lo, hi;                                                                                              \
@@ -235,10 +245,37 @@ static inline __attribute__((always_inline)) void row_mt_avx2(float *out, int64_
     }
 #undef W4A8_PAIR
 #undef PAIR_SCALE
-    const float mscale = L->sym ? -8.f : 1.f;
-    for (int m = 0; m < M; m++) {
-        const float y = row_total(mins, xg + m * L->ngp, ng, mscale, acc[m]);
-        out[m * ldo + n] = y * xs[m] + (L->bias ? L->bias[n] : 0.f);
+    for (int64_t g = 0; g < L->ngp; g += 8) {
+        const __m256 mg = _mm256_loadu_ps(mv + g);
+        for (int m = 0; m < M; m++) acc[m] = _mm256_fmadd_ps(mg, _mm256_loadu_ps(xg + m * L->ngp + g), acc[m]);
+    }
+    float y[8];
+    _mm256_storeu_ps(y, hsum8x8(acc));
+    for (int m = 0; m < M; m++) out[m * ldo + n] = y[m] * xs[m] + (L->bias ? L->bias[n] : 0.f);
+}
+
+/* Weight row n against all M tokens, 8 per pass: the row's scales and mins converted once (sf holds
+ * 2 * (ng + 8) + ngp floats). */
+static inline void row_all_tokens_avx2(float *out, int64_t ldo, const int8_t *xq, const float *xs, const float *xg,
+                                       int M, const W4A8Layer *L, int64_t n, float *sf) {
+    const int64_t ng = L->ng;
+    const float *mins = row_floats(L, n, sf), mscale = L->sym ? -8.f : 1.f;
+    float *mv = sf + 2 * (ng + 8);
+    for (int64_t g = 0; g < L->ngp; g++) mv[g] = g < ng ? mscale * mins[g] : 0.f;
+    for (int j = 0; j < M; j += 8) {
+        const int8_t *xqj = xq + j * L->Kx;
+        float *o = out + j * ldo;
+        const float *xgj = xg + j * L->ngp, *xsj = xs + j;
+        switch (M - j < 8 ? M - j : 8) {
+        case 1: row_mt_avx2(o, ldo, xqj, xsj, xgj, 1, L, n, sf, mv); break;
+        case 2: row_mt_avx2(o, ldo, xqj, xsj, xgj, 2, L, n, sf, mv); break;
+        case 3: row_mt_avx2(o, ldo, xqj, xsj, xgj, 3, L, n, sf, mv); break;
+        case 4: row_mt_avx2(o, ldo, xqj, xsj, xgj, 4, L, n, sf, mv); break;
+        case 5: row_mt_avx2(o, ldo, xqj, xsj, xgj, 5, L, n, sf, mv); break;
+        case 6: row_mt_avx2(o, ldo, xqj, xsj, xgj, 6, L, n, sf, mv); break;
+        case 7: row_mt_avx2(o, ldo, xqj, xsj, xgj, 7, L, n, sf, mv); break;
+        default: row_mt_avx2(o, ldo, xqj, xsj, xgj, 8, L, n, sf, mv); break;
+        }
     }
 }
 
