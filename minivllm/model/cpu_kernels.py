@@ -49,7 +49,7 @@ _SOURCES = ("paged_attention.c", "sampling.c", "gemv.c", "fused_ops.c", "membw.c
             "gemv_w4a8.c", "gemv_q8.c", "moe_decode.c", "quantize_rows.c")
 # included by the sources: copied and hashed with them
 _HEADERS = ("paged_attention.h", "paged_attention_rows.h", "gemv_rows.h", "gemv_m1.h", "gemv_avx2.h",
-            "gemv_w4a8_avx2.h", "simd_width.h", "decode_stack.h")
+            "gemv_w4a8_avx2.h", "hsum_avx2.h", "simd_width.h", "decode_stack.h")
 
 
 @functools.cache

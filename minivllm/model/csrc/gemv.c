@@ -367,13 +367,23 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
                 }
             }
         } else if (fmt == FMT_BF16) {
+#ifdef GEMV_AVX2
+#pragma omp parallel num_threads(num_threads)
+            dense_all_avx2(o, ldo, xm, mm, &L, 1, N);
+#else
 #define RB(c) dense_row(o + j * ldo, ldo, xm + j * ldx, c, &L, 1, n)
 #pragma omp parallel num_threads(num_threads)
             FOR_ROWS(N, mm, RB);
+#endif
         } else {
+#ifdef GEMV_AVX2
+#pragma omp parallel num_threads(num_threads)
+            dense_all_avx2(o, ldo, xm, mm, &L, 0, N);
+#else
 #define RF(c) dense_row(o + j * ldo, ldo, xm + j * ldx, c, &L, 0, n)
 #pragma omp parallel num_threads(num_threads)
             FOR_ROWS(N, mm, RF);
+#endif
         }
     }
 }

@@ -4,6 +4,8 @@
 #define MINIVLLM_GEMV_AVX2_H
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include "hsum_avx2.h"
+
 INLINE float hsum256(__m256 v) {
     const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     float f[4];
@@ -82,6 +84,81 @@ INLINE void int8_row_avx2(float *out, int64_t ldo, const float *x, int M, const 
     }
 }
 
+/* 8 float weights of a row: float32, or bfloat16 bits widened (a float's upper half). */
+INLINE __m256 dense8(const Layer *L, int bf16, int64_t n, int64_t k) {
+    if (!bf16) return _mm256_loadu_ps((const float *)L->w + n * L->K + k);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)L->w + n * L->K + k));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* Float weights (f32 or bf16), R rows from n against M tokens (R * M <= 8): every accumulator in a register, each
+ * x load serving the R rows, one transposed reduction for all R * M sums. The generic rows (dense_row) use
+ * 64-byte vectors, two registers each here: with 2 x MB of them they spilled every iteration, and the native
+ * kernel ran 5-10x slower than oneDNN from 4 tokens up, so a batch-1 verification of a few proposals (2-7 rows)
+ * left the decode stack. */
+INLINE void dense_rows_avx2(float *out, int64_t ldo, const float *x, const int M, const int R, const Layer *L,
+                            int bf16, int64_t n) {
+    const int64_t K = L->K;
+    __m256 acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256 w[4];
+        for (int r = 0; r < R; r++) w[r] = dense8(L, bf16, n + r, k);
+        for (int m = 0; m < M; m++) {
+            const __m256 xv = _mm256_loadu_ps(x + m * L->Kv + k);
+            for (int r = 0; r < R; r++) acc[r * M + m] = _mm256_fmadd_ps(w[r], xv, acc[r * M + m]);
+        }
+    }
+    float s[8];
+    _mm256_storeu_ps(s, hsum8x8(acc));
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) {
+            float y = s[r * M + m];
+            for (int64_t j = k; j < K; j++) {
+                const float wj = bf16 ? bf16_to_f32(((const uint16_t *)L->w)[(n + r) * K + j])
+                                      : ((const float *)L->w)[(n + r) * K + j];
+                y += x[m * L->Kv + j] * wj;
+            }
+            out[m * ldo + n + r] = y + (L->bias ? L->bias[n + r] : 0.f);
+        }
+}
+
+/* This thread's share of N against M (2..16) tokens: 8 tokens a pass from the first, 4 rows a pass at 2 tokens, 2
+ * at 3-4 (at least 6 independent accumulator chains: an FMA's latency is 4 of its throughput-0.5 cycles). */
+INLINE void dense_all_avx2(float *out, int64_t ldo, const float *x, int M, const Layer *L, int bf16, int64_t N) {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t end = N * (t + 1) / nt;
+    for (int j = 0; j < M; j += 8) {
+        const int mt = M - j < 8 ? M - j : 8, R = mt <= 2 ? 4 : mt <= 4 ? 2 : 1;
+        float *o = out + j * ldo;
+        const float *xj = x + j * L->Kv;
+        for (int64_t n = N * t / nt; n < end;) {
+            if (n + R > end) { /* the share's last rows, one at a time (R > 1: at most 4 tokens) */
+                switch (mt) {
+                case 1: dense_rows_avx2(o, ldo, xj, 1, 1, L, bf16, n); break;
+                case 2: dense_rows_avx2(o, ldo, xj, 2, 1, L, bf16, n); break;
+                case 3: dense_rows_avx2(o, ldo, xj, 3, 1, L, bf16, n); break;
+                default: dense_rows_avx2(o, ldo, xj, 4, 1, L, bf16, n); break;
+                }
+                n++;
+                continue;
+            }
+            switch (mt) {
+            case 1: dense_rows_avx2(o, ldo, xj, 1, 4, L, bf16, n); break;
+            case 2: dense_rows_avx2(o, ldo, xj, 2, 4, L, bf16, n); break;
+            case 3: dense_rows_avx2(o, ldo, xj, 3, 2, L, bf16, n); break;
+            case 4: dense_rows_avx2(o, ldo, xj, 4, 2, L, bf16, n); break;
+            case 5: dense_rows_avx2(o, ldo, xj, 5, 1, L, bf16, n); break;
+            case 6: dense_rows_avx2(o, ldo, xj, 6, 1, L, bf16, n); break;
+            case 7: dense_rows_avx2(o, ldo, xj, 7, 1, L, bf16, n); break;
+            default: dense_rows_avx2(o, ldo, xj, 8, 1, L, bf16, n); break;
+            }
+            n += R;
+        }
+    }
+}
+
 /* W8A8 on AVX2, one weight row against M (1..8) tokens: vpmaddubsw on |w| and x carrying w's sign (x within
  * +-127: negation cannot overflow; pairs at most 2 * 128 * 127, no int16 saturation), widened by vpmaddwd
  * against ones; the int32 accumulators stay in registers and are reduced for all M at once by horizontal adds
@@ -103,11 +180,8 @@ INLINE void w8a8_row_avx2(float *out, int64_t ldo, const int8_t *xq, const float
                                                                 ones));
         }
     }
-    const __m256i q0 = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[0], acc[1]), _mm256_hadd_epi32(acc[2], acc[3]));
-    const __m256i q1 = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[4], acc[5]), _mm256_hadd_epi32(acc[6], acc[7]));
     int32_t sums[8];
-    _mm256_storeu_si256((__m256i *)sums, _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20),
-                                                          _mm256_permute2x128_si256(q0, q1, 0x31)));
+    _mm256_storeu_si256((__m256i *)sums, hsum8x8_epi32(acc));
     const float sc = ((const float *)L->scale)[n];
     for (int m = 0; m < M; m++) {
         int64_t s = sums[m];

@@ -10,6 +10,7 @@
  * bound by their instructions, not the memory). The portable loop took 3-4x as long as one row of this. */
 #ifndef MINIVLLM_GEMV_W4A8_AVX2_H
 #define MINIVLLM_GEMV_W4A8_AVX2_H
+#include "hsum_avx2.h"
 
 /* Row n's scales into sf[0, ng) and, where stored as half floats, its mins into sf[ng + 8, ...); returns the
  * mins as float (the scales where symmetric: their term is then -8 times the scales'). */
@@ -189,14 +190,6 @@ static inline __attribute__((always_inline)) void rows4_m1_avx2(float *out, cons
     const float mscale = L->sym ? -8.f : 1.f;
     for (int r = 0; r < 4; r++)
         out[n + r] = row_total(mins[r], xg, ng, mscale, acc[r]) * xs + (L->bias ? L->bias[n + r] : 0.f);
-}
-
-/* The sums of eight vectors, lane i the sum of a[i] (a transpose by horizontal adds: 9 instructions for all
- * eight, where a reduction each took about 8 with its scalar adds). */
-static inline __attribute__((always_inline)) __m256 hsum8x8(const __m256 *a) {
-    const __m256 q0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    const __m256 q1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
 }
 
 /* One weight row against M (1..8) tokens, an even number of blocks: the pair's nibbles and scales are decoded
