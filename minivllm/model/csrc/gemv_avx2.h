@@ -159,26 +159,20 @@ INLINE void dense_all_avx2(float *out, int64_t ldo, const float *x, int M, const
     }
 }
 
-/* W8A8 on AVX2, one weight row against M (1..8) tokens: vpmaddubsw on |w| and x carrying w's sign (x within
- * +-127: negation cannot overflow; pairs at most 2 * 128 * 127, no int16 saturation), widened by vpmaddwd
- * against ones; the int32 accumulators stay in registers and are reduced for all M at once by horizontal adds
+/* W8A8 on AVX2, one weight row against M (1..8) tokens, 32 weights at a time (s8_dot32, csrc/gemv.c); the int32
+ * accumulators stay in registers and are reduced for all M at once by horizontal adds
  * (four tokens per pass, each reduced alone through memory, put a quarter of a 576-wide row's instructions
  * in its reductions). Exact: the integer sums, then xs * scale as before. */
 INLINE void w8a8_row_avx2(float *out, int64_t ldo, const int8_t *xq, const float *xs, const int M, const Layer *L,
                           int64_t n) {
     const int64_t K = L->K;
     const int8_t *w = (const int8_t *)L->w + n * K;
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256i acc[8];
     for (int m = 0; m < 8; m++) acc[m] = _mm256_setzero_si256();
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
         const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + k)), wa = _mm256_sign_epi8(wv, wv);
-        for (int m = 0; m < M; m++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * L->Kv + k));
-            acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, wv)),
-                                                                ones));
-        }
+        for (int m = 0; m < M; m++) acc[m] = _mm256_add_epi32(acc[m], s8_dot32(wa, wv, xq + m * L->Kv + k));
     }
     int32_t sums[8];
     _mm256_storeu_si256((__m256i *)sums, hsum8x8_epi32(acc));
