@@ -179,15 +179,18 @@ class KernelPlan:
         self.bind(c, best)
         return best
 
+    def _choice_key(self, c: int, measure: str) -> tuple[object, ...]:
+        return (*self._timing_key(c, [measure]), len(self.layers), self.scale)  # (a whole step: every layer)
+
     def kept_choice(self, c: int, measure: str) -> bool | None:
         """What an earlier plan of the same layers in this process decided for class c by `measure` (a timing of
         whole steps), if it did: a second engine of one model decides as the first (two engines of the same
         layers planned differently where the two whole-step timings were near and noise picked)."""
-        return _KEPT_CHOICES.get((*self._timing_key(c, [measure]), len(self.layers), self.scale))
+        return _KEPT_CHOICES.get(self._choice_key(c, measure))
 
     def keep_choice(self, c: int, measure: str, choice: bool) -> bool:
         """Record `choice` for kept_choice; returns it."""
-        _KEPT_CHOICES[(*self._timing_key(c, [measure]), len(self.layers), self.scale)] = choice
+        _KEPT_CHOICES[self._choice_key(c, measure)] = choice
         while len(_KEPT_CHOICES) > _MAX_KEPT:
             del _KEPT_CHOICES[next(iter(_KEPT_CHOICES))]
         return choice

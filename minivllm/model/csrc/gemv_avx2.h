@@ -134,26 +134,16 @@ INLINE void dense_all_avx2(float *out, int64_t ldo, const float *x, int M, const
         float *o = out + j * ldo;
         const float *xj = x + j * L->Kv;
         for (int64_t n = N * t / nt; n < end;) {
-            if (n + R > end) { /* the share's last rows, one at a time (R > 1: at most 4 tokens) */
-                switch (mt) {
-                case 1: dense_rows_avx2(o, ldo, xj, 1, 1, L, bf16, n); break;
-                case 2: dense_rows_avx2(o, ldo, xj, 2, 1, L, bf16, n); break;
-                case 3: dense_rows_avx2(o, ldo, xj, 3, 1, L, bf16, n); break;
-                default: dense_rows_avx2(o, ldo, xj, 4, 1, L, bf16, n); break;
-                }
+#define DENSE_R(c) dense_rows_avx2(o, ldo, xj, c, (c) <= 2 ? 4 : (c) <= 4 ? 2 : 1, L, bf16, n)
+#define DENSE_1(c) dense_rows_avx2(o, ldo, xj, c, 1, L, bf16, n)
+            if (n + R > end) { /* the share's last rows, one at a time */
+                SWITCH_M8(mt, DENSE_1);
                 n++;
                 continue;
             }
-            switch (mt) {
-            case 1: dense_rows_avx2(o, ldo, xj, 1, 4, L, bf16, n); break;
-            case 2: dense_rows_avx2(o, ldo, xj, 2, 4, L, bf16, n); break;
-            case 3: dense_rows_avx2(o, ldo, xj, 3, 2, L, bf16, n); break;
-            case 4: dense_rows_avx2(o, ldo, xj, 4, 2, L, bf16, n); break;
-            case 5: dense_rows_avx2(o, ldo, xj, 5, 1, L, bf16, n); break;
-            case 6: dense_rows_avx2(o, ldo, xj, 6, 1, L, bf16, n); break;
-            case 7: dense_rows_avx2(o, ldo, xj, 7, 1, L, bf16, n); break;
-            default: dense_rows_avx2(o, ldo, xj, 8, 1, L, bf16, n); break;
-            }
+            SWITCH_M8(mt, DENSE_R);
+#undef DENSE_R
+#undef DENSE_1
             n += R;
         }
     }
@@ -192,16 +182,9 @@ static inline void w8a8_rows_avx2(float *out, int64_t ldo, const int8_t *xq, con
         for (int j = 0; j < M; j += 8) {
             float *o = out + j * ldo;
             const int8_t *x = xq + j * L->Kv;
-            switch (M - j < 8 ? M - j : 8) {
-            case 1: w8a8_row_avx2(o, ldo, x, xs + j, 1, L, n); break;
-            case 2: w8a8_row_avx2(o, ldo, x, xs + j, 2, L, n); break;
-            case 3: w8a8_row_avx2(o, ldo, x, xs + j, 3, L, n); break;
-            case 4: w8a8_row_avx2(o, ldo, x, xs + j, 4, L, n); break;
-            case 5: w8a8_row_avx2(o, ldo, x, xs + j, 5, L, n); break;
-            case 6: w8a8_row_avx2(o, ldo, x, xs + j, 6, L, n); break;
-            case 7: w8a8_row_avx2(o, ldo, x, xs + j, 7, L, n); break;
-            default: w8a8_row_avx2(o, ldo, x, xs + j, 8, L, n); break;
-            }
+#define W8A8_ROW(c) w8a8_row_avx2(o, ldo, x, xs + j, c, L, n)
+            SWITCH_M8(M - j < 8 ? M - j : 8, W8A8_ROW);
+#undef W8A8_ROW
         }
 }
 #define GEMV_AVX2 1

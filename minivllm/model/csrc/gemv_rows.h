@@ -20,4 +20,20 @@
         }                                                                             \
     } while (0)
 
+/* ROW(c) for a block of mt (1..8) tokens, c the literal mt: each size its own register-resident code (the AVX2
+ * rows that take 8 tokens a pass). */
+#define SWITCH_M8(mt, ROW)                                                            \
+    do {                                                                              \
+        switch (mt) {                                                                 \
+        case 1: ROW(1); break;                                                        \
+        case 2: ROW(2); break;                                                        \
+        case 3: ROW(3); break;                                                        \
+        case 4: ROW(4); break;                                                        \
+        case 5: ROW(5); break;                                                        \
+        case 6: ROW(6); break;                                                        \
+        case 7: ROW(7); break;                                                        \
+        default: ROW(8); break;                                                       \
+        }                                                                             \
+    } while (0)
+
 #endif

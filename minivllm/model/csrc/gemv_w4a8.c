@@ -158,6 +158,7 @@ static inline __attribute__((always_inline)) void row_vnni(float *out, int64_t l
 }
 #endif
 
+#include "gemv_rows.h"
 #include "gemv_w4a8_avx2.h"
 
 /* The same sums without VNNI, block by block from the staged layout. */
@@ -251,6 +252,12 @@ void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int6
                                      * and its scaled mins, row_all_tokens_avx2) */
 #endif
         for (int64_t n = N * t / nt; n < N * (t + 1) / nt; n++) {
+#ifdef W4A8_AVX2
+            if (M > 1 && !(Kp & 63)) { /* several tokens: one weight row against up to 8 of them per pass */
+                row_all_tokens_avx2(out, ldo, xq, xs, xg, M, &L, n, sf);
+                continue;
+            }
+#endif
             for (int j = 0; j < M; j += MB) {
                 const int mm = M - j < MB ? M - j : MB;
 #ifdef W4A8_VNNI
@@ -277,10 +284,6 @@ void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int6
                     rows_avx2(o, ldo, xqj, xs + j, xgj, 1, &L, n, 4, sf);
                     n += 3;
                     continue;
-                }
-                if (M > 1 && !(Kp & 63)) { /* several tokens: one weight row against up to 8 of them per pass */
-                    row_all_tokens_avx2(o, ldo, xqj, xs, xgj, M, &L, n, sf);
-                    break; /* (every token done) */
                 }
                 switch (mm) {
                 case 1: rows_avx2(o, ldo, xqj, xs + j, xgj, 1, &L, n, 1, sf); break;

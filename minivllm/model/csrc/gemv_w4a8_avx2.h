@@ -259,16 +259,9 @@ static inline void row_all_tokens_avx2(float *out, int64_t ldo, const int8_t *xq
         const int8_t *xqj = xq + j * L->Kx;
         float *o = out + j * ldo;
         const float *xgj = xg + j * L->ngp, *xsj = xs + j;
-        switch (M - j < 8 ? M - j : 8) {
-        case 1: row_mt_avx2(o, ldo, xqj, xsj, xgj, 1, L, n, sf, mv); break;
-        case 2: row_mt_avx2(o, ldo, xqj, xsj, xgj, 2, L, n, sf, mv); break;
-        case 3: row_mt_avx2(o, ldo, xqj, xsj, xgj, 3, L, n, sf, mv); break;
-        case 4: row_mt_avx2(o, ldo, xqj, xsj, xgj, 4, L, n, sf, mv); break;
-        case 5: row_mt_avx2(o, ldo, xqj, xsj, xgj, 5, L, n, sf, mv); break;
-        case 6: row_mt_avx2(o, ldo, xqj, xsj, xgj, 6, L, n, sf, mv); break;
-        case 7: row_mt_avx2(o, ldo, xqj, xsj, xgj, 7, L, n, sf, mv); break;
-        default: row_mt_avx2(o, ldo, xqj, xsj, xgj, 8, L, n, sf, mv); break;
-        }
+#define ROW_MT(c) row_mt_avx2(o, ldo, xqj, xsj, xgj, c, L, n, sf, mv)
+        SWITCH_M8(M - j < 8 ? M - j : 8, ROW_MT);
+#undef ROW_MT
     }
 }
 
