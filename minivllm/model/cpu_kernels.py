@@ -46,10 +46,11 @@ def _cpu_signature() -> str:
 
 
 _SOURCES = ("paged_attention.c", "sampling.c", "gemv.c", "fused_ops.c", "membw.c", "decode_stack.c",
-            "gemv_w4a8.c", "gemv_q8.c", "moe_decode.c", "quantize_rows.c")
+            "gemv_w4a8.c", "gemv_q8.c", "moe_decode.c", "quantize_rows.c",
+            "greedy_loop.c")
 # included by the sources: copied and hashed with them
 _HEADERS = ("paged_attention.h", "paged_attention_rows.h", "gemv_rows.h", "gemv_m1.h", "gemv_avx2.h",
-            "gemv_w4a8_avx2.h", "hsum_avx2.h", "simd_width.h", "decode_stack.h")
+            "gemv_w4a8_avx2.h", "gemv_avx512.h", "hsum_avx2.h", "simd_width.h", "decode_stack.h")
 
 
 @functools.cache
@@ -108,6 +109,8 @@ def load_library() -> ctypes.CDLL | None:
         fn.restype = None
     lib.decode_stack_f32.argtypes = [p, i64, p, p, p, p]
     lib.decode_stack_f32.restype = None
+    lib.greedy_round_f32.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, p, i64, p, p, i64, p, p, p]
+    lib.greedy_round_f32.restype = None
     lib.apply_token_bitmask_f32.argtypes = [p, i64, p, i64, p, i64, i64]
     lib.apply_token_bitmask_f32.restype = None
     lib.stream_read_f32.argtypes = [p, i64, c_int]

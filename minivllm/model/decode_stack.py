@@ -31,21 +31,27 @@ _p, _i64, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _MAX_KV_GROUPS = 4  # csrc/decode_stack.c's
 
 
-class _Proj(ctypes.Structure):
+class Proj(ctypes.Structure):
     _fields_ = [("w", _p), ("scale", _p), ("mins", _p), ("bias", _p), ("K", _i64), ("N", _i64), ("G", _i64),
                 ("fmt", _i64)]
 
 
+def proj_table(g: cpu_kernels.GemvWeights) -> Proj:
+    """csrc/decode_stack.h's proj_t of bound native weights (the caller keeps g alive)."""
+    w, scale, mins, bias = g.ptrs
+    return Proj(w, scale, mins, bias, g.k, g.n, g.group, g.fmt)
+
+
 class _MoE(ctypes.Structure):
-    _fields_ = [("E", _i64), ("k", _i64), ("I", _i64), ("norm_topk", _i64), ("router", _Proj), ("gate_up", _p),
-                ("down", _p), ("shared_I", _i64), ("shared_gate_up", _Proj), ("shared_down", _Proj),
-                ("shared_gate", _Proj), ("expert_tokens", _p)]
+    _fields_ = [("E", _i64), ("k", _i64), ("I", _i64), ("norm_topk", _i64), ("router", Proj), ("gate_up", _p),
+                ("down", _p), ("shared_I", _i64), ("shared_gate_up", Proj), ("shared_down", Proj),
+                ("shared_gate", Proj), ("expert_tokens", _p)]
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [("attn_norm", _p), ("attn_out_norm", _p), ("mlp_norm", _p), ("mlp_out_norm", _p), ("q_norm", _p),
                 ("k_norm", _p), ("q_norm_size", _i64), ("k_norm_size", _i64), ("cos_sin", _p), ("rot", _i64),
-                ("window", _i64), ("group", _i64), ("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj), ("down", _Proj),
+                ("window", _i64), ("group", _i64), ("qkv", Proj), ("o", Proj), ("gate_up", Proj), ("down", Proj),
                 ("k_cache", _p), ("v_cache", _p), ("k_scale", _p), ("v_scale", _p), ("moe", _p)]
 
 
@@ -110,12 +116,11 @@ class DecodeStack:
         def ptr(module: Any) -> int | None:  # a norm (its `weight`), or None
             return None if module is None else f32(module.weight).data_ptr()
 
-        def bound(proj: Any) -> _Proj:
+        def bound(proj: Any) -> Proj:
             """A planned projection's (or a router's) native weights, kept alive with the stack."""
-            g = proj.gemv_weights() if hasattr(proj, "gemv_weights") else _router_weights(proj)
+            g = proj.gemv_weights()  # a planned projection's, or a router's (model/moe.py's RouterLinear)
             keep.append(g)
-            w, scale, mins, bias = g.ptrs
-            return _Proj(w, scale, mins, bias, g.k, g.n, g.group, g.fmt)
+            return proj_table(g)
 
         tables: dict[int, torch.Tensor] = {}  # one float32 copy per rope table the layers share
         for layer, row in zip(model.layers, self.layers, strict=True):
@@ -164,8 +169,8 @@ class DecodeStack:
     def _moe_table(moe: SparseMoE, bound: Any, keep: list[object]) -> _MoE:
         """csrc/moe_decode.c's table of one layer's experts (and arrays it points to, kept alive)."""
         ex = moe.experts
-        gate_up = (_Proj * moe.num_experts)(*(bound(q) for q in ex.gate_up))
-        down = (_Proj * moe.num_experts)(*(bound(q) for q in ex.down))
+        gate_up = (Proj * moe.num_experts)(*(bound(q) for q in ex.gate_up))
+        down = (Proj * moe.num_experts)(*(bound(q) for q in ex.down))
         table = _MoE(E=moe.num_experts, k=moe.top_k, I=moe.intermediate, norm_topk=int(moe.norm_topk_prob),
                      router=bound(moe.gate), gate_up=ctypes.addressof(gate_up), down=ctypes.addressof(down),
                      expert_tokens=moe.expert_tokens.data_ptr())
@@ -213,6 +218,25 @@ class DecodeStack:
         m = h.shape[0]
         h = h if h.dtype == torch.float32 else h.float()
         assert h.is_contiguous()
+        self.reserve(m, md.max_decode_seq_len)
+        s = self.step
+        s.M, s.positions, s.sinks = m, positions.data_ptr(), md.sink_tokens
+        for g in range(self.num_groups):
+            bt = md.decode_tables(g)
+            assert bt is not None
+            s.slot_mapping[g], s.block_tables[g], s.bt_stride[g] = md.slots(g).data_ptr(), bt.data_ptr(), bt.stride(0)
+        self._fn(self._layers_ptr, self.n_layers, self.final_norm.data_ptr(), self._step_ptr, h.data_ptr(),
+                 self.residual.data_ptr())
+        return h if self.dtype == torch.float32 else h.to(self.dtype)
+
+    def native_args(self) -> tuple[int, int, int, int]:
+        """The layer table, its length, the final norm and the step table: the first arguments of
+        decode_stack_f32 and of the native loops built on it (csrc/greedy_loop.c)."""
+        return self._layers_ptr, self.n_layers, self.final_norm.data_ptr(), self._step_ptr
+
+    def reserve(self, m: int, max_ctx: int) -> None:
+        """Work buffers for steps of up to m rows attending to up to max_ctx positions, and the step's thread
+        count and maximum context (model/greedy_loop.py's rounds fill the rest of the step themselves)."""
         if self.residual.shape[0] < m:
             self.residual = torch.empty(m, self.hidden)
             qkv = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
@@ -223,26 +247,12 @@ class DecodeStack:
                 self.moe_ids = torch.empty(3 * m * k, dtype=torch.int64)
                 self.step.moe_work, self.step.moe_ids = self.moe_work.data_ptr(), self.moe_ids.data_ptr()
         threads = torch.get_num_threads()
-        need = cpu_kernels.attention_scratch_floats(threads, self.num_heads, md.max_decode_seq_len)
+        need = cpu_kernels.attention_scratch_floats(threads, self.num_heads, max_ctx)
         if self.attn_scratch.numel() < need:
             self.attn_scratch = torch.empty(int(need * 1.25) + 256)
         s = self.step
-        s.M, s.positions, s.sinks = m, positions.data_ptr(), md.sink_tokens
-        for g in range(self.num_groups):
-            bt = md.decode_tables(g)
-            assert bt is not None
-            s.slot_mapping[g], s.block_tables[g], s.bt_stride[g] = md.slots(g).data_ptr(), bt.data_ptr(), bt.stride(0)
-        s.max_ctx, s.attn_scratch, s.work = md.max_decode_seq_len, self.attn_scratch.data_ptr(), self.work.data_ptr()
+        s.max_ctx, s.attn_scratch, s.work = max_ctx, self.attn_scratch.data_ptr(), self.work.data_ptr()
         s.num_threads = threads
-        self._fn(self._layers_ptr, self.n_layers, self.final_norm.data_ptr(), self._step_ptr, h.data_ptr(),
-                 self.residual.data_ptr())
-        return h if self.dtype == torch.float32 else h.to(self.dtype)
-
-
-def _router_weights(gate: nn.Linear) -> cpu_kernels.GemvWeights:
-    """A router's (or shared-expert gate's) torch Linear as csrc/gemv.c takes it, in the model's float type."""
-    w = gate.weight.detach().contiguous()
-    return cpu_kernels.GemvWeights("f32" if w.dtype == torch.float32 else "bf16", w, gate.in_features)
 
 
 def _shared_intermediate(moe: SparseMoE) -> int:

@@ -19,6 +19,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from minivllm.model import cpu_kernels
 from minivllm.model.layers import ACTIVATIONS, GatedMLP, Linear
 
 
@@ -57,6 +58,30 @@ class Experts(nn.Module):
         return cast(torch.Tensor, self.down[e - self.start](act(self.gate_up[e - self.start](x))))
 
 
+class RouterLinear(nn.Linear):
+    """A router (or shared-expert gate): torch's Linear, never quantized (it is tiny and decides discrete choices),
+    computed in float32 on the CPU by the same native GEMV the decode stack binds (gemv_weights), so the module path
+    and the stack route alike: two summation orders once put two experts' logits on either side of a top-k cut, and
+    under W4A8, whose activation codes turn 1-ulp differences into steps, the paths' logits then parted by 1e-2."""
+
+    _gemv: cpu_kernels.GemvWeights | None = None
+
+    def gemv_weights(self) -> cpu_kernels.GemvWeights:
+        """The weight bound for csrc/gemv.c, in its float type (built on first use, once the weights are final)."""
+        if self._gemv is None:
+            w = self.weight.detach().contiguous()
+            bias = None if self.bias is None else self.bias.detach().float().contiguous()
+            self._gemv = cpu_kernels.GemvWeights("f32" if w.dtype == torch.float32 else "bf16", w, self.in_features,
+                                                 bias=bias)
+        return self._gemv
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and x.device.type == "cpu" \
+                and cpu_kernels.available():
+            return self.gemv_weights()(x if x.is_contiguous() else x.contiguous())
+        return super().forward(x)
+
+
 class SparseMoE(nn.Module):
     """The MoE block that takes a decoder layer's MLP place: [T, H] -> [T, H]."""
 
@@ -66,15 +91,14 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk_prob = spec.num_experts, spec.top_k, spec.norm_topk_prob
         self.intermediate = spec.intermediate
-        # torch's Linear, not ours: the router is tiny and decides discrete choices, so it is never quantized.
-        self.gate = nn.Linear(hidden, spec.num_experts, bias=False)
+        self.gate = RouterLinear(hidden, spec.num_experts, bias=False)
         self.experts = Experts(spec.num_experts, hidden, spec.intermediate)
         self.act = ACTIVATIONS[act]()
         self.shared_expert: nn.Module | None = None
-        self.shared_expert_gate: nn.Linear | None = None
+        self.shared_expert_gate: RouterLinear | None = None
         if spec.shared_intermediate:
             self.shared_expert = GatedMLP(hidden, spec.shared_intermediate, mlp_bias, act)
-            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+            self.shared_expert_gate = RouterLinear(hidden, 1, bias=False)
         # Tokens routed to each expert since start-up (/metrics: minivllm:moe_expert_tokens_total).
         self.register_buffer("expert_tokens", torch.zeros(spec.num_experts, dtype=torch.int64), persistent=False)
 

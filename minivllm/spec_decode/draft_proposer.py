@@ -6,16 +6,19 @@ with the target's), its own block table, and `num_computed_tokens` counting only
 K/V belongs to the sequence's real tokens. Proposing catches the draft up on what it has not seen (the
 whole prompt the first time, from prefix-cache hits in the draft's own pool; usually the one or two tokens
 the last step added) in one batched forward whose last rows give the first proposals, then runs k - 1
-one-row-per-sequence forwards. After the target's step, the shadow keeps the proposals the target
-accepted (their K/V is right: same tokens, same positions) and forgets the rest, which later writes
-overwrite; full blocks of real tokens are registered for prefix caching, as the target's are. A target
-sequence that finishes, is aborted or is preempted gives its draft blocks back.
+one-row-per-sequence forwards (for greedy requests the whole round is one native call, model/greedy_loop.py;
+sampled ones draw from Python with the engine's generators). After the target's step, the shadow keeps the
+proposals the target accepted (their K/V is right: same tokens, same positions) and forgets the rest, which
+later writes overwrite; full blocks of real tokens are registered for prefix caching, as the target's are. A
+target sequence that finishes, is aborted or is preempted gives its draft blocks back.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 
+import numpy as np
 import torch
 
 from minivllm.config import ModelConfig
@@ -23,6 +26,7 @@ from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.engine_config import EngineConfig
+from minivllm.model.greedy_loop import GreedyLoop
 from minivllm.model.runner import ModelRunner, SequenceInput
 from minivllm.model.sampler import draw_from, processed_probs
 from minivllm.spec_decode.cost import ProposerCostModel
@@ -65,6 +69,8 @@ class DraftModelProposer:
         self.shadows: dict[int, Sequence] = {}  # target seq_id → its draft-side sequence
         self.pending: list[tuple[Sequence, Sequence, int, list[int]]] = []  # (target, shadow, T, proposals)
         self.cost = ProposerCostModel()  # a round's seconds by forwards and rows
+        # Greedy rounds in one native call where the draft's forwards all run on its decode stack.
+        self.loop = GreedyLoop.build(runner.model, runner.sink_tokens)
 
     @classmethod
     def build(cls, path: str, target: EngineConfig, target_tokenizer: object, num_blocks: int, prefix_caching: bool,
@@ -90,8 +96,8 @@ class DraftModelProposer:
         t0 = time.perf_counter()
         bm, bs = self.block_manager, self.block_manager.block_size
         rows: list[tuple[Sequence, Sequence, int, int]] = []  # (target, shadow, T, k)
+        starts: list[int] = []  # per row: the first position the draft has not seen
         prompt = False  # some sequence's catch-up is its whole prompt: a one-off per request, not timed
-        inputs: list[SequenceInput] = []
         for seq, k in batch:
             total = seq.num_tokens
             k = min(k, self.max_len - total + 1)
@@ -109,15 +115,66 @@ class DraftModelProposer:
                 continue  # the draft pool is full: this sequence decodes without proposals this step
             sh.num_computed_tokens = done
             rows.append((seq, sh, total, k))
+            starts.append(done)
+        if not rows:
+            return []
+        self.runner.copy_blocks(bm.take_copies())
+        native = self._greedy_round(rows, starts) if self.loop is not None else None
+        proposals, dists = (native, [[] for _ in rows]) if native is not None else self._loop(rows, starts)
+        out = []
+        for (seq, sh, total, _), spec, seq_dists in zip(rows, proposals, dists, strict=True):
+            sh.num_computed_tokens = total  # the proposals' K/V counts once the target accepts them
+            bm.cache_blocks(sh)
+            self.pending.append((seq, sh, total, spec))
+            out.append((seq, spec, torch.stack(seq_dists) if seq_dists else None))
+        if not prompt:
+            # A round's cost by what the adaptive rule decides (positions and proposed tokens), catch-ups
+            # included: a sequence that skipped steps catches up on them in its next round (at 8 streams,
+            # leaving them out priced rounds at half their cost and drafting lost 5-20%); the draft's prefill
+            # of a prompt is paid once per request and left out.
+            self.cost.observe(max(k for *_, k in rows), sum(k for *_, k in rows), time.perf_counter() - t0)
+        return out
+
+    def _greedy_round(self, rows: list[tuple[Sequence, Sequence, int, int]], starts: list[int]
+                      ) -> list[list[int]] | None:
+        """Every row's proposals from one native round (model/greedy_loop.py), or None where it does not apply:
+        a sampling request (its draws stay in Python, with the engine's generators), a catch-up longer than
+        SHORT_CATCH_UP (a prompt: the module path's prefill), or row counts the decode stack would not run."""
+        assert self.loop is not None
+        if any(not seq.sampling_params.greedy or total - done > SHORT_CATCH_UP
+               for (seq, _, total, _), done in zip(rows, starts, strict=True)):
+            return None
+        order = sorted(range(len(rows)), key=lambda r: -rows[r][3])  # longest proposals first: a prefix proposes
+        steps = np.fromiter((rows[r][3] for r in order), np.int64, len(order))
+        lens = np.fromiter((rows[r][2] - starts[r] for r in order), np.int64, len(order))
+        counts = [int(lens.sum())] + [int((steps > i).sum()) for i in range(int(steps[0]))]
+        if not self.loop.runs(counts):
+            return None
+        tokens = np.fromiter(itertools.chain.from_iterable(rows[r][0].token_ids[starts[r]:rows[r][2]] for r in order),
+                             np.int64, counts[0])
+        ends = np.cumsum(lens)
+        positions = np.arange(counts[0], dtype=np.int64) + np.repeat(
+            np.fromiter((starts[r] for r in order), np.int64, len(order)) - (ends - lens), lens)
+        tables = self._tables([rows[r][1].block_table for r in order])
+        out = self.loop.round(tokens, positions, tables[torch.from_numpy(np.repeat(np.arange(len(order)), lens))],
+                              ends - 1, steps, tables)
+        proposals: list[list[int]] = [[] for _ in rows]
+        for j, r in enumerate(order):
+            proposals[r] = out[j, :rows[r][3]].tolist()
+        return proposals
+
+    def _loop(self, rows: list[tuple[Sequence, Sequence, int, int]], starts: list[int]
+              ) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+        """Proposals and (for sampling requests) their distributions, one forward per position from Python: the
+        catch-ups as one batched forward, then one row per sequence still proposing."""
+        inputs: list[SequenceInput] = []
+        for (seq, sh, total, _), done in zip(rows, starts, strict=True):
             chunk = seq.token_ids[done:total]
             if len(chunk) <= SHORT_CATCH_UP:  # one decode row per token: the step stays on the decode stack
                 inputs += [SequenceInput([t], done + i, sh.block_table, i == len(chunk) - 1)
                            for i, t in enumerate(chunk)]
             else:
                 inputs.append(SequenceInput(chunk, done, sh.block_table, True))
-        if not rows:
-            return []
-        self.runner.copy_blocks(bm.take_copies())
         proposals: list[list[int]] = [[] for _ in rows]
         dists: list[list[torch.Tensor]] = [[] for _ in rows]
         live = list(range(len(rows)))
@@ -138,19 +195,7 @@ class DraftModelProposer:
                 proposals[r].append(tok)
                 if dist is not None:
                     dists[r].append(dist)
-        out = []
-        for (seq, sh, total, _), spec, seq_dists in zip(rows, proposals, dists, strict=True):
-            sh.num_computed_tokens = total  # the proposals' K/V counts once the target accepts them
-            bm.cache_blocks(sh)
-            self.pending.append((seq, sh, total, spec))
-            out.append((seq, spec, torch.stack(seq_dists) if seq_dists else None))
-        if not prompt:
-            # A round's cost by what the adaptive rule decides (positions and proposed tokens), catch-ups
-            # included: a sequence that skipped steps catches up on them in its next round (at 8 streams,
-            # leaving them out priced rounds at half their cost and drafting lost 5-20%); the draft's prefill
-            # of a prompt is paid once per request and left out.
-            self.cost.observe(max(k for *_, k in rows), sum(k for *_, k in rows), time.perf_counter() - t0)
-        return out
+        return proposals, dists
 
     def _tables(self, block_tables: list[list[int]]) -> torch.Tensor:
         """Block tables as one [M, B] int64 tensor on the draft's device (rows padded with block 0)."""

@@ -222,6 +222,7 @@ INLINE __m256i s8_dot32(__m256i wa, __m256i wv, const int8_t *x) {
 #endif
 
 #include "gemv_avx2.h"
+#include "gemv_avx512.h"
 
 /* x here is the int8 quantized rows (Kv bytes apart), xs their scales. With AVX512-VNNI, vpdpbusd sums
  * 64 byte products per instruction; it takes one unsigned operand, so x is shifted to x + 128 (a
@@ -371,7 +372,10 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
                 }
             }
         } else if (fmt == FMT_BF16) {
-#ifdef GEMV_AVX2
+#if defined(GEMV_DENSE_AVX512)
+#pragma omp parallel num_threads(num_threads)
+            dense_all_avx512(o, ldo, xm, mm, &L, 1, N);
+#elif defined(GEMV_AVX2)
 #pragma omp parallel num_threads(num_threads)
             dense_all_avx2(o, ldo, xm, mm, &L, 1, N);
 #else
@@ -380,7 +384,10 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
             FOR_ROWS(N, mm, RB);
 #endif
         } else {
-#ifdef GEMV_AVX2
+#if defined(GEMV_DENSE_AVX512)
+#pragma omp parallel num_threads(num_threads)
+            dense_all_avx512(o, ldo, xm, mm, &L, 0, N);
+#elif defined(GEMV_AVX2)
 #pragma omp parallel num_threads(num_threads)
             dense_all_avx2(o, ldo, xm, mm, &L, 0, N);
 #else
