@@ -221,6 +221,23 @@ INLINE __m256i s8_dot32(__m256i wa, __m256i wv, const int8_t *x) {
 }
 #endif
 
+/* The SIMD float rows' last step (csrc/gemv_avx2.h, csrc/gemv_avx512.h): s[r * M + m], the reduced sums of weight
+ * rows n + r against tokens m over the first k of K, plus the columns past k, plus the bias, into out. */
+INLINE void dense_rows_store(float *out, int64_t ldo, const float *x, int M, int R, const Layer *L, int bf16,
+                             int64_t n, int64_t k, const float *s) {
+    const int64_t K = L->K;
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) {
+            float y = s[r * M + m];
+            for (int64_t j = k; j < K; j++) {
+                const float wj = bf16 ? bf16_to_f32(((const uint16_t *)L->w)[(n + r) * K + j])
+                                      : ((const float *)L->w)[(n + r) * K + j];
+                y += x[m * L->Kv + j] * wj;
+            }
+            out[m * ldo + n + r] = y + (L->bias ? L->bias[n + r] : 0.f);
+        }
+}
+
 #include "gemv_avx2.h"
 #include "gemv_avx512.h"
 

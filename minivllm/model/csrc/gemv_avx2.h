@@ -112,16 +112,7 @@ INLINE void dense_rows_avx2(float *out, int64_t ldo, const float *x, const int M
     }
     float s[8];
     _mm256_storeu_ps(s, hsum8x8(acc));
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) {
-            float y = s[r * M + m];
-            for (int64_t j = k; j < K; j++) {
-                const float wj = bf16 ? bf16_to_f32(((const uint16_t *)L->w)[(n + r) * K + j])
-                                      : ((const float *)L->w)[(n + r) * K + j];
-                y += x[m * L->Kv + j] * wj;
-            }
-            out[m * ldo + n + r] = y + (L->bias ? L->bias[n + r] : 0.f);
-        }
+    dense_rows_store(out, ldo, x, M, R, L, bf16, n, k, s);
 }
 
 /* This thread's share of N against M (2..16) tokens: 8 tokens a pass from the first, 4 rows a pass at 2 tokens, 2

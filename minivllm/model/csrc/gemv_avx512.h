@@ -40,16 +40,7 @@ INLINE void dense_rows_avx512(float *out, int64_t ldo, const float *x, const int
     float s[16];
     _mm256_storeu_ps(s, hsum8x8(half));
     if (used > 8) _mm256_storeu_ps(s + 8, hsum8x8(half + 8));
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) {
-            float y = s[r * M + m];
-            for (int64_t j = k; j < K; j++) {
-                const float wj = bf16 ? bf16_to_f32(((const uint16_t *)L->w)[(n + r) * K + j])
-                                      : ((const float *)L->w)[(n + r) * K + j];
-                y += x[m * L->Kv + j] * wj;
-            }
-            out[m * ldo + n + r] = y + (L->bias ? L->bias[n + r] : 0.f);
-        }
+    dense_rows_store(out, ldo, x, M, R, L, bf16, n, k, s);
 }
 
 /* Weight rows a pass at mt tokens: as many as keep R * mt <= 16 sums, 8 at most (at least 8 independent FMA
