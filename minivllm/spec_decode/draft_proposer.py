@@ -139,10 +139,11 @@ class DraftModelProposer:
                       ) -> list[list[int]] | None:
         """Every row's proposals from one native round (model/greedy_loop.py), or None where it does not apply:
         a sampling request (its draws stay in Python, with the engine's generators), a catch-up longer than
-        SHORT_CATCH_UP (a prompt: the module path's prefill), or row counts the decode stack would not run."""
+        SHORT_CATCH_UP (a prompt: the module path's prefill), row counts the decode stack would not run, or a draft
+        with LoRA adapters (their deltas are added by the projections' Python path)."""
         assert self.loop is not None
-        if any(not seq.sampling_params.greedy or total - done > SHORT_CATCH_UP
-               for (seq, _, total, _), done in zip(rows, starts, strict=True)):
+        if self.runner.lora is not None or any(not seq.sampling_params.greedy or total - done > SHORT_CATCH_UP
+                                               for (seq, _, total, _), done in zip(rows, starts, strict=True)):
             return None
         order = sorted(range(len(rows)), key=lambda r: -rows[r][3])  # longest proposals first: a prefix proposes
         steps = np.fromiter((rows[r][3] for r in order), np.int64, len(order))
