@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
 from conftest import PROMPTS, hf_greedy, make_runner
 from gguf import GGUFReader
 
 from minivllm import LLM, SamplingParams
+from minivllm.bench import llamacpp
 from minivllm.cli import main
 from minivllm.config import ModelConfig
 from minivllm.engine.tokenizer import get_tokenizer
@@ -129,10 +129,9 @@ def test_llama_cpp_opens_the_file_and_agrees(exported, preset, method, kind):
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by the test extra")
     _, path = exported(preset, method, kind)
     ids = get_tokenizer(path).encode(PROMPTS[1])
-    llm = llama_cpp.Llama(path, n_ctx=256, n_threads=2, logits_all=True, verbose=False)
-    assert llm.tokenize(PROMPTS[1].encode(), add_bos=True, special=True) == ids  # the same tokenizer
-    llm.eval(ids)
-    theirs = torch.from_numpy(np.array(llm.scores[len(ids) - 1], dtype=np.float32))
+    vocab = llama_cpp.Llama(path, vocab_only=True, verbose=False)
+    assert vocab.tokenize(PROMPTS[1].encode(), add_bos=True, special=True) == ids  # the same tokenizer
+    theirs = torch.from_numpy(llamacpp.prompt_logits(path, ids))  # (its weights as bench peers loads them)
     runner = make_runner(ModelConfig.from_pretrained(path), 16)
     ours = runner.execute([SequenceInput(ids, 0, list(range(16)), True)])[0]
     assert (ours - theirs).abs().max().item() < 0.05 * ours.abs().max().item()

@@ -7,7 +7,6 @@ file."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from conftest import PROMPTS, make_runner, write_experts_apart
@@ -69,12 +68,10 @@ def test_a_mixtral_file_serves_its_checkpoints_logits_and_llama_cpps(model_facto
 
 def _agrees_with_llama_cpp(path: str, ours: torch.Tensor) -> None:
     """llama.cpp's logits of the same file at the last of IDS: within a few thousandths, the same argmax."""
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by the test extra")
-    # llama.cpp's KV cache in float32 (type 0), as ours: its default float16 moves a mixture's logits by 2% of
-    # their scale where a token's two best experts nearly tie and the rounding flips its routing.
-    llm = llama_cpp.Llama(path, n_ctx=256, n_threads=2, logits_all=True, verbose=False, type_k=0, type_v=0)
-    llm.eval(IDS)
-    theirs = torch.from_numpy(np.array(llm.scores[len(IDS) - 1], dtype=np.float32))
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by the test extra")
+    # llama.cpp's KV cache in float32, as ours: its default float16 moves a mixture's logits by 2% of their scale
+    # where a token's two best experts nearly tie and the rounding flips its routing.
+    theirs = torch.from_numpy(llamacpp.prompt_logits(path, IDS, f32_cache=True))
     assert (ours - theirs).abs().max().item() < 5e-3 * ours.abs().max().item() + 2e-3
     assert ours.argmax().item() == theirs.argmax().item()
 

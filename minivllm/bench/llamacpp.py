@@ -14,6 +14,8 @@ is padded with unused tokens to the model's vocabulary first, as the real tokeni
 from __future__ import annotations
 
 import ctypes
+import functools
+import logging
 import os
 import tempfile
 import time
@@ -26,6 +28,7 @@ from minivllm.model.gguf_converter import convert_hf
 NEEDS_SENTENCEPIECE = ("Gemma2ForCausalLM",)
 PAD_TOKENIZER = ("Gemma3ForCausalLM",)
 
+logger = logging.getLogger(__name__)
 _SILENT: list[Any] = []  # the log callback must outlive every llama.cpp call
 
 
@@ -36,6 +39,64 @@ def _quiet() -> None:
     if not _SILENT:
         _SILENT.append(llama_cpp.llama_log_callback(lambda level, text, user_data: None))
         llama_cpp.llama_log_set(_SILENT[0], ctypes.c_void_p())
+
+
+@functools.cache
+def _has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            amx = any(line.startswith("flags") and " amx_tile" in line for line in f)
+    except OSError:
+        return False
+    if amx:
+        logger.warning("llama.cpp: extra weight buffer types (AMX tiles, repacked blocks) off on this AMX CPU")
+    return amx
+
+
+def model_params() -> Any:
+    """llama.cpp's default model parameters, less its extra weight buffer types on a CPU that advertises AMX: there
+    llama.cpp repacks Q8_0 / Q4_0 weights for AMX tiles, and on the 2-vCPU Xeon VMs (AMX flags, permission granted)
+    its first tile load raised SIGILL and killed the process (tests and benches alike, 135M and tiny models), where
+    a tile load of our own ran. The price: llama.cpp's repacked layouts are off on those CPUs (said in the log)."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_default_params()
+    if _has_amx():
+        params.use_extra_bufts = False
+    return params
+
+
+def prompt_logits(gguf_path: str, ids: list[int], threads: int = 2, f32_cache: bool = False) -> Any:
+    """llama.cpp's logits [V] (numpy float32) after the prompt ids, in a fresh context; f32_cache: its KV cache in
+    float32 (its default float16 moves a mixture's logits where a token's two best experts nearly tie)."""
+    import llama_cpp as lc
+    import numpy as np
+
+    _quiet()
+    lc.llama_backend_init()
+    model = lc.llama_model_load_from_file(gguf_path.encode(), model_params())
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {gguf_path}")
+    cp = lc.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch = max(256, len(ids)), max(512, len(ids)), max(512, len(ids))
+    cp.n_threads = cp.n_threads_batch = threads
+    if f32_cache:
+        cp.type_k = cp.type_v = 0  # GGML_TYPE_F32
+    ctx = lc.llama_init_from_model(model, cp)
+    batch = lc.llama_batch_init(len(ids), 0, 1)
+    try:
+        batch.n_tokens = len(ids)
+        for i, tok in enumerate(ids):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, i, 1, i == len(ids) - 1
+            batch.seq_id[i][0] = 0
+        if lc.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+        return np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, len(ids) - 1), shape=(vocab,)).copy()
+    finally:
+        lc.llama_batch_free(batch)
+        lc.llama_free(ctx)
+        lc.llama_model_free(model)
 
 
 def available() -> str | None:
@@ -119,7 +180,7 @@ class Session:
         _quiet()
         lc.llama_backend_init()
         self.lc, self.threads = lc, threads
-        self.model = lc.llama_model_load_from_file(gguf_path.encode(), lc.llama_model_default_params())
+        self.model = lc.llama_model_load_from_file(gguf_path.encode(), model_params())
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {gguf_path}")
         self.vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
