@@ -69,34 +69,11 @@ def model_params() -> Any:
 def prompt_logits(gguf_path: str, ids: list[int], threads: int = 2, f32_cache: bool = False) -> Any:
     """llama.cpp's logits [V] (numpy float32) after the prompt ids, in a fresh context; f32_cache: its KV cache in
     float32 (its default float16 moves a mixture's logits where a token's two best experts nearly tie)."""
-    import llama_cpp as lc
-    import numpy as np
-
-    _quiet()
-    lc.llama_backend_init()
-    model = lc.llama_model_load_from_file(gguf_path.encode(), model_params())
-    if not model:
-        raise RuntimeError(f"llama.cpp could not load {gguf_path}")
-    cp = lc.llama_context_default_params()
-    cp.n_ctx, cp.n_batch, cp.n_ubatch = max(256, len(ids)), max(512, len(ids)), max(512, len(ids))
-    cp.n_threads = cp.n_threads_batch = threads
-    if f32_cache:
-        cp.type_k = cp.type_v = 0  # GGML_TYPE_F32
-    ctx = lc.llama_init_from_model(model, cp)
-    batch = lc.llama_batch_init(len(ids), 0, 1)
+    session = Session(gguf_path, threads)
     try:
-        batch.n_tokens = len(ids)
-        for i, tok in enumerate(ids):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, i, 1, i == len(ids) - 1
-            batch.seq_id[i][0] = 0
-        if lc.llama_decode(ctx, batch) != 0:
-            raise RuntimeError("llama_decode failed")
-        vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
-        return np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, len(ids) - 1), shape=(vocab,)).copy()
+        return session.prompt_logits(ids, f32_cache)
     finally:
-        lc.llama_batch_free(batch)
-        lc.llama_free(ctx)
-        lc.llama_model_free(model)
+        session.close()
 
 
 def available() -> str | None:
@@ -188,25 +165,48 @@ class Session:
     def close(self) -> None:
         self.lc.llama_model_free(self.model)
 
-    def _run(self, num_seqs: int, prompt_len: int, steps: int) -> tuple[float, float]:
-        """(prefill seconds, decode seconds) of num_seqs prompts then `steps` one-token-per-sequence steps."""
+    def _context(self, n_ctx: int, num_seqs: int, f32_cache: bool = False) -> Any:
+        """A fresh context (one unified KV cache, float16 unless f32_cache) and a batch of up to 512 rows."""
         lc = self.lc
         cp = lc.llama_context_default_params()
-        cp.n_ctx = max(256, num_seqs * (prompt_len + steps + 8))
+        cp.n_ctx = n_ctx
         cp.n_batch = cp.n_ubatch = 512
         cp.n_seq_max = num_seqs
         cp.kv_unified = True
         cp.n_threads = cp.n_threads_batch = self.threads
-        ctx = lc.llama_init_from_model(self.model, cp)
-        batch = lc.llama_batch_init(512, 0, 1)
+        if f32_cache:
+            cp.type_k = cp.type_v = 0  # GGML_TYPE_F32
+        return lc.llama_init_from_model(self.model, cp), lc.llama_batch_init(512, 0, 1)
+
+    def _submit(self, ctx: Any, batch: Any, rows: list[tuple[int, int, int, bool]]) -> None:
+        """One llama_decode of rows (token, position, sequence, whether its logits are wanted)."""
+        batch.n_tokens = len(rows)
+        for i, (tok, pos, seq, logits) in enumerate(rows):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, pos, 1, logits
+            batch.seq_id[i][0] = seq
+        if self.lc.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def prompt_logits(self, ids: list[int], f32_cache: bool = False) -> Any:
+        """The logits [V] (numpy float32) after the prompt ids (at most 512), in a fresh context."""
+        import numpy as np
+
+        lc = self.lc
+        ctx, batch = self._context(max(256, len(ids)), 1, f32_cache)
+        try:
+            self._submit(ctx, batch, [(tok, i, 0, i == len(ids) - 1) for i, tok in enumerate(ids)])
+            return np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, len(ids) - 1), shape=(self.vocab,)).copy()
+        finally:
+            lc.llama_batch_free(batch)
+            lc.llama_free(ctx)
+
+    def _run(self, num_seqs: int, prompt_len: int, steps: int) -> tuple[float, float]:
+        """(prefill seconds, decode seconds) of num_seqs prompts then `steps` one-token-per-sequence steps."""
+        lc = self.lc
+        ctx, batch = self._context(max(256, num_seqs * (prompt_len + steps + 8)), num_seqs)
 
         def submit(rows: list[tuple[int, int, int, bool]]) -> None:
-            batch.n_tokens = len(rows)
-            for i, (tok, pos, seq, logits) in enumerate(rows):
-                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, pos, 1, logits
-                batch.seq_id[i][0] = seq
-            if lc.llama_decode(ctx, batch) != 0:
-                raise RuntimeError("llama_decode failed")
+            self._submit(ctx, batch, rows)
 
         vocab = self.vocab
         try:

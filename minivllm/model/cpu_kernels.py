@@ -256,6 +256,13 @@ class GemvWeights:
         kp = -(-in_features // group) * group if group else in_features
         self.scratch_numel = _MAX_M * (kp + (kp // group if group else 0) + 16)
 
+    @classmethod
+    def dense(cls, weight: torch.Tensor, in_features: int, bias: torch.Tensor | None) -> GemvWeights:
+        """A float weight (float32, or bfloat16 as it is) and its bias, bound for csrc/gemv.c."""
+        w = weight.detach().contiguous()
+        b = None if bias is None else bias.detach().float().contiguous()
+        return cls("f32" if w.dtype == torch.float32 else "bf16", w, in_features, bias=b)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32 with unit column stride → [M, N] float32."""
         lib = load_library()

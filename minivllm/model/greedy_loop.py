@@ -41,7 +41,7 @@ class GreedyLoop:
                                  head=proj_table(head))
         self.vocab, self.hidden = head.n, stack.hidden
         self._rows = 0  # the work buffers' capacity in rows
-        self._h = self._residual = self._logits = self._sampled = torch.empty(0)
+        self._h = self._logits = self._sampled = torch.empty(0)
         self._slots = self._positions = self._tokens = torch.empty(0, dtype=torch.int64)
 
     @staticmethod
@@ -66,7 +66,7 @@ class GreedyLoop:
         if rows > self._rows:
             self._rows = max(rows, 2 * self._rows)
             n = self._rows
-            self._h, self._residual = torch.empty(n, self.hidden), torch.empty(n, self.hidden)
+            self._h = torch.empty(n, self.hidden)
             self._logits, self._sampled = torch.empty(n, self.vocab), torch.empty(n, self.hidden)
             self._slots, self._positions = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
             self._tokens = torch.empty(n, dtype=torch.int64)
@@ -88,5 +88,5 @@ class GreedyLoop:
         self._fn(*self.stack.native_args(), ctypes.addressof(self.table),
                  rows, tokens.ctypes.data, positions.ctypes.data, tables0.data_ptr(), tables0.stride(0),
                  last.ctypes.data, seqs, steps.ctypes.data, tables.data_ptr(), tables.stride(0), self._h.data_ptr(),
-                 self._residual.data_ptr(), out.ctypes.data)
+                 self.stack.residual.data_ptr(), out.ctypes.data)  # (the stack's own residual rows, reserved above)
         return out

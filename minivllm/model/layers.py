@@ -78,9 +78,7 @@ class Linear(PlannedLinear):
         """The plain weight bound for csrc/gemv.c (built on first use, once the weights are final)."""
         if self._gemv is None:
             assert self.weight is not None
-            bias = None if self.bias is None else self.bias.detach().float().contiguous()
-            fmt = "f32" if self.weight.dtype == torch.float32 else "bf16"
-            self._gemv = cpu_kernels.GemvWeights(fmt, self.weight.detach(), self.in_features, bias=bias)
+            self._gemv = cpu_kernels.GemvWeights.dense(self.weight, self.in_features, self.bias)
         return self._gemv
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:

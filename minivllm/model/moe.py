@@ -69,10 +69,7 @@ class RouterLinear(nn.Linear):
     def gemv_weights(self) -> cpu_kernels.GemvWeights:
         """The weight bound for csrc/gemv.c, in its float type (built on first use, once the weights are final)."""
         if self._gemv is None:
-            w = self.weight.detach().contiguous()
-            bias = None if self.bias is None else self.bias.detach().float().contiguous()
-            self._gemv = cpu_kernels.GemvWeights("f32" if w.dtype == torch.float32 else "bf16", w, self.in_features,
-                                                 bias=bias)
+            self._gemv = cpu_kernels.GemvWeights.dense(self.weight, self.in_features, self.bias)
         return self._gemv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
