@@ -17,12 +17,19 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "..", "tools", "train_tiny.py")
 
 def test_train_tiny_smoke(tmp_path):
     r = subprocess.run([sys.executable, SCRIPT, "--out", str(tmp_path), "--main-steps", "2", "--draft-steps", "2",
-                        "--vocab", "512", "--eval-tokens", "2048", "--threads", "1"],
+                        "--vocab", "512", "--eval-tokens", "2048", "--threads", "1", "--distill-steps", "2",
+                        "--distill-continuations", "4"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     with open(tmp_path / "metrics.json") as f:
         m = json.load(f)
     assert m["main"]["steps"] == m["draft"]["steps"] == 2 and m["main"]["parameters"] > 10 * m["draft"]["parameters"]
+    d = m["draft"]["distill"]  # the draft then distilled on the main model: agreement measured before and after
+    assert d["steps"] == 2 and d["continuations"] == 4 and d["tokens"] == 2 * 16 * 256
+    assert all(0 <= d[k][f"next_{j}"] <= 1 for k in ("agreement_before", "agreement_after") for j in range(1, 5))
+    assert d["agreement_after"]["next_4"] <= d["agreement_after"]["next_1"]
+    assert "held_out_ppl_before_distill" in m["draft"] and "Draft distillation" in (tmp_path / DRAFT_NAME /
+                                                                                  "README.md").read_text()
     assert m["eval_tokens"] == 2048 and m["held_out"] and m["software"]["threads"] == 1
     ids, counts = load_held_out(str(tmp_path / "held_out.safetensors"))
     assert len(ids) == 2048 and len(counts) == 512 and counts.sum() == m["train_tokens"]

@@ -31,6 +31,10 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from tqdm import tqdm
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the distillation stage beside this script
+from distill_draft import add_args as add_distill_args  # noqa: E402
+from distill_draft import run_stage as distill_stage  # noqa: E402
+
 from minivllm.bench.perplexity import hf_token_logprobs, perplexity
 from minivllm.default_model import DRAFT_NAME, MAIN_NAME
 from minivllm.default_model.corpus import (
@@ -46,9 +50,23 @@ from minivllm.default_model.corpus import (
 )
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHATML_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
-    "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+CHATML_TEMPLATE = (  # renders tools and tool calls in the Hermes style (the hermes tool-call parser reads them)
+    "{%- if tools %}{{ '<|im_start|>system\n' }}{%- if messages[0]['role'] == 'system' %}{{ mess"
+    "ages[0]['content'] + '\n\n' }}{%- endif %}{{ '# Tools\n\nYou may call one or more functions to"
+    ' assist with the user query.\n\nYou are provided with function signatures within <tools></to'
+    "ols> XML tags:\n<tools>' }}{%- for tool in tools %}{{ '\n' + (tool | tojson) }}{%- endfor %}"
+    "{{ '\n</tools>\n\nFor each function call, return a json object with function name and argumen"
+    'ts within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "argumen'
+    'ts": <args-json-object>}\n</tool_call><|im_end|>\n\' }}{%- endif %}{%- for message in message'
+    "s %}{%- if tools and loop.first and message['role'] == 'system' %}{%- elif message['role']"
+    " == 'assistant' and message.get('tool_calls') %}{{ '<|im_start|>assistant\n' + (message['co"
+    "ntent'] + '\n' if message['content'] else '') }}{%- for call in message['tool_calls'] %}{{ "
+    '\'<tool_call>\n{"name": "\' + call[\'function\'][\'name\'] + \'", "arguments": \' + (call[\'function'
+    "']['arguments'] | tojson) + '}\n</tool_call>' }}{%- if not loop.last %}{{ '\n' }}{%- endif %"
+    "}{%- endfor %}{{ '<|im_end|>\n' }}{%- elif message['role'] == 'tool' %}{{ '<|im_start|>user"
+    "\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}{%- else %}{{ '"
+    "<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{%- endi"
+    "f %}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}"
 )
 
 # ~12.6M parameters (tied embeddings) and ~1.4M for the draft: small enough to train in an hour here.
@@ -146,6 +164,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cards-only", action="store_true", help="only (re)write the model cards from OUT/metrics.json")
+    add_distill_args(p)
     ns = p.parse_args()
     if ns.cards_only:
         with open(os.path.join(ns.out, "metrics.json")) as f:
@@ -184,6 +203,7 @@ def main() -> None:
                      "tokenizers": tokenizers.__version__, "threads": torch.get_num_threads()},
     }
     save_held_out(os.path.join(ns.out, "held_out.safetensors"), held_ids, counts)
+    target = None
     for name, shape, steps in (("main", MAIN, ns.main_steps), ("draft", DRAFT, ns.draft_steps)):
         torch.manual_seed(ns.seed)
         model = LlamaForCausalLM(llama_config(shape, ns.vocab, max_len))
@@ -194,6 +214,15 @@ def main() -> None:
         model.to(torch.bfloat16).float()
         ppl = perplexity(hf_token_logprobs(model, windows(held_ids, ns.seq_len)))
         metrics[name] = {"parameters": n_params, **shape, **stats, "held_out_ppl": ppl}
+        if name == "main":
+            target = model
+        elif ns.distill_steps and target is not None:
+            # The draft then learns the target's distribution (tools/distill_draft.py): what speculation pays for.
+            stage = distill_stage(os.path.join(ns.out, DIRS["main"]), target, model, train_ids, held_ids, ns,
+                                  log_path)
+            ppl = perplexity(hf_token_logprobs(model, windows(held_ids, ns.seq_len)))
+            metrics[name].update(distill=stage, held_out_ppl_before_distill=metrics[name]["held_out_ppl"],
+                                 held_out_ppl=ppl)
         print(f"{name}: held-out perplexity {ppl:.2f} (unigram {metrics['unigram_ppl']:.1f})")
         save(model, tok, os.path.join(ns.out, DIRS[name]), max_len, {**metrics[name], "data": metrics["data"]})
     with open(os.path.join(ns.out, "metrics.json"), "w") as f:
@@ -210,6 +239,18 @@ def write_model_cards(out: str, m: dict[str, Any], args: str) -> None:
         f"{m[name]['tokens'] / 1e6:.1f}M | "
         f"{m[name]['minutes']:.0f} min | {m[name]['final_loss']:.2f} | **{m[name]['held_out_ppl']:.2f}** |"
         for name in ("main", "draft") if name in m)
+    distilled = ""
+    if "distill" in m.get("draft", {}):
+        d = m["draft"]["distill"]
+        b, a = d["agreement_before"], d["agreement_after"]
+        distilled = (f"- **Draft distillation** (tools/distill_draft.py): {d['steps']} further steps of the draft on "
+                     f"KL from the main model's distribution ({d['tokens'] / 1e6:.1f}M tokens, half training-split "
+                     f"windows, half the main model's greedy continuations of {d['continuations']} training-split "
+                     f"prefixes), peak learning rate {d['lr']:g}. On the main model's greedy continuations of "
+                     f"held-out prefixes the draft's next guess is the main model's {b['next_1']:.0%} -> "
+                     f"**{a['next_1']:.0%}** of the time, its next four all are {b['next_4']:.0%} -> "
+                     f"**{a['next_4']:.0%}**; held-out perplexity {m['draft']['held_out_ppl_before_distill']:.2f} "
+                     f"before it.\n")
     card = f"""# Mini-vLLM's embedded default model
 
 Small Llama-architecture language models of Python source, trained from scratch on CPU by
@@ -236,7 +277,7 @@ perplexity **{m['unigram_ppl']:.1f}**.
 - **Training**: AdamW (betas 0.9/0.95, weight decay 0.1), peak learning rate {m['lr']:g} with 100 warm-up
   steps and cosine decay over a fixed number of steps, batches of {m['batch']} x {m['seq_len']} tokens, gradient
   clipping at 1.0, float32 on CPU. Held-out perplexity is measured on the bfloat16 weights as shipped.
-- **Reproduce**: `python tools/train_tiny.py {args}`.
+{distilled}- **Reproduce**: `python tools/train_tiny.py {args}`.
 """
     for name in DIRS.values():
         if os.path.isdir(os.path.join(out, name)):
