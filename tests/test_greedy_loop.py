@@ -47,6 +47,18 @@ def test_native_round_proposes_what_the_python_loop_does(model_factory, tmp_path
         return rounds(*a, **kw)
 
     native.loop.round = counted  # type: ignore[union-attr, method-assign]
+    # The stack runs a row count natively only where the draft's kernel plan chose a streamed kernel for its shape
+    # class, and a plan timed (or re-checked) under load may choose oneDNN for one: count the rounds it allowed.
+    allowed = 0
+    runs = native.loop.runs  # type: ignore[union-attr]
+
+    def counted_runs(counts):  # type: ignore[no-untyped-def]
+        nonlocal allowed
+        ok = runs(counts)
+        allowed += ok
+        return ok
+
+    native.loop.runs = counted_runs  # type: ignore[union-attr, method-assign]
     greedy = SamplingParams(temperature=0.0, max_tokens=64)
     seqs = {name: [Sequence(str(i), text[7 * i:7 * i + 20 + 3 * i], greedy, 20 + 3 * i) for i in range(4)]
             for name in ("native", "python")}
@@ -66,7 +78,9 @@ def test_native_round_proposes_what_the_python_loop_does(model_factory, tmp_path
         if dtype == "float32":  # the stack keeps bf16 activations in float32 where the modules round them
             for a, b in zip(_pool(native), _pool(python), strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert calls == 4  # every round but the first (the prompts' catch-up: the module path's prefill)
+    # Every round the plan allowed, which is every round but the first (the prompts' catch-up: the module path's
+    # prefill) unless a plan chose oneDNN for a class the round needs.
+    assert calls == allowed >= 1 and allowed <= 4
     native.check_invariants()
 
 
