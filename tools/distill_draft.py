@@ -28,6 +28,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from minivllm.bench.perplexity import hf_token_logprobs, perplexity
+from minivllm.default_model.corpus import windows
+
 AGREE_RUN = 4  # agreement is reported for runs of 1..AGREE_RUN consecutive guesses
 
 
@@ -116,6 +119,14 @@ def run_stage(main_dir: str, target: torch.nn.Module, draft: torch.nn.Module, tr
     return {**stats, "agreement_before": before, "agreement_after": after}
 
 
+def record(draft_metrics: dict[str, Any], stage: dict[str, Any], draft: torch.nn.Module, held_ids: np.ndarray,
+           seq_len: int) -> float:
+    """The stage into the draft's metrics, with its held-out perplexity after (the one before kept beside it)."""
+    ppl = perplexity(hf_token_logprobs(draft, windows(held_ids, seq_len)))
+    draft_metrics.update(distill=stage, held_out_ppl_before_distill=draft_metrics["held_out_ppl"], held_out_ppl=ppl)
+    return ppl
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distill-steps", type=int, default=800, help="draft distillation steps (0: none)")
     p.add_argument("--distill-lr", type=float, default=1e-3)
@@ -156,12 +167,7 @@ def main() -> None:
     target = AutoModelForCausalLM.from_pretrained(main_dir, dtype=torch.float32).eval()
     draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32)
     stage = run_stage(main_dir, target, draft, train_ids, held_ids, ns, os.path.join(ns.models, "train_log.jsonl"))
-    from minivllm.bench.perplexity import hf_token_logprobs, perplexity
-    from minivllm.default_model.corpus import windows
-
-    metrics["draft"]["distill"] = stage
-    metrics["draft"]["held_out_ppl_before_distill"] = metrics["draft"]["held_out_ppl"]
-    metrics["draft"]["held_out_ppl"] = perplexity(hf_token_logprobs(draft, windows(held_ids, ns.seq_len)))
+    record(metrics["draft"], stage, draft, held_ids, ns.seq_len)
     # Only the weights and the training record change: tokenizer, template and configs stay as they ship.
     draft.to(torch.bfloat16).save_pretrained(draft_dir, safe_serialization=True)
     with open(os.path.join(draft_dir, "training.json"), "w") as f:

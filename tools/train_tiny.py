@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the distillation stage beside this script
 from distill_draft import add_args as add_distill_args  # noqa: E402
+from distill_draft import record as record_distillation  # noqa: E402
 from distill_draft import run_stage as distill_stage  # noqa: E402
 
 from minivllm.bench.perplexity import hf_token_logprobs, perplexity
@@ -220,9 +221,7 @@ def main() -> None:
             # The draft then learns the target's distribution (tools/distill_draft.py): what speculation pays for.
             stage = distill_stage(os.path.join(ns.out, DIRS["main"]), target, model, train_ids, held_ids, ns,
                                   log_path)
-            ppl = perplexity(hf_token_logprobs(model, windows(held_ids, ns.seq_len)))
-            metrics[name].update(distill=stage, held_out_ppl_before_distill=metrics[name]["held_out_ppl"],
-                                 held_out_ppl=ppl)
+            ppl = record_distillation(metrics[name], stage, model, held_ids, ns.seq_len)
         print(f"{name}: held-out perplexity {ppl:.2f} (unigram {metrics['unigram_ppl']:.1f})")
         save(model, tok, os.path.join(ns.out, DIRS[name]), max_len, {**metrics[name], "data": metrics["data"]})
     with open(os.path.join(ns.out, "metrics.json"), "w") as f:
