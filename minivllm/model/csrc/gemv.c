@@ -336,7 +336,9 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
                 memset(xp + m * Kp + K, 0, (Kp - K) * sizeof(float));
             }
             L.Kv = Kp;
-#ifdef GEMV_AVX2
+#if defined(GEMV_INT4_AVX512)
+#define R4(c) int4_row_avx512(o + j * ldo, ldo, xp + j * Kp, c, &L, n)
+#elif defined(GEMV_AVX2)
             /* each row's per-group sums of x, after the staged rows (scratch holds MAX_M * Kp / G more floats) */
             const int64_t ng = Kp / G;
             float *xg = scratch + (int64_t)mm * Kp;

@@ -1,4 +1,5 @@
-/* csrc/gemv.c's float rows (f32, bf16 weights) for 2..16 tokens on AVX-512; included there after Layer. */
+/* csrc/gemv.c's rows on AVX-512: float weights (f32, bf16) for 2..16 tokens, int4 weight-only for 1..4; included
+ * there after Layer. */
 #ifndef MINIVLLM_GEMV_AVX512_H
 #define MINIVLLM_GEMV_AVX512_H
 
@@ -71,6 +72,51 @@ INLINE void dense_all_avx512(float *out, int64_t ldo, const float *x, int M, con
     }
 }
 #define GEMV_DENSE_AVX512 1
+
+/* Up to 16 group scales or mins from g0 (cnt of them; zeros past): bfloat16 or (f16) float16 bits widened. */
+INLINE __m512 int4_halves16(const uint16_t *p, int f16, __mmask16 cnt) {
+    const __m256i h = _mm256_maskz_loadu_epi16(cnt, p);
+    return f16 ? _mm512_cvtph_ps(h) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* int4 weight-only against M (1..4) float tokens, x zero-padded to Kp = Kv. Each group's 16 possible weights,
+ * scale * q + min, are a table the codes index: vpermps reads only an index's low 4 bits, so 16 codes widened
+ * to int32 lanes pick their weights with no mask, no int-to-float conversion and no per-weight scale or min (6
+ * instructions per 32 weights: widen, shift, two permutes, two FMAs; the AVX2 rows take 15 at half the width). The
+ * group's scales and mins are loaded 16 at a time and each broadcast from its lane. */
+INLINE void int4_row_avx512(float *out, int64_t ldo, const float *x, const int M, const Layer *L, int64_t n) {
+    const int64_t Kp = L->Kv, G = L->G, ng = Kp / G;
+    const uint8_t *w = (const uint8_t *)L->w + n * (Kp / 2);
+    const uint16_t *scale = (const uint16_t *)L->scale + n * ng;
+    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512 a0[4], a1[4];
+    for (int m = 0; m < M; m++) a0[m] = a1[m] = _mm512_setzero_ps();
+    for (int64_t g0 = 0; g0 < ng; g0 += 16) {
+        const int cnt = ng - g0 < 16 ? (int)(ng - g0) : 16;
+        const __mmask16 mk = (__mmask16)((1u << cnt) - 1);
+        const __m512 sv = int4_halves16(scale + g0, L->f16, mk);
+        const __m512 mv = L->sym ? _mm512_mul_ps(sv, _mm512_set1_ps(-8.f))
+                        : L->f32mins ? _mm512_maskz_loadu_ps(mk, (const float *)L->mins + n * ng + g0)
+                                     : int4_halves16((const uint16_t *)L->mins + n * ng + g0, L->f16, mk);
+        for (int gi = 0; gi < cnt; gi++) {
+            const __m512i lane = _mm512_set1_epi32(gi);
+            const __m512 table =
+                _mm512_fmadd_ps(iota, _mm512_permutexvar_ps(lane, sv), _mm512_permutexvar_ps(lane, mv));
+            for (int64_t k = (g0 + gi) * G, end = k + G; k < end; k += 32) {
+                const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + k / 2)));
+                const __m512 lo = _mm512_permutexvar_ps(b, table);
+                const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+                for (int m = 0; m < M; m++) {
+                    a0[m] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + m * Kp + k), a0[m]);
+                    a1[m] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + m * Kp + k + 16), a1[m]);
+                }
+            }
+        }
+    }
+    for (int m = 0; m < M; m++)
+        out[m * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m])) + (L->bias ? L->bias[n] : 0.f);
+}
+#define GEMV_INT4_AVX512 1
 #endif
 
 #endif

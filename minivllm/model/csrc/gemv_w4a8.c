@@ -81,23 +81,33 @@ static inline __attribute__((always_inline)) __m512 half16(__m256i h, int f16) {
     return f16 ? _mm512_cvtph_ps(h) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+static inline __attribute__((always_inline)) __m512i high_nibbles(__m512i wv) {
+#ifdef __GFNI__ /* each byte's high nibble in one instruction: the bit matrix sending bit i + 4 to bit i */
+    return _mm512_gf2p8affine_epi64_epi8(wv, _mm512_set1_epi64(0x1020408000000000LL), 0);
+#else
+    return _mm512_and_si512(_mm512_srli_epi16(wv, 4), _mm512_set1_epi8(0x0F));
+#endif
+}
+
 /* One 128-weight chunk (4 blocks) against M rows: two vpdpbusd per row, then its blocks' scales (`s`, block
  * 4u + lane / 4 of the superblock's window) once. */
 static inline __attribute__((always_inline)) void chunk_vnni(__m512 *acc, __m512i wv, __m512 s, const int8_t *xq,
                                                              int64_t Kx, int M) {
-    const __m512i nib = _mm512_set1_epi8(0x0F);
-    __m512i lo = _mm512_and_si512(wv, nib);
-#ifdef __GFNI__ /* each byte's high nibble in one instruction: the bit matrix sending bit i + 4 to bit i */
-    __m512i hi = _mm512_gf2p8affine_epi64_epi8(wv, _mm512_set1_epi64(0x1020408000000000LL), 0);
-#else
-    __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), nib);
-#endif
+    const __m512i lo = _mm512_and_si512(wv, _mm512_set1_epi8(0x0F)), hi = high_nibbles(wv);
     for (int m = 0; m < M; m++) {
         const int8_t *xr = xq + m * Kx;
         __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)xr));
         d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512((const void *)(xr + 64)));
         acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[m]);
     }
+}
+
+/* Chunk u's lanes pick their block's group (block 4u + lane / 4 of a 16-block superblock; `shift`: log2 of the
+ * blocks per group) from the superblock's window of group scales. */
+static inline __attribute__((always_inline)) void window_index(__m512i idx[4], int shift) {
+    const __m512i lane_block = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    for (int u = 0; u < 4; u++)
+        idx[u] = _mm512_srli_epi32(_mm512_add_epi32(_mm512_set1_epi32(4 * u), lane_block), shift);
 }
 
 static inline __attribute__((always_inline)) void row_vnni(float *out, int64_t ldo, const int8_t *xq, const float *xs,
@@ -112,10 +122,7 @@ static inline __attribute__((always_inline)) void row_vnni(float *out, int64_t l
      * chunk u's lanes pick theirs with a constant index (block 4u + lane / 4, as a group of the window): one
      * permute per chunk where computing the index took four. */
     __m512i idx[4];
-    for (int u = 0; u < 4; u++)
-        idx[u] = _mm512_srli_epi32(
-            _mm512_add_epi32(_mm512_set1_epi32(4 * u), _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)),
-            shift);
+    window_index(idx, shift);
     __m512 acc[MB];
     for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
     const int64_t full = nbytes / 64 / 4; /* superblocks whose 4 chunks are whole */
@@ -155,6 +162,59 @@ static inline __attribute__((always_inline)) void row_vnni(float *out, int64_t l
         for (int m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(xg + m * L->ngp + g0), acc[m]);
     }
     for (int m = 0; m < M; m++) out[m * ldo + n] = _mm512_reduce_add_ps(acc[m]) * xs[m] + (L->bias ? L->bias[n] : 0.f);
+}
+
+/* One 128-weight chunk of four weight rows (nbytes apart) against one token's staged x, loaded once for them. */
+static inline __attribute__((always_inline)) void chunk4_vnni(__m512 acc[4], const uint8_t *wc, int64_t nbytes,
+                                                              const int8_t *xc, __m512 s0, __m512 s1, __m512 s2,
+                                                              __m512 s3) {
+    const __m512i xl = _mm512_loadu_si512((const void *)xc), xh = _mm512_loadu_si512((const void *)(xc + 64));
+    const __m512 s[4] = {s0, s1, s2, s3};
+    for (int r = 0; r < 4; r++) {
+        const __m512i wv = _mm512_loadu_si512((const void *)(wc + r * nbytes));
+        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(wv, _mm512_set1_epi8(0x0F)), xl);
+        d = _mm512_dpbusd_epi32(d, high_nibbles(wv), xh);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s[r], acc[r]);
+    }
+}
+
+/* One token, four weight rows (n .. n+3) a pass, none of them among the last rows (unmasked loads): each chunk's x
+ * loaded once for the four rows, the window indices shared, the four sums reduced at the end. One row a pass spent
+ * as much on its per-row work (the window, the partial chunk, the min term, the reduction) as on its 4.5 chunks
+ * for the 576-wide rows of a 135M model; at one token the x loads were as many as the weight loads. */
+static inline __attribute__((always_inline)) void rows4_m1_vnni(float *out, const int8_t *xq, float xs,
+                                                                const float *xg, const W4A8Layer *L, int64_t n) {
+    const int last = 0;
+    const int64_t ng = L->ng, nbytes = L->Kp / 2, nchunks = (L->Kp + 127) / 128;
+    const int shift = __builtin_ctzll((uint64_t)(L->G / 32));
+    __m512i idx[4];
+    window_index(idx, shift);
+    const uint8_t *w = L->w + n * nbytes;
+    const uint16_t *sc = L->scale + n * ng;
+    __m512 acc[4];
+    for (int r = 0; r < 4; r++) acc[r] = _mm512_setzero_ps();
+    const int64_t full = nbytes / 64 / 4;
+    int64_t c = 0;
+    for (int64_t sb = 0; sb <= full && c < nchunks; sb++) {
+        const int64_t g0 = (16 * sb) >> shift, cnt = ng - g0 < 16 ? ng - g0 : 16;
+        __m512 win[4];
+        for (int r = 0; r < 4; r++) win[r] = half16(LOAD_H((__mmask16)((1u << cnt) - 1), sc + r * ng + g0), L->f16);
+        for (int u = 0; u < 4 && c < nchunks; u++, c++) /* (bytes past a row meet zero x) */
+            chunk4_vnni(acc, w + c * 64, nbytes, xq + c * 128, _mm512_permutexvar_ps(idx[u], win[0]),
+                        _mm512_permutexvar_ps(idx[u], win[1]), _mm512_permutexvar_ps(idx[u], win[2]),
+                        _mm512_permutexvar_ps(idx[u], win[3]));
+    }
+    for (int64_t g0 = 0; g0 < ng; g0 += 16) {
+        const __m512 xgv = _mm512_loadu_ps(xg + g0);
+        for (int r = 0; r < 4; r++) {
+            __m512 mv = L->f32mins ? _mm512_loadu_ps((const float *)L->mins + (n + r) * ng + g0)
+                      : L->sym     ? half16(LOAD_H(0, sc + r * ng + g0), L->f16)
+                                   : half16(LOAD_H(0, (const uint16_t *)L->mins + (n + r) * ng + g0), L->f16);
+            if (L->sym) mv = _mm512_mul_ps(mv, _mm512_set1_ps(-8.f));
+            acc[r] = _mm512_fmadd_ps(mv, xgv, acc[r]); /* (xg is zero past ng) */
+        }
+    }
+    for (int r = 0; r < 4; r++) out[n + r] = _mm512_reduce_add_ps(acc[r]) * xs + (L->bias ? L->bias[n + r] : 0.f);
 }
 #endif
 
@@ -261,6 +321,11 @@ void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int6
             for (int j = 0; j < M; j += MB) {
                 const int mm = M - j < MB ? M - j : MB;
 #ifdef W4A8_VNNI
+                if (M == 1 && n + 4 <= N * (t + 1) / nt && n + 4 <= N - tail_rows) { /* one token: four rows a pass */
+                    rows4_m1_vnni(out, xq, xs[0], xg, &L, n);
+                    n += 3;
+                    continue;
+                }
                 const float *xgj = xg + j * ngp;
                 const int8_t *xqj = xq + j * Kx;
                 float *oj = out + j * ldo;
