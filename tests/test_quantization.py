@@ -111,7 +111,9 @@ def test_w4a8_kernel_superblocks_and_tails_every_group_size(group, k, m, scale_d
     superblocks only (2048), several and a tail of 1-3 chunks (1568 = 3 * 512 + 32, 800 = 512 + 288), every group
     size; the last rows take the masked loads, so n spans several of them. Scales and mins in bfloat16 (ours) or
     float16 (GPTQ's, AWQ's, GGUF's), mins in float32 (an asymmetric zero times a float16 scale), read as they are;
-    or no mins at all (GGUF's Q4_0: each -8 scale, computed in the kernels)."""
+    or no mins at all (GGUF's Q4_0: each -8 scale, computed in the kernels). At one token the VNNI kernel takes four
+    weight rows a pass and the rest one at a time (each thread's last few of its share of 67, and the last rows,
+    whose loads are masked); int4's weight-only rows on AVX-512 look each group's weights up in a table."""
     q, w = _layer("w4a8", k, 67, True, group, scale_dtype, min_dtype)
     assert q.scales.dtype == getattr(torch, scale_dtype)
     if min_dtype == "none":  # Q4_0's rule: within a step of the weight (code 16 clamps to 15), most within half
