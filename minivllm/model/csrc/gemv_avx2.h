@@ -140,7 +140,7 @@ INLINE void dense_all_avx2(float *out, int64_t ldo, const float *x, int M, const
     }
 }
 
-/* W8A8 on AVX2, one weight row against M (1..8) tokens, 32 weights at a time (s8_dot32, csrc/gemv.c); the int32
+/* W8A8 on AVX2, one weight row against M (1..8) tokens, 32 weights at a time (s8_dot32_acc, csrc/gemv.c); the int32
  * accumulators stay in registers and are reduced for all M at once by horizontal adds
  * (four tokens per pass, each reduced alone through memory, put a quarter of a 576-wide row's instructions
  * in its reductions). Exact: the integer sums, then xs * scale as before. */
@@ -153,7 +153,7 @@ INLINE void w8a8_row_avx2(float *out, int64_t ldo, const int8_t *xq, const float
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
         const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + k)), wa = _mm256_sign_epi8(wv, wv);
-        for (int m = 0; m < M; m++) acc[m] = _mm256_add_epi32(acc[m], s8_dot32(wa, wv, xq + m * L->Kv + k));
+        for (int m = 0; m < M; m++) acc[m] = s8_dot32_acc(acc[m], wa, wv, xq + m * L->Kv + k);
     }
     int32_t sums[8];
     _mm256_storeu_si256((__m256i *)sums, hsum8x8_epi32(acc));

@@ -119,4 +119,48 @@ INLINE void int4_row_avx512(float *out, int64_t ldo, const float *x, const int M
 #define GEMV_INT4_AVX512 1
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* W8A8 at one token, R (1 or 4) weight rows from n: vpdpbusd takes one unsigned operand, so each weight byte is
+ * flipped to w + 128 (one xor) and 128 * sum(x), summed once per call, comes off the total: exact. One vpdpbusd per
+ * 64 weights of a row where the 256-bit rows (w8a8_row_avx2) take two sign moves and a vpdpbusd per 32; the x load
+ * serves the R rows. Past K, masked loads give zero x (and 128 for w: products of zero). */
+INLINE void w8a8_rows_m1_vnni(float *out, const int8_t *xq, float xs, int32_t xsum, const Layer *L, int64_t n,
+                              const int R) {
+    const int64_t K = L->K;
+    const int8_t *w = (const int8_t *)L->w + n * K;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512i acc[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+        const __m512i xv = _mm512_loadu_si512((const void *)(xq + k));
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_dpbusd_epi32(
+                acc[r], _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + r * K + k)), flip), xv);
+    }
+    if (k < K) {
+        const __mmask64 mk = ((__mmask64)1 << (K - k)) - 1;
+        const __m512i xv = _mm512_maskz_loadu_epi8(mk, xq + k);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_xor_si512(_mm512_maskz_loadu_epi8(mk, w + r * K + k), flip),
+                                         xv);
+    }
+    const float *sc = (const float *)L->scale;
+    for (int r = 0; r < R; r++) {
+        const int64_t s = (int64_t)_mm512_reduce_add_epi32(acc[r]) - 128 * (int64_t)xsum;
+        out[n + r] = (float)s * xs * sc[n + r] + (L->bias ? L->bias[n + r] : 0.f);
+    }
+}
+
+/* This thread's share of N at one token, four rows a pass (inside an omp parallel region). */
+INLINE void w8a8_m1_vnni(float *out, const int8_t *xq, float xs, int32_t xsum, const Layer *L, int64_t N) {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t end = N * (t + 1) / nt;
+    int64_t n = N * t / nt;
+    for (; n + 4 <= end; n += 4) w8a8_rows_m1_vnni(out, xq, xs, xsum, L, n, 4);
+    for (; n < end; n++) w8a8_rows_m1_vnni(out, xq, xs, xsum, L, n, 1);
+}
+#define GEMV_W8A8_M1_VNNI 1
+#endif
+
 #endif
