@@ -10,6 +10,7 @@
  * bound by their instructions, not the memory). The portable loop took 3-4x as long as one row of this. */
 #ifndef MINIVLLM_GEMV_W4A8_AVX2_H
 #define MINIVLLM_GEMV_W4A8_AVX2_H
+#ifdef W4A8_AVX2 /* (a CPU without AVX2 takes the portable rows) */
 #include "hsum_avx2.h"
 
 /* Row n's scales into sf[0, ng) and, where stored as half floats, its mins into sf[ng + 8, ...); returns the
@@ -265,4 +266,5 @@ static inline void row_all_tokens_avx2(float *out, int64_t ldo, const int8_t *xq
     }
 }
 
+#endif
 #endif
