@@ -1,5 +1,5 @@
-/* csrc/gemv.c's rows on AVX-512: float weights (f32, bf16) for 2..16 tokens, int4 weight-only for 1..4; included
- * there after Layer. */
+/* csrc/gemv.c's rows on AVX-512: float weights (f32, bf16) for 2..16 tokens, int4 weight-only for 1..4, and with
+ * VNNI W8A8 at one token; included there after Layer. */
 #ifndef MINIVLLM_GEMV_AVX512_H
 #define MINIVLLM_GEMV_AVX512_H
 
