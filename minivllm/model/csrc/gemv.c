@@ -393,17 +393,18 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
             FOR_ROWS(N, mm, R8);
         } else if (mm == 1) {
             const int bf16 = fmt == FMT_BF16;
+            if (bf16) bf16_split_x(scratch, xm, K);
 #pragma omp parallel num_threads(num_threads)
             {
                 int t = omp_get_thread_num(), nt = omp_get_num_threads();
                 int64_t n = N * t / nt, end = N * (t + 1) / nt;
                 for (; n + 4 <= end; n += 4) {
-                    if (bf16) dense_rows4_m1(o, xm, &L, 1, n);
-                    else dense_rows4_m1(o, xm, &L, 0, n);
+                    if (bf16) bf16_rows4_m1(o, xm, scratch, &L, n);
+                    else dense_rows4_m1(o, xm, &L, n);
                 }
                 for (; n < end; n++) {
-                    if (bf16) dense_row_m1(o, xm, &L, 1, n);
-                    else dense_row_m1(o, xm, &L, 0, n);
+                    if (bf16) bf16_row_m1(o, xm, scratch, &L, n);
+                    else dense_row_m1(o, xm, &L, n);
                 }
             }
         } else if (fmt == FMT_BF16) {

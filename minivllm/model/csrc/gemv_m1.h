@@ -1,21 +1,11 @@
-/* csrc/gemv.c's kernels for one token against float weights (f32 or bf16); included there after Layer, ld16 and
+/* csrc/gemv.c's kernels for one token against float weights (f32 or bf16); included there after Layer and
  * bf16_to_f32. */
 #ifndef MINIVLLM_GEMV_M1_H
 #define MINIVLLM_GEMV_M1_H
 
 #include "simd_width.h"
 
-typedef uint16_t vfh __attribute__((vector_size(VL * 2)));
 typedef uint32_t vfu __attribute__((vector_size(VL * 4)));
-
-INLINE vf ldv_bf16(const uint16_t *p) {
-    vfh h;
-    memcpy(&h, p, sizeof h);
-    vfu u = __builtin_convertvector(h, vfu) << 16;
-    vf f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 
 INLINE float hsumv(vf v) {
     float s = 0.f;
@@ -23,44 +13,108 @@ INLINE float hsumv(vf v) {
     return s;
 }
 
-/* One token against four consecutive weight rows, each load of x serving all four: one row per pass streamed
+/* One token against four consecutive f32 weight rows, each load of x serving all four: one row per pass streamed
  * 16-18 GB/s (21-26 with 32-byte vectors) on a 2-core AVX2 EPYC, four rows 27-32, oneDNN's plain-weight GEMM
  * 19-25 (same probe: 24 distinct 512x2048 .. 2048x8192 weights, one token). Fewer loads per FMA, and four
  * streams in flight per core. */
-INLINE void dense_rows4_m1(float *out, const float *x, const Layer *L, int bf16, int64_t n) {
+INLINE void dense_rows4_m1(float *out, const float *x, const Layer *L, int64_t n) {
     const int64_t K = L->K;
     vf a[4][2] = {{{0}}};
     const float *wf = (const float *)L->w + n * K;
-    const uint16_t *wh = (const uint16_t *)L->w + n * K;
-#define WV(r, k) (bf16 ? ldv_bf16(wh + (r) * K + (k)) : ldv(wf + (r) * K + (k)))
     int64_t k = 0;
     for (; k + 2 * VL <= K; k += 2 * VL) {
         const vf x0 = ldv(x + k), x1 = ldv(x + k + VL);
         for (int r = 0; r < 4; r++) {
-            a[r][0] += x0 * WV(r, k);
-            a[r][1] += x1 * WV(r, k + VL);
+            a[r][0] += x0 * ldv(wf + r * K + k);
+            a[r][1] += x1 * ldv(wf + r * K + k + VL);
         }
     }
-#undef WV
     for (int r = 0; r < 4; r++) {
         float s = hsumv(a[r][0] + a[r][1]);
-        for (int64_t j = k; j < K; j++) s += x[j] * (bf16 ? bf16_to_f32(wh[r * K + j]) : wf[r * K + j]);
+        for (int64_t j = k; j < K; j++) s += x[j] * wf[r * K + j];
         out[n + r] = s + (L->bias ? L->bias[n + r] : 0.f);
     }
 }
 
-/* One token against one weight row (a share's last rows): four accumulators held in registers. */
-INLINE void dense_row_m1(float *out, const float *x, const Layer *L, int bf16, int64_t n) {
+/* One token against one f32 weight row (a share's last rows): four accumulators held in registers. */
+INLINE void dense_row_m1(float *out, const float *x, const Layer *L, int64_t n) {
     const int64_t K = L->K;
     const float *wf = (const float *)L->w + n * K;
+    vf a[4] = {{0}};
+    int64_t k = 0;
+    for (; k + 4 * VL <= K; k += 4 * VL)
+        for (int i = 0; i < 4; i++) a[i] += ldv(x + k + i * VL) * ldv(wf + k + i * VL);
+    for (; k + VL <= K; k += VL) a[0] += ldv(x + k) * ldv(wf + k);
+    float s = hsumv((a[0] + a[1]) + (a[2] + a[3]));
+    for (int64_t j = k; j < K; j++) s += x[j] * wf[j];
+    out[n] = s + (L->bias ? L->bias[n] : 0.f);
+}
+
+/* bf16 weights at one token without a widening shuffle: a vector of 2*VL bf16 read as VL 32-bit lanes holds the
+ * even-indexed weights in its low halves (shift them up) and the odd ones in its high halves (mask the low half
+ * off), so x is split once per call into each 2*VL chunk's even then odd entries (bf16_split_x) and every 2*VL
+ * weights cost one load, a shift, an and and two FMAs. The widening load (vpmovzxwd) it replaces runs on the one
+ * shuffle port: a 2-thread chain of 1B-shaped bf16 projections streamed 19 GB/s with it where f32 streamed 23, and
+ * 20-24 split (built for Haswell: 14 -> 21); one core on weights in L2 went 1.9-2.7x as fast. The scratch that
+ * holds the split x is the caller's (linear_gemv's scratch: >= K floats). */
+INLINE void bf16_split_x(float *xs, const float *x, int64_t K) {
+    for (int64_t k = 0; k + 2 * VL <= K; k += 2 * VL)
+        for (int j = 0; j < VL; j++) {
+            xs[k + j] = x[k + 2 * j];
+            xs[k + VL + j] = x[k + 2 * j + 1];
+        }
+}
+
+INLINE void ld_bf16_pair(const uint16_t *p, vf *even, vf *odd) {
+    vfu u;
+    memcpy(&u, p, sizeof u);
+    const vfu e = u << 16, o = u & 0xffff0000u;
+    memcpy(even, &e, sizeof e);
+    memcpy(odd, &o, sizeof o);
+}
+
+/* Four bf16 rows against x split by bf16_split_x (xs; x itself for the tail past the last 2*VL chunk). */
+INLINE void bf16_rows4_m1(float *out, const float *x, const float *xs, const Layer *L, int64_t n) {
+    const int64_t K = L->K;
+    const uint16_t *wh = (const uint16_t *)L->w + n * K;
+    vf a[4][2] = {{{0}}};
+    int64_t k = 0;
+    for (; k + 2 * VL <= K; k += 2 * VL) {
+        const vf xe = ldv(xs + k), xo = ldv(xs + k + VL);
+        for (int r = 0; r < 4; r++) {
+            vf we, wo;
+            ld_bf16_pair(wh + r * K + k, &we, &wo);
+            a[r][0] += xe * we;
+            a[r][1] += xo * wo;
+        }
+    }
+    for (int r = 0; r < 4; r++) {
+        float s = hsumv(a[r][0] + a[r][1]);
+        for (int64_t j = k; j < K; j++) s += x[j] * bf16_to_f32(wh[r * K + j]);
+        out[n + r] = s + (L->bias ? L->bias[n + r] : 0.f);
+    }
+}
+
+INLINE void bf16_row_m1(float *out, const float *x, const float *xs, const Layer *L, int64_t n) {
+    const int64_t K = L->K;
     const uint16_t *wh = (const uint16_t *)L->w + n * K;
     vf a[4] = {{0}};
     int64_t k = 0;
     for (; k + 4 * VL <= K; k += 4 * VL)
-        for (int i = 0; i < 4; i++) a[i] += ldv(x + k + i * VL) * (bf16 ? ldv_bf16(wh + k + i * VL) : ldv(wf + k + i * VL));
-    for (; k + VL <= K; k += VL) a[0] += ldv(x + k) * (bf16 ? ldv_bf16(wh + k) : ldv(wf + k));
+        for (int i = 0; i < 2; i++) {
+            vf we, wo;
+            ld_bf16_pair(wh + k + 2 * i * VL, &we, &wo);
+            a[2 * i] += ldv(xs + k + 2 * i * VL) * we;
+            a[2 * i + 1] += ldv(xs + k + 2 * i * VL + VL) * wo;
+        }
+    for (; k + 2 * VL <= K; k += 2 * VL) {
+        vf we, wo;
+        ld_bf16_pair(wh + k, &we, &wo);
+        a[0] += ldv(xs + k) * we;
+        a[1] += ldv(xs + k + VL) * wo;
+    }
     float s = hsumv((a[0] + a[1]) + (a[2] + a[3]));
-    for (int64_t j = k; j < K; j++) s += x[j] * (bf16 ? bf16_to_f32(wh[j]) : wf[j]);
+    for (int64_t j = k; j < K; j++) s += x[j] * bf16_to_f32(wh[j]);
     out[n] = s + (L->bias ? L->bias[n] : 0.f);
 }
 
