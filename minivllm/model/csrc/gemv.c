@@ -335,8 +335,21 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
         } else if (fmt == FMT_W4A8) {
             gemv_w4a8(o, ldo, xm, ldx, mm, K, N, w, scale, mins, G, halves, bias, scratch, num_threads);
         } else if (fmt == FMT_INT4) {
-            /* Stage x zero-padded to Kp (whatever the codes past K, a zero x makes them add nothing). */
             int64_t Kp = (K + G - 1) / G * G;
+#if defined(GEMV_INT4_AVX512)
+            if (mm == 1) {
+                float *xg = scratch + (Kp + 127) / 128 * 128;
+                int4_stage_m1(scratch, xg, xm, K, Kp, G);
+                L.Kv = Kp;
+#pragma omp parallel num_threads(num_threads)
+                {
+                    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+                    for (int64_t n = N * t / nt; n < N * (t + 1) / nt; n++) int4_row_m1_avx512(o, scratch, xg, &L, n);
+                }
+                continue;
+            }
+#endif
+            /* Stage x zero-padded to Kp (whatever the codes past K, a zero x makes them add nothing). */
             float *xp = scratch;
             for (int m = 0; m < mm; m++) {
                 memcpy(xp + m * Kp, xm + m * ldx, K * sizeof(float));

@@ -1,5 +1,5 @@
-/* csrc/gemv.c's rows on AVX-512: float weights (f32, bf16) for 2..16 tokens, int4 weight-only for 1..4, and with
- * VNNI W8A8 at one token; included there after Layer. */
+/* csrc/gemv.c's rows on AVX-512: float weights (f32, bf16) for 2..16 tokens, int4 weight-only for 1..4 tokens (one
+ * token: its own rows), and with VNNI W8A8 at one token; included there after Layer. */
 #ifndef MINIVLLM_GEMV_AVX512_H
 #define MINIVLLM_GEMV_AVX512_H
 
@@ -74,9 +74,9 @@ INLINE void dense_all_avx512(float *out, int64_t ldo, const float *x, int M, con
 #define GEMV_DENSE_AVX512 1
 
 /* Up to 16 group scales or mins from g0 (cnt of them; zeros past): bfloat16 or (f16) float16 bits widened. */
+#include "group_window.h"
 INLINE __m512 int4_halves16(const uint16_t *p, int f16, __mmask16 cnt) {
-    const __m256i h = _mm256_maskz_loadu_epi16(cnt, p);
-    return f16 ? _mm512_cvtph_ps(h) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return half16(_mm256_maskz_loadu_epi16(cnt, p), f16);
 }
 
 /* int4 weight-only against M (1..4) float tokens, x zero-padded to Kp = Kv. Each group's 16 possible weights,
@@ -117,6 +117,72 @@ INLINE void int4_row_avx512(float *out, int64_t ldo, const float *x, const int M
         out[m * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m])) + (L->bias ? L->bias[n] : 0.f);
 }
 #define GEMV_INT4_AVX512 1
+
+/* int4 weight-only at one token, with no shuffle per weight: a 64-byte chunk of a row (128 weights, 4 blocks of 32)
+ * read as 16 int32 lanes holds 8 nibble fields per lane. Field f masked in place is q * 16^f, an integer of at most
+ * 4 significant bits, so it converts to float exactly, and x's entries for that field come pre-scaled by 16^-f
+ * (a power of two: exact), staged once per call by int4_stage_m1; field 7 is shifted down instead (the sign bit).
+ * Per 128 weights: 7 ands, a shift, 8 conversions, 8 multiply-adds, then the lanes' group scales (a window of 16
+ * groups' scales, one permute per chunk as in csrc/gemv_w4a8.c) and one multiply-add; the mins join once per row
+ * through each group's sum of x. The table kernel above spends 5 shuffles per 32 weights on the one shuffle port.
+ * xp: int4_stage_m1's layout; xg: per-group sums of x, zero to a multiple of 16 groups. */
+INLINE void int4_stage_m1(float *xp, float *xg, const float *x, int64_t K, int64_t Kp, int64_t G) {
+    const int64_t nchunks = (Kp + 127) / 128, ng = Kp / G;
+    for (int64_t c = 0; c < nchunks; c++)
+        for (int f = 0; f < 8; f++) {
+            const float sc = f == 7 ? 1.f : 1.f / (float)(1 << (4 * f));
+            for (int j = 0; j < 16; j++) {
+                const int64_t k = 128 * c + 32 * (j / 4) + 16 * (f & 1) + 4 * (j % 4) + f / 2;
+                xp[(c * 8 + f) * 16 + j] = k < K ? x[k] * sc : 0.f;
+            }
+        }
+    for (int64_t g = 0; g < (ng + 15) / 16 * 16; g++) {
+        float t = 0.f;
+        for (int64_t k = g * G; g < ng && k < (g + 1) * G && k < K; k++) t += x[k];
+        xg[g] = t;
+    }
+}
+
+INLINE void int4_row_m1_avx512(float *out, const float *xp, const float *xg, const Layer *L, int64_t n) {
+    const int64_t Kp = L->Kv, G = L->G, ng = Kp / G, nbytes = Kp / 2, nchunks = (Kp + 127) / 128;
+    const uint8_t *w = (const uint8_t *)L->w + n * nbytes;
+    const uint16_t *scale = (const uint16_t *)L->scale + n * ng;
+    __m512i idx[4];
+    window_index(idx, __builtin_ctzll((uint64_t)(G / 32)));
+    __m512 acc = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (int64_t sb = 0; c < nchunks; sb++) {
+        const int64_t g0 = (16 * sb) * 32 / G;
+        const int cnt = ng - g0 < 16 ? (int)(ng - g0) : 16;
+        const __m512 win = int4_halves16(scale + g0, L->f16, (__mmask16)((1u << cnt) - 1));
+        for (int u = 0; u < 4 && c < nchunks; u++, c++) {
+            const int64_t left = nbytes - c * 64;
+            const __m512i wv = left >= 64 ? _mm512_loadu_si512((const void *)(w + c * 64))
+                                          : _mm512_maskz_loadu_epi32((__mmask16)((1u << (left / 4)) - 1), w + c * 64);
+            const float *xc = xp + c * 128;
+#define FIELD(f) _mm512_cvtepi32_ps(_mm512_and_si512(wv, _mm512_set1_epi32(0xF << (4 * (f)))))
+            __m512 t0 = _mm512_mul_ps(FIELD(0), _mm512_loadu_ps(xc));
+            __m512 t1 = _mm512_mul_ps(FIELD(1), _mm512_loadu_ps(xc + 16));
+            t0 = _mm512_fmadd_ps(FIELD(2), _mm512_loadu_ps(xc + 32), t0);
+            t1 = _mm512_fmadd_ps(FIELD(3), _mm512_loadu_ps(xc + 48), t1);
+            t0 = _mm512_fmadd_ps(FIELD(4), _mm512_loadu_ps(xc + 64), t0);
+            t1 = _mm512_fmadd_ps(FIELD(5), _mm512_loadu_ps(xc + 80), t1);
+            t0 = _mm512_fmadd_ps(FIELD(6), _mm512_loadu_ps(xc + 96), t0);
+            t1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(wv, 28)), _mm512_loadu_ps(xc + 112), t1);
+#undef FIELD
+            acc = _mm512_fmadd_ps(_mm512_add_ps(t0, t1), _mm512_permutexvar_ps(idx[u], win), acc);
+        }
+    }
+    for (int64_t g0 = 0; g0 < ng; g0 += 16) {
+        const int cnt = ng - g0 < 16 ? (int)(ng - g0) : 16;
+        const __mmask16 mk = (__mmask16)((1u << cnt) - 1);
+        __m512 mv = L->sym        ? _mm512_mul_ps(int4_halves16(scale + g0, L->f16, mk), _mm512_set1_ps(-8.f))
+                  : L->f32mins ? _mm512_maskz_loadu_ps(mk, (const float *)L->mins + n * ng + g0)
+                               : int4_halves16((const uint16_t *)L->mins + n * ng + g0, L->f16, mk);
+        acc = _mm512_fmadd_ps(mv, _mm512_loadu_ps(xg + g0), acc);
+    }
+    out[n] = _mm512_reduce_add_ps(acc) + (L->bias ? L->bias[n] : 0.f);
+}
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)

@@ -77,9 +77,7 @@ static inline float min_term(const void *mn, const float *xg, int64_t ng, int f1
 #define LOAD_W(mask, p) (last ? _mm512_maskz_loadu_epi8(mask, p) : _mm512_loadu_si512((const void *)(p)))
 #define LOAD_H(mask, p) (last ? _mm256_maskz_loadu_epi16(mask, p) : _mm256_loadu_si256((const __m256i *)(p)))
 
-static inline __attribute__((always_inline)) __m512 half16(__m256i h, int f16) {
-    return f16 ? _mm512_cvtph_ps(h) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+#include "group_window.h"
 
 static inline __attribute__((always_inline)) __m512i high_nibbles(__m512i wv) {
 #ifdef __GFNI__ /* each byte's high nibble in one instruction: the bit matrix sending bit i + 4 to bit i */
@@ -100,14 +98,6 @@ static inline __attribute__((always_inline)) void chunk_vnni(__m512 *acc, __m512
         d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512((const void *)(xr + 64)));
         acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[m]);
     }
-}
-
-/* Chunk u's lanes pick their block's group (block 4u + lane / 4 of a 16-block superblock; `shift`: log2 of the
- * blocks per group) from the superblock's window of group scales. */
-static inline __attribute__((always_inline)) void window_index(__m512i idx[4], int shift) {
-    const __m512i lane_block = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    for (int u = 0; u < 4; u++)
-        idx[u] = _mm512_srli_epi32(_mm512_add_epi32(_mm512_set1_epi32(4 * u), lane_block), shift);
 }
 
 static inline __attribute__((always_inline)) void row_vnni(float *out, int64_t ldo, const int8_t *xq, const float *xs,
