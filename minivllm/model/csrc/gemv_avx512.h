@@ -138,7 +138,8 @@ INLINE void int4_stage_m1(float *xp, float *xg, const float *x, int64_t K, int64
         }
     for (int64_t g = 0; g < (ng + 15) / 16 * 16; g++) {
         float t = 0.f;
-        for (int64_t k = g * G; g < ng && k < (g + 1) * G && k < K; k++) t += x[k];
+        if (g < ng)
+            for (int64_t k = g * G; k < (g + 1) * G && k < K; k++) t += x[k];
         xg[g] = t;
     }
 }
@@ -147,12 +148,13 @@ INLINE void int4_row_m1_avx512(float *out, const float *xp, const float *xg, con
     const int64_t Kp = L->Kv, G = L->G, ng = Kp / G, nbytes = Kp / 2, nchunks = (Kp + 127) / 128;
     const uint8_t *w = (const uint8_t *)L->w + n * nbytes;
     const uint16_t *scale = (const uint16_t *)L->scale + n * ng;
+    const int shift = __builtin_ctzll((uint64_t)(G / 32)); /* 32-weight blocks per group, log2 */
     __m512i idx[4];
-    window_index(idx, __builtin_ctzll((uint64_t)(G / 32)));
+    window_index(idx, shift);
     __m512 acc = _mm512_setzero_ps();
     int64_t c = 0;
     for (int64_t sb = 0; c < nchunks; sb++) {
-        const int64_t g0 = (16 * sb) * 32 / G;
+        const int64_t g0 = (16 * sb) >> shift;
         const int cnt = ng - g0 < 16 ? (int)(ng - g0) : 16;
         const __m512 win = int4_halves16(scale + g0, L->f16, (__mmask16)((1u << cnt) - 1));
         for (int u = 0; u < 4 && c < nchunks; u++, c++) {
