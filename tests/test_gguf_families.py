@@ -1,7 +1,7 @@
 """GGUF files of every family whose file llama.cpp's converter writes: what the file says beyond transformers' GGUF
 config mapping (model/gguf_families.py: Llama 3's rope factors, yarn, Qwen 3's head size, Gemma 2's soft-capping,
 Gemma 3's local rope base, Phi-3's LongRoPE and partial rotary) is read, and the families transformers' reader
-refuses (OLMo 2, Granite, SmolLM3) are read by ours, a mixture of experts' expert widths and routing too, so the
+refuses (OLMo 2, Granite, SmolLM3, OLMoE) are read by ours, a mixture of experts' expert widths and routing too, so the
 file tokenizes as its checkpoint and computes the checkpoint's logits, and those llama.cpp computes from the same
 file."""
 
@@ -52,15 +52,24 @@ def test_each_family_serves_its_checkpoints_logits_and_llama_cpps(model_factory,
     _agrees_with_llama_cpp(path, ours)
 
 
-def test_a_mixtral_file_serves_its_checkpoints_logits_and_llama_cpps(model_factory, tmp_path):
+# (llama.cpp's OLMoE graph sizes the k norm by the hidden size, as the released model's are: as many KV heads as
+# query heads)
+@pytest.mark.parametrize("preset,architecture,overrides", [
+    ("tiny-mixtral", "MixtralForCausalLM", ()), ("tiny-olmoe", "OlmoeForCausalLM", (("num_key_value_heads", 4),))])
+def test_a_mixtral_or_olmoe_file_serves_its_checkpoints_logits_and_llama_cpps(model_factory, tmp_path, preset,
+                                                                              architecture, overrides):
     """Mixtral's files are `llama` ones with experts (ffn_*_exps, q / k permuted for llama.cpp's rope): read as a
-    Mixtral, they compute the checkpoint's logits and llama.cpp's. (llama.cpp's converter takes Mixtral's experts
-    one tensor each, as released checkpoints store them.)"""
-    merged = model_factory("tiny-mixtral")
+    Mixtral, they compute the checkpoint's logits and llama.cpp's. OLMoE's (`olmoe`: unnormalised routing,
+    whole-projection q / k norms) are refused by transformers' GGUF reader: ours reads them. (llama.cpp's converter
+    takes these families' experts one tensor each, as released checkpoints store them.)"""
+    merged = model_factory(preset, overrides=overrides)
     apart = str(tmp_path / "apart")
-    write_experts_apart(merged, apart, True)
-    path = llamacpp.convert(apart, str(tmp_path / "m.gguf"), "f32", architecture="MixtralForCausalLM")
-    assert ModelConfig.from_pretrained(path).architecture == "MixtralForCausalLM"
+    write_experts_apart(merged, apart, preset == "tiny-mixtral")
+    path = llamacpp.convert(apart, str(tmp_path / "m.gguf"), "f32", architecture=architecture)
+    assert ModelConfig.from_pretrained(path).architecture == architecture
+    if preset == "tiny-olmoe":
+        tok, ref_tok = get_tokenizer(path), get_tokenizer(merged)
+        assert [tok.encode(p) for p in PROMPTS] == [ref_tok.encode(p) for p in PROMPTS]
     ours = _logits(path)
     torch.testing.assert_close(ours, _logits(merged), atol=2e-5, rtol=0)
     _agrees_with_llama_cpp(path, ours)

@@ -2,9 +2,10 @@
 against llama.cpp on the same weights.
 
 Per family preset (real config, random weights, a bf16 checkpoint): our decode tok/s at one sequence and at 64, in
-fp32 and w4a8; the same for its Llama twin (presets.llama_twin: the same hidden size, MLP, layers, heads, head_dim
-and vocabulary, so the same parameter count but for the family's extra norms); llama.cpp's f32 and Q4_0 of the
-family's own weights (its converter and quantizer, bench/llamacpp.py) where its converter takes the checkpoint.
+the asked modes (fp32, w8a8, int8, w4a8, int4); the same for its Llama twin (presets.llama_twin: the same hidden size,
+MLP, layers, heads, head_dim and vocabulary, so the same parameter count but for the family's extra norms); llama.cpp's
+f32, Q8_0 or Q4_0 (the type at each mode's bits) of the family's own weights (its converter and quantizer,
+bench/llamacpp.py) where its converter takes the checkpoint.
 Decode only: the prompts (16 tokens at b=1, 8 at 64) are prefilled first, then `steps` steps are timed. Every
 configuration runs in a fresh process (these models are GBs; nothing carries over) and each round runs the
 configurations in the reverse order of the one before (ABBA), medians reported; ratios compare runs of one round.
@@ -27,13 +28,14 @@ from minivllm.bench.results import ratio_bars, run_worker, save
 from minivllm.config import cpu_count
 
 FAMILY_PRESETS = ("qwen3-0.6b", "gemma3-1b", "olmo2-1b", "granite-3-2b", "gemma2-2b", "smollm3-3b", "phi4-mini")
-LLAMA_CPP_TYPES = {"fp32": "f32", "w4a8": "Q4_0"}  # our mode → llama.cpp's type at the same bits
+LLAMA_CPP_TYPES = {"fp32": "f32", "w8a8": "Q8_0", "int8": "Q8_0", "w4a8": "Q4_0", "int4": "Q4_0"}
+# ^ our mode → llama.cpp's type at the same bits
 
 
 def add_families_args(p: argparse.ArgumentParser) -> None:
     """Flags of `minivllm bench families`."""
     p.add_argument("--presets", default=",".join(FAMILY_PRESETS), help="family presets (real sizes)")
-    p.add_argument("--modes", default="fp32,w4a8", help="our weight modes (llama.cpp: f32, Q4_0)")
+    p.add_argument("--modes", default="fp32,w4a8", help="our weight modes (llama.cpp beside them: f32, Q8_0 or Q4_0)")
     p.add_argument("--batches", default="1,64", help="sequences decoding together")
     p.add_argument("--steps", type=int, default=16, help="decode steps timed at one sequence")
     p.add_argument("--batch-steps", type=int, default=4, help="decode steps timed at the larger batches")
@@ -63,7 +65,7 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
             for b, n in zip(spec["batches"], spec["steps"], strict=True)}
 
 
-def _prepare(preset: str, root: str, with_llama_cpp: bool) -> dict[str, str]:
+def _prepare(preset: str, root: str, with_llama_cpp: bool, modes: list[str]) -> dict[str, str]:
     """The family's checkpoint, its Llama twin's, and (where the converter takes it) its GGUF files."""
     from minivllm.config import ModelConfig
     from minivllm.modelgen.make_model import make_model
@@ -75,7 +77,9 @@ def _prepare(preset: str, root: str, with_llama_cpp: bool) -> dict[str, str]:
         arch = ModelConfig.from_pretrained(paths["family"]).architecture
         f32 = llamacpp.convert(paths["family"], os.path.join(root, preset + "-f32.gguf"), architecture=arch)
         paths["llama.cpp f32"] = f32
-        paths["llama.cpp Q4_0"] = llamacpp.quantize(f32, os.path.join(root, preset + "-q4_0.gguf"))
+        for ftype in sorted({LLAMA_CPP_TYPES[m] for m in modes} - {"f32"}):  # only the types a mode compares with
+            paths[f"llama.cpp {ftype}"] = llamacpp.quantize(f32, os.path.join(root, f"{preset}-{ftype.lower()}.gguf"),
+                                                            ftype)
     return paths
 
 
@@ -97,12 +101,12 @@ def run_families(ns: argparse.Namespace) -> int:
         os.makedirs(root, exist_ok=True)
         t0 = time.time()
         try:
-            paths = _prepare(preset, root, skip is None)
+            paths = _prepare(preset, root, skip is None, modes)
         except (RuntimeError, ValueError, OSError) as e:
             print(f"{preset}: llama.cpp conversion failed ({e}); ours only", flush=True)
             shutil.rmtree(root, ignore_errors=True)
             os.makedirs(root, exist_ok=True)
-            paths = _prepare(preset, root, False)
+            paths = _prepare(preset, root, False, modes)
         print(f"{preset}: checkpoints ready in {time.time() - t0:.0f} s", flush=True)
         configs = []  # one process each, measuring every batch size on one load
         for mode in modes:

@@ -306,7 +306,9 @@ def iterate_weights(path: str, native: bool = False) -> Iterator[tuple[str, torc
     config = {k: v for k, v in hf_config(path).items() if k not in ("architectures", "quantization_config")}
     arch = str(header.values.get("general.architecture", ""))
     default = LlamaTensorProcessor if arch in PERMUTED_QK else TensorProcessor
-    processor = TENSOR_PROCESSORS.get(arch, default)(config=config)
+    # (OLMoE's experts are merged ffn_*_exps tensors as Qwen2-MoE's: transformers, refusing the architecture, has
+    # no processor of its name)
+    processor = TENSOR_PROCESSORS.get("qwen2moe" if arch == "olmoe" else arch, default)(config=config)
     if config.get("model_type") == "mixtral":  # a `llama` file with experts
         processor = _mixtral_processor(config)
     # The HF names: from the HF model's own parameter names, mapped by the gguf package's name table.

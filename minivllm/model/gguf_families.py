@@ -24,8 +24,8 @@ import numpy as np
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _GEMMA3_SWA_PATTERN = 6  # llama.cpp's fixed pattern: every sixth layer attends globally
 # Whether llama.cpp's graph renormalises each token's top-k routing weights, per GGUF architecture (it reads no
-# key for it): Qwen3-MoE and Mixtral (a `llama` file with experts) do, Qwen2-MoE does not.
-_MOE_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False, "llama": True}
+# key for it): Qwen3-MoE and Mixtral (a `llama` file with experts) do, Qwen2-MoE and OLMoE do not.
+_MOE_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False, "llama": True, "olmoe": False}
 
 
 def complete_config(cfg: dict[str, Any], meta: dict[str, Any], arch: str,
@@ -78,8 +78,9 @@ def _experts(cfg: dict[str, Any], key: Callable[[str], Any], arch: str) -> None:
     """A mixture of experts' widths and routing (every layer sparse: llama.cpp's converter writes no dense layer
     among expert ones)."""
     if arch not in _MOE_NORM_TOPK:
-        raise ValueError(f"{arch}.expert_count: mixture-of-experts GGUF files are read for Mixtral, Qwen2-MoE and "
-                         f"Qwen3-MoE (llama, qwen2moe, qwen3moe), not {arch}; serve its Hugging Face checkpoint")
+        raise ValueError(f"{arch}.expert_count: mixture-of-experts GGUF files are read for Mixtral, Qwen2-MoE, "
+                         f"Qwen3-MoE and OLMoE (llama, qwen2moe, qwen3moe, olmoe), not {arch}; serve its Hugging Face "
+                         "checkpoint")
     cfg["num_experts"] = int(key("expert_count"))
     cfg["num_experts_per_tok"] = int(key("expert_used_count") or 0)
     if arch == "llama":  # Mixtral: a Llama whose MLPs are experts, each of the feed-forward length
@@ -127,7 +128,7 @@ def _rope_scaling(cfg: dict[str, Any], key: Callable[[str], Any], tensor: Callab
 
 # Families the engine serves whose GGUF files transformers' reader refuses ("not supported yet"): their config is
 # read here from the keys llama.cpp reads (GGUF architecture -> HF model type).
-OWN_ARCHITECTURES = {"olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3"}
+OWN_ARCHITECTURES = {"olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3", "olmoe": "olmoe"}
 # Those whose q / k rows llama.cpp's converter reorders for its rope (its LlamaModel subclasses).
 PERMUTED_QK = frozenset({"granite", "smollm3"})
 _COMMON_KEYS = {"context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
