@@ -1,4 +1,5 @@
-"""Today's families (Qwen3, Gemma 2, Gemma 3, Phi-3/4-mini, SmolLM3, OLMo 2, Granite) on every engine path.
+"""Today's families (Qwen3, Gemma 2, Gemma 3, Phi-3/4-mini, SmolLM3, OLMo 2, Granite) on every engine path, and
+the mixtures of experts (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE) on those that do not look inside the MLP.
 
 Per family, tiny models with random weights: greedy output equal to HF transformers' (sharded checkpoints and the
 other tie too); each fast path runs and agrees with the plain path (native decode stack, bf16, the four weight
@@ -24,7 +25,7 @@ from minivllm.model import cpu_kernels
 from minivllm.model.decode_stack import DecodeStack
 from minivllm.model.runner import SequenceInput
 from minivllm.modelgen.make_lora import make_lora
-from minivllm.modelgen.presets import NEW_FAMILIES, PRESETS
+from minivllm.modelgen.presets import MOE_FAMILIES, NEW_FAMILIES, PRESETS
 from tests.conftest import make_runner
 
 FAMILIES = list(NEW_FAMILIES)
@@ -121,16 +122,28 @@ def test_real_width_checkpoint_loads_and_matches_hf(model_factory, tiny):
 
 
 # ---- fast paths ---------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module", params=FAMILIES)
-def family(request, model_factory):
-    path = model_factory(request.param)
+def _family(preset: str, model_factory) -> tuple[str, str, list[list[int]], list[list[int]]]:
+    path = model_factory(preset)
     ids = _prompt_ids(path)
-    return request.param, path, ids, _hf_reference(path, ids)
+    return preset, path, ids, _hf_reference(path, ids)
+
+
+# The engine's paths that do not look inside the MLP (KV cache, scheduling, speculation, LoRA on attention,
+# guided decoding) run every family, mixtures of experts too; those that do (the native stack, bf16, the weight
+# quantizations, tensor parallelism) are checked for the mixtures in test_moe.py / test_decode_stack.py.
+@pytest.fixture(scope="module", params=FAMILIES + MOE_FAMILIES)
+def family(request, model_factory):
+    return _family(request.param, model_factory)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def dense_family(request, model_factory):
+    return _family(request.param, model_factory)
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler")
-def test_native_decode_stack_runs_and_matches(family, monkeypatch):
-    _, path, ids, want = family
+def test_native_decode_stack_runs_and_matches(dense_family, monkeypatch):
+    _, path, ids, want = dense_family
     calls = []
     original = DecodeStack.__call__
     monkeypatch.setattr(DecodeStack, "__call__", lambda self, h, pos: calls.append(1) or original(self, h, pos))
@@ -140,8 +153,8 @@ def test_native_decode_stack_runs_and_matches(family, monkeypatch):
     assert len(calls) >= N - 1  # every all-decode step
 
 
-def test_bfloat16_close_to_float32(family):
-    _, path, ids, _ = family
+def test_bfloat16_close_to_float32(dense_family):
+    _, path, ids, _ = dense_family
     mc = ModelConfig.from_pretrained(path)
     logits = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -156,8 +169,8 @@ def test_bfloat16_close_to_float32(family):
 
 
 @pytest.mark.parametrize("method", ["int8", "w8a8", "int4", "w4a8"])
-def test_quantized_modes_run_close_to_float32(family, method):
-    _, path, ids, _ = family
+def test_quantized_modes_run_close_to_float32(dense_family, method):
+    _, path, ids, _ = dense_family
     llm = LLM(path, quantization=method, num_kv_blocks=128)
     assert all(len(t) == N for t in _greedy(llm, ids))
     mc = ModelConfig.from_pretrained(path)
@@ -221,8 +234,10 @@ def test_lora_equals_peft_merged_model(family, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    # Phi-3's checkpoints fuse q/k/v and gate/up: its adapters target the fused modules.
+    # Phi-3's checkpoints fuse q/k/v and gate/up: its adapters target the fused modules. A mixture's adapters
+    # target its attention (LoRA on experts is not served).
     targets = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") if preset == "tiny-phi3" \
+        else ("q_proj", "v_proj", "o_proj") if preset in MOE_FAMILIES \
         else ("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj")
     adapter = make_lora(path, str(tmp_path / "lora"), rank=4, targets=targets, seed=7, std=0.1)
     llm = LLM(path, enable_lora=True, max_lora_rank=4, num_kv_blocks=128)
@@ -237,8 +252,8 @@ def test_lora_equals_peft_merged_model(family, tmp_path):
     assert lp[0] != lp[1]
 
 
-def test_tensor_parallel_matches_or_refuses(family):
-    preset, path, ids, want = family
+def test_tensor_parallel_matches_or_refuses(dense_family):
+    preset, path, ids, want = dense_family
     if preset == "tiny-olmo2":
         with pytest.raises(ValueError, match="Olmo2ForCausalLM cannot be split across ranks: q_norm and k_norm"):
             LLMEngine(EngineArgs(model=path, num_kv_blocks=128, tensor_parallel_size=2))

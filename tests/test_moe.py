@@ -231,3 +231,40 @@ def test_bfloat16_runs_close_to_float32(model_factory):
     rel = ((got - ref).norm() / ref.norm()).item()
     assert 0 < rel < 0.05, rel
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
+
+
+def test_lora_adapts_a_mixtures_attention_and_names_an_expert_layer(model_factory, tmp_path):
+    """LoRA on a mixture: an adapter of its attention equals peft's merged model; one adapting a sparse layer's MLP
+    is refused naming the layer (experts take no adapter), and the server goes on with the first. Before, enabling
+    LoRA on any mixture raised AttributeError."""
+    from peft import PeftModel
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from minivllm import SamplingParams
+    from minivllm.lora_request import LoRARequest
+    from minivllm.modelgen.make_lora import make_lora
+    from tests.conftest import hf_greedy
+
+    path = model_factory("tiny-qwen3-moe")
+    adapter = make_lora(path, str(tmp_path / "lora"), rank=4, targets=("q_proj", "o_proj"), seed=5, std=0.1)
+    llm = LLM(path, enable_lora=True, max_lora_rank=4, num_kv_blocks=64)
+    prompt = list(range(7, 27))
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    got = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False,
+                       lora_request=LoRARequest("a", 1, adapter))[0].outputs[0].token_ids
+    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                                       adapter).merge_and_unload().eval()
+    assert got == hf_greedy(merged, prompt, 16)
+    assert got != llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids
+    bad = tmp_path / "bad"  # + a gate_proj of layer 0's mixture
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text((tmp_path / "lora" / "adapter_config.json").read_text())
+    tensors = load_file(f"{adapter}/adapter_model.safetensors")
+    mlp = "base_model.model.model.layers.0.mlp.gate_proj"
+    tensors |= {f"{mlp}.lora_A.weight": torch.zeros(4, 64), f"{mlp}.lora_B.weight": torch.zeros(48, 4)}
+    save_file(tensors, str(bad / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="gate_proj of layer 0, a mixture-of-experts layer"):
+        llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False, lora_request=LoRARequest("b", 2, str(bad)))
+    assert llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False,
+                        lora_request=LoRARequest("a", 1, adapter))[0].outputs[0].token_ids == got

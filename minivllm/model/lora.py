@@ -195,15 +195,19 @@ class LoRAModelManager:
         self.weights: dict[int, LoRAWeights] = {}  # id(projection) → its slots
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
-            q, kv, inter = attn.q_size, attn.kv_size, mlp.down_proj.in_features
+            q, kv = attn.q_size, attn.kv_size
             spans = {"q_proj": (attn.qkv_proj, 0, q), "k_proj": (attn.qkv_proj, q, kv),
                      "v_proj": (attn.qkv_proj, q + kv, kv), "o_proj": (attn.o_proj, 0, attn.o_proj.out_features),
-                     "gate_proj": (mlp.gate_up_proj, 0, inter), "up_proj": (mlp.gate_up_proj, inter, inter),
-                     "down_proj": (mlp.down_proj, 0, mlp.down_proj.out_features),
-                     "qkv_proj": (attn.qkv_proj, 0, q + 2 * kv), "gate_up_proj": (mlp.gate_up_proj, 0, 2 * inter)}
+                     "qkv_proj": (attn.qkv_proj, 0, q + 2 * kv)}
             # A fused projection gives each module it holds a rank block of its own: A [in, parts * R] side by side,
             # B block-diagonal (q's A must not meet v's B).
-            parts = {id(attn.qkv_proj): 3, id(mlp.gate_up_proj): 2}
+            parts = {id(attn.qkv_proj): 3}
+            if hasattr(mlp, "gate_up_proj"):  # a dense MLP (a mixture's experts take no adapter: check() says so)
+                inter = mlp.down_proj.in_features
+                spans |= {"gate_proj": (mlp.gate_up_proj, 0, inter), "up_proj": (mlp.gate_up_proj, inter, inter),
+                          "down_proj": (mlp.down_proj, 0, mlp.down_proj.out_features),
+                          "gate_up_proj": (mlp.gate_up_proj, 0, 2 * inter)}
+                parts[id(mlp.gate_up_proj)] = 2
             for name, (proj, start, size) in spans.items():
                 self.targets[(i, name)] = (proj, start, size)
                 if id(proj) not in self.weights:
@@ -232,6 +236,9 @@ class LoRAModelManager:
             if layer >= self.num_layers:
                 raise ValueError(f"lora_path: adapter {name!r} adapts layer {layer} but the model has "
                                  f"{self.num_layers} layers (made for another model?)")
+            if (layer, module) not in self.targets:
+                raise ValueError(f"lora_path: adapter {name!r} adapts {module} of layer {layer}, a mixture-of-experts "
+                                 "layer: adapters on experts are not supported (attention and dense MLPs only)")
             proj, _, size = self.targets[(layer, module)]
             if a.shape != (adapter.rank, proj.in_features) or b.shape != (size, adapter.rank):
                 raise ValueError(f"lora_path: adapter {name!r}: {module} of layer {layer} is A {tuple(a.shape)}, B "
