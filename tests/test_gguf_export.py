@@ -18,7 +18,6 @@ from minivllm.cli import main
 from minivllm.config import ModelConfig
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.model.gguf_header import read_header
-from minivllm.model.layers import Linear
 from minivllm.model.quantization import QuantizedLinear, quantize_int4, quantize_int8_blocks
 from minivllm.model.runner import SequenceInput
 
@@ -74,16 +73,10 @@ def test_the_file_holds_the_engines_codes_for_the_hf_weights(exported, preset, m
     ref = make_runner(ModelConfig.from_pretrained(hf_dir)).model
     ours = make_runner(ModelConfig.from_pretrained(path), quantization_kernel="native").model
     quantized = {n: m for n, m in ours.named_modules() if isinstance(m, QuantizedLinear)}
-    if preset == "tiny-gpt2":  # transposed in the file: dequantized at load (gguf_blocks.native_config)
-        assert not quantized
-        for name, layer in ref.named_modules():
-            if isinstance(layer, Linear) and name != "lm_head":
-                got = ours.get_submodule(name).weight
-                q = QuantizedLinear(layer.in_features, layer.out_features, False, _cfg(method))
-                q.quantize_from(layer.weight.detach().float(), None)
-                torch.testing.assert_close(got, q.dequantize(), atol=1e-6, rtol=0)
-        return
-    assert len(quantized) == 4 * len(ours.layers) + 1  # qkv, o, gate_up, down per layer, and the head
+    layers = len(ours.h if preset == "tiny-gpt2" else ours.layers)  # type: ignore[attr-defined]
+    # qkv, o, gate_up, down per layer (GPT-2's c_attn, c_proj, c_fc, c_proj: transposed in its checkpoints, not in
+    # its files, whose blocks run as they are), and the head
+    assert len(quantized) == 4 * layers + 1
     for name, layer in quantized.items():
         if name == "lm_head" and tied:  # the Q8_0 embedding converted back at load, its error logged
             continue
@@ -92,12 +85,6 @@ def test_the_file_holds_the_engines_codes_for_the_hf_weights(exported, preset, m
         assert torch.equal(layer.scales, expect[1]), name
         if kind == "Q4_1":
             assert torch.equal(layer.mins, expect[2]), name
-
-
-def _cfg(method: str):
-    from minivllm.quant_config import QuantConfig
-
-    return QuantConfig(method, int8_blocks=method in ("int8", "w8a8"))
 
 
 # (transformers' GGUF reader mis-sizes Qwen 3's heads, whose size is not hidden / heads: tests/test_gguf_families.py)

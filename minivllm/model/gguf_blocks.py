@@ -67,8 +67,6 @@ def native_config(header: GGUFHeader, arch: str) -> dict[str, Any] | None:
     """The `quantization_config` of a file whose every projection is Q4_0 / Q4_1, or every one of the int8 blocks'
     types (the head of the same family too, or not: `lm_head`; `converted`: the types re-quantized at load); None
     when any is another type (then every tensor is dequantized)."""
-    if arch == "gpt2":  # its projections are stored transposed (Conv1D): blocks run along the wrong axis
-        return None
     mats = {t.name: t.ggml_type.name for t in header.tensors if len(t.dims) == 2}
     proj = {ty for name, ty in mats.items() if name not in _EMBEDDINGS and name != "output.weight"}
     family = next((f for f in (GGUF_INT4_TYPES, GGUF_INT8_TYPES) if proj and proj <= f), None)
@@ -160,6 +158,10 @@ def row_order(processor: Any, name: str, n: int, names: dict[str, str]) -> tuple
     probe = np.arange(n, dtype=np.float64).reshape(n, 1)
     result = processor.process(weights=probe, name=name, tensor_key_mapping=names, parsed_parameters={"tensors": {}})
     got = np.asarray(result.weights)
+    if got.shape == (1, n):
+        # GPT-2's: transposed back to its checkpoints' Conv1D [in, out], which the model's loader transposes again
+        # to [out, in] (models/gpt2.py): the file's own rows, blocks along the inputs as our kernels run them.
+        got = got.T
     if got.shape != (n, 1) or not np.array_equal(np.sort(got[:, 0]), probe[:, 0]):
         raise ValueError(f"GGUF tensor {name!r}: its conversion to the HF layout is not a reordering of rows, so its "
                          "blocks cannot run as they are")
