@@ -283,3 +283,29 @@ def test_bench_replicas_verdict_with_every_variant_or_the_latency_pair_alone():
     ns = argparse.Namespace(variants="server,3 replicas")
     with pytest.raises(ValueError, match="--variants"):
         replicas.run_replicas(ns)
+
+
+@pytest.mark.skipif(not (os.uname().sysname == "Linux" and os.uname().machine == "x86_64"), reason="x86-64 Linux")
+def test_llama_cpps_amx_request_is_refused_and_nothing_else():
+    """On AMX CPUs llama.cpp runs without AMX tiles (they raised SIGILL on our VMs) but with its repacked layouts:
+    bench/llamacpp.py's seccomp filter fails arch_prctl(ARCH_REQ_XCOMP_PERM) with EPERM and lets every other call
+    through (another arch_prctl, other syscalls). In a child process: the filter lasts for a process's life."""
+    import subprocess
+    import sys
+
+    code = """
+import ctypes, os
+from minivllm.bench import llamacpp
+libc = ctypes.CDLL(None, use_errno=True)
+before = libc.syscall(158, 0x1022, ctypes.byref(ctypes.c_ulong()))  # ARCH_GET_XCOMP_PERM
+assert llamacpp._without_amx()
+denied = libc.syscall(158, 0x1023, 18), ctypes.get_errno()  # ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+after = libc.syscall(158, 0x1022, ctypes.byref(ctypes.c_ulong()))
+print(before, denied, after, len(os.listdir(".")) > 0)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    before, denied_rc, denied_errno, after, listed = out.stdout.replace("(", "").replace(")", "").replace(",", "") \
+        .split()
+    assert (int(denied_rc), int(denied_errno)) == (-1, 1)  # EPERM
+    assert after == before and listed == "True"

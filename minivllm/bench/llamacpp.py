@@ -17,6 +17,8 @@ import ctypes
 import functools
 import logging
 import os
+import platform
+import sys
 import tempfile
 import time
 from typing import Any
@@ -45,23 +47,56 @@ def _quiet() -> None:
 def _has_amx() -> bool:
     try:
         with open("/proc/cpuinfo") as f:
-            amx = any(line.startswith("flags") and " amx_tile" in line for line in f)
+            return any(line.startswith("flags") and " amx_tile" in line for line in f)
     except OSError:
         return False
-    if amx:
-        logger.warning("llama.cpp: extra weight buffer types (AMX tiles, repacked blocks) off on this AMX CPU")
-    return amx
+
+
+# A seccomp filter (classic BPF over struct seccomp_data) failing arch_prctl(ARCH_REQ_XCOMP_PERM, ...) with EPERM,
+# every other call allowed: (code, jt, jf, k) as struct sock_filter.
+_ARCH_X86_64, _SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM = 0xC000003E, 158, 0x1023
+_DENY_XCOMP_PERM = ((0x20, 0, 0, 4), (0x15, 0, 5, _ARCH_X86_64),  # arch (offset 4); not x86-64: allow
+                    (0x20, 0, 0, 0), (0x15, 0, 3, _SYS_ARCH_PRCTL),  # syscall number (offset 0)
+                    (0x20, 0, 0, 16), (0x15, 0, 1, _ARCH_REQ_XCOMP_PERM),  # its first argument's low word
+                    (0x06, 0, 0, 0x00050000 | 1),  # SECCOMP_RET_ERRNO | EPERM
+                    (0x06, 0, 0, 0x7FFF0000))  # SECCOMP_RET_ALLOW
+
+
+@functools.cache
+def _without_amx() -> bool:
+    """Make llama.cpp's AMX buffer type unavailable in this process, its other extra buffer types (the repacked
+    Q4_0 / Q8_0 / K-quant layouts) kept: ggml asks the kernel for AMX tile permission (arch_prctl
+    ARCH_REQ_XCOMP_PERM) before offering AMX tiles and offers none when refused, so a seccomp filter refuses that one
+    request (this bench process only; the filter is inherited by threads started later). Whether it took."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    class SockFilter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+
+    insns = (SockFilter * len(_DENY_XCOMP_PERM))(*(SockFilter(*i) for i in _DENY_XCOMP_PERM))
+    prog = SockFprog(len(insns), insns)
+    # PR_SET_NO_NEW_PRIVS (38), then PR_SET_SECCOMP (22) with SECCOMP_MODE_FILTER (2)
+    if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:
+        logger.warning("llama.cpp: could not refuse AMX (errno %d): its extra weight buffer types are off instead",
+                       ctypes.get_errno())
+        return False
+    logger.warning("llama.cpp: AMX tiles refused on this AMX CPU (its repacked layouts stay on)")
+    return True
 
 
 def model_params() -> Any:
-    """llama.cpp's default model parameters, less its extra weight buffer types on a CPU that advertises AMX: there
-    llama.cpp repacks Q8_0 / Q4_0 weights for AMX tiles, and on the 2-vCPU Xeon VMs (AMX flags, permission granted)
-    its first tile load raised SIGILL and killed the process (tests and benches alike, 135M and tiny models), where
-    a tile load of our own ran. The price: llama.cpp's repacked layouts are off on those CPUs (said in the log)."""
+    """llama.cpp's default model parameters, on a CPU that advertises AMX without its AMX tiles: there llama.cpp
+    repacks Q8_0 / Q4_0 weights for AMX tiles, and on the 2-vCPU Xeon VMs (AMX flags, permission granted) its first
+    tile load raised SIGILL and killed the process (tests and benches alike, 135M and tiny models), where a tile load
+    of our own ran. Its AMX permission request is refused instead (_without_amx), so it takes its repacked AVX-512
+    layouts as on any other x86 CPU; where that cannot be done, every extra buffer type is off (said in the log)."""
     import llama_cpp
 
     params = llama_cpp.llama_model_default_params()
-    if _has_amx():
+    if _has_amx() and not (sys.platform == "linux" and platform.machine() == "x86_64" and _without_amx()):
         params.use_extra_bufts = False
     return params
 
