@@ -299,13 +299,13 @@ from minivllm.bench import llamacpp
 libc = ctypes.CDLL(None, use_errno=True)
 before = libc.syscall(158, 0x1022, ctypes.byref(ctypes.c_ulong()))  # ARCH_GET_XCOMP_PERM
 assert llamacpp._without_amx()
-denied = libc.syscall(158, 0x1023, 18), ctypes.get_errno()  # ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+denied = libc.syscall(158, 0x1023, 18)  # ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+errno = ctypes.get_errno()
 after = libc.syscall(158, 0x1022, ctypes.byref(ctypes.c_ulong()))
-print(before, denied, after, len(os.listdir(".")) > 0)
+print(before, denied, errno, after, len(os.listdir(".")) > 0)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    before, denied_rc, denied_errno, after, listed = out.stdout.replace("(", "").replace(")", "").replace(",", "") \
-        .split()
+    before, denied_rc, denied_errno, after, listed = out.stdout.split()
     assert (int(denied_rc), int(denied_errno)) == (-1, 1)  # EPERM
     assert after == before and listed == "True"
