@@ -203,3 +203,41 @@ def test_a_second_engine_of_the_same_layers_reuses_the_start_up_timings(monkeypa
     again.recheck(0)  # times afresh, and keeps what it found
     assert calls and again.timings[0] != plan.timings[0]
     assert LLM(num_kv_blocks=64).llm_engine.runner.linear_plan.timings[0] == again.timings[0]
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "w8a8", "int4", "w4a8"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_one_token_rows_handed_out_in_chunks_are_each_computed_once(fmt, threads):
+    """The one-token GEMVs hand rows out in chunks to whichever thread asks first (csrc/gemv_rows.h take_rows):
+    every row exactly once whatever the thread count, N past many chunks and not a multiple of the rows a pass
+    takes (8 float rows, 4 quantized) or of the chunk; the outputs equal the float64 reference and a re-run."""
+    from minivllm.model.quantization import quantize_int4, quantize_int8, quantize_rows_int8, unpack_int4
+
+    k, n = 256, 4099  # 1 KiB float rows: chunks of a few hundred rows, a 3-row tail
+    torch.manual_seed(7)
+    w = torch.randn(n, k) * 0.05
+    x = torch.randn(1, k)
+    if fmt in ("f32", "bf16"):
+        wt = w if fmt == "f32" else w.bfloat16()
+        g, wd = cpu_kernels.GemvWeights.dense(wt, k, None), wt.double()
+    elif fmt == "w8a8":
+        q, s = quantize_int8(w)
+        g, wd = cpu_kernels.GemvWeights(fmt, q, k, s, None, 0), q.double() * s.double()[:, None]
+    else:
+        q, s, mn = quantize_int4(w, 32)
+        g = cpu_kernels.GemvWeights(fmt, q, k, s, mn, 32)
+        codes = unpack_int4(q).double().view(n, k // 32, 32)
+        wd = (codes * s.double()[..., None] + mn.double()[..., None]).reshape(n, k)
+    xd = x.double()
+    if fmt in ("w8a8", "w4a8"):
+        xq, xs = quantize_rows_int8(x)
+        xd = xq.double() * xs.double()[:, None]
+    expected = xd @ wd.t()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got, again = g(x), g(x)
+    finally:
+        torch.set_num_threads(before)
+    assert (got.double() - expected).abs().max().item() <= 2e-6 * expected.abs().max().item()
+    assert torch.equal(got, again)

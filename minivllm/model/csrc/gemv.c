@@ -22,8 +22,9 @@
  *          (csrc/gemv_q8.c).
  *
  * Each thread walks its share of N one weight row at a time, with two accumulators per row of x so the FMA
- * chains overlap; at one token the float formats take four weight rows per pass instead (each load of x
- * serving four rows: 1.2-1.5x the one-row pass on an AVX2 EPYC, see dense_rows4_m1). Rows of x come in chunks of up to MB, each
+ * chains overlap; at one token the float formats take four or eight weight rows per pass instead (each load of
+ * x serving them all: 1.2-1.5x the one-row pass on an AVX2 EPYC, see dense_rows_m1), and the one-token paths
+ * hand rows out in chunks to whichever thread is free (take_rows). Rows of x come in chunks of up to MB, each
  * chunk size compiled on its own so the accumulators live in registers. GCC vector extensions:
  * AVX-512 where the CPU has it, narrower registers elsewhere; only the byte-widening loads use
  * intrinsics (GCC 12 scalarises __builtin_convertvector from 8-bit lanes).
@@ -341,10 +342,13 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
                 float *xg = scratch + (Kp + 127) / 128 * 128;
                 int4_stage_m1(scratch, xg, xm, K, Kp, G);
                 L.Kv = Kp;
+                int64_t next = 0;
+                const int64_t chunk = row_chunk(N, num_threads, 1, Kp / 2);
 #pragma omp parallel num_threads(num_threads)
                 {
-                    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-                    for (int64_t n = N * t / nt; n < N * (t + 1) / nt; n++) int4_row_m1_avx512(o, scratch, xg, &L, n);
+                    int64_t n, end;
+                    while (take_rows(&next, N, chunk, &n, &end))
+                        for (; n < end; n++) int4_row_m1_avx512(o, scratch, xg, &L, n);
                 }
                 continue;
             }
@@ -383,8 +387,10 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
             if (mm == 1) {
                 int32_t xsum = 0;
                 for (int64_t k = 0; k < K; k++) xsum += xq[k];
+                int64_t next = 0;
+                const int64_t chunk = row_chunk(N, num_threads, 4, K);
 #pragma omp parallel num_threads(num_threads)
-                w8a8_m1_vnni(o, xq, xs[0], xsum, &L, N);
+                w8a8_m1_vnni(o, xq, xs[0], xsum, &L, N, &next, chunk);
                 continue;
             }
 #endif
@@ -407,17 +413,20 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
         } else if (mm == 1) {
             const int bf16 = fmt == FMT_BF16;
             if (bf16) bf16_split_x(scratch, xm, K);
+            int64_t next = 0; /* the rows' next chunk (take_rows) */
+            const int64_t chunk = row_chunk(N, num_threads, M1_ROWS, K * (bf16 ? 2 : 4));
 #pragma omp parallel num_threads(num_threads)
             {
-                int t = omp_get_thread_num(), nt = omp_get_num_threads();
-                int64_t n = N * t / nt, end = N * (t + 1) / nt;
-                for (; n + 4 <= end; n += 4) {
-                    if (bf16) bf16_rows4_m1(o, xm, scratch, &L, n);
-                    else dense_rows4_m1(o, xm, &L, n);
-                }
-                for (; n < end; n++) {
-                    if (bf16) bf16_row_m1(o, xm, scratch, &L, n);
-                    else dense_row_m1(o, xm, &L, n);
+                int64_t n, end;
+                while (take_rows(&next, N, chunk, &n, &end)) {
+                    for (; n + M1_ROWS <= end; n += M1_ROWS) {
+                        if (bf16) bf16_rows_m1(o, xm, scratch, &L, n);
+                        else dense_rows_m1(o, xm, &L, n);
+                    }
+                    for (; n < end; n++) {
+                        if (bf16) bf16_row_m1(o, xm, scratch, &L, n);
+                        else dense_row_m1(o, xm, &L, n);
+                    }
                 }
             }
         } else if (fmt == FMT_BF16) {

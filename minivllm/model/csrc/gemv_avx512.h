@@ -220,13 +220,15 @@ INLINE void w8a8_rows_m1_vnni(float *out, const int8_t *xq, float xs, int32_t xs
     }
 }
 
-/* This thread's share of N at one token, four rows a pass (inside an omp parallel region). */
-INLINE void w8a8_m1_vnni(float *out, const int8_t *xq, float xs, int32_t xsum, const Layer *L, int64_t N) {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t end = N * (t + 1) / nt;
-    int64_t n = N * t / nt;
-    for (; n + 4 <= end; n += 4) w8a8_rows_m1_vnni(out, xq, xs, xsum, L, n, 4);
-    for (; n < end; n++) w8a8_rows_m1_vnni(out, xq, xs, xsum, L, n, 1);
+/* This thread's rows of N at one token, four a pass (inside an omp parallel region; chunks as take_rows hands
+ * them out, *next starting at 0). */
+INLINE void w8a8_m1_vnni(float *out, const int8_t *xq, float xs, int32_t xsum, const Layer *L, int64_t N,
+                         int64_t *next, int64_t chunk) {
+    int64_t n, end;
+    while (take_rows(next, N, chunk, &n, &end)) {
+        for (; n + 4 <= end; n += 4) w8a8_rows_m1_vnni(out, xq, xs, xsum, L, n, 4);
+        for (; n < end; n++) w8a8_rows_m1_vnni(out, xq, xs, xsum, L, n, 1);
+    }
 }
 #define GEMV_W8A8_M1_VNNI 1
 #endif

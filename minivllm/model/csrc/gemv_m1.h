@@ -13,23 +13,28 @@ INLINE float hsumv(vf v) {
     return s;
 }
 
-/* One token against four consecutive f32 weight rows, each load of x serving all four: one row per pass streamed
- * 16-18 GB/s (21-26 with 32-byte vectors) on a 2-core AVX2 EPYC, four rows 27-32, oneDNN's plain-weight GEMM
- * 19-25 (same probe: 24 distinct 512x2048 .. 2048x8192 weights, one token). Fewer loads per FMA, and four
- * streams in flight per core. */
-INLINE void dense_rows4_m1(float *out, const float *x, const Layer *L, int64_t n) {
+/* Weight rows per pass at one token: eight where 32 vector registers hold their 16 accumulators (AVX-512), four
+ * on AVX2's 16. */
+#define M1_ROWS (VL == 16 ? 8 : 4)
+
+/* One token against M1_ROWS consecutive f32 weight rows, each load of x serving all of them: one row per pass
+ * streamed 16-18 GB/s (21-26 with 32-byte vectors) on a 2-core AVX2 EPYC, four rows 27-32, oneDNN's plain-weight
+ * GEMM 19-25 (same probe: 24 distinct 512x2048 .. 2048x8192 weights, one token). Fewer loads per FMA, and more
+ * streams in flight per core: on an AVX-512 Xeon eight rows streamed 1.05-1.08x four (same process, alternating). */
+INLINE void dense_rows_m1(float *out, const float *x, const Layer *L, int64_t n) {
     const int64_t K = L->K;
-    vf a[4][2] = {{{0}}};
+    enum { R = M1_ROWS };
+    vf a[R][2] = {{{0}}};
     const float *wf = (const float *)L->w + n * K;
     int64_t k = 0;
     for (; k + 2 * VL <= K; k += 2 * VL) {
         const vf x0 = ldv(x + k), x1 = ldv(x + k + VL);
-        for (int r = 0; r < 4; r++) {
+        for (int r = 0; r < R; r++) {
             a[r][0] += x0 * ldv(wf + r * K + k);
             a[r][1] += x1 * ldv(wf + r * K + k + VL);
         }
     }
-    for (int r = 0; r < 4; r++) {
+    for (int r = 0; r < R; r++) {
         float s = hsumv(a[r][0] + a[r][1]);
         for (int64_t j = k; j < K; j++) s += x[j] * wf[r * K + j];
         out[n + r] = s + (L->bias ? L->bias[n + r] : 0.f);
@@ -73,22 +78,23 @@ INLINE void ld_bf16_pair(const uint16_t *p, vf *even, vf *odd) {
     memcpy(odd, &o, sizeof o);
 }
 
-/* Four bf16 rows against x split by bf16_split_x (xs; x itself for the tail past the last 2*VL chunk). */
-INLINE void bf16_rows4_m1(float *out, const float *x, const float *xs, const Layer *L, int64_t n) {
+/* M1_ROWS bf16 rows against x split by bf16_split_x (xs; x itself for the tail past the last 2*VL chunk). */
+INLINE void bf16_rows_m1(float *out, const float *x, const float *xs, const Layer *L, int64_t n) {
     const int64_t K = L->K;
+    enum { R = M1_ROWS };
     const uint16_t *wh = (const uint16_t *)L->w + n * K;
-    vf a[4][2] = {{{0}}};
+    vf a[R][2] = {{{0}}};
     int64_t k = 0;
     for (; k + 2 * VL <= K; k += 2 * VL) {
         const vf xe = ldv(xs + k), xo = ldv(xs + k + VL);
-        for (int r = 0; r < 4; r++) {
+        for (int r = 0; r < R; r++) {
             vf we, wo;
             ld_bf16_pair(wh + r * K + k, &we, &wo);
             a[r][0] += xe * we;
             a[r][1] += xo * wo;
         }
     }
-    for (int r = 0; r < 4; r++) {
+    for (int r = 0; r < R; r++) {
         float s = hsumv(a[r][0] + a[r][1]);
         for (int64_t j = k; j < K; j++) s += x[j] * bf16_to_f32(wh[r * K + j]);
         out[n + r] = s + (L->bias ? L->bias[n + r] : 0.f);

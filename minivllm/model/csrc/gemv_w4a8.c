@@ -301,6 +301,22 @@ void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int6
                    .ngp = ngp, .Kx = Kx};
     /* Rows whose unmasked loads (up to 16 groups of scales or mins, whole 64-byte chunks) could pass the end. */
     const int64_t nchunks = Kx / 128, tail_rows = 1 + (ngp + ng - 1) / ng + (nchunks * 64 + Kp / 2 - 1) / (Kp / 2);
+#ifdef W4A8_VNNI
+    if (M == 1) { /* one token: four rows a pass, chunks of rows to whichever thread is free */
+        int64_t next = 0;
+        const int64_t chunk = row_chunk(N, num_threads, 4, Kp / 2);
+#pragma omp parallel num_threads(num_threads)
+        {
+            int64_t n, end;
+            while (take_rows(&next, N, chunk, &n, &end)) {
+                for (; n + 4 <= end && n + 4 <= N - tail_rows; n += 4)
+                    rows4_m1_vnni(out, xq, xs[0], xg, &L, n, n + 12 <= N - tail_rows);
+                for (; n < end; n++) row_vnni(out, ldo, xq, xs, xg, 1, &L, n, n >= N - tail_rows);
+            }
+        }
+        return;
+    }
+#endif
 #pragma omp parallel num_threads(num_threads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
