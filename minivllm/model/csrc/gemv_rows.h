@@ -40,9 +40,9 @@
  * fixed shares: the two vCPUs of these VMs stream memory at different speeds from one moment to the next (noisy
  * neighbours), so a fixed split left the faster thread waiting at the region's end (libgomp's spin was 11% of a
  * 2-thread MoE decode's samples). About 512 KiB of weights a chunk: smaller ones cost the one-token W4A8 rows their
- * streams' run-up (64 rows of 1 KiB: 0.93x fixed shares, 512-1024 rows: 1.0-1.03x), larger ones leave less to
- * balance; a multiple of `unit` (the kernel's rows per pass) so only the last has a tail, and at least two a thread.
- * *next starts at 0; take_rows returns 0 when none are left, else sets [*n, *end). */
+ * streams' run-up (64 rows of 1 KiB: 0.93x fixed shares, 256-1024 rows: 0.99-1.03x, 512 KiB 1.05x), larger ones
+ * leave less to balance; a multiple of `unit` (the kernel's rows per pass) so only the last has a tail, and at
+ * least two a thread. *next starts at 0; take_rows returns 0 when none are left, else sets [*n, *end). */
 static inline int64_t row_chunk(int64_t N, int nt, int64_t unit, int64_t row_bytes) {
     int64_t c = ((int64_t)512 << 10) / (row_bytes > 0 ? row_bytes : 1);
     if (c > N / (2 * (int64_t)nt)) c = N / (2 * (int64_t)nt);

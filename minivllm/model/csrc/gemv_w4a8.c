@@ -299,9 +299,9 @@ void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int6
     W4A8Layer L = {.w = (const uint8_t *)w, .scale = (const uint16_t *)scale, .mins = mins, .bias = bias,
                    .f16 = halves & 1, .f32mins = (halves >> 1) & 1, .sym = halves >> 2, .Kp = Kp, .G = G, .ng = ng,
                    .ngp = ngp, .Kx = Kx};
+#ifdef W4A8_VNNI
     /* Rows whose unmasked loads (up to 16 groups of scales or mins, whole 64-byte chunks) could pass the end. */
     const int64_t nchunks = Kx / 128, tail_rows = 1 + (ngp + ng - 1) / ng + (nchunks * 64 + Kp / 2 - 1) / (Kp / 2);
-#ifdef W4A8_VNNI
     if (M == 1) { /* one token: four rows a pass, chunks of rows to whichever thread is free */
         int64_t next = 0;
         const int64_t chunk = row_chunk(N, num_threads, 4, Kp / 2);
@@ -334,11 +334,6 @@ void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int6
             for (int j = 0; j < M; j += MB) {
                 const int mm = M - j < MB ? M - j : MB;
 #ifdef W4A8_VNNI
-                if (M == 1 && n + 4 <= N * (t + 1) / nt && n + 4 <= N - tail_rows) { /* one token: four rows a pass */
-                    rows4_m1_vnni(out, xq, xs[0], xg, &L, n, n + 12 <= N * (t + 1) / nt);
-                    n += 3;
-                    continue;
-                }
                 const float *xgj = xg + j * ngp;
                 const int8_t *xqj = xq + j * Kx;
                 float *oj = out + j * ldo;
