@@ -12,6 +12,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.model import cpu_kernels
 from minivllm.model.kernel_plan import plan_kernels
 from minivllm.model.layers import Linear, onednn_linear_available
+from minivllm.model.quantization import quantize_int4, quantize_int8, quantize_rows_int8, unpack_int4
 
 
 def _linear(k: int, n: int, dtype: torch.dtype, bias: bool) -> Linear:
@@ -211,9 +212,7 @@ def test_one_token_rows_handed_out_in_chunks_are_each_computed_once(fmt, threads
     """The one-token GEMVs hand rows out in chunks to whichever thread asks first (csrc/gemv_rows.h take_rows):
     every row exactly once whatever the thread count, N past many chunks and not a multiple of the rows a pass
     takes (8 float rows, 4 quantized) or of the chunk; the outputs equal the float64 reference and a re-run."""
-    from minivllm.model.quantization import quantize_int4, quantize_int8, quantize_rows_int8, unpack_int4
-
-    k, n = 256, 4099  # 1 KiB float rows: chunks of a few hundred rows, a 3-row tail
+    k, n = 256, 4099  # 1 KiB f32 rows: chunks of 512-1024 rows (at most N / 4), a 3-row tail
     torch.manual_seed(7)
     w = torch.randn(n, k) * 0.05
     x = torch.randn(1, k)
