@@ -285,6 +285,22 @@ def test_bench_replicas_verdict_with_every_variant_or_the_latency_pair_alone():
         replicas.run_replicas(ns)
 
 
+def test_bench_families_ratios_pair_the_runs_of_one_round():
+    """`bench families` compares runs of one round (adjacent in time) and takes the median of those ratios: the
+    machine's drift between rounds cancels, where the ratio of the two medians mixes rounds; a round one side lost
+    (a failed worker) pairs nothing."""
+    from minivllm.bench.families import paired_ratio, report
+
+    ours = {"runs": [60.0, 120.0, 90.0, 200.0], "rounds": [0, 1, 2, 3], "median": 105.0}
+    twin = {"runs": [50.0, 100.0, 300.0], "rounds": [0, 1, 3], "median": 100.0}
+    assert paired_ratio(ours, twin) == pytest.approx(1.2)  # rounds 0, 1, 3: 1.2, 1.2, 0.67; not 105 / 100
+    assert paired_ratio(ours, None) is None and paired_ratio(ours, {"runs": [], "rounds": []}) is None
+    old = {"runs": [50.0, 100.0, 75.0, 100.0]}  # written before rounds were recorded: by position
+    assert paired_ratio(ours, old) == pytest.approx(1.2)
+    table = report({"families": {"qwen3-moe-1b": {"family|w4a8|1": ours, "llama|w4a8|1": twin}}})
+    assert "| qwen3-moe-1b | w4a8 | 1 | 105.00 | 100.00 | 1.20x | - | - |" in table
+
+
 @pytest.mark.skipif(not (os.uname().sysname == "Linux" and os.uname().machine == "x86_64"), reason="x86-64 Linux")
 def test_llama_cpps_amx_request_is_refused_and_nothing_else():
     """On AMX CPUs llama.cpp runs without AMX tiles (they raised SIGILL on our VMs) but with its repacked layouts:

@@ -8,7 +8,8 @@ f32, Q8_0 or Q4_0 (the type at each mode's bits) of the family's own weights (it
 bench/llamacpp.py) where its converter takes the checkpoint.
 Decode only: the prompts (16 tokens at b=1, 8 at 64) are prefilled first, then `steps` steps are timed. Every
 configuration runs in a fresh process (these models are GBs; nothing carries over) and each round runs the
-configurations in the reverse order of the one before (ABBA), medians reported; ratios compare runs of one round.
+configurations in the reverse order of the one before (ABBA), medians reported; ratios are the median of each
+round's ratio (runs of one round are adjacent: paired_ratio).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def add_families_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--presets", default=",".join(FAMILY_PRESETS), help="family presets (real sizes)")
     p.add_argument("--modes", default="fp32,w4a8", help="our weight modes (llama.cpp beside them: f32, Q8_0 or Q4_0)")
     p.add_argument("--batches", default="1,64", help="sequences decoding together")
-    p.add_argument("--steps", type=int, default=16, help="decode steps timed at one sequence")
+    p.add_argument("--steps", type=int, default=64, help="decode steps timed at one sequence")
     p.add_argument("--batch-steps", type=int, default=4, help="decode steps timed at the larger batches")
     p.add_argument("--rounds", type=int, default=2, help="rounds, each in the reverse order of the one before")
     p.add_argument("--threads", type=int, default=None, help="threads (default: all cores)")
@@ -115,6 +116,7 @@ def run_families(ns: argparse.Namespace) -> int:
             if f"llama.cpp {LLAMA_CPP_TYPES[mode]}" in paths:
                 configs.append((f"llama.cpp {LLAMA_CPP_TYPES[mode]}", mode))
         runs: dict[str, list[float]] = {}
+        rounds: dict[str, list[int]] = {}  # the round of each run (a failed worker leaves its round out)
         steps = [ns.steps if b == 1 else ns.batch_steps for b in batches]
         for r in range(ns.rounds):
             for who, mode in (configs if r % 2 == 0 else configs[::-1]):
@@ -126,8 +128,10 @@ def run_families(ns: argparse.Namespace) -> int:
                 for batch in batches:
                     key = f"{who}|{mode}|{batch}"
                     runs.setdefault(key, []).append(out[str(batch)]["decode_tok_s"])
+                    rounds.setdefault(key, []).append(r)
                     print(f"  round {r} {key}: {out[str(batch)]['decode_tok_s']:.2f} tok/s", flush=True)
-        results["families"][preset] = {k: {"runs": v, "median": statistics.median(v)} for k, v in runs.items()}
+        results["families"][preset] = {k: {"runs": v, "rounds": rounds[k], "median": statistics.median(v)}
+                                       for k, v in runs.items()}
         shutil.rmtree(root, ignore_errors=True)
         if ns.out:  # after each family: a run of hours keeps what it measured
             save(results, ns.out, None)
@@ -145,12 +149,11 @@ def plot(results: dict[str, Any], png: str) -> None:
     for preset, runs in results["families"].items():
         for key in sorted(k for k in runs if k.startswith("family|")):
             _, mode, batch = key.split("|")
-            ours = runs[key]["median"]
             labels.append(f"{preset}\n{mode} b={batch}")
-            t = runs.get(f"llama|{mode}|{batch}", {}).get("median")
-            c = runs.get(f"llama.cpp {LLAMA_CPP_TYPES[mode]}|{mode}|{batch}", {}).get("median")
-            twin.append(ours / t if t else 0.0)
-            cpp.append(ours / c if c else 0.0)
+            t = paired_ratio(runs[key], runs.get(f"llama|{mode}|{batch}"))
+            c = paired_ratio(runs[key], runs.get(f"llama.cpp {LLAMA_CPP_TYPES[mode]}|{mode}|{batch}"))
+            twin.append(t or 0.0)
+            cpp.append(c or 0.0)
     ratio_bars(png, labels, {"vs Llama twin": twin, "vs llama.cpp": cpp}, "decode tok/s ratio")
 
 
@@ -162,16 +165,29 @@ def report(results: dict[str, Any]) -> str:
         for key in sorted(k for k in runs if k.startswith("family|")):
             _, mode, batch = key.split("|")
             ours = runs[key]["median"]
-            twin = runs.get(f"llama|{mode}|{batch}", {}).get("median")
-            cpp = runs.get(f"llama.cpp {LLAMA_CPP_TYPES[mode]}|{mode}|{batch}", {}).get("median")
-            lines.append(f"| {preset} | {mode} | {batch} | {ours:.2f} | {_f(twin)} | {_ratio(ours, twin)} | "
-                         f"{_f(cpp)} | {_ratio(ours, cpp)} |")
+            twin, cpp = runs.get(f"llama|{mode}|{batch}"), runs.get(f"llama.cpp {LLAMA_CPP_TYPES[mode]}|{mode}|{batch}")
+            lines.append(f"| {preset} | {mode} | {batch} | {ours:.2f} | {_f(twin)} | {_ratio(runs[key], twin)} | "
+                         f"{_f(cpp)} | {_ratio(runs[key], cpp)} |")
     return "\n".join(lines)
 
 
-def _f(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}"
+def paired_ratio(ours: dict[str, Any], other: dict[str, Any] | None) -> float | None:
+    """The median over rounds of ours / other within each round both ran in: runs minutes apart drift +-30% on
+    these VMs (a 16-step b=1 run of the mixture's twin measured 75-115 tok/s in five rounds), the runs of one round
+    are adjacent (ABBA), so their ratio carries less of the drift than the ratio of the two medians.
+    Results written before rounds were recorded pair runs by position."""
+    if not other:
+        return None
+    mine = dict(zip(ours.get("rounds", range(len(ours["runs"]))), ours["runs"], strict=True))
+    theirs = dict(zip(other.get("rounds", range(len(other["runs"]))), other["runs"], strict=True))
+    ratios = [mine[r] / theirs[r] for r in mine if r in theirs and theirs[r]]
+    return statistics.median(ratios) if ratios else None
 
 
-def _ratio(a: float, b: float | None) -> str:
-    return "-" if not b else f"{a / b:.2f}x"
+def _f(x: dict[str, Any] | None) -> str:
+    return "-" if x is None else f"{x['median']:.2f}"
+
+
+def _ratio(ours: dict[str, Any], other: dict[str, Any] | None) -> str:
+    r = paired_ratio(ours, other)
+    return "-" if r is None else f"{r:.2f}x"

@@ -97,6 +97,8 @@ def load_library() -> ctypes.CDLL | None:
     lib.logprobs_rows_f32.restype = None
     lib.linear_gemv.argtypes = [p, i64, p, i64, c_int, i64, i64, c_int, p, p, p, i64, p, p, c_int]
     lib.linear_gemv.restype = None
+    lib.linear_gemv_m1_many.argtypes = [p, i64, p, i64, c_int, i64, i64, c_int, p, p, p, i64, p, p, c_int]
+    lib.linear_gemv_m1_many.restype = c_int  # (csrc/moe_decode.c's caller; bound here for the tests)
     lib.quantize_rows_s8.argtypes = [p, i64, i64, i64, p, p, c_int]
     lib.rescale_i32.argtypes = [p, i64, i64, p, p, p, p, c_int]
     lib.quantize_rows_s8.restype = lib.rescale_i32.restype = None

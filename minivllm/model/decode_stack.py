@@ -241,9 +241,9 @@ class DecodeStack:
             self.residual = torch.empty(m, self.hidden)
             qkv = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
             self.work = torch.empty(m * (2 * self.hidden + qkv + self.num_heads * self.head_dim + 3 * self.inter))
-            if self.moe_shape is not None:  # csrc/moe_decode.c's: M (E + k + 2H + 3 Imax) floats, 3 M k ids
+            if self.moe_shape is not None:  # csrc/moe_decode.c's: max(M, k) (E + k + 2H + 3 Imax) floats, 3 M k ids
                 e, k, inter = self.moe_shape
-                self.moe_work = torch.empty(m * (e + k + 2 * self.hidden + 3 * inter))
+                self.moe_work = torch.empty(max(m, k) * (e + k + 2 * self.hidden + 3 * inter))
                 self.moe_ids = torch.empty(3 * m * k, dtype=torch.int64)
                 self.step.moe_work, self.step.moe_ids = self.moe_work.data_ptr(), self.moe_ids.data_ptr()
         threads = torch.get_num_threads()

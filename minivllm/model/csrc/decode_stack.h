@@ -54,13 +54,16 @@ typedef struct {
     int64_t bt_stride[MAX_KV_GROUPS], sinks, max_ctx;
     float *gemv_scratch, *attn_scratch, *work;
     int64_t num_threads, kv_fmt;
-    float *moe_work;  /* moe_work_floats(M, H, E, k, Imax) floats, where a layer has experts */
+    float *moe_work;  /* max(M, k) (E + k + 2H + 3 Imax) floats, where a layer has experts (csrc/moe_decode.c) */
     int64_t *moe_ids; /* 3 M k int64 */
 } step_t;
 
 void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, int fmt,
                  const void *w, const void *scale, const void *mins, int64_t G, const float *bias, float *scratch,
                  int num_threads);
+int linear_gemv_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, int k, int64_t K, int64_t N, int fmt,
+                        const void *const *w, const void *const *scale, const void *const *mins, int64_t G,
+                        const float *const *bias, float *scratch, int num_threads);
 void silu_mul_f32(const float *gu, int64_t ldg, float *out, int64_t M, int64_t I, int num_threads);
 void gelu_tanh_mul_f32(const float *gu, int64_t ldg, float *out, int64_t M, int64_t I, int num_threads);
 

@@ -22,6 +22,10 @@
 
 /* Rows split over threads only when there are enough of them to pay for the fork. */
 #define PAR_ROWS 8
+/* ... and per-head norms only when their floats are this many: a one-token step's q and k norms (16 and 8 heads of
+ * 64 floats, Qwen3's) opened two parallel regions a layer for ~1 us of work each (no step time measurable either
+ * way on 2 threads; more threads wait longer at a region's end). */
+#define PAR_FLOATS 16384
 
 void add_rmsnorm_f32(float *residual, const float *x, int64_t ldx, float xscale, const float *w, float eps,
                      float *out, int64_t M, int64_t H, int num_threads) {
@@ -51,7 +55,7 @@ void add_rmsnorm_f32(float *residual, const float *x, int64_t ldx, float xscale,
 /* x: M rows ldx floats apart; columns [0, n * size) normalised in place, group by group, each by w [size]. */
 void rmsnorm_groups_f32(float *x, int64_t ldx, int64_t M, int64_t n, int64_t size, const float *w, float eps,
                         int num_threads) {
-#pragma omp parallel for collapse(2) num_threads(num_threads) if (M * n >= PAR_ROWS) schedule(static)
+#pragma omp parallel for collapse(2) num_threads(num_threads) if (M * n * size >= PAR_FLOATS) schedule(static)
     for (int64_t m = 0; m < M; m++) {
         for (int64_t g = 0; g < n; g++) {
             float *r = x + m * ldx + g * size;

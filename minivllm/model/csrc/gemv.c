@@ -308,6 +308,9 @@ enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_INT8 = 2, FMT_INT4 = 3, FMT_W8A8 = 4, FMT_
 void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, const void *w,
                const void *scale, const void *mins, int64_t G, int halves, const float *bias, float *scratch,
                int num_threads);
+int gemv_w4a8_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, int k, int64_t K, int64_t N,
+                      const void *const *w, const void *const *scale, const void *const *mins, int64_t G, int halves,
+                      const float *const *bias, float *scratch, int num_threads);
 /* csrc/gemv_q8.c: int8 weights in blocks of 32 with float16 scales (GGUF's Q8_0), weight-only or a8 */
 void gemv_q8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, const void *w,
              const void *scale, const float *bias, int a8, float *scratch, int num_threads);
@@ -455,4 +458,20 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
 #endif
         }
     }
+}
+
+/*
+ * k projections of one shape and format at one token each (w, scale, mins, bias: k pointers each; bias may be NULL)
+ * in one parallel region: out + j ldo = (x + j ldx) W_j^T + b_j, ldx 0 for one x shared by all. A mixture's chosen
+ * experts at one decoding token (csrc/moe_decode.c). Returns 0 where the format has no such path: the caller runs
+ * them one by one.
+ */
+int linear_gemv_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, int k, int64_t K, int64_t N, int fmt,
+                        const void *const *w, const void *const *scale, const void *const *mins, int64_t G,
+                        const float *const *bias, float *scratch, int num_threads) {
+    const int halves = (fmt & (FMT_F16_SCALES | FMT_F32_MINS | FMT_SYM_MINS)) / FMT_F16_SCALES;
+    fmt &= ~(FMT_F16_SCALES | FMT_F32_MINS | FMT_SYM_MINS);
+    if (fmt == FMT_W4A8)
+        return gemv_w4a8_m1_many(out, ldo, x, ldx, k, K, N, w, scale, mins, G, halves, bias, scratch, num_threads);
+    return 0;
 }

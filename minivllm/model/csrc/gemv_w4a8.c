@@ -371,3 +371,54 @@ void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int6
         }
     }
 }
+
+/*
+ * k one-token projections of one shape (K, N, G and scale types alike) in one parallel region: row n of output j,
+ * out[j * ldo + n], is x_j W_j[n]^T + bias_j[n], x_j = x + j * ldx (ldx 0: one x for all, staged once). A mixture's
+ * chosen experts at one decoding token (csrc/moe_decode.c): their gate_up rows in one region, then their down rows,
+ * where one region per expert and projection made five regions a layer of <= 50 us of work each, the second thread
+ * waiting at every end (libgomp's spin: 18% of the samples). Returns 0 where it has no such path (no VNNI,
+ * k > MAX_M): the caller runs them one by one. w, scale, mins, bias: k pointers each (bias may be NULL).
+ * scratch: as gemv_w4a8's for M = k rows.
+ */
+int gemv_w4a8_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, int k, int64_t K, int64_t N,
+                      const void *const *w, const void *const *scale, const void *const *mins, int64_t G, int halves,
+                      const float *const *bias, float *scratch, int num_threads) {
+#ifdef W4A8_VNNI
+    if (k < 1 || k > 16) return 0;
+    const int64_t Kp = (K + G - 1) / G * G, ng = Kp / G, ngp = (ng + 15) / 16 * 16, Kx = (Kp + 127) / 128 * 128;
+    const int staged = ldx ? k : 1;
+    float *xs = scratch, *xg = scratch + staged;
+    int8_t *xq = (int8_t *)(xg + (int64_t)staged * ngp);
+    for (int j = 0; j < staged; j++) xs[j] = stage_row(x + j * ldx, K, G, xq + j * Kx, Kx, xg + j * ngp, ngp);
+    W4A8Layer L[16];
+    for (int j = 0; j < k; j++)
+        L[j] = (W4A8Layer){.w = (const uint8_t *)w[j], .scale = (const uint16_t *)scale[j], .mins = mins[j],
+                           .bias = bias ? bias[j] : NULL, .f16 = halves & 1, .f32mins = (halves >> 1) & 1,
+                           .sym = halves >> 2, .Kp = Kp, .G = G, .ng = ng, .ngp = ngp, .Kx = Kx};
+    const int64_t nchunks = Kx / 128, tail_rows = 1 + (ngp + ng - 1) / ng + (nchunks * 64 + Kp / 2 - 1) / (Kp / 2);
+    /* The k projections' rows as one range of k N, in chunks that never straddle two of them. */
+    int64_t next = 0;
+    const int64_t chunk = row_chunk(N * k, num_threads, 4, Kp / 2), per = (N + chunk - 1) / chunk;
+#pragma omp parallel num_threads(num_threads)
+    {
+        int64_t c, c_end;
+        while (take_rows(&next, per * k, 1, &c, &c_end)) {
+            const int j = (int)(c / per), x_at = ldx ? j : 0;
+            const int64_t lim = N - tail_rows;
+            int64_t n = c % per * chunk;
+            const int64_t end = n + chunk < N ? n + chunk : N;
+            const int8_t *xqj = xq + x_at * Kx;
+            const float *xgj = xg + x_at * ngp;
+            float *o = out + j * ldo;
+            for (; n + 4 <= end && n + 4 <= lim; n += 4) rows4_m1_vnni(o, xqj, xs[x_at], xgj, &L[j], n, n + 12 <= lim);
+            for (; n < end; n++) row_vnni(o, ldo, xqj, xs + x_at, xgj, 1, &L[j], n, n >= lim);
+        }
+    }
+    return 1;
+#else
+    (void)out, (void)ldo, (void)x, (void)ldx, (void)k, (void)K, (void)N, (void)w, (void)scale, (void)mins, (void)G;
+    (void)halves, (void)bias, (void)scratch, (void)num_threads;
+    return 0;
+#endif
+}
