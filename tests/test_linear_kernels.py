@@ -28,8 +28,8 @@ def _linear(k: int, n: int, dtype: torch.dtype, bias: bool) -> Linear:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k,n", [(100, 37), (72, 130), (576, 64), (31, 5)])
 # (AVX2's native rows: 4 weight rows a pass at 1-2 tokens, 2 at 3-4, 1 at 5-8; AVX-512's 8 at 1-2, then 16 // m:
-# 5 at 3, 3 at 5, 2 at 6; blocks of 8 tokens: 17 is 8 + 8 + 1)
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 17, 64])
+# 5 at 3, 3 at 5, 2 at 6; blocks of 8 tokens: 17 is 8 + 8 + 1; at 9-16 two rows against 8 tokens then the rest)
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 9, 12, 17, 64])
 @pytest.mark.parametrize("bias", [True, False])
 def test_every_dense_kernel_computes_the_same_linear(dtype, k, n, m, bias):
     lin = _linear(k, n, dtype, bias)

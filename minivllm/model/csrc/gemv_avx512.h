@@ -48,10 +48,35 @@ INLINE void dense_rows_avx512(float *out, int64_t ldo, const float *x, const int
  * chains from 3 tokens up; 5 tokens 3 rows a pass, not 2: 8 loads per 15 FMAs, not 7 per 10). */
 #define ROWS_FOR(mt) ((mt) <= 2 ? 8 : 16 / (mt))
 
-/* This thread's share of N against M (2..16) tokens, 8 tokens a pass. */
+/* This thread's share of N against M (2..16) tokens, 8 tokens a pass. From 9 tokens the rows are the outer loop:
+ * two rows against the first 8 tokens, then the same two rows (in L1 now) against the rest, so the weights stream
+ * from memory once, not once per 8 tokens. Same-process A/B against the token-block-outer order (8 alternating
+ * passes over distinct weights, 2 threads, an Intel Xeon): 1.18-1.34x at 9-16 tokens on 1B-shaped projections
+ * (3072x2048 ... 2048x8192), 1.05-1.15x on a mixture's experts (1536x1024, 1024x768). */
 INLINE void dense_all_avx512(float *out, int64_t ldo, const float *x, int M, const Layer *L, int bf16, int64_t N) {
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
     const int64_t end = N * (t + 1) / nt;
+    if (M > 8) {
+        const int rest = M - 8;
+        float *o2 = out + 8 * ldo;
+        const float *x2 = x + 8 * L->Kv;
+        for (int64_t n = N * t / nt; n < end;) {
+#define REST_2(c) dense_rows_avx512(o2, ldo, x2, c, 2, L, bf16, n)
+#define REST_1(c) dense_rows_avx512(o2, ldo, x2, c, 1, L, bf16, n)
+            if (n + 2 > end) { /* the share's last row */
+                dense_rows_avx512(out, ldo, x, 8, 1, L, bf16, n);
+                SWITCH_M8(rest, REST_1);
+                n++;
+                continue;
+            }
+            dense_rows_avx512(out, ldo, x, 8, 2, L, bf16, n);
+            SWITCH_M8(rest, REST_2);
+#undef REST_2
+#undef REST_1
+            n += 2;
+        }
+        return;
+    }
     for (int j = 0; j < M; j += 8) {
         const int mt = M - j < 8 ? M - j : 8, R = ROWS_FOR(mt);
         float *o = out + j * ldo;
