@@ -285,6 +285,17 @@ __attribute__((optimize("no-reciprocal-math"))) static float stage_row(const flo
     return s;
 }
 
+#ifdef W4A8_VNNI
+/* Rows whose unmasked loads (up to 16 groups of scales or mins, whole 64-byte chunks) could pass the end. */
+static inline int64_t tail_rows_vnni(int64_t Kp, int64_t ng, int64_t ngp, int64_t Kx) {
+    return 1 + (ngp + ng - 1) / ng + (Kx / 128 * 64 + Kp / 2 - 1) / (Kp / 2);
+}
+#endif
+
+int gemv_w4a8_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, int k, int64_t K, int64_t N,
+                      const void *const *w, const void *const *scale, const void *const *mins, int64_t G, int halves,
+                      const float *const *bias, float *scratch, int num_threads);
+
 /*
  * y = x W^T + bias for M rows of float32 x (rows ldx floats apart, K used, zero-padded to Kp).
  *   scratch: >= M * (1 + round_up(ng, 16)) floats followed by M * round_up(Kp, 128) bytes.
@@ -292,6 +303,12 @@ __attribute__((optimize("no-reciprocal-math"))) static float stage_row(const flo
 void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, const void *w,
                const void *scale, const void *mins, int64_t G, int halves, const float *bias, float *scratch,
                int num_threads) {
+#ifdef W4A8_VNNI
+    if (M == 1) { /* one token: one projection of gemv_w4a8_m1_many's (four rows a pass, chunks to whichever thread) */
+        gemv_w4a8_m1_many(out, ldo, x, 0, 1, K, N, &w, &scale, &mins, G, halves, &bias, scratch, num_threads);
+        return;
+    }
+#endif
     const int64_t Kp = (K + G - 1) / G * G, ng = Kp / G, ngp = (ng + 15) / 16 * 16, Kx = (Kp + 127) / 128 * 128;
     float *xs = scratch, *xg = scratch + M;
     int8_t *xq = (int8_t *)(xg + (int64_t)M * ngp);
@@ -300,22 +317,7 @@ void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int6
                    .f16 = halves & 1, .f32mins = (halves >> 1) & 1, .sym = halves >> 2, .Kp = Kp, .G = G, .ng = ng,
                    .ngp = ngp, .Kx = Kx};
 #ifdef W4A8_VNNI
-    /* Rows whose unmasked loads (up to 16 groups of scales or mins, whole 64-byte chunks) could pass the end. */
-    const int64_t nchunks = Kx / 128, tail_rows = 1 + (ngp + ng - 1) / ng + (nchunks * 64 + Kp / 2 - 1) / (Kp / 2);
-    if (M == 1) { /* one token: four rows a pass, chunks of rows to whichever thread is free */
-        int64_t next = 0;
-        const int64_t chunk = row_chunk(N, num_threads, 4, Kp / 2);
-#pragma omp parallel num_threads(num_threads)
-        {
-            int64_t n, end;
-            while (take_rows(&next, N, chunk, &n, &end)) {
-                for (; n + 4 <= end && n + 4 <= N - tail_rows; n += 4)
-                    rows4_m1_vnni(out, xq, xs[0], xg, &L, n, n + 12 <= N - tail_rows);
-                for (; n < end; n++) row_vnni(out, ldo, xq, xs, xg, 1, &L, n, n >= N - tail_rows);
-            }
-        }
-        return;
-    }
+    const int64_t tail_rows = tail_rows_vnni(Kp, ng, ngp, Kx);
 #endif
 #pragma omp parallel num_threads(num_threads)
     {
@@ -396,7 +398,7 @@ int gemv_w4a8_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, int 
         L[j] = (W4A8Layer){.w = (const uint8_t *)w[j], .scale = (const uint16_t *)scale[j], .mins = mins[j],
                            .bias = bias ? bias[j] : NULL, .f16 = halves & 1, .f32mins = (halves >> 1) & 1,
                            .sym = halves >> 2, .Kp = Kp, .G = G, .ng = ng, .ngp = ngp, .Kx = Kx};
-    const int64_t nchunks = Kx / 128, tail_rows = 1 + (ngp + ng - 1) / ng + (nchunks * 64 + Kp / 2 - 1) / (Kp / 2);
+    const int64_t tail_rows = tail_rows_vnni(Kp, ng, ngp, Kx);
     /* The k projections' rows as one range of k N, in chunks that never straddle two of them. */
     int64_t next = 0;
     const int64_t chunk = row_chunk(N * k, num_threads, 4, Kp / 2), per = (N + chunk - 1) / chunk;
