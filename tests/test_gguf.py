@@ -172,6 +172,8 @@ def test_q4_blocks_run_as_they_are_and_only_as_int4(model_factory, gguf_file, ou
     # (the file's tied head is its Q4_0 embedding, which stays a float embedding: the head runs converted, W8A8)
     assert {m.method for m in w4a8.model.modules() if isinstance(m, QuantizedLinear)} == {"w4a8", "w8a8"}
     assert w4a8.model.lm_head.method == "w8a8" and w4a8.head_conversion is not None
+    # Their activations quantized as llama.cpp's Q4 dot products take them: per 32-weight block, a scale each.
+    assert all(m.act_blocks for m in w4a8.model.modules() if isinstance(m, QuantizedLinear) and m.method == "w4a8")
     with pytest.raises(ValueError, match="gguf checkpoint whose layers run as int4 or w4a8; it cannot be loaded as "
                                          "int8"):
         LLM(path, quantization="int8")

@@ -234,6 +234,7 @@ GEMV_FORMATS = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3, "w8a8": 4, "w4a8": 5,
 _F16_SCALES = 16  # csrc/gemv.c's FMT_F16_SCALES: int4 / w4a8 group scales (and mins) in float16, not bfloat16
 _F32_MINS = 32  # FMT_F32_MINS: int4 / w4a8 group mins in float32
 _SYM_MINS = 64  # FMT_SYM_MINS: no mins stored, each -8 * scale (GGUF's Q4_0)
+_ACT_BLOCKS = 128  # FMT_ACT_BLOCKS: w4a8's x quantized per 32-weight block, each its own scale (llama.cpp's Q8_0 x)
 
 
 class GemvWeights:
@@ -243,7 +244,8 @@ class GemvWeights:
     __slots__ = ("fmt", "k", "n", "group", "ptrs", "tensors", "scratch_numel")
 
     def __init__(self, fmt: str, weight: torch.Tensor, in_features: int, scale: torch.Tensor | None = None,
-                 mins: torch.Tensor | None = None, group: int = 0, bias: torch.Tensor | None = None) -> None:
+                 mins: torch.Tensor | None = None, group: int = 0, bias: torch.Tensor | None = None,
+                 act_blocks: bool = False) -> None:
         assert load_library() is not None and weight.device.type == "cpu" and weight.is_contiguous()
         assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
         self.fmt, self.k, self.n, self.group = GEMV_FORMATS[fmt], in_features, weight.shape[0], group
@@ -254,10 +256,13 @@ class GemvWeights:
             assert mins is None or mins.dtype in (scale.dtype, torch.float32)
             self.fmt |= (_F16_SCALES if scale.dtype == torch.float16 else 0) | \
                 (_SYM_MINS if mins is None else _F32_MINS if mins.dtype == torch.float32 else 0)
+        if act_blocks:  # x's blocks of 32 meet the weights' groups: one scale each (csrc/gemv_w4a8.c)
+            assert fmt == "w4a8" and group == 32
+            self.fmt |= _ACT_BLOCKS
         self.tensors = (weight, scale, mins, bias)  # the pointers below stay valid while these live
         self.ptrs = tuple(_ptr(t) for t in self.tensors)
         kp = -(-in_features // group) * group if group else in_features
-        self.scratch_numel = _MAX_M * (kp + (kp // group if group else 0) + 16)
+        self.scratch_numel = _MAX_M * (kp + 2 * (kp // group if group else 0) + 64)
 
     @classmethod
     def dense(cls, weight: torch.Tensor, in_features: int, bias: torch.Tensor | None) -> GemvWeights:

@@ -59,7 +59,7 @@ def int4_overrides(qc: dict[str, Any], quant: QuantConfig) -> dict[str, QuantCon
     """Module name -> the int4 configuration of those modules in a file of int8 blocks (`quant` is the file's:
     int8 -> int4, w8a8 -> w4a8, as the int8 layers quantize activations or not)."""
     int4 = QuantConfig("w4a8" if quant.method == "w8a8" else "int4", 32, quant.quantize_lm_head, "float16",
-                       "float32")
+                       "float32", act_blocks=True)
     return {name: int4 for name in qc.get("int4_layers") or ()}
 
 

@@ -100,6 +100,17 @@ def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(xf / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
 
+def quantize_blocks_int8(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the W4A8 kernels see it with activation blocks: each 32-wide block of a row quantized to int8 with
+    its own scale (absmax / 127, llama.cpp's Q8_0 activations), returned dequantized (float32)."""
+    xf = x.float()
+    m, k = xf.shape
+    xb = F.pad(xf, (0, -k % 32)).view(m, -1, 32)
+    amax = xb.abs().amax(dim=2, keepdim=True)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    return (torch.round(xb / scale).clamp(-127, 127) * scale).view(m, -1)[:, :k]
+
+
 class QuantizedLinear(PlannedLinear):
     """A Linear whose weight is stored quantized; forward picks the kernel planned for the input's M."""
 
@@ -118,6 +129,7 @@ class QuantizedLinear(PlannedLinear):
         self.grouped = cfg.method in GROUPED_METHODS  # int4 weights: packed nibbles, group scale and min
         self.blocked = cfg.int8_blocks
         self.symmetric = self.grouped and cfg.min_dtype == "none"  # no mins stored: each is -8 * scale
+        self.act_blocks = cfg.act_blocks  # quantized x: per 32-weight block (quantize_blocks_int8), not per row
         if self.grouped:
             kp = -(-in_features // cfg.group_size) * cfg.group_size
             half = cfg.torch_scale_dtype
@@ -181,6 +193,9 @@ class QuantizedLinear(PlannedLinear):
             xq, xs = quantize_rows_int8(x)
             y = (xq.float() @ self.qweight.float().t()) * (xs[:, None] * self.scales[None, :])
             return y if bias is None else y + bias
+        if self.method == "w4a8" and self.act_blocks:
+            y = quantize_blocks_int8(x) @ self.dequantize().t()
+            return y if bias is None else y + bias
         if self.method in ("w4a8", "w8a8"):
             xq, xs = quantize_rows_int8(x)
             y = (xq.float() @ self.dequantize().t()) * xs[:, None]
@@ -194,7 +209,8 @@ class QuantizedLinear(PlannedLinear):
             fmt = ("q8a8" if self.method == "w8a8" else "q8") if self.blocked else self.method
             self._gemv = cpu_kernels.GemvWeights(fmt, self.qweight, self.in_features, self.scales,
                                                  self.mins if self.grouped and not self.symmetric else None,
-                                                 self.group_size if self.grouped or self.blocked else 0, bias)
+                                                 self.group_size if self.grouped or self.blocked else 0, bias,
+                                                 self.act_blocks and self.method == "w4a8")
         return self._gemv
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
@@ -215,7 +231,8 @@ class QuantizedLinear(PlannedLinear):
                                                         32, bias)
             else:
                 self._gemv_a8 = cpu_kernels.GemvWeights("w4a8", self.qweight, self.in_features, self.scales,
-                                                        None if self.symmetric else self.mins, self.group_size, bias)
+                                                        None if self.symmetric else self.mins, self.group_size, bias,
+                                                        self.act_blocks)
         xf = x if x.dtype == torch.float32 else x.float()
         return self._gemv_a8(xf if xf.stride(-1) == 1 else xf.contiguous())
 
@@ -262,7 +279,7 @@ class QuantizedLinear(PlannedLinear):
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def extra_repr(self) -> str:
-        blocks = ", blocks of 32" if self.blocked else ""
+        blocks = ", blocks of 32" if self.blocked else ", x in blocks of 32" if self.act_blocks else ""
         return f"in={self.in_features}, out={self.out_features}, method={self.method}, group={self.group_size}{blocks}"
 
 

@@ -17,7 +17,8 @@
  *          nibble), so one 16-byte load widens to two 16-lane vectors without shuffles.
  *   w8a8   the int8 weights; x is quantized per row here (symmetric, absmax / 127, round half to
  *          even as torch.round): y[m, n] = xs[m] * s[n] * sum_k xq[m, k] w[n, k], exact in int32.
- *   w4a8   the int4 weights against x quantized as for w8a8 (csrc/gemv_w4a8.c).
+ *   w4a8   the int4 weights against x quantized as for w8a8 (csrc/gemv_w4a8.c); | FMT_ACT_BLOCKS (groups of 32):
+ *          x quantized per 32-weight block instead, each its own scale (llama.cpp's Q8_0 activations).
  *   q8     w [N, Kp] int8 in blocks of 32, a float16 scale each (GGUF's Q8_0); q8a8 the same against int8 x
  *          (csrc/gemv_q8.c).
  *
@@ -302,7 +303,7 @@ INLINE void w8a8_row(float *out, int64_t ldo, const int8_t *xq, const float *xs,
 float quantize_row_s8(const float *xr, int64_t K, int8_t *xq);
 
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_INT8 = 2, FMT_INT4 = 3, FMT_W8A8 = 4, FMT_W4A8 = 5, FMT_Q8 = 6, FMT_Q8A8 = 7,
-       FMT_F16_SCALES = 16, FMT_F32_MINS = 32, FMT_SYM_MINS = 64 };
+       FMT_F16_SCALES = 16, FMT_F32_MINS = 32, FMT_SYM_MINS = 64, FMT_ACT_BLOCKS = 128 };
 
 /* csrc/gemv_w4a8.c */
 void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, const void *w,
@@ -320,16 +321,16 @@ void gemv_q8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_
  *   out [M, N] rows ldo floats apart; x [M, K] rows ldx floats apart (unit column stride)
  *   fmt: FMT_*; int4 and w4a8 | FMT_F16_SCALES for float16 scales (and mins), | FMT_F32_MINS for float32 mins
  *   w, scale, mins, G as the format says (unused ones may be NULL / 0)
- *   scratch: float32, >= MAX_M * (Kp + Kp / G + 16) floats (staged, padded or quantized rows of x)
+ *   scratch: float32, >= MAX_M * (Kp + 2 Kp / G + 64) floats (staged, padded or quantized rows of x)
  */
 void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, int fmt,
                  const void *w, const void *scale, const void *mins, int64_t G, const float *bias, float *scratch,
                  int num_threads) {
-    /* bit 0: f16 scales, bit 1: f32 mins, bit 2: no mins (-8 scale) */
-    const int halves = (fmt & (FMT_F16_SCALES | FMT_F32_MINS | FMT_SYM_MINS)) / FMT_F16_SCALES;
-    fmt &= ~(FMT_F16_SCALES | FMT_F32_MINS | FMT_SYM_MINS);
+    /* bit 0: f16 scales, bit 1: f32 mins, bit 2: no mins (-8 scale), bit 3: w4a8's x in blocks of 32 */
+    const int halves = (fmt & (FMT_F16_SCALES | FMT_F32_MINS | FMT_SYM_MINS | FMT_ACT_BLOCKS)) / FMT_F16_SCALES;
+    fmt &= ~(FMT_F16_SCALES | FMT_F32_MINS | FMT_SYM_MINS | FMT_ACT_BLOCKS);
     Layer L = {.w = w, .K = K, .Kv = ldx, .scale = scale, .mins = mins, .G = G, .bias = bias, .f16 = halves & 1,
-               .f32mins = (halves >> 1) & 1, .sym = halves >> 2};
+               .f32mins = (halves >> 1) & 1, .sym = (halves >> 2) & 1};
     for (int m0 = 0; m0 < M; m0 += MAX_M) {
         int mm = M - m0 < MAX_M ? M - m0 : MAX_M;
         const float *xm = x + m0 * ldx;
@@ -469,8 +470,8 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
 int linear_gemv_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, int k, int64_t K, int64_t N, int fmt,
                         const void *const *w, const void *const *scale, const void *const *mins, int64_t G,
                         const float *const *bias, float *scratch, int num_threads) {
-    const int halves = (fmt & (FMT_F16_SCALES | FMT_F32_MINS | FMT_SYM_MINS)) / FMT_F16_SCALES;
-    fmt &= ~(FMT_F16_SCALES | FMT_F32_MINS | FMT_SYM_MINS);
+    const int halves = (fmt & (FMT_F16_SCALES | FMT_F32_MINS | FMT_SYM_MINS | FMT_ACT_BLOCKS)) / FMT_F16_SCALES;
+    fmt &= ~(FMT_F16_SCALES | FMT_F32_MINS | FMT_SYM_MINS | FMT_ACT_BLOCKS);
     if (fmt == FMT_W4A8)
         return gemv_w4a8_m1_many(out, ldo, x, ldx, k, K, N, w, scale, mins, G, halves, bias, scratch, num_threads);
     return 0;

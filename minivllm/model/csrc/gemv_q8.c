@@ -175,9 +175,9 @@ static inline void q8a8_row(float *out, int64_t ldo, const int8_t *xq, const flo
 #endif
 
 /* One row of x as int8 codes (zero-padded to Kx bytes), its per-block sums in xg (zero-padded to nbp); returns
- * its scale. Division, not a reciprocal: the codes must be torch.round(x / s)'s. */
-__attribute__((optimize("no-reciprocal-math"))) static float stage_row(const float *xr, int64_t K, int8_t *dst,
-                                                                       int64_t Kx, float *xg, int64_t nbp) {
+ * its scale. Division, not a reciprocal (see csrc/quantize_rows.c): the codes must be torch.round(x / s)'s. */
+__attribute__((optimize("no-unsafe-math-optimizations")))
+static float stage_row(const float *xr, int64_t K, int8_t *dst, int64_t Kx, float *xg, int64_t nbp) {
     float amax = 0.f;
 #pragma omp simd reduction(max : amax)
     for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(xr[k]));

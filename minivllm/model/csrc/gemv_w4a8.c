@@ -13,6 +13,12 @@
  * Staged x per row: xq padded with zeros to a multiple of 128 and permuted per 128-weight chunk into
  * [low halves of its 4 blocks | high halves], matching the nibbles of 64 weight bytes: byte j of block b
  * holds q[32b + j] (low) and q[32b + 16 + j] (high). Without VNNI a portable loop computes the same sums.
+ *
+ * Activation blocks (halves bit 3, groups of 32 only): each 32-weight block of x gets its own scale xb[b]
+ * (absmax / 127 of the block: llama.cpp's Q8_0 activations, what its Q4_0 / Q4_1 dot products multiply), so
+ * block b's int32 sum is scaled by scale[n, b] * xb[b] and the min term meets xg[b] = xb[b] * sum_{k in b} xq;
+ * xs is then 1. One row-wide scale lets one outlier coarsen every other activation's codes; a block's scale
+ * confines it. Where the weight scales are a 16-block window, the x scales are one 16-float vector beside it.
  */
 #include <math.h>
 #include <omp.h>
@@ -35,6 +41,7 @@ typedef struct {
     const float *bias;
     int f16, f32mins, sym;      /* scales (and mins) are float16, else bfloat16; mins are float32; no mins (sym):
                                  * each is -8 scale */
+    int ablk;                   /* x quantized per 32-weight block (G 32): block scales xb beside xg */
     int64_t Kp, G, ng, ngp, Kx; /* ngp: floats between rows of xg (ng rounded up to 16, zero-padded); Kx: bytes
                                  * between staged rows of xq (Kp rounded up to 128) */
 } W4A8Layer;
@@ -87,22 +94,32 @@ static inline __attribute__((always_inline)) __m512i high_nibbles(__m512i wv) {
 #endif
 }
 
-/* One 128-weight chunk (4 blocks) against M rows: two vpdpbusd per row, then its blocks' scales (`s`, block
- * 4u + lane / 4 of the superblock's window) once. */
-static inline __attribute__((always_inline)) void chunk_vnni(__m512 *acc, __m512i wv, __m512 s, const int8_t *xq,
-                                                             int64_t Kx, int M) {
+/* One 128-weight chunk (4 blocks) against M rows: two vpdpbusd per row, then its blocks' scales (block 4u + lane / 4
+ * of the superblock's window: `id` picks them from win[0], or from win[m] for row m where x has block scales). */
+static inline __attribute__((always_inline)) void chunk_vnni(__m512 *acc, __m512i wv, const __m512 *win, __m512i id,
+                                                             int per_row, const int8_t *xq, int64_t Kx, int M) {
     const __m512i lo = _mm512_and_si512(wv, _mm512_set1_epi8(0x0F)), hi = high_nibbles(wv);
+    const __m512 s0 = _mm512_permutexvar_ps(id, win[0]);
     for (int m = 0; m < M; m++) {
         const int8_t *xr = xq + m * Kx;
         __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)xr));
         d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512((const void *)(xr + 64)));
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[m]);
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), per_row && m ? _mm512_permutexvar_ps(id, win[m]) : s0, acc[m]);
     }
 }
 
+/* The superblock's window of weight scales (from group g0) for each of the M rows of x: the same window, or where x
+ * has block scales (groups of 32: the window's 16 groups are the superblock's 16 blocks) times row m's 16. */
+static inline __attribute__((always_inline)) void row_windows(__m512 *win, __m512 w, const float *xb, int64_t ngp,
+                                                              int64_t g0, int M) {
+    win[0] = w;
+    if (xb)
+        for (int m = 0; m < M; m++) win[m] = _mm512_mul_ps(w, _mm512_loadu_ps(xb + m * ngp + g0));
+}
+
 static inline __attribute__((always_inline)) void row_vnni(float *out, int64_t ldo, const int8_t *xq, const float *xs,
-                                                           const float *xg, int M, const W4A8Layer *L, int64_t n,
-                                                           int last) {
+                                                           const float *xg, const float *xb, int M,
+                                                           const W4A8Layer *L, int64_t n, int last) {
     const int64_t ng = L->ng, nbytes = L->Kp / 2, nchunks = (L->Kp + 127) / 128;
     const uint8_t *w = L->w + n * nbytes;
     const uint16_t *sc = L->scale + n * ng;
@@ -113,31 +130,27 @@ static inline __attribute__((always_inline)) void row_vnni(float *out, int64_t l
      * permute per chunk where computing the index took four. */
     __m512i idx[4];
     window_index(idx, shift);
-    __m512 acc[MB];
+    __m512 acc[MB], win[MB];
     for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
     const int64_t full = nbytes / 64 / 4; /* superblocks whose 4 chunks are whole */
+    const int per_row = xb != NULL;
     int64_t c = 0;
     for (int64_t sb = 0; sb < full; sb++, c += 4) {
         const int64_t g0 = (16 * sb) >> shift, cnt = ng - g0 < 16 ? ng - g0 : 16;
-        const __m512 win = half16(LOAD_H((__mmask16)((1u << cnt) - 1), sc + g0), L->f16);
+        row_windows(win, half16(LOAD_H((__mmask16)((1u << cnt) - 1), sc + g0), L->f16), xb, L->ngp, g0, M);
         const uint8_t *wc = w + c * 64;
         const int8_t *xc = xq + c * 128;
-        chunk_vnni(acc, _mm512_loadu_si512((const void *)wc), _mm512_permutexvar_ps(idx[0], win), xc, L->Kx, M);
-        chunk_vnni(acc, _mm512_loadu_si512((const void *)(wc + 64)), _mm512_permutexvar_ps(idx[1], win), xc + 128,
-                   L->Kx, M);
-        chunk_vnni(acc, _mm512_loadu_si512((const void *)(wc + 128)), _mm512_permutexvar_ps(idx[2], win), xc + 256,
-                   L->Kx, M);
-        chunk_vnni(acc, _mm512_loadu_si512((const void *)(wc + 192)), _mm512_permutexvar_ps(idx[3], win), xc + 384,
-                   L->Kx, M);
+        for (int u = 0; u < 4; u++)
+            chunk_vnni(acc, _mm512_loadu_si512((const void *)(wc + 64 * u)), win, idx[u], per_row, xc + 128 * u,
+                       L->Kx, M);
     }
     if (c < nchunks) { /* the last, partial superblock: chunks one by one, the row's end masked */
         const int64_t g0 = (16 * full) >> shift, cnt = ng - g0 < 16 ? ng - g0 : 16;
-        const __m512 win = half16(LOAD_H((__mmask16)((1u << cnt) - 1), sc + g0), L->f16);
+        row_windows(win, half16(LOAD_H((__mmask16)((1u << cnt) - 1), sc + g0), L->f16), xb, L->ngp, g0, M);
         for (int u = 0; c < nchunks; c++, u++) {
             int64_t left = nbytes - c * 64;
             __mmask64 mask = left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
-            chunk_vnni(acc, LOAD_W(mask, w + c * 64), _mm512_permutexvar_ps(idx[u], win),
-                       xq + c * 128, L->Kx, M);
+            chunk_vnni(acc, LOAD_W(mask, w + c * 64), win, idx[u], per_row, xq + c * 128, L->Kx, M);
         }
     }
     /* The min term joins the same accumulators, 16 groups at a time (xg is zero past ng), so each row
@@ -176,8 +189,8 @@ static inline __attribute__((always_inline)) void chunk4_vnni(__m512 acc[4], con
  * chain of 1B-shaped weights, 304 MB: 13.7-15.5 -> 17.2-18.4 GB/s; the same for W8A8's 2 KiB rows and the float rows
  * measured no gain or a loss). */
 static inline __attribute__((always_inline)) void rows4_m1_vnni(float *out, const int8_t *xq, float xs,
-                                                                const float *xg, const W4A8Layer *L, int64_t n,
-                                                                int ahead) {
+                                                                const float *xg, const float *xb,
+                                                                const W4A8Layer *L, int64_t n, int ahead) {
     const int last = 0;
     const int64_t ng = L->ng, nbytes = L->Kp / 2, nchunks = (L->Kp + 127) / 128;
     const int shift = __builtin_ctzll((uint64_t)(L->G / 32));
@@ -193,6 +206,10 @@ static inline __attribute__((always_inline)) void rows4_m1_vnni(float *out, cons
         const int64_t g0 = (16 * sb) >> shift, cnt = ng - g0 < 16 ? ng - g0 : 16;
         __m512 win[4];
         for (int r = 0; r < 4; r++) win[r] = half16(LOAD_H((__mmask16)((1u << cnt) - 1), sc + r * ng + g0), L->f16);
+        if (xb) { /* x's 16 block scales, once for the four rows (xb is zero-padded to ngp) */
+            const __m512 xw = _mm512_loadu_ps(xb + g0);
+            for (int r = 0; r < 4; r++) win[r] = _mm512_mul_ps(win[r], xw);
+        }
         for (int u = 0; u < 4 && c < nchunks; u++, c++) { /* (bytes past a row meet zero x) */
             if (ahead) /* the pass after next: as many bytes as this pass reads, two passes ahead */
                 for (int r = 0; r < 4; r++) __builtin_prefetch(w + 8 * nbytes + c * 256 + r * 64);
@@ -220,7 +237,8 @@ static inline __attribute__((always_inline)) void rows4_m1_vnni(float *out, cons
 
 /* The same sums without VNNI, block by block from the staged layout. */
 __attribute__((unused)) static inline void row_portable(float *out, int64_t ldo, const int8_t *xq, const float *xs,
-                                                        const float *xg, int M, const W4A8Layer *L, int64_t n) {
+                                                        const float *xg, const float *xb, int M, const W4A8Layer *L,
+                                                        int64_t n) {
     const uint8_t *w = L->w + n * (L->Kp / 2);
     const uint16_t *sc = L->scale + n * L->ng;
     const char *mn = L->sym ? (const char *)sc : (const char *)L->mins + n * L->ng * (L->f32mins ? 4 : 2);
@@ -233,29 +251,22 @@ __attribute__((unused)) static inline void row_portable(float *out, int64_t ldo,
             const int8_t *xl = xr + (b / 4) * 128 + (b % 4) * 16, *xh = xl + 64;
             int32_t d = 0;
             for (int j = 0; j < 16; j++) d += (int32_t)(wb[j] & 15) * xl[j] + (int32_t)(wb[j] >> 4) * xh[j];
-            y += (float)d * halff(sc[b / bpg], L->f16);
+            y += (float)d * halff(sc[b / bpg], L->f16) * (xb ? xb[m * L->ngp + b] : 1.f);
         }
         y += min_term(mn, xg + m * L->ngp, L->ng, L->f16, L->f32mins, L->sym);
         out[m * ldo + n] = y * xs[m] + (L->bias ? L->bias[n] : 0.f);
     }
 }
 
-/* One row of x quantized and staged (layout above), its per-group sums of xq in xg; returns its scale.
- * Division, not a reciprocal (-ffast-math would allow one): the codes must be torch.round(x / s)'s. Runs of
+/* x[k0, k1) quantized with scale s into the staged layout (k0 a multiple of 16), each code's sum added to its group
+ * in xg. Division, not a reciprocal (see csrc/quantize_rows.c): the codes must be torch.round(x / s)'s. Runs of
  * 16 weights are contiguous in the staged layout, so they convert and narrow as one vector. */
-__attribute__((optimize("no-reciprocal-math"))) static float stage_row(const float *xr, int64_t K, int64_t G,
-                                                                       int8_t *dst, int64_t Kx, float *xg,
-                                                                       int64_t ngp) {
-    float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-    for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(xr[k]));
-    const float s = amax > 0.f ? amax / 127.f : 1.f;
-    memset(dst, 0, (size_t)Kx);
-    memset(xg, 0, (size_t)ngp * sizeof(float));
-    int64_t k = 0;
+__attribute__((optimize("no-unsafe-math-optimizations")))
+static void stage_span(const float *xr, int64_t k0, int64_t k1, float s, int64_t G, int8_t *dst, float *xg) {
+    int64_t k = k0;
 #ifdef W4A8_VNNI
     const __m512 sv = _mm512_set1_ps(s);
-    for (; k + 16 <= K; k += 16) {
+    for (; k + 16 <= k1; k += 16) {
         __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(xr + k), sv)); /* round half to even */
         _mm_storeu_si128((__m128i *)(dst + (k >> 7) * 128 + ((k >> 4) & 1) * 64 + ((k >> 5) & 3) * 16),
                          _mm512_cvtsepi32_epi8(q));
@@ -263,7 +274,7 @@ __attribute__((optimize("no-reciprocal-math"))) static float stage_row(const flo
     }
 #elif defined(W4A8_AVX2)
     const __m256 sv = _mm256_set1_ps(s);
-    for (; k + 16 <= K; k += 16) { /* (the scalar loop, other thread idle, was 29% of 1B-shaped GEMVs) */
+    for (; k + 16 <= k1; k += 16) { /* (the scalar loop, other thread idle, was 29% of 1B-shaped GEMVs) */
         const __m256i a = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(xr + k), sv)); /* half to even */
         const __m256i b = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(xr + k + 8), sv));
         const __m128i a16 = _mm_packs_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
@@ -276,13 +287,43 @@ __attribute__((optimize("no-reciprocal-math"))) static float stage_row(const flo
         xg[k / G] += (float)_mm_cvtsi128_si32(_mm_add_epi32(h2, _mm_shuffle_epi32(h2, 1)));
     }
 #endif
-    for (; k < K; k++) {
+    for (; k < k1; k++) {
         const int8_t q = (int8_t)__builtin_lrintf(xr[k] / s);
         const int64_t i = k & 31; /* position in its 32-weight block */
         dst[(k >> 7) * 128 + (i >> 4) * 64 + ((k >> 5) & 3) * 16 + (i & 15)] = q;
         xg[k / G] += (float)q;
     }
-    return s;
+}
+
+static inline float absmax(const float *xr, int64_t k0, int64_t k1) {
+    float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+    for (int64_t k = k0; k < k1; k++) amax = fmaxf(amax, fabsf(xr[k]));
+    return amax;
+}
+
+/* One row of x quantized and staged (layout above), its per-group sums of xq in xg; returns its scale. With xb (the
+ * activation blocks, G 32): each 32-weight block its own scale, xb[b], zero past the row's blocks to ngp; xg[b] is
+ * then that block's sum times its scale, and the row's scale 1. */
+__attribute__((optimize("no-unsafe-math-optimizations")))
+static float stage_row(const float *xr, int64_t K, int64_t G, int8_t *dst, int64_t Kx, float *xg, int64_t ngp,
+                       float *xb) {
+    memset(dst, 0, (size_t)Kx);
+    memset(xg, 0, (size_t)ngp * sizeof(float));
+    if (!xb) {
+        const float amax = absmax(xr, 0, K), s = amax > 0.f ? amax / 127.f : 1.f;
+        stage_span(xr, 0, K, s, G, dst, xg);
+        return s;
+    }
+    memset(xb, 0, (size_t)ngp * sizeof(float));
+    for (int64_t k0 = 0, b = 0; k0 < K; k0 += 32, b++) {
+        const int64_t k1 = k0 + 32 < K ? k0 + 32 : K;
+        const float amax = absmax(xr, k0, k1), s = amax > 0.f ? amax / 127.f : 1.f;
+        stage_span(xr, k0, k1, s, 32, dst, xg);
+        xb[b] = s;
+        xg[b] *= s;
+    }
+    return 1.f;
 }
 
 #ifdef W4A8_VNNI
@@ -298,7 +339,8 @@ int gemv_w4a8_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, int 
 
 /*
  * y = x W^T + bias for M rows of float32 x (rows ldx floats apart, K used, zero-padded to Kp).
- *   scratch: >= M * (1 + round_up(ng, 16)) floats followed by M * round_up(Kp, 128) bytes.
+ *   scratch: >= M * (1 + round_up(ng, 16)) floats followed by M * round_up(Kp, 128) bytes (and, with activation
+ *   blocks, M * round_up(ng, 16) floats more).
  */
 void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, const void *w,
                const void *scale, const void *mins, int64_t G, int halves, const float *bias, float *scratch,
@@ -312,10 +354,12 @@ void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int6
     const int64_t Kp = (K + G - 1) / G * G, ng = Kp / G, ngp = (ng + 15) / 16 * 16, Kx = (Kp + 127) / 128 * 128;
     float *xs = scratch, *xg = scratch + M;
     int8_t *xq = (int8_t *)(xg + (int64_t)M * ngp);
-    for (int m = 0; m < M; m++) xs[m] = stage_row(x + m * ldx, K, G, xq + m * Kx, Kx, xg + m * ngp, ngp);
+    float *xb = (halves >> 3) & 1 ? (float *)(xq + (int64_t)M * Kx) : NULL; /* activation blocks' scales */
+    for (int m = 0; m < M; m++)
+        xs[m] = stage_row(x + m * ldx, K, G, xq + m * Kx, Kx, xg + m * ngp, ngp, xb ? xb + m * ngp : NULL);
     W4A8Layer L = {.w = (const uint8_t *)w, .scale = (const uint16_t *)scale, .mins = mins, .bias = bias,
-                   .f16 = halves & 1, .f32mins = (halves >> 1) & 1, .sym = halves >> 2, .Kp = Kp, .G = G, .ng = ng,
-                   .ngp = ngp, .Kx = Kx};
+                   .f16 = halves & 1, .f32mins = (halves >> 1) & 1, .sym = (halves >> 2) & 1, .ablk = xb != NULL,
+                   .Kp = Kp, .G = G, .ng = ng, .ngp = ngp, .Kx = Kx};
 #ifdef W4A8_VNNI
     const int64_t tail_rows = tail_rows_vnni(Kp, ng, ngp, Kx);
 #endif
@@ -329,45 +373,46 @@ void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int6
         for (int64_t n = N * t / nt; n < N * (t + 1) / nt; n++) {
 #ifdef W4A8_AVX2
             if (M > 1 && !(Kp & 63)) { /* several tokens: one weight row against up to 8 of them per pass */
-                row_all_tokens_avx2(out, ldo, xq, xs, xg, M, &L, n, sf);
+                row_all_tokens_avx2(out, ldo, xq, xs, xg, xb, M, &L, n, sf);
                 continue;
             }
 #endif
             for (int j = 0; j < M; j += MB) {
                 const int mm = M - j < MB ? M - j : MB;
 #ifdef W4A8_VNNI
-                const float *xgj = xg + j * ngp;
+                const float *xgj = xg + j * ngp, *xbj = xb ? xb + j * ngp : NULL;
                 const int8_t *xqj = xq + j * Kx;
                 float *oj = out + j * ldo;
                 const int last = n >= N - tail_rows;
                 switch (mm) {
-                case 1: row_vnni(oj, ldo, xqj, xs + j, xgj, 1, &L, n, last); break;
-                case 2: row_vnni(oj, ldo, xqj, xs + j, xgj, 2, &L, n, last); break;
-                case 3: row_vnni(oj, ldo, xqj, xs + j, xgj, 3, &L, n, last); break;
-                default: row_vnni(oj, ldo, xqj, xs + j, xgj, 4, &L, n, last); break;
+                case 1: row_vnni(oj, ldo, xqj, xs + j, xgj, xbj, 1, &L, n, last); break;
+                case 2: row_vnni(oj, ldo, xqj, xs + j, xgj, xbj, 2, &L, n, last); break;
+                case 3: row_vnni(oj, ldo, xqj, xs + j, xgj, xbj, 3, &L, n, last); break;
+                default: row_vnni(oj, ldo, xqj, xs + j, xgj, xbj, 4, &L, n, last); break;
                 }
 #elif defined(W4A8_AVX2)
-                float *o = out + j * ldo, *xgj = xg + j * ngp;
+                float *o = out + j * ldo, *xgj = xg + j * ngp, *xbj = xb ? xb + j * ngp : NULL;
                 const int8_t *xqj = xq + j * Kx;
                 const int64_t end = N * (t + 1) / nt;
                 if (M == 1 && n + 4 <= end && !(Kp & 63)) { /* one token: four weight rows per pass */
-                    rows4_m1_avx2(o, xqj, xs[j], xgj, &L, n, sf, n + 8 <= end ? 4 * (Kp / 2) : 0);
+                    rows4_m1_avx2(o, xqj, xs[j], xgj, xbj, &L, n, sf, n + 8 <= end ? 4 * (Kp / 2) : 0);
                     n += 3;
                     continue;
                 }
                 if (M == 1 && n + 4 <= end) {
-                    rows_avx2(o, ldo, xqj, xs + j, xgj, 1, &L, n, 4, sf);
+                    rows_avx2(o, ldo, xqj, xs + j, xgj, xbj, 1, &L, n, 4, sf);
                     n += 3;
                     continue;
                 }
                 switch (mm) {
-                case 1: rows_avx2(o, ldo, xqj, xs + j, xgj, 1, &L, n, 1, sf); break;
-                case 2: rows_avx2(o, ldo, xqj, xs + j, xgj, 2, &L, n, 1, sf); break;
-                case 3: rows_avx2(o, ldo, xqj, xs + j, xgj, 3, &L, n, 1, sf); break;
-                default: rows_avx2(o, ldo, xqj, xs + j, xgj, 4, &L, n, 1, sf); break;
+                case 1: rows_avx2(o, ldo, xqj, xs + j, xgj, xbj, 1, &L, n, 1, sf); break;
+                case 2: rows_avx2(o, ldo, xqj, xs + j, xgj, xbj, 2, &L, n, 1, sf); break;
+                case 3: rows_avx2(o, ldo, xqj, xs + j, xgj, xbj, 3, &L, n, 1, sf); break;
+                default: rows_avx2(o, ldo, xqj, xs + j, xgj, xbj, 4, &L, n, 1, sf); break;
                 }
 #else
-                row_portable(out + j * ldo, ldo, xq + j * Kx, xs + j, xg + j * ngp, mm, &L, n);
+                row_portable(out + j * ldo, ldo, xq + j * Kx, xs + j, xg + j * ngp, xb ? xb + j * ngp : NULL, mm, &L,
+                             n);
 #endif
             }
         }
@@ -392,12 +437,15 @@ int gemv_w4a8_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, int 
     const int staged = ldx ? k : 1;
     float *xs = scratch, *xg = scratch + staged;
     int8_t *xq = (int8_t *)(xg + (int64_t)staged * ngp);
-    for (int j = 0; j < staged; j++) xs[j] = stage_row(x + j * ldx, K, G, xq + j * Kx, Kx, xg + j * ngp, ngp);
+    float *xb = (halves >> 3) & 1 ? (float *)(xq + (int64_t)staged * Kx) : NULL; /* activation blocks' scales */
+    for (int j = 0; j < staged; j++)
+        xs[j] = stage_row(x + j * ldx, K, G, xq + j * Kx, Kx, xg + j * ngp, ngp, xb ? xb + j * ngp : NULL);
     W4A8Layer L[16];
     for (int j = 0; j < k; j++)
         L[j] = (W4A8Layer){.w = (const uint8_t *)w[j], .scale = (const uint16_t *)scale[j], .mins = mins[j],
                            .bias = bias ? bias[j] : NULL, .f16 = halves & 1, .f32mins = (halves >> 1) & 1,
-                           .sym = halves >> 2, .Kp = Kp, .G = G, .ng = ng, .ngp = ngp, .Kx = Kx};
+                           .sym = (halves >> 2) & 1, .ablk = xb != NULL, .Kp = Kp, .G = G, .ng = ng, .ngp = ngp,
+                           .Kx = Kx};
     const int64_t tail_rows = tail_rows_vnni(Kp, ng, ngp, Kx);
     /* The k projections' rows as one range of k N, in chunks that never straddle two of them. */
     int64_t next = 0;
@@ -411,10 +459,11 @@ int gemv_w4a8_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, int 
             int64_t n = c % per * chunk;
             const int64_t end = n + chunk < N ? n + chunk : N;
             const int8_t *xqj = xq + x_at * Kx;
-            const float *xgj = xg + x_at * ngp;
+            const float *xgj = xg + x_at * ngp, *xbj = xb ? xb + x_at * ngp : NULL;
             float *o = out + j * ldo;
-            for (; n + 4 <= end && n + 4 <= lim; n += 4) rows4_m1_vnni(o, xqj, xs[x_at], xgj, &L[j], n, n + 12 <= lim);
-            for (; n < end; n++) row_vnni(o, ldo, xqj, xs + x_at, xgj, 1, &L[j], n, n >= lim);
+            for (; n + 4 <= end && n + 4 <= lim; n += 4)
+                rows4_m1_vnni(o, xqj, xs[x_at], xgj, xbj, &L[j], n, n + 12 <= lim);
+            for (; n < end; n++) row_vnni(o, ldo, xqj, xs + x_at, xgj, xbj, 1, &L[j], n, n >= lim);
         }
     }
     return 1;

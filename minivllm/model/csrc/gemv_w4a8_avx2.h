@@ -77,9 +77,10 @@ static inline __attribute__((always_inline)) float row_total(const float *mins, 
     return hsum8(_mm256_fmadd_ps(t, _mm256_set1_ps(mscale), acc)) + mscale * rest;
 }
 
-/* R weight rows from n (R 1 or 4) against M rows of x (M 1 where R is 4); sf holds R * 2 * (ng + 8) floats. */
+/* R weight rows from n (R 1 or 4) against M rows of x (M 1 where R is 4); sf holds R * 2 * (ng + 8) floats; xb:
+ * x's block scales (rows ngp apart) or NULL. */
 static inline __attribute__((always_inline)) void rows_avx2(float *out, int64_t ldo, const int8_t *xq,
-                                                            const float *xs, const float *xg, int M,
+                                                            const float *xs, const float *xg, const float *xb, int M,
                                                             const W4A8Layer *L, int64_t n, int R, float *sf) {
     const int64_t nblocks = L->Kp / 32, bpg = L->G / 32, ng = L->ng, rowb = L->Kp / 2;
     const float *mins[4], *sfr[4];
@@ -93,35 +94,38 @@ static inline __attribute__((always_inline)) void rows_avx2(float *out, int64_t 
     for (int i = 0; i < R * M; i++) acc[i] = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 2 <= nblocks; b += 2) { /* (b even: both blocks of a pair in one group whenever groups span two+) */
-        const int8_t *xb = xq + (b / 4) * 128 + (b % 4) * 16; /* low halves; high halves 64 bytes on */
+        const int8_t *xk = xq + (b / 4) * 128 + (b % 4) * 16; /* low halves; high halves 64 bytes on */
         __m256i xl[MB], xh[MB];
         for (int m = 0; m < M; m++) {
-            xl[m] = _mm256_loadu_si256((const __m256i *)(xb + m * L->Kx));
-            xh[m] = _mm256_loadu_si256((const __m256i *)(xb + m * L->Kx + 64));
+            xl[m] = _mm256_loadu_si256((const __m256i *)(xk + m * L->Kx));
+            xh[m] = _mm256_loadu_si256((const __m256i *)(xk + m * L->Kx + 64));
         }
         for (int r = 0; r < R; r++) {
             __m256i lo, hi;
             nibbles(_mm256_loadu_si256((const __m256i *)(w + r * rowb + b * 16)), &lo, &hi);
             const __m256 s = bpg > 1 ? _mm256_broadcast_ss(sfr[r] + b / bpg) : pair_scale(sfr[r] + b);
-            for (int m = 0; m < M; m++)
-                acc[r * M + m] = _mm256_fmadd_ps(pair_dot(lo, hi, xl[m], xh[m]), s, acc[r * M + m]);
+            for (int m = 0; m < M; m++) {
+                const __m256 sm = xb ? _mm256_mul_ps(s, pair_scale(xb + m * L->ngp + b)) : s; /* (bpg 1) */
+                acc[r * M + m] = _mm256_fmadd_ps(pair_dot(lo, hi, xl[m], xh[m]), sm, acc[r * M + m]);
+            }
         }
     }
     if (b < nblocks) { /* an odd last block: 16 bytes (a 32-byte load could leave the allocation) */
         const __m128i nb = _mm_set1_epi8(0x0F);
-        const int8_t *xb = xq + (b / 4) * 128 + (b % 4) * 16;
+        const int8_t *xk = xq + (b / 4) * 128 + (b % 4) * 16;
         for (int r = 0; r < R; r++) {
             const __m128i wv = _mm_loadu_si128((const __m128i *)(w + r * rowb + b * 16));
             const __m128i lo = _mm_and_si128(wv, nb), hi = _mm_and_si128(_mm_srli_epi16(wv, 4), nb);
             for (int m = 0; m < M; m++) {
-                const int8_t *xr = xb + m * L->Kx;
+                const int8_t *xr = xk + m * L->Kx;
                 const __m128i d = _mm_madd_epi16(
                     _mm_add_epi16(_mm_maddubs_epi16(lo, _mm_loadu_si128((const __m128i *)xr)),
                                   _mm_maddubs_epi16(hi, _mm_loadu_si128((const __m128i *)(xr + 64)))),
                     _mm_set1_epi16(1));
                 int32_t v[4];
                 _mm_storeu_si128((__m128i *)v, d);
-                tail[r * M + m] = (float)((v[0] + v[1]) + (v[2] + v[3])) * sfr[r][b / bpg];
+                tail[r * M + m] = (float)((v[0] + v[1]) + (v[2] + v[3])) * sfr[r][b / bpg] *
+                                  (xb ? xb[m * L->ngp + b] : 1.f);
             }
         }
     }
@@ -138,8 +142,9 @@ static inline __attribute__((always_inline)) void rows_avx2(float *out, int64_t 
  * stored every accumulator back to the stack). `ahead` bytes on, the next pass's rows are prefetched (1-4 KiB
  * rows are short for the hardware prefetcher to learn; the prefetch was not measured apart). */
 static inline __attribute__((always_inline)) void rows4_m1_avx2(float *out, const int8_t *xq, float xs,
-                                                                const float *xg, const W4A8Layer *L, int64_t n,
-                                                                float *sf, int64_t ahead) {
+                                                                const float *xg, const float *xb,
+                                                                const W4A8Layer *L, int64_t n, float *sf,
+                                                                int64_t ahead) {
     const int64_t npairs = L->Kp / 64, ng = L->ng, rowb = L->Kp / 2, bpg = L->G / 32;
     const int shift = __builtin_ctzll((unsigned long long)bpg); /* (G a power of two: 32 .. 256) */
     const float *mins[4], *sc[4];
@@ -155,11 +160,12 @@ static inline __attribute__((always_inline)) void rows4_m1_avx2(float *out, cons
         nibbles(_mm256_loadu_si256((const __m256i *)(w + (r) * rowb + (q) * 32)), &lo, &hi);                        \
         acc = _mm256_fmadd_ps(pair_dot(lo, hi, xl, xh), (s), acc);                                                  \
     } while (0)
-#define PAIR_SCALE(r, q) pair_scale(sc[r] + 2 * (q)) /* [scale of block 2q x4, of block 2q+1 x4] */
+#define PAIR_SCALE(r, q) (xb ? _mm256_mul_ps(pair_scale(sc[r] + 2 * (q)), xsc) : pair_scale(sc[r] + 2 * (q)))
 #define PAIR4(q, xlo, xhi)                                                                                           \
     do {                                                                                                             \
         const __m256i xl = (xlo), xh = (xhi);                                                                        \
-        if (shift == 0) {                                                                                            \
+        if (shift == 0) { /* (x's block scales, where it has them: groups of 32) */                                  \
+            const __m256 xsc = xb ? pair_scale(xb + 2 * (q)) : _mm256_setzero_ps();                                  \
             W4A8_ROW(0, a0, q, xl, xh, PAIR_SCALE(0, q));                                                            \
             W4A8_ROW(1, a1, q, xl, xh, PAIR_SCALE(1, q));                                                            \
             W4A8_ROW(2, a2, q, xl, xh, PAIR_SCALE(2, q));                                                            \
@@ -175,12 +181,12 @@ static inline __attribute__((always_inline)) void rows4_m1_avx2(float *out, cons
 #define LOAD_X(p) _mm256_loadu_si256((const __m256i *)(p))
     int64_t p = 0;
     for (; p + 2 <= npairs; p += 2) { /* two pairs (one 128-weight chunk of x) per iteration: 1.17x one pair */
-        const int8_t *xb = xq + (p >> 1) * 128; /* the chunk's low halves; high halves 64 on */
+        const int8_t *xk = xq + (p >> 1) * 128; /* the chunk's low halves; high halves 64 on */
         if (ahead) { /* the next four rows, 4 * rowb bytes on, over this pass's pairs: two lines per pair */
             for (int c = 0; c < 4; c++) __builtin_prefetch(w + ahead + p * 128 + 64 * c);
         }
-        PAIR4(p, LOAD_X(xb), LOAD_X(xb + 64));
-        PAIR4(p + 1, LOAD_X(xb + 32), LOAD_X(xb + 96));
+        PAIR4(p, LOAD_X(xk), LOAD_X(xk + 64));
+        PAIR4(p + 1, LOAD_X(xk + 32), LOAD_X(xk + 96));
     }
     if (p < npairs) PAIR4(p, LOAD_X(xq + (p >> 1) * 128), LOAD_X(xq + (p >> 1) * 128 + 64)); /* an odd last pair */
 #undef PAIR4
@@ -200,16 +206,16 @@ static inline __attribute__((always_inline)) void rows4_m1_avx2(float *out, cons
  * mins times mscale, zero-padded to ngp, which meet xg in the same accumulators; one transposed reduction for
  * all M (the per-token reductions and min terms were a fifth of a 576-wide row's instructions). */
 static inline __attribute__((always_inline)) void row_mt_avx2(float *out, int64_t ldo, const int8_t *xq,
-                                                              const float *xs, const float *xg, const int M,
-                                                              const W4A8Layer *L, int64_t n, const float *sf,
-                                                              const float *mv) {
+                                                              const float *xs, const float *xg, const float *xb,
+                                                              const int M, const W4A8Layer *L, int64_t n,
+                                                              const float *sf, const float *mv) {
     const int64_t nchunks = L->Kp / 128, rowb = L->Kp / 2, bpg = L->G / 32, Kx = L->Kx;
     const int shift = __builtin_ctzll((unsigned long long)bpg);
     const uint8_t *w = L->w + n * rowb;
     __m256 acc[8];
     for (int m = 0; m < 8; m++) acc[m] = _mm256_setzero_ps();
-#define W4A8_PAIR(wp, xo, s)                                                                                         \
-    do {                                                                                                             \
+#define W4A8_PAIR(wp, xo, s, b)                                                                                      \
+    do { /* b: the pair's first block (x's block scales, where it has them: groups of 32) */                         \
         __m256i lo, hi;                                                                                              \
         nibbles(_mm256_loadu_si256((const __m256i *)(wp)), &lo, &hi);                                                \
         const __m256 sv = (s);                                                                                       \
@@ -217,25 +223,25 @@ static inline __attribute__((always_inline)) void row_mt_avx2(float *out, int64_
             const int8_t *xm = xq + m * Kx + (xo);                                                                   \
             acc[m] = _mm256_fmadd_ps(pair_dot(lo, hi, _mm256_loadu_si256((const __m256i *)xm),                      \
                                               _mm256_loadu_si256((const __m256i *)(xm + 64))),                       \
-                                     sv, acc[m]);                                                                    \
+                                     xb ? _mm256_mul_ps(sv, pair_scale(xb + m * L->ngp + (b))) : sv, acc[m]);        \
         }                                                                                                            \
     } while (0)
 #define PAIR_SCALE(q) pair_scale(sf + 2 * (q)) /* [scale of block 2q x4, of block 2q+1 x4] */
     int64_t c = 0;
     if (shift == 0) { /* groups of 32: each block its own scale */
         for (; c < nchunks; c++) {
-            W4A8_PAIR(w + c * 64, c * 128, PAIR_SCALE(2 * c));
-            W4A8_PAIR(w + c * 64 + 32, c * 128 + 32, PAIR_SCALE(2 * c + 1));
+            W4A8_PAIR(w + c * 64, c * 128, PAIR_SCALE(2 * c), 4 * c);
+            W4A8_PAIR(w + c * 64 + 32, c * 128 + 32, PAIR_SCALE(2 * c + 1), 4 * c + 2);
         }
     } else {
         for (; c < nchunks; c++) {
-            W4A8_PAIR(w + c * 64, c * 128, _mm256_broadcast_ss(sf + ((4 * c) >> shift)));
-            W4A8_PAIR(w + c * 64 + 32, c * 128 + 32, _mm256_broadcast_ss(sf + ((4 * c + 2) >> shift)));
+            W4A8_PAIR(w + c * 64, c * 128, _mm256_broadcast_ss(sf + ((4 * c) >> shift)), 4 * c);
+            W4A8_PAIR(w + c * 64 + 32, c * 128 + 32, _mm256_broadcast_ss(sf + ((4 * c + 2) >> shift)), 4 * c + 2);
         }
     }
     if (2 * nchunks < L->Kp / 64) { /* an odd last pair: the low halves of the chunk's first two blocks */
         const __m256 last = shift == 0 ? PAIR_SCALE(2 * c) : _mm256_broadcast_ss(sf + ((4 * c) >> shift));
-        W4A8_PAIR(w + c * 64, c * 128, last);
+        W4A8_PAIR(w + c * 64, c * 128, last, 4 * c);
     }
 #undef W4A8_PAIR
 #undef PAIR_SCALE
@@ -251,7 +257,7 @@ static inline __attribute__((always_inline)) void row_mt_avx2(float *out, int64_
 /* Weight row n against all M tokens, 8 per pass: the row's scales and mins converted once (sf holds
  * 2 * (ng + 8) + ngp floats). */
 static inline void row_all_tokens_avx2(float *out, int64_t ldo, const int8_t *xq, const float *xs, const float *xg,
-                                       int M, const W4A8Layer *L, int64_t n, float *sf) {
+                                       const float *xb, int M, const W4A8Layer *L, int64_t n, float *sf) {
     const int64_t ng = L->ng;
     const float *mins = row_floats(L, n, sf), mscale = L->sym ? -8.f : 1.f;
     float *mv = sf + 2 * (ng + 8);
@@ -259,8 +265,8 @@ static inline void row_all_tokens_avx2(float *out, int64_t ldo, const int8_t *xq
     for (int j = 0; j < M; j += 8) {
         const int8_t *xqj = xq + j * L->Kx;
         float *o = out + j * ldo;
-        const float *xgj = xg + j * L->ngp, *xsj = xs + j;
-#define ROW_MT(c) row_mt_avx2(o, ldo, xqj, xsj, xgj, c, L, n, sf, mv)
+        const float *xgj = xg + j * L->ngp, *xsj = xs + j, *xbj = xb ? xb + j * L->ngp : NULL;
+#define ROW_MT(c) row_mt_avx2(o, ldo, xqj, xsj, xgj, xbj, c, L, n, sf, mv)
         SWITCH_M8(M - j < 8 ? M - j : 8, ROW_MT);
 #undef ROW_MT
     }

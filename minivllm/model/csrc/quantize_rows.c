@@ -10,8 +10,10 @@
 #endif
 
 /* One row of x as int8 codes, symmetric absmax / 127, round half to even; returns the scale. Division, not
- * a reciprocal (-ffast-math would allow one): the codes must be torch.round(x / s)'s. */
-__attribute__((optimize("no-reciprocal-math"))) float quantize_row_s8(const float *xr, int64_t K, int8_t *xq) {
+ * a reciprocal: the codes must be torch.round(x / s)'s (GCC 12 kept -ffast-math's x * (1 / s) under
+ * optimize("no-reciprocal-math"): ties like 19.5 rounded to 19; no-unsafe-math-optimizations divides). */
+__attribute__((optimize("no-unsafe-math-optimizations")))
+float quantize_row_s8(const float *xr, int64_t K, int8_t *xq) {
     float amax = 0.f;
 #pragma omp simd reduction(max : amax)
     for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(xr[k]));
