@@ -30,8 +30,9 @@ class QuantConfig:
     min_dtype: str = ""
     # int8 / w8a8 weights in blocks of 32 with a float16 scale each (GGUF's Q8_0, its own bytes), not per channel.
     int8_blocks: bool = False
-    # int4 layers' activations, where quantized (w4a8; int4's native_a8 in long steps), per 32-weight block with a
-    # scale each (llama.cpp's Q8_0 activations, what its Q4 dot products multiply: GGUF files), not per row.
+    # Activations, where quantized (w4a8 / w8a8; int4's / int8's native_a8 in long steps), per 32-weight block with
+    # a scale each (llama.cpp's Q8_0 activations, what its Q4_0 / Q8_0 dot products multiply: GGUF files), not per
+    # row: for int4 groups of 32 and int8 blocks.
     act_blocks: bool = False
 
     def __post_init__(self) -> None:
@@ -45,8 +46,8 @@ class QuantConfig:
         if self.int8_blocks and (self.method not in ("int8", "w8a8") or self.group_size != 32):
             raise ValueError(f"quantization: int8 blocks are for int8 / w8a8 in groups of 32, not {self.method} "
                              f"with group size {self.group_size}")
-        if self.act_blocks and (self.method not in GROUPED_METHODS or self.group_size != 32):
-            raise ValueError(f"quantization: activation blocks are for int4 / w4a8 in groups of 32, not "
+        if self.act_blocks and (self.method not in GROUPED_METHODS and not self.int8_blocks or self.group_size != 32):
+            raise ValueError(f"quantization: activation blocks are for int4 groups of 32 and int8 blocks, not "
                              f"{self.method} with group size {self.group_size}")
         if self.group_size not in GROUP_SIZES:
             raise ValueError(f"quantization_group_size: {self.group_size} does not divide into the int4 kernel's "
@@ -93,7 +94,7 @@ class QuantConfig:
             chosen = method or kernels[0]
             return QuantConfig(chosen, target[1] or 32, False, half, mins,
                                int8_blocks=scheme.method == "gguf" and scheme.bits == 8,
-                               act_blocks=scheme.method == "gguf" and chosen in GROUPED_METHODS)
+                               act_blocks=scheme.method == "gguf")
         cfg = QuantConfig.from_hf_dict(saved, f"{mc.path}/config.json")
         if method is not None and method != cfg.method:
             raise ValueError(f"quantization: {mc.path} is a checkpoint quantized as {cfg.method}; it cannot be "

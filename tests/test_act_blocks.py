@@ -1,5 +1,5 @@
-"""W4A8 with activation blocks: x quantized per 32-weight block, each block its own scale (llama.cpp's Q8_0
-activations, what its Q4_0 / Q4_1 dot products multiply), as GGUF int4 files run with int8 activations."""
+"""Activation blocks: x quantized per 32-weight block, each block its own scale (llama.cpp's Q8_0 activations, what
+its Q4_0 / Q4_1 / Q8_0 dot products multiply), as GGUF files' int4 groups and int8 blocks run with int8 x."""
 
 import ctypes
 
@@ -62,6 +62,24 @@ def test_w4a8_with_activation_blocks_equals_its_reference(k, m, scale_dtype, min
             assert (rows - exact).abs().max() > 3 * (expected - exact).abs().max()
 
 
+@pytest.mark.parametrize("k", [100, 800, 1568])  # a partial block; a superblock and a partial one
+@pytest.mark.parametrize("m", [1, 3, 5, 20])
+def test_int8_blocks_with_activation_blocks_equal_their_reference(k, m):
+    """GGUF's Q8_0 blocks against x in blocks of 32 (llama.cpp's Q8_0 x Q8_0 dot product): W8A8's native kernel and
+    reference, and an int8-block layer's activation-quantized path, within float32 rounding of float64."""
+    for method in ("w8a8", "int8"):
+        torch.manual_seed(k + m)
+        q = QuantizedLinear(k, 67, True, QuantConfig(method, 32, int8_blocks=True, act_blocks=True))
+        q.quantize_from(torch.randn(67, k) * 0.05, torch.randn(67))
+        assert "blocks of 32, x in blocks of 32" in q.extra_repr()
+        x = torch.randn(m, k)
+        x[:, 1] *= 60
+        expected = _blocks_reference(x) @ q.dequantize().double().t() + q.bias.double()
+        for name in (["native", "reference"] if method == "w8a8" else ["native_a8"]):
+            got = q.candidates()[name](x).double()
+            assert (got - expected).abs().max().item() <= 2e-6 * expected.abs().max().item(), (method, name)
+
+
 def test_quantize_blocks_int8_scales_each_block_on_its_own():
     x = torch.tensor([[0.5, -1.0] + [0.0] * 30 + [100.0, 3.0] + [0.0] * 4])  # a block, then a partial one
     y = quantize_blocks_int8(x)
@@ -104,11 +122,11 @@ def test_chosen_experts_in_one_region_with_activation_blocks_equal_them_one_by_o
         torch.set_num_threads(before)
 
 
-def test_activation_blocks_only_for_int4_groups_of_32():
-    with pytest.raises(ValueError, match="activation blocks are for int4 / w4a8 in groups of 32"):
+def test_activation_blocks_only_for_int4_groups_of_32_and_int8_blocks():
+    with pytest.raises(ValueError, match="activation blocks are for int4 groups of 32 and int8 blocks"):
         QuantConfig("w4a8", 64, act_blocks=True)
-    with pytest.raises(ValueError, match="activation blocks are for int4 / w4a8 in groups of 32"):
-        QuantConfig("w8a8", 32, act_blocks=True)
+    with pytest.raises(ValueError, match="activation blocks are for int4 groups of 32 and int8 blocks"):
+        QuantConfig("w8a8", 32, act_blocks=True)  # (per-channel int8)
 
 
 # (amax, x, n): x / (amax / 127) is exactly n + 0.5 in float32, which x * (127 / amax) misses by an ulp
@@ -133,7 +151,7 @@ def test_activation_codes_round_ties_to_even_as_torch_does(amax, x, n):
     w = torch.zeros(2, k)
     w[0, 1] = w[1, 34] = 1.0  # each output is one activation's code times its scale
     for cfg in (QuantConfig("w4a8", 32), QuantConfig("w4a8", 32, act_blocks=True),
-                QuantConfig("w8a8", 32, int8_blocks=True)):
+                QuantConfig("w8a8", 32, int8_blocks=True), QuantConfig("w8a8", 32, int8_blocks=True, act_blocks=True)):
         q = QuantizedLinear(k, 2, False, cfg)
         q.quantize_from(w, None)
         native, reference = q.forward_native(row), q.forward_reference(row)

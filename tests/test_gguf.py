@@ -213,8 +213,8 @@ def test_q8_0_blocks_run_as_they_are_weight_only_or_w8a8(gguf_file, caplog):
     assert runner.head_conversion.kl < 1e-6 and runner.head_conversion.top1 == 1.0
     assert "converted to int8 in blocks of 32: KL" in caplog.text
     llm = LLM(path, quantization="w8a8")
-    assert {(m.method, m.blocked) for m in llm.llm_engine.runner.model.modules() if isinstance(m, QuantizedLinear)} \
-        == {("w8a8", True)}
+    assert {(m.method, m.blocked, m.act_blocks) for m in llm.llm_engine.runner.model.modules()
+            if isinstance(m, QuantizedLinear)} == {("w8a8", True, True)}  # (x in blocks too, as llama.cpp's)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     assert len(llm.generate(PROMPTS[:2], params)[0].outputs[0].token_ids) == 8
     with pytest.raises(ValueError, match="gguf checkpoint whose layers run as int8 or w8a8; it cannot be loaded as "

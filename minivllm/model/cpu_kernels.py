@@ -234,7 +234,7 @@ GEMV_FORMATS = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3, "w8a8": 4, "w4a8": 5,
 _F16_SCALES = 16  # csrc/gemv.c's FMT_F16_SCALES: int4 / w4a8 group scales (and mins) in float16, not bfloat16
 _F32_MINS = 32  # FMT_F32_MINS: int4 / w4a8 group mins in float32
 _SYM_MINS = 64  # FMT_SYM_MINS: no mins stored, each -8 * scale (GGUF's Q4_0)
-_ACT_BLOCKS = 128  # FMT_ACT_BLOCKS: w4a8's x quantized per 32-weight block, each its own scale (llama.cpp's Q8_0 x)
+_ACT_BLOCKS = 128  # FMT_ACT_BLOCKS: w4a8's / q8a8's x per 32-weight block, each its own scale (llama.cpp's Q8_0 x)
 
 
 class GemvWeights:
@@ -257,7 +257,7 @@ class GemvWeights:
             self.fmt |= (_F16_SCALES if scale.dtype == torch.float16 else 0) | \
                 (_SYM_MINS if mins is None else _F32_MINS if mins.dtype == torch.float32 else 0)
         if act_blocks:  # x's blocks of 32 meet the weights' groups: one scale each (csrc/gemv_w4a8.c)
-            assert fmt == "w4a8" and group == 32
+            assert fmt in ("w4a8", "q8a8") and group == 32
             self.fmt |= _ACT_BLOCKS
         self.tensors = (weight, scale, mins, bias)  # the pointers below stay valid while these live
         self.ptrs = tuple(_ptr(t) for t in self.tensors)

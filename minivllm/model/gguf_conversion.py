@@ -68,7 +68,7 @@ def convert_gguf_head(runner: ModelRunner) -> HeadConversion | None:
     probe = _probe(runner)
     with torch.inference_mode():
         ref = runner.execute(probe)
-        cfg = QuantConfig(method, int8_blocks=blocked)
+        cfg = QuantConfig(method, int8_blocks=blocked, act_blocks=blocked)  # (blocks: x as its projections')
         q = QuantizedLinear(head.in_features, head.out_features, head.bias is not None, cfg)
         q.quantize_from(head.weight.detach().float(), None if head.bias is None else head.bias.detach().float())
         # Measured in the method's own math (the probe is a many-token step, where the auto plan may also quantize a

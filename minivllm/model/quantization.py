@@ -193,7 +193,7 @@ class QuantizedLinear(PlannedLinear):
             xq, xs = quantize_rows_int8(x)
             y = (xq.float() @ self.qweight.float().t()) * (xs[:, None] * self.scales[None, :])
             return y if bias is None else y + bias
-        if self.method == "w4a8" and self.act_blocks:
+        if self.method in ("w4a8", "w8a8") and self.act_blocks:
             y = quantize_blocks_int8(x) @ self.dequantize().t()
             return y if bias is None else y + bias
         if self.method in ("w4a8", "w8a8"):
@@ -210,7 +210,7 @@ class QuantizedLinear(PlannedLinear):
             self._gemv = cpu_kernels.GemvWeights(fmt, self.qweight, self.in_features, self.scales,
                                                  self.mins if self.grouped and not self.symmetric else None,
                                                  self.group_size if self.grouped or self.blocked else 0, bias,
-                                                 self.act_blocks and self.method == "w4a8")
+                                                 self.act_blocks and self.method in ("w4a8", "w8a8"))
         return self._gemv
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
@@ -228,7 +228,7 @@ class QuantizedLinear(PlannedLinear):
                                                         bias)
             elif self.blocked:
                 self._gemv_a8 = cpu_kernels.GemvWeights("q8a8", self.qweight, self.in_features, self.scales, None,
-                                                        32, bias)
+                                                        32, bias, self.act_blocks)
             else:
                 self._gemv_a8 = cpu_kernels.GemvWeights("w4a8", self.qweight, self.in_features, self.scales,
                                                         None if self.symmetric else self.mins, self.group_size, bias,
@@ -279,7 +279,7 @@ class QuantizedLinear(PlannedLinear):
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def extra_repr(self) -> str:
-        blocks = ", blocks of 32" if self.blocked else ", x in blocks of 32" if self.act_blocks else ""
+        blocks = (", blocks of 32" if self.blocked else "") + (", x in blocks of 32" if self.act_blocks else "")
         return f"in={self.in_features}, out={self.out_features}, method={self.method}, group={self.group_size}{blocks}"
 
 

@@ -20,7 +20,7 @@
  *   w4a8   the int4 weights against x quantized as for w8a8 (csrc/gemv_w4a8.c); | FMT_ACT_BLOCKS (groups of 32):
  *          x quantized per 32-weight block instead, each its own scale (llama.cpp's Q8_0 activations).
  *   q8     w [N, Kp] int8 in blocks of 32, a float16 scale each (GGUF's Q8_0); q8a8 the same against int8 x
- *          (csrc/gemv_q8.c).
+ *          (csrc/gemv_q8.c), | FMT_ACT_BLOCKS: x's blocks of 32 each their own scale.
  *
  * Each thread walks its share of N one weight row at a time, with two accumulators per row of x so the FMA
  * chains overlap; at one token the float formats take four or eight weight rows per pass instead (each load of
@@ -336,7 +336,8 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
         const float *xm = x + m0 * ldx;
         float *o = out + m0 * ldo;
         if (fmt == FMT_Q8 || fmt == FMT_Q8A8) {
-            gemv_q8(o, ldo, xm, ldx, mm, K, N, w, scale, bias, fmt == FMT_Q8A8, scratch, num_threads);
+            const int a8 = fmt == FMT_Q8A8 ? 1 + ((halves >> 3) & 1) : 0; /* 2: x in blocks of 32 */
+            gemv_q8(o, ldo, xm, ldx, mm, K, N, w, scale, bias, a8, scratch, num_threads);
         } else if (fmt == FMT_W4A8) {
             gemv_w4a8(o, ldo, xm, ldx, mm, K, N, w, scale, mins, G, halves, bias, scratch, num_threads);
         } else if (fmt == FMT_INT4) {

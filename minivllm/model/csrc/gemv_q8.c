@@ -10,6 +10,8 @@
  *       sign-bit flip) and the block's -128 * sum(xq) is added back through the scale: no stored min, the
  *       per-block sums of xq computed once per token. One vpdpbusd per 64 weights per row of x; the int32 sums
  *       of a chunk's two blocks are scaled in one FMA. Without VNNI a portable loop computes the same sums.
+ *       With activation blocks (a8 == 2): x quantized per block of 32 instead, each its own scale xb[b] (llama.cpp's
+ *       Q8_0 x Q8_0 dot product): block b's sum is scaled by scale[n, b] * xb[b], xg[b] holds xb[b] * sum xq, xs 1.
  */
 #include <math.h>
 #include <omp.h>
@@ -77,21 +79,33 @@ static inline __attribute__((always_inline)) void q8_row(float *out, int64_t ldo
 }
 
 #ifdef Q8_VNNI
-/* One 64-weight chunk (two blocks) against M rows: one vpdpbusd per row, the blocks' scales `s` in one FMA. */
-static inline __attribute__((always_inline)) void chunk_q8(__m512 *acc, __m512i wv, __m512 s, const int8_t *xq,
-                                                           int64_t Kx, int M) {
+/* One 64-weight chunk (two blocks) against M rows: one vpdpbusd per row, the blocks' scales in one FMA (`id` picks
+ * them from the window win[0], or from win[m] for row m where x has block scales). */
+static inline __attribute__((always_inline)) void chunk_q8(__m512 *acc, __m512i wv, const __m512 *win, __m512i id,
+                                                           int per_row, const int8_t *xq, int64_t Kx, int M) {
     const __m512i wu = _mm512_xor_si512(wv, _mm512_set1_epi8((char)0x80));
+    const __m512 s0 = _mm512_permutexvar_ps(id, win[0]);
     for (int m = 0; m < M; m++) {
-        const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, _mm512_loadu_si512((const void *)(xq + m * Kx)));
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[m]);
+        const __m512i xv = _mm512_loadu_si512((const void *)(xq + m * Kx));
+        const __m512 s = per_row && m ? _mm512_permutexvar_ps(id, win[m]) : s0;
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, xv)), s, acc[m]);
     }
+}
+
+/* The superblock's 16 weight scales for each row of x: the same, or times row m's 16 block scales (xb, rows nbp
+ * apart, zero-padded). */
+static inline __attribute__((always_inline)) void q8_windows(__m512 *win, __m512 w, const float *xb, int64_t nbp,
+                                                             int64_t b0, int M) {
+    win[0] = w;
+    if (xb)
+        for (int m = 0; m < M; m++) win[m] = _mm512_mul_ps(w, _mm512_loadu_ps(xb + m * nbp + b0));
 }
 
 /* A superblock is 16 blocks (8 chunks): its scales are one window of 16, loaded once; chunk u's lanes take
  * theirs with a constant index (block 2u + lane / 8), and the min term (-128 scale, times the blocks' sums of
  * xq) joins the same accumulators once per superblock. A row's last, partial superblock loads masked. */
 static inline __attribute__((always_inline)) void q8a8_row(float *out, int64_t ldo, const int8_t *xq,
-                                                           const float *xs, const float *xg, int M,
+                                                           const float *xs, const float *xg, const float *xb, int M,
                                                            const Q8Layer *L, int64_t n) {
     const int8_t *w = L->w + n * L->Kp;
     const uint16_t *sc = L->scale + n * L->nb;
@@ -99,27 +113,30 @@ static inline __attribute__((always_inline)) void q8a8_row(float *out, int64_t l
     const __m512i half = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     __m512i idx[8];
     for (int u = 0; u < 8; u++) idx[u] = _mm512_add_epi32(half, _mm512_set1_epi32(2 * u));
-    __m512 acc[MB];
+    __m512 acc[MB], wins[MB];
     for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
     const int64_t full = L->nb / 16;
+    const int per_row = xb != NULL;
     for (int64_t sb = 0; sb < full; sb++) {
         const __m512 win = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 16 * sb)));
+        q8_windows(wins, win, xb, L->nbp, 16 * sb, M);
         const int8_t *wc = w + sb * 512, *xc = xq + sb * 512;
 #pragma GCC unroll 8
         for (int u = 0; u < 8; u++)
-            chunk_q8(acc, _mm512_loadu_si512((const void *)(wc + 64 * u)), _mm512_permutexvar_ps(idx[u], win),
-                     xc + 64 * u, L->Kx, M);
+            chunk_q8(acc, _mm512_loadu_si512((const void *)(wc + 64 * u)), wins, idx[u], per_row, xc + 64 * u, L->Kx,
+                     M);
         const __m512 mv = _mm512_mul_ps(win, neg128);
         for (int m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(xg + m * L->nbp + 16 * sb), acc[m]);
     }
     const int64_t cnt = L->nb - 16 * full;
     if (cnt) {
         const __m512 win = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << cnt) - 1), sc + 16 * full));
+        q8_windows(wins, win, xb, L->nbp, 16 * full, M);
         for (int u = 0; 2 * u < cnt; u++) {
             const int8_t *wc = w + (16 * full + 2 * u) * 32;
             const __mmask64 mk = 2 * u + 1 < cnt ? ~(__mmask64)0 : (__mmask64)0xFFFFFFFFu;
-            chunk_q8(acc, _mm512_maskz_loadu_epi8(mk, wc), _mm512_permutexvar_ps(idx[u], win),
-                     xq + (16 * full + 2 * u) * 32, L->Kx, M);
+            chunk_q8(acc, _mm512_maskz_loadu_epi8(mk, wc), wins, idx[u], per_row, xq + (16 * full + 2 * u) * 32,
+                     L->Kx, M);
         }
         const __m512 mv = _mm512_mul_ps(win, neg128);
         for (int m = 0; m < M; m++)
@@ -132,7 +149,8 @@ static inline __attribute__((always_inline)) void q8a8_row(float *out, int64_t l
  * onto x (vpsignb; x is within +-127, so negating it cannot overflow), pairs summed in int16 (at most 2 * 128 *
  * 127, no saturation), widened by vpmaddwd against ones; one FMA scales the block. */
 static inline __attribute__((always_inline)) void q8a8_row(float *out, int64_t ldo, const int8_t *xq, const float *xs,
-                                                           const float *xg, int M, const Q8Layer *L, int64_t n) {
+                                                           const float *xg, const float *xb, int M, const Q8Layer *L,
+                                                           int64_t n) {
     (void)xg;
     const int8_t *w = L->w + n * L->Kp;
     const uint16_t *sc = L->scale + n * L->nb;
@@ -145,7 +163,8 @@ static inline __attribute__((always_inline)) void q8a8_row(float *out, int64_t l
         for (int m = 0; m < M; m++) {
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * L->Kx + 32 * b));
             const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, wv)), ones);
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, acc[m]);
+            const __m256 s = xb ? _mm256_mul_ps(d, _mm256_set1_ps(xb[m * L->nbp + b])) : d; /* (x's block scale) */
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[m]);
         }
     }
     for (int m = 0; m < M; m++) {
@@ -156,8 +175,8 @@ static inline __attribute__((always_inline)) void q8a8_row(float *out, int64_t l
     }
 }
 #else
-static inline void q8a8_row(float *out, int64_t ldo, const int8_t *xq, const float *xs, const float *xg, int M,
-                            const Q8Layer *L, int64_t n) {
+static inline void q8a8_row(float *out, int64_t ldo, const int8_t *xq, const float *xs, const float *xg,
+                            const float *xb, int M, const Q8Layer *L, int64_t n) {
     (void)xg;
     const int8_t *w = L->w + n * L->Kp;
     const uint16_t *sc = L->scale + n * L->nb;
@@ -167,27 +186,21 @@ static inline void q8a8_row(float *out, int64_t ldo, const int8_t *xq, const flo
         for (int64_t b = 0; b < L->nb; b++) {
             int32_t d = 0;
             for (int j = 0; j < 32; j++) d += (int32_t)w[32 * b + j] * xr[32 * b + j];
-            y += (float)d * f16_to_f32(sc[b]);
+            y += (float)d * f16_to_f32(sc[b]) * (xb ? xb[m * L->nbp + b] : 1.f);
         }
         out[m * ldo + n] = y * xs[m] + (L->bias ? L->bias[n] : 0.f);
     }
 }
 #endif
 
-/* One row of x as int8 codes (zero-padded to Kx bytes), its per-block sums in xg (zero-padded to nbp); returns
- * its scale. Division, not a reciprocal (see csrc/quantize_rows.c): the codes must be torch.round(x / s)'s. */
+/* x[k0, k1) as int8 codes at scale s (k0 a multiple of 32), each block's sum of codes added to xg. Division, not a
+ * reciprocal (see csrc/quantize_rows.c): the codes must be torch.round(x / s)'s. */
 __attribute__((optimize("no-unsafe-math-optimizations")))
-static float stage_row(const float *xr, int64_t K, int8_t *dst, int64_t Kx, float *xg, int64_t nbp) {
-    float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-    for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(xr[k]));
-    const float s = amax > 0.f ? amax / 127.f : 1.f;
-    memset(dst, 0, (size_t)Kx);
-    memset(xg, 0, (size_t)nbp * sizeof(float));
-    int64_t k = 0;
+static void stage_codes(const float *xr, int64_t k0, int64_t k1, float s, int8_t *dst, float *xg) {
+    int64_t k = k0;
 #if defined(__AVX512F__)
     const __m512 sv = _mm512_set1_ps(s);
-    for (; k + 32 <= K; k += 32) { /* round half to even, as torch.round */
+    for (; k + 32 <= k1; k += 32) { /* round half to even, as torch.round */
         const __m512i q0 = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(xr + k), sv));
         const __m512i q1 = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(xr + k + 16), sv));
         _mm_storeu_si128((__m128i *)(dst + k), _mm512_cvtsepi32_epi8(q0));
@@ -195,17 +208,39 @@ static float stage_row(const float *xr, int64_t K, int8_t *dst, int64_t Kx, floa
         xg[k / 32] = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
     }
 #endif
-    for (; k < K; k++) {
+    for (; k < k1; k++) {
         const int8_t q = (int8_t)__builtin_lrintf(xr[k] / s);
         dst[k] = q;
         xg[k / 32] += (float)q;
     }
-    return s;
+}
+
+/* One row of x as int8 codes (zero-padded to Kx bytes), its per-block sums in xg (zero-padded to nbp); returns
+ * its scale. With xb (activation blocks): each block its own scale in xb (zero-padded to nbp), xg[b] that block's
+ * sum times its scale, and the row's scale 1. */
+__attribute__((optimize("no-unsafe-math-optimizations")))
+static float stage_row(const float *xr, int64_t K, int8_t *dst, int64_t Kx, float *xg, int64_t nbp, float *xb) {
+    memset(dst, 0, (size_t)Kx);
+    memset(xg, 0, (size_t)nbp * sizeof(float));
+    if (xb) memset(xb, 0, (size_t)nbp * sizeof(float));
+    for (int64_t k0 = 0; k0 < K; k0 += xb ? 32 : K) {
+        const int64_t k1 = xb && k0 + 32 < K ? k0 + 32 : K;
+        float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+        for (int64_t k = k0; k < k1; k++) amax = fmaxf(amax, fabsf(xr[k]));
+        const float s = amax > 0.f ? amax / 127.f : 1.f;
+        stage_codes(xr, k0, k1, s, dst, xg);
+        if (!xb) return s;
+        xb[k0 / 32] = s;
+        xg[k0 / 32] *= s;
+    }
+    return 1.f;
 }
 
 /*
- * y = x W^T + bias for M rows of float32 x (rows ldx floats apart, K used); a8: q8a8, else q8.
- *   scratch: >= M * (Kp + Kp / 32 + 16) floats.
+ * y = x W^T + bias for M rows of float32 x (rows ldx floats apart, K used); a8: q8a8 (2: with activation blocks),
+ * else q8.
+ *   scratch: >= M * (Kp + 2 Kp / 32 + 64) floats.
  */
 void gemv_q8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, const void *w,
              const void *scale, const float *bias, int a8, float *scratch, int num_threads) {
@@ -225,8 +260,10 @@ void gemv_q8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_
     L.Kx = (Kp + 63) / 64 * 64; /* a partial last chunk's x lanes read zeros */
     float *xs = scratch, *xg = scratch + M;
     int8_t *xq = (int8_t *)(xg + (int64_t)M * nbp);
-    for (int m = 0; m < M; m++) xs[m] = stage_row(x + m * ldx, K, xq + m * L.Kx, L.Kx, xg + m * nbp, nbp);
-#define RA(c) q8a8_row(out + j * ldo, ldo, xq + j * L.Kx, xs + j, xg + j * nbp, c, &L, n)
+    float *xb = a8 == 2 ? (float *)(xq + (int64_t)M * L.Kx) : NULL; /* activation blocks' scales */
+    for (int m = 0; m < M; m++)
+        xs[m] = stage_row(x + m * ldx, K, xq + m * L.Kx, L.Kx, xg + m * nbp, nbp, xb ? xb + m * nbp : NULL);
+#define RA(c) q8a8_row(out + j * ldo, ldo, xq + j * L.Kx, xs + j, xg + j * nbp, xb ? xb + j * nbp : NULL, c, &L, n)
 #pragma omp parallel num_threads(num_threads)
     FOR_ROWS(N, M, RA);
 }
