@@ -52,11 +52,16 @@ class PrequantScheme:
         return None
 
     def kernels(self) -> tuple[str, ...]:
-        """Our methods that compute with these layers' weights as they are (the first: the checkpoint's own)."""
+        """Our methods that compute with these layers' weights as they are (the first: what loads by default). A GGUF
+        file's blocks run against int8 activations in blocks of 32 by default (QuantConfig.act_blocks), as llama.cpp
+        and vLLM's GGUF kernels compute them (1.7x weight-only at one sequence for a 1B Q4_0 file; KL 3e-5 nats
+        against the exact weight-only math, BENCHMARKS.md); weight-only on request (int4 / int8). Other checkpoints'
+        own kind first (GPTQ / AWQ weight-only, compressed-tensors as its scheme says)."""
         target = self.engine_method()
         if target is None:
             return ()
-        return ("int4", "w4a8") if target[0] == "int4" else (target[0], "w8a8" if target[0] == "int8" else "int8")
+        own = ("int4", "w4a8") if target[0] == "int4" else (target[0], "w8a8" if target[0] == "int8" else "int8")
+        return own[::-1] if self.method == "gguf" else own
 
 
 def _need(d: dict[str, Any], key: str, kinds: type | tuple[type, ...], where: str) -> Any:

@@ -109,9 +109,11 @@ def test_each_tensor_type_matches_transformers_reading_of_the_same_file(gguf_fil
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                               dtype=torch.float32).eval()
     ids = get_tokenizer(path).encode(PROMPTS[0] + PROMPTS[2])
-    # Q4_0 / Q4_1 projections run as they are on the int4 kernels ("native": the weight-only ones, which compute
-    # with the file's weights exactly; the auto plan may quantize a prefill's activations, as llama.cpp does).
-    runner = make_runner(ModelConfig.from_pretrained(path), 16, quantization_kernel="native")
+    # Q4_0 / Q4_1 projections run as they are on the int4 kernels, weight-only on request ("native": the kernels
+    # that compute with the file's weights exactly; the auto plan may quantize a prefill's activations).
+    exact = {"Q4_0": "int4", "Q4_1": "int4", "q8_0": "int8", "Q5_0": "int8", "Q5_1": "int8"}.get(outtype)
+    kw = {"quantization": exact} if exact else {}
+    runner = make_runner(ModelConfig.from_pretrained(path), 16, quantization_kernel="native", **kw)
     quantized = [m for m in runner.model.modules() if isinstance(m, QuantizedLinear)]
     layers = len(runner.model.h if preset == "tiny-gpt2" else runner.model.layers)  # type: ignore[attr-defined]
     if outtype in ("Q4_0", "Q4_1"):
@@ -140,16 +142,20 @@ def test_each_tensor_type_matches_transformers_reading_of_the_same_file(gguf_fil
         return
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    llm = LLM(path, quantization_kernel="native")
+    llm = LLM(path, quantization_kernel="native", **kw)
     out = llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids
     assert out == hf_greedy(hf, ids, 16)
+    if exact:  # by default against int8 activations in blocks of 32, as llama.cpp computes: close, same top token
+        by_default = make_runner(ModelConfig.from_pretrained(path), 16)
+        got = by_default.execute([SequenceInput(ids, 0, list(range(16)), True)])[0]
+        assert (got - ref).abs().max().item() < 0.02 * ref.abs().max().item() and got.argmax() == ref.argmax()
 
 
 @pytest.mark.parametrize("outtype", ["Q4_0", "Q4_1"])
 def test_q4_blocks_run_as_they_are_and_only_as_int4(model_factory, gguf_file, outtype, tmp_path):
     """A Q4 file's projections hold the file's own codes and float16 scales (Q4_0's min -8 d, Q4_1's m): no
-    re-quantization; they also run as W4A8 on request; a method the blocks are not is a clear error; and a HF
-    directory claiming GGUF blocks is refused."""
+    re-quantization; they run as W4A8 with x in blocks of 32 by default (llama.cpp's arithmetic), weight-only int4
+    on request; a method the blocks are not is a clear error; and a HF directory claiming GGUF blocks is refused."""
     from gguf import GGUFReader
 
     path = gguf_file("tiny-qwen2", outtype)
@@ -168,13 +174,16 @@ def test_q4_blocks_run_as_they_are_and_only_as_int4(model_factory, gguf_file, ou
         mins = raw[:, :, 2:4].copy().view(np.float16)[:, :, 0]
         assert torch.equal(layer.mins.float(), torch.from_numpy(mins.astype(np.float32)))
     assert torch.equal(layer.qweight, torch.from_numpy(raw[:, :, -16:].reshape(layer.out_features, -1).copy()))
-    w4a8 = LLM(path, quantization="w4a8").llm_engine.runner
+    assert layer.method == "w4a8"
+    assert {m.method for m in LLM(path, quantization="int4").llm_engine.runner.model.modules()
+            if isinstance(m, QuantizedLinear)} == {"int4", "int8"}  # (weight-only: the converted head too)
+    w4a8 = runner
     # (the file's tied head is its Q4_0 embedding, which stays a float embedding: the head runs converted, W8A8)
     assert {m.method for m in w4a8.model.modules() if isinstance(m, QuantizedLinear)} == {"w4a8", "w8a8"}
     assert w4a8.model.lm_head.method == "w8a8" and w4a8.head_conversion is not None
     # Their activations quantized as llama.cpp's Q4 dot products take them: per 32-weight block, a scale each.
     assert all(m.act_blocks for m in w4a8.model.modules() if isinstance(m, QuantizedLinear) and m.method == "w4a8")
-    with pytest.raises(ValueError, match="gguf checkpoint whose layers run as int4 or w4a8; it cannot be loaded as "
+    with pytest.raises(ValueError, match="gguf checkpoint whose layers run as w4a8 or int4; it cannot be loaded as "
                                          "int8"):
         LLM(path, quantization="int8")
     hf_dir = str(tmp_path / "hf")
@@ -190,7 +199,7 @@ def test_q4_blocks_run_as_they_are_and_only_as_int4(model_factory, gguf_file, ou
 
 def test_q8_0_blocks_run_as_they_are_weight_only_or_w8a8(gguf_file, caplog):
     """A Q8_0 file's projections hold the file's own int8 codes and float16 scales (no re-quantization) and run
-    weight-only (int8 blocks) or, on request, against int8 activations (w8a8, as llama.cpp's Q8_0 dot product);
+    against int8 activations in blocks of 32 by default (w8a8, as llama.cpp's Q8_0 dot product) or weight-only;
     the tied head (the Q8_0 embedding) takes the same blocks, its error logged (nil: the codes come back); a
     method the blocks are not is a clear error."""
     import logging
@@ -199,7 +208,7 @@ def test_q8_0_blocks_run_as_they_are_weight_only_or_w8a8(gguf_file, caplog):
 
     path = gguf_file("tiny-qwen2", "q8_0")
     with caplog.at_level(logging.INFO, logger="minivllm.model.gguf_conversion"):
-        runner = make_runner(ModelConfig.from_pretrained(path), 16)
+        runner = make_runner(ModelConfig.from_pretrained(path), 16, quantization="int8")
     layer = runner.model.layers[0].mlp.down_proj  # type: ignore[attr-defined]
     assert layer.method == "int8" and layer.blocked
     tensors = {t.name: t for t in GGUFReader(path).tensors}
@@ -212,12 +221,12 @@ def test_q8_0_blocks_run_as_they_are_weight_only_or_w8a8(gguf_file, caplog):
     assert runner.head_conversion is not None and head.blocked
     assert runner.head_conversion.kl < 1e-6 and runner.head_conversion.top1 == 1.0
     assert "converted to int8 in blocks of 32: KL" in caplog.text
-    llm = LLM(path, quantization="w8a8")
+    llm = LLM(path)
     assert {(m.method, m.blocked, m.act_blocks) for m in llm.llm_engine.runner.model.modules()
             if isinstance(m, QuantizedLinear)} == {("w8a8", True, True)}  # (x in blocks too, as llama.cpp's)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     assert len(llm.generate(PROMPTS[:2], params)[0].outputs[0].token_ids) == 8
-    with pytest.raises(ValueError, match="gguf checkpoint whose layers run as int8 or w8a8; it cannot be loaded as "
+    with pytest.raises(ValueError, match="gguf checkpoint whose layers run as w8a8 or int8; it cannot be loaded as "
                                          "int4"):
         LLM(path, quantization="int4")
 
@@ -357,7 +366,7 @@ def _set(data: bytes, off: int, size: int, value: int) -> bytes:
     return data[:off] + value.to_bytes(size, "little") + data[off + size:]
 
 
-@pytest.mark.parametrize("method,head_method", [(None, "int8"), ("w4a8", "w8a8")])
+@pytest.mark.parametrize("method,head_method", [("int4", "int8"), (None, "w8a8")])
 def test_a_head_no_kernel_runs_as_it_is_is_converted_with_its_error_logged(gguf_file, tmp_path, caplog, method,
                                                                             head_method):
     """Q4_0 projections beside a Q8_0 head (llama.cpp's quantizer writes the head a type up): the head runs as int8
@@ -380,7 +389,7 @@ def test_a_head_no_kernel_runs_as_it_is_is_converted_with_its_error_logged(gguf_
     assert not any(q.out_features == head.out_features for q in runner.linear_plan.layers)
     assert 0 <= conv.kl < 0.01 and conv.top1 >= 0.9
     assert f"converted to {head_method} per output channel: KL" in caplog.text
-    if method is None:  # weight-only int8 head: close to the file's weights run in float32
+    if method == "int4":  # weight-only int8 head: close to the file's weights run in float32
         ids = get_tokenizer(path).encode(PROMPTS[0] + PROMPTS[2])
         hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=os.path.basename(path),
                                                   dtype=torch.float32).eval()

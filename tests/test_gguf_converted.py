@@ -88,7 +88,8 @@ def test_k_quant_files_convert_to_int8_blocks_with_their_error_logged(f32_file, 
     path = str(tmp_path / f"{mix}.gguf")
     write_mixed(f32_file, path, MIXES[mix])
     with caplog.at_level(logging.INFO, logger="minivllm.model.gguf_conversion"):
-        runner = make_runner(ModelConfig.from_pretrained(path), 16, quantization_kernel="native")  # (weight-only)
+        runner = make_runner(ModelConfig.from_pretrained(path), 16, quantization="int8",  # weight-only
+                             quantization_kernel="native")
     quantized = [m for m in runner.model.modules() if isinstance(m, QuantizedLinear)]
     assert len(quantized) == 4 * len(runner.model.layers) + 1  # type: ignore[attr-defined]
     # Modules whose every part is Q4_K (Q4_K_M's o_proj and gate_up here) run as int4 groups of 32; the others

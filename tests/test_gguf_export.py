@@ -90,21 +90,23 @@ def test_the_file_holds_the_engines_codes_for_the_hf_weights(exported, preset, m
 # (transformers' GGUF reader mis-sizes Qwen 3's heads, whose size is not hidden / heads: tests/test_gguf_families.py)
 @pytest.mark.parametrize("preset,method,kind", [c for c in CASES if c[0] == "tiny-llama"])
 def test_the_file_serves_as_transformers_reads_it(exported, preset, method, kind):
-    """Our logits on the written file (its blocks run as they are, weight-only) equal HF transformers' on the same
-    file's weights dequantized by the gguf package, within float tolerance; greedy continuations identical."""
+    """Our logits on the written file (its blocks run as they are, weight-only on request) equal HF transformers' on
+    the same file's weights dequantized by the gguf package, within float tolerance; greedy continuations
+    identical."""
     from transformers import AutoModelForCausalLM
 
     _, path = exported(preset, method, kind)
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                               dtype=torch.float32).eval()
     ids = get_tokenizer(path).encode(PROMPTS[0] + PROMPTS[2])
-    runner = make_runner(ModelConfig.from_pretrained(path), 16, quantization_kernel="native")
+    exact = "int4" if kind.startswith("Q4") else "int8"
+    runner = make_runner(ModelConfig.from_pretrained(path), 16, quantization=exact, quantization_kernel="native")
     got = runner.execute([SequenceInput(ids, 0, list(range(16)), True)])[0]
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0, -1]
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    out = LLM(path, quantization_kernel="native").generate([{"prompt_token_ids": ids}], params)[0]
+    out = LLM(path, quantization=exact, quantization_kernel="native").generate([{"prompt_token_ids": ids}], params)[0]
     assert out.outputs[0].token_ids == hf_greedy(hf, ids, 16)
 
 
