@@ -101,7 +101,7 @@ def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_blocks_int8(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] as the W4A8 kernels see it with activation blocks: each 32-wide block of a row quantized to int8 with
+    """x [M, K] as the W4A8 / Q8_0-block kernels see it with activation blocks: each 32-wide block of a row in int8 with
     its own scale (absmax / 127, llama.cpp's Q8_0 activations), returned dequantized (float32)."""
     xf = x.float()
     m, k = xf.shape
