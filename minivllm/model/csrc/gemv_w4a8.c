@@ -302,11 +302,12 @@ static inline float absmax(const float *xr, int64_t k0, int64_t k1) {
     return amax;
 }
 
-/* One row of x quantized and staged (layout above), its per-group sums of xq in xg; returns its scale. With xb (the
+/* One row of x quantized and staged (layout above), its per-group sums of xq in xg; returns its scale (also
+ * csrc/gemm_w4a8.c's staging, which reads the same layout). With xb (the
  * activation blocks, G 32): each 32-weight block its own scale, xb[b], zero past the row's blocks to ngp; xg[b] is
  * then that block's sum times its scale, and the row's scale 1. */
 __attribute__((optimize("no-unsafe-math-optimizations")))
-static float stage_row(const float *xr, int64_t K, int64_t G, int8_t *dst, int64_t Kx, float *xg, int64_t ngp,
+float w4a8_stage_row(const float *xr, int64_t K, int64_t G, int8_t *dst, int64_t Kx, float *xg, int64_t ngp,
                        float *xb) {
     memset(dst, 0, (size_t)Kx);
     memset(xg, 0, (size_t)ngp * sizeof(float));
@@ -356,7 +357,7 @@ void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int6
     int8_t *xq = (int8_t *)(xg + (int64_t)M * ngp);
     float *xb = (halves >> 3) & 1 ? (float *)(xq + (int64_t)M * Kx) : NULL; /* activation blocks' scales */
     for (int m = 0; m < M; m++)
-        xs[m] = stage_row(x + m * ldx, K, G, xq + m * Kx, Kx, xg + m * ngp, ngp, xb ? xb + m * ngp : NULL);
+        xs[m] = w4a8_stage_row(x + m * ldx, K, G, xq + m * Kx, Kx, xg + m * ngp, ngp, xb ? xb + m * ngp : NULL);
     W4A8Layer L = {.w = (const uint8_t *)w, .scale = (const uint16_t *)scale, .mins = mins, .bias = bias,
                    .f16 = halves & 1, .f32mins = (halves >> 1) & 1, .sym = (halves >> 2) & 1, .ablk = xb != NULL,
                    .Kp = Kp, .G = G, .ng = ng, .ngp = ngp, .Kx = Kx};
@@ -439,7 +440,7 @@ int gemv_w4a8_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, int 
     int8_t *xq = (int8_t *)(xg + (int64_t)staged * ngp);
     float *xb = (halves >> 3) & 1 ? (float *)(xq + (int64_t)staged * Kx) : NULL; /* activation blocks' scales */
     for (int j = 0; j < staged; j++)
-        xs[j] = stage_row(x + j * ldx, K, G, xq + j * Kx, Kx, xg + j * ngp, ngp, xb ? xb + j * ngp : NULL);
+        xs[j] = w4a8_stage_row(x + j * ldx, K, G, xq + j * Kx, Kx, xg + j * ngp, ngp, xb ? xb + j * ngp : NULL);
     W4A8Layer L[16];
     for (int j = 0; j < k; j++)
         L[j] = (W4A8Layer){.w = (const uint8_t *)w[j], .scale = (const uint16_t *)scale[j], .mins = mins[j],

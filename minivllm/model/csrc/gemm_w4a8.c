@@ -1,0 +1,258 @@
+/*
+ * W4A8 at many tokens (prefill, large batches): csrc/gemv_w4a8.c's arithmetic (int4 weights in groups, x quantized
+ * to int8 per row or per 32-weight block, vpdpbusd's exact int32 sums) as a tiled GEMM.
+ *
+ * Why: gemv_w4a8's rows put one weight row's four blocks in a vector's lanes, so every 128 weights and row of x end
+ * in an int-to-float conversion, a permute of the scales and an FMA beside the two vpdpbusd, on the same ports, and
+ * the weights are streamed again for every 16 rows of x. Here a vector's 16 lanes are 16 weight rows: the rows of a
+ * panel are repacked (once a call, in this thread's buffer) so that dword j of block b of the 16 rows is one vector;
+ * each vpdpbusd meets 4 bytes of one row of x, broadcast, and a block (or a group, where x has one scale a row) ends
+ * in one conversion and FMA for 16 outputs. Per 32 weights, 16 outputs and a row of x: 8 vpdpbusd and 2-3 float
+ * operations, where the rows took 8 vpdpbusd and 12. The panel stays in cache while every row of x passes by.
+ *
+ * Panel layout (TILES tiles of NR rows): wt[t][b][j][r] (uint32: bytes 4j .. 4j + 3 of block b of row r: low
+ * nibbles q[4j .. 4j + 3], high nibbles q[16 + 4j ..]), sc[t][g][r] and mn[t][g][r] as float (mn = -8 sc without
+ * mins); rows past N are zero. The staged x (csrc/gemv_w4a8.c's layout) keeps each half block's 16 bytes together,
+ * so the dwords of a block's low and high halves are 4j and 64 + 4j bytes into its run.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define GEMM_W4A8 1
+#endif
+
+#define NR 16   /* weight rows per tile: one lane each */
+#define TILES 4 /* tiles per panel: a block of x rows is loaded once for the panel's 64 weight rows */
+#define MR 8    /* rows of x per register block */
+#include "gemv_rows.h"
+
+/* csrc/gemv_w4a8.c: one row of x quantized and staged; returns its scale. */
+float w4a8_stage_row(const float *xr, int64_t K, int64_t G, int8_t *dst, int64_t Kx, float *xg, int64_t ngp,
+                     float *xb);
+
+#ifdef GEMM_W4A8
+typedef struct {
+    const uint8_t *w;
+    const uint16_t *scale;
+    const void *mins;
+    int f16, f32mins, sym;
+    int64_t N, nb, ng; /* weight rows, 32-weight blocks and groups a row */
+} Weights;
+
+/* v[i] (16 dwords, row i) -> v[c] holding column c of the 16 x 16 matrix: pairs of rows interleaved, then pairs of
+ * pairs (each 128-bit lane now a 4 x 4 transpose), then the 128-bit lanes exchanged between groups of four rows. */
+static inline __attribute__((always_inline)) void transpose16(__m512i v[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+    }
+    __m512i u[4][4]; /* u[q][e]: lane L holds element 4L + e of rows 4q .. 4q + 3 */
+    for (int q = 0; q < 4; q++) {
+        u[q][0] = _mm512_unpacklo_epi64(t[4 * q], t[4 * q + 2]);
+        u[q][1] = _mm512_unpackhi_epi64(t[4 * q], t[4 * q + 2]);
+        u[q][2] = _mm512_unpacklo_epi64(t[4 * q + 1], t[4 * q + 3]);
+        u[q][3] = _mm512_unpackhi_epi64(t[4 * q + 1], t[4 * q + 3]);
+    }
+    for (int e = 0; e < 4; e++) {
+        const __m512i p0 = _mm512_shuffle_i32x4(u[0][e], u[1][e], 0x88);
+        const __m512i p1 = _mm512_shuffle_i32x4(u[0][e], u[1][e], 0xDD);
+        const __m512i p2 = _mm512_shuffle_i32x4(u[2][e], u[3][e], 0x88);
+        const __m512i p3 = _mm512_shuffle_i32x4(u[2][e], u[3][e], 0xDD);
+        v[e] = _mm512_shuffle_i32x4(p0, p2, 0x88);     /* lane 0 of each: column e */
+        v[4 + e] = _mm512_shuffle_i32x4(p1, p3, 0x88); /* lane 1: column 4 + e */
+        v[8 + e] = _mm512_shuffle_i32x4(p0, p2, 0xDD);
+        v[12 + e] = _mm512_shuffle_i32x4(p1, p3, 0xDD);
+    }
+}
+
+/* 16 groups' scales (or mins) of one row from group g0 (cnt of them) as float. */
+static inline __attribute__((always_inline)) __m512 groups16(const void *p, int f32, int f16, __mmask16 mk) {
+    if (f32) return _mm512_maskz_loadu_ps(mk, p);
+    const __m256i h = _mm256_maskz_loadu_epi16(mk, p);
+    return f16 ? _mm512_cvtph_ps(h) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* Rows n0 .. n0 + NR - 1 into one tile of the layout above (rows past N zero: no weights, no scales): 64 bytes (4
+ * blocks) of each row a vector, transposed 16 x 16 dwords at once (the byte-by-byte loop cost as much as the GEMM's
+ * arithmetic at 64 rows of x); the group scales and mins likewise, 16 groups at a time. */
+static void repack_tile(const Weights *W, int64_t n0, uint32_t *wt, float *sc, float *mn) {
+    const int64_t nb = W->nb, ng = W->ng, rows = W->N - n0 < NR ? W->N - n0 : NR;
+    __m512i v[16];
+    for (int64_t b0 = 0; b0 + 4 <= nb; b0 += 4) {
+        for (int r = 0; r < NR; r++)
+            v[r] = r < rows ? _mm512_loadu_si512((const void *)(W->w + (n0 + r) * nb * 16 + b0 * 16))
+                            : _mm512_setzero_si512();
+        transpose16(v);
+        for (int c = 0; c < 16; c++) _mm512_store_si512((void *)(wt + (b0 * 4 + c) * NR), v[c]);
+    }
+    for (int64_t i = nb / 4 * 16; i < nb * 4; i++) /* the last 1-3 blocks, dword by dword */
+        for (int r = 0; r < NR; r++)
+            if (r < rows)
+                memcpy(wt + i * NR + r, W->w + (n0 + r) * nb * 16 + 4 * i, 4);
+            else
+                wt[i * NR + r] = 0;
+    for (int64_t g0 = 0; g0 < ng; g0 += 16) {
+        const int64_t cnt = ng - g0 < 16 ? ng - g0 : 16;
+        const __mmask16 mk = (__mmask16)((1u << cnt) - 1);
+        for (int pass = 0; pass < (W->sym ? 1 : 2); pass++) {
+            for (int r = 0; r < NR; r++) {
+                const int64_t at = (n0 + r) * ng + g0;
+                v[r] = r >= rows ? _mm512_setzero_si512()
+                     : pass == 0 ? _mm512_castps_si512(groups16(W->scale + at, 0, W->f16, mk))
+                     : _mm512_castps_si512(W->f32mins ? groups16((const float *)W->mins + at, 1, 0, mk)
+                                                      : groups16((const uint16_t *)W->mins + at, 0, W->f16, mk));
+            }
+            transpose16(v);
+            for (int c = 0; c < cnt; c++) {
+                const __m512 f = _mm512_castsi512_ps(v[c]);
+                if (pass == 0) {
+                    _mm512_store_ps(sc + (g0 + c) * NR, f);
+                    if (W->sym) _mm512_store_ps(mn + (g0 + c) * NR, _mm512_mul_ps(f, _mm512_set1_ps(-8.f)));
+                } else {
+                    _mm512_store_ps(mn + (g0 + c) * NR, f);
+                }
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) __m512i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+static inline __attribute__((always_inline)) __m512i high_nibbles(__m512i wv) {
+#ifdef __GFNI__ /* each byte's high nibble in one instruction: the bit matrix sending bit i + 4 to bit i */
+    return _mm512_gf2p8affine_epi64_epi8(wv, _mm512_set1_epi64(0x1020408000000000LL), 0);
+#else
+    return _mm512_and_si512(_mm512_srli_epi16(wv, 4), _mm512_set1_epi8(0x0F));
+#endif
+}
+
+/* One tile (16 weight rows from n0) against mr rows of staged x: out[r, n0 + lane] for the lanes in `keep`.
+ * bpg: 32-weight blocks a group; each group's int32 sums become float once (x's one scale a row, xs, at the end),
+ * or each block's where x has block scales (xb, groups of 32). */
+static inline __attribute__((always_inline)) void tile_rows(float *out, int64_t ldo, const int8_t *xq, int64_t Kx,
+                                                            const float *xs, const float *xg, const float *xb,
+                                                            int64_t ngp, const uint32_t *wt, const float *sc,
+                                                            const float *mn, int64_t ng, int bpg, const int mr,
+                                                            const float *bias, __mmask16 keep) {
+    __m512 acc[MR];
+    for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        __m512i d[MR];
+        for (int r = 0; r < mr; r++) d[r] = _mm512_setzero_si512();
+        for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
+            const __m512i *wb = (const __m512i *)(wt + b * 4 * NR);
+            __m512i lo[4], hi[4];
+            for (int j = 0; j < 4; j++) {
+                const __m512i v = _mm512_load_si512(wb + j);
+                lo[j] = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+                hi[j] = high_nibbles(v);
+            }
+            const int64_t xo = (b >> 2) * 128 + (b & 3) * 16;
+            for (int r = 0; r < mr; r++) {
+                const int8_t *x = xq + r * Kx + xo;
+                for (int j = 0; j < 4; j++) d[r] = _mm512_dpbusd_epi32(d[r], lo[j], bcast4(x + 4 * j));
+                for (int j = 0; j < 4; j++) d[r] = _mm512_dpbusd_epi32(d[r], hi[j], bcast4(x + 64 + 4 * j));
+            }
+        }
+        const __m512 s = _mm512_load_ps(sc + g * NR), mv = _mm512_load_ps(mn + g * NR);
+        for (int r = 0; r < mr; r++) {
+            const __m512 f = _mm512_cvtepi32_ps(d[r]);
+            const __m512 sr = xb ? _mm512_mul_ps(s, _mm512_set1_ps(xb[r * ngp + g])) : s;
+            acc[r] = _mm512_fmadd_ps(f, sr, acc[r]);
+            acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xg[r * ngp + g]), acc[r]); /* the mins' term */
+        }
+    }
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps();
+    for (int r = 0; r < mr; r++)
+        _mm512_mask_storeu_ps(out + r * ldo, keep, _mm512_fmadd_ps(acc[r], _mm512_set1_ps(xs[r]), bv));
+}
+#endif
+
+/*
+ * y = x W^T + bias for M rows of float32 x, as gemv_w4a8 computes it (same arguments, `halves` its flags), all M rows
+ * staged at once in a buffer of its own. Returns 0 where it has no path (no AVX512-VNNI, no memory): the caller then
+ * runs gemv_w4a8.
+ */
+int gemm_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, const void *w,
+              const void *scale, const void *mins, int64_t G, int halves, const float *bias, int num_threads) {
+#ifdef GEMM_W4A8
+    const int64_t Kp = (K + G - 1) / G * G, ng = Kp / G, ngp = (ng + 15) / 16 * 16, Kx = (Kp + 127) / 128 * 128;
+    const int ablk = (halves >> 3) & 1;
+    /* staged x: scales, group sums, (block scales), codes */
+    const size_t stage_bytes = (size_t)M * ((1 + (1 + ablk) * ngp) * sizeof(float) + Kx);
+    char *stage = aligned_alloc(64, (stage_bytes + 63) / 64 * 64);
+    if (!stage) return 0;
+    float *xs = (float *)stage, *xg = xs + M, *xb = ablk ? xg + (int64_t)M * ngp : NULL;
+    int8_t *xq = (int8_t *)(xg + (int64_t)M * (1 + ablk) * ngp);
+    const Weights W = {.w = (const uint8_t *)w, .scale = (const uint16_t *)scale, .mins = mins, .f16 = halves & 1,
+                       .f32mins = (halves >> 1) & 1, .sym = (halves >> 2) & 1, .N = N, .nb = Kp / 32, .ng = ng};
+    const int64_t panel_rows = TILES * NR, panels = (N + panel_rows - 1) / panel_rows;
+    const size_t wt_bytes = (size_t)TILES * W.nb * 4 * NR * 4, sc_bytes = (size_t)TILES * ng * NR * sizeof(float);
+    int failed = 0;
+    int64_t next = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        for (int64_t m = M * t / nt; m < M * (t + 1) / nt; m++)
+            xs[m] = w4a8_stage_row(x + m * ldx, K, G, xq + m * Kx, Kx, xg + m * ngp, ngp, xb ? xb + m * ngp : NULL);
+        char *buf = aligned_alloc(64, wt_bytes + 2 * sc_bytes);
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        int stop;
+#pragma omp atomic read
+        stop = failed;
+        if (!stop) {
+            uint32_t *wt = (uint32_t *)buf;
+            float *sc = (float *)(buf + wt_bytes), *mn = (float *)(buf + wt_bytes + sc_bytes);
+            int64_t p, p_end;
+            while (take_rows(&next, panels, 1, &p, &p_end)) {
+                const int64_t n0 = p * panel_rows;
+                for (int tt = 0; tt < TILES && n0 + tt * NR < N; tt++)
+                    repack_tile(&W, n0 + tt * NR, wt + tt * W.nb * 4 * NR, sc + tt * ng * NR, mn + tt * ng * NR);
+                for (int m0 = 0; m0 < M; m0 += MR) {
+                    const int mr = M - m0 < MR ? M - m0 : MR;
+                    for (int tt = 0; tt < TILES && n0 + tt * NR < N; tt++) {
+                        const int64_t nt0 = n0 + tt * NR, left = N - nt0;
+                        const __mmask16 keep = left >= NR ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+                        const uint32_t *wtt = wt + tt * W.nb * 4 * NR;
+                        const float *sct = sc + tt * ng * NR, *mnt = mn + tt * ng * NR;
+                        const float *bt = bias ? bias + nt0 : NULL, *xbm = xb ? xb + m0 * ngp : NULL;
+                        float *o = out + m0 * ldo + nt0;
+#define TILE(c) tile_rows(o, ldo, xq + m0 * Kx, Kx, xs + m0, xg + m0 * ngp, xbm, ngp, wtt, sct, mnt, ng, \
+                          (int)(G / 32), c, bt, keep)
+                        switch (mr) {
+                        case 1: TILE(1); break;
+                        case 2: TILE(2); break;
+                        case 3: TILE(3); break;
+                        case 4: TILE(4); break;
+                        case 5: TILE(5); break;
+                        case 6: TILE(6); break;
+                        case 7: TILE(7); break;
+                        default: TILE(8); break;
+                        }
+#undef TILE
+                    }
+                }
+            }
+        }
+        free(buf);
+    }
+    free(stage);
+    return !failed;
+#else
+    (void)out, (void)ldo, (void)x, (void)ldx, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)mins, (void)G;
+    (void)halves, (void)bias, (void)num_threads;
+    return 0;
+#endif
+}
