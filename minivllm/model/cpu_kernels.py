@@ -46,7 +46,7 @@ def _cpu_signature() -> str:
 
 
 _SOURCES = ("paged_attention.c", "sampling.c", "gemv.c", "fused_ops.c", "membw.c", "decode_stack.c",
-            "gemv_w4a8.c", "gemm_w4a8.c", "gemv_q8.c", "moe_decode.c", "quantize_rows.c",
+            "gemv_w4a8.c", "gemm_a8.c", "gemv_q8.c", "moe_decode.c", "quantize_rows.c",
             "greedy_loop.c")
 # included by the sources: copied and hashed with them
 _HEADERS = ("paged_attention.h", "paged_attention_rows.h", "gemv_rows.h", "gemv_m1.h", "gemv_avx2.h",

@@ -18,7 +18,7 @@
  *   w8a8   the int8 weights; x is quantized per row here (symmetric, absmax / 127, round half to
  *          even as torch.round): y[m, n] = xs[m] * s[n] * sum_k xq[m, k] w[n, k], exact in int32.
  *   w4a8   the int4 weights against x quantized as for w8a8 (csrc/gemv_w4a8.c; from 17 rows of x on, all rows at
- *          once as a tiled GEMM, csrc/gemm_w4a8.c); | FMT_ACT_BLOCKS (groups of 32): x quantized per 32-weight block
+ *          once as a tiled GEMM, csrc/gemm_a8.c); | FMT_ACT_BLOCKS (groups of 32): x quantized per 32-weight block
  *          instead, each its own scale (llama.cpp's Q8_0 activations).
  *   q8     w [N, Kp] int8 in blocks of 32, a float16 scale each (GGUF's Q8_0); q8a8 the same against int8 x
  *          (csrc/gemv_q8.c), | FMT_ACT_BLOCKS: x's blocks of 32 each their own scale.
@@ -313,11 +313,13 @@ void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int6
 int gemv_w4a8_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, int k, int64_t K, int64_t N,
                       const void *const *w, const void *const *scale, const void *const *mins, int64_t G, int halves,
                       const float *const *bias, float *scratch, int num_threads);
-/* csrc/gemm_w4a8.c: W4A8 at many tokens, all rows at once (0 where it has no path) */
+/* csrc/gemm_a8.c: W4A8 and q8a8 at many tokens, all rows at once (0 where it has no path) */
 int gemm_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, const void *w,
               const void *scale, const void *mins, int64_t G, int halves, const float *bias, int num_threads);
-#ifndef GEMM_W4A8_MIN_M /* below it the rows win: the tiles' repacking costs as much as 2-8 rows of x (1B shapes) */
-#define GEMM_W4A8_MIN_M 17
+int gemm_q8a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, const void *w,
+              const void *scale, const float *bias, int ablk, int num_threads);
+#ifndef GEMM_A8_MIN_M /* below it the rows win: the tiles' repacking costs as much as 2-8 rows of x (1B shapes) */
+#define GEMM_A8_MIN_M 17
 #endif
 /* csrc/gemv_q8.c: int8 weights in blocks of 32 with float16 scales (GGUF's Q8_0), weight-only or a8 */
 void gemv_q8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, const void *w,
@@ -338,8 +340,11 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
     fmt &= ~(FMT_F16_SCALES | FMT_F32_MINS | FMT_SYM_MINS | FMT_ACT_BLOCKS);
     Layer L = {.w = w, .K = K, .Kv = ldx, .scale = scale, .mins = mins, .G = G, .bias = bias, .f16 = halves & 1,
                .f32mins = (halves >> 1) & 1, .sym = (halves >> 2) & 1};
-    if (fmt == FMT_W4A8 && M >= GEMM_W4A8_MIN_M &&
+    if (fmt == FMT_W4A8 && M >= GEMM_A8_MIN_M &&
         gemm_w4a8(out, ldo, x, ldx, M, K, N, w, scale, mins, G, halves, bias, num_threads))
+        return;
+    if (fmt == FMT_Q8A8 && M >= GEMM_A8_MIN_M &&
+        gemm_q8a8(out, ldo, x, ldx, M, K, N, w, scale, bias, (halves >> 3) & 1, num_threads))
         return;
     for (int m0 = 0; m0 < M; m0 += MAX_M) {
         int mm = M - m0 < MAX_M ? M - m0 : MAX_M;

@@ -303,7 +303,7 @@ static inline float absmax(const float *xr, int64_t k0, int64_t k1) {
 }
 
 /* One row of x quantized and staged (layout above), its per-group sums of xq in xg; returns its scale (also
- * csrc/gemm_w4a8.c's staging, which reads the same layout). With xb (the
+ * csrc/gemm_a8.c's staging, which reads the same layout). With xb (the
  * activation blocks, G 32): each 32-weight block its own scale, xb[b], zero past the row's blocks to ngp; xg[b] is
  * then that block's sum times its scale, and the row's scale 1. */
 __attribute__((optimize("no-unsafe-math-optimizations")))

@@ -1,7 +1,8 @@
-"""W4A8 at many tokens (csrc/gemm_w4a8.c): panels of 64 weight rows repacked so a vector's lanes are 16 weight rows,
-against every row of x at once. Each case sits where the tiling could go wrong: rows of x not a multiple of the 8 a
-register block takes, weight rows not a multiple of a tile (16) or a panel (64), K not a multiple of a group or of
-the 128-weight chunks x is staged in, every group size and scale kind, x's rows strided, any thread count."""
+"""W4A8 and Q8_0 blocks against int8 x at many tokens (csrc/gemm_a8.c): panels of 64 weight rows repacked so a
+vector's lanes are 16 weight rows, against every row of x at once. Each case sits where the tiling could go wrong:
+rows of x not a multiple of the 8 a register block takes, weight rows not a multiple of a tile (16) or a panel (64),
+K not a multiple of a group or of the 128-weight chunks x is staged in, every group size and scale kind, x's rows
+strided, any thread count."""
 
 import pytest
 import torch
@@ -94,3 +95,26 @@ def test_many_tokens_agree_with_the_rows_kernel_sixteen_at_a_time():
     whole = q.forward_native(x)
     parts = torch.cat([q.forward_native(x[i:i + 16]) for i in range(0, 48, 16)])
     assert (whole - parts).abs().max().item() <= 1e-5 * parts.abs().max().item()
+
+
+def _q8_layer(k: int, n: int, act_blocks: bool) -> QuantizedLinear:
+    torch.manual_seed(k + n)
+    q = QuantizedLinear(k, n, True, QuantConfig("w8a8", 32, int8_blocks=True, act_blocks=act_blocks))
+    q.quantize_from(torch.randn(n, k) * 0.05, torch.randn(n))
+    return q
+
+
+@pytest.mark.parametrize("k,n", [(100, 70), (1568, 200), (2048, 64)])  # a partial block (the last dword tail)
+@pytest.mark.parametrize("m", [17, 30, 64])
+@pytest.mark.parametrize("act_blocks", [False, True])
+def test_many_token_q8_0_blocks_equal_their_reference(k, n, m, act_blocks):
+    """GGUF's Q8_0 blocks against int8 x in the same tiles (csrc/gemm_a8.c, q8a8): the weights read as w + 128 with
+    -128 scale as each block's min, x per row or in blocks of 32, within float32 rounding of float64; and the weight
+    codes' extremes (-128 .. 127 as stored) come through the sign flip."""
+    q = _q8_layer(k, n, act_blocks)
+    q.qweight[0, :32] = -128
+    q.qweight[1, :32] = 127
+    torch.manual_seed(m)
+    x = torch.randn(m, k)
+    x[:, 1] *= 60
+    _check(q, x)

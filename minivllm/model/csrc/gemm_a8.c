@@ -1,6 +1,7 @@
 /*
- * W4A8 at many tokens (prefill, large batches): csrc/gemv_w4a8.c's arithmetic (int4 weights in groups, x quantized
- * to int8 per row or per 32-weight block, vpdpbusd's exact int32 sums) as a tiled GEMM.
+ * W4A8 (and Q8_0 blocks against int8 x) at many tokens (prefill, large batches): csrc/gemv_w4a8.c's arithmetic
+ * (int4 weights in groups, x quantized to int8 per row or per 32-weight block, vpdpbusd's exact int32 sums) as a
+ * tiled GEMM.
  *
  * Why: gemv_w4a8's rows put one weight row's four blocks in a vector's lanes, so every 128 weights and row of x end
  * in an int-to-float conversion, a permute of the scales and an FMA beside the two vpdpbusd, on the same ports, and
@@ -10,10 +11,14 @@
  * in one conversion and FMA for 16 outputs. Per 32 weights, 16 outputs and a row of x: 8 vpdpbusd and 2-3 float
  * operations, where the rows took 8 vpdpbusd and 12. The panel stays in cache while every row of x passes by.
  *
- * Panel layout (TILES tiles of NR rows): wt[t][b][j][r] (uint32: bytes 4j .. 4j + 3 of block b of row r: low
- * nibbles q[4j .. 4j + 3], high nibbles q[16 + 4j ..]), sc[t][g][r] and mn[t][g][r] as float (mn = -8 sc without
- * mins); rows past N are zero. The staged x (csrc/gemv_w4a8.c's layout) keeps each half block's 16 bytes together,
- * so the dwords of a block's low and high halves are 4j and 64 + 4j bytes into its run.
+ * GGUF's Q8_0 blocks against int8 x (csrc/gemv_q8.c's q8a8) take the same tiles: 32 int8 weights a block, read
+ * as w + 128 (vpdpbusd's unsigned operand: the sign bit flipped at repacking) with -128 scale as the block's min.
+ *
+ * Panel layout (TILES tiles of NR rows): wt[t][b][j][r] (uint32: bytes 4j .. 4j + 3 of block b of row r; int4: low
+ * nibbles q[4j .. 4j + 3], high nibbles q[16 + 4j ..], j < 4; int8: q[4j ..], j < 8), sc[t][g][r] and mn[t][g][r]
+ * as float (mn = -8 sc for int4 without mins, -128 sc for int8); rows past N are zero. The staged x
+ * (csrc/gemv_w4a8.c's layout) keeps each half block's 16 bytes together, so the dwords of a block's low and high
+ * halves (int4: nibbles; int8: weights 4j and 16 + 4j) are 4j and 64 + 4j bytes into its run.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -21,7 +26,7 @@
 #include <string.h>
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
-#define GEMM_W4A8 1
+#define GEMM_A8 1
 #endif
 
 #define NR 16   /* weight rows per tile: one lane each */
@@ -33,13 +38,14 @@
 float w4a8_stage_row(const float *xr, int64_t K, int64_t G, int8_t *dst, int64_t Kx, float *xg, int64_t ngp,
                      float *xb);
 
-#ifdef GEMM_W4A8
+#ifdef GEMM_A8
 typedef struct {
     const uint8_t *w;
     const uint16_t *scale;
     const void *mins;
-    int f16, f32mins, sym;
-    int64_t N, nb, ng; /* weight rows, 32-weight blocks and groups a row */
+    int f16, f32mins, sym, dpb; /* dpb: dwords a block (4: int4, 8: int8) */
+    float min_mult;             /* sym: the mins are min_mult * scale (-8 int4, -128 int8) */
+    int64_t N, nb, ng;          /* weight rows, 32-weight blocks and groups a row */
 } Weights;
 
 /* v[i] (16 dwords, row i) -> v[c] holding column c of the 16 x 16 matrix: pairs of rows interleaved, then pairs of
@@ -80,21 +86,23 @@ static inline __attribute__((always_inline)) __m512 groups16(const void *p, int 
  * blocks) of each row a vector, transposed 16 x 16 dwords at once (the byte-by-byte loop cost as much as the GEMM's
  * arithmetic at 64 rows of x); the group scales and mins likewise, 16 groups at a time. */
 static void repack_tile(const Weights *W, int64_t n0, uint32_t *wt, float *sc, float *mn) {
-    const int64_t nb = W->nb, ng = W->ng, rows = W->N - n0 < NR ? W->N - n0 : NR;
+    const int64_t ng = W->ng, rows = W->N - n0 < NR ? W->N - n0 : NR, nd = W->nb * W->dpb; /* dwords a row */
+    const uint32_t flip = W->dpb == 8 ? 0x80808080u : 0; /* int8: w + 128, vpdpbusd's unsigned operand */
     __m512i v[16];
-    for (int64_t b0 = 0; b0 + 4 <= nb; b0 += 4) {
+    for (int64_t i0 = 0; i0 + 16 <= nd; i0 += 16) {
         for (int r = 0; r < NR; r++)
-            v[r] = r < rows ? _mm512_loadu_si512((const void *)(W->w + (n0 + r) * nb * 16 + b0 * 16))
+            v[r] = r < rows ? _mm512_loadu_si512((const void *)(W->w + ((n0 + r) * nd + i0) * 4))
                             : _mm512_setzero_si512();
         transpose16(v);
-        for (int c = 0; c < 16; c++) _mm512_store_si512((void *)(wt + (b0 * 4 + c) * NR), v[c]);
+        for (int c = 0; c < 16; c++)
+            _mm512_store_si512((void *)(wt + (i0 + c) * NR), _mm512_xor_si512(v[c], _mm512_set1_epi32((int)flip)));
     }
-    for (int64_t i = nb / 4 * 16; i < nb * 4; i++) /* the last 1-3 blocks, dword by dword */
-        for (int r = 0; r < NR; r++)
-            if (r < rows)
-                memcpy(wt + i * NR + r, W->w + (n0 + r) * nb * 16 + 4 * i, 4);
-            else
-                wt[i * NR + r] = 0;
+    for (int64_t i = nd / 16 * 16; i < nd; i++) /* the last dwords (int4: 1-3 blocks; int8: one), one by one */
+        for (int r = 0; r < NR; r++) {
+            uint32_t d = 0;
+            if (r < rows) memcpy(&d, W->w + ((n0 + r) * nd + i) * 4, 4);
+            wt[i * NR + r] = d ^ flip; /* (rows past N: zero scales, whatever the codes) */
+        }
     for (int64_t g0 = 0; g0 < ng; g0 += 16) {
         const int64_t cnt = ng - g0 < 16 ? ng - g0 : 16;
         const __mmask16 mk = (__mmask16)((1u << cnt) - 1);
@@ -111,7 +119,7 @@ static void repack_tile(const Weights *W, int64_t n0, uint32_t *wt, float *sc, f
                 const __m512 f = _mm512_castsi512_ps(v[c]);
                 if (pass == 0) {
                     _mm512_store_ps(sc + (g0 + c) * NR, f);
-                    if (W->sym) _mm512_store_ps(mn + (g0 + c) * NR, _mm512_mul_ps(f, _mm512_set1_ps(-8.f)));
+                    if (W->sym) _mm512_store_ps(mn + (g0 + c) * NR, _mm512_mul_ps(f, _mm512_set1_ps(W->min_mult)));
                 } else {
                     _mm512_store_ps(mn + (g0 + c) * NR, f);
                 }
@@ -141,19 +149,19 @@ static inline __attribute__((always_inline)) void tile_rows(float *out, int64_t 
                                                             const float *xs, const float *xg, const float *xb,
                                                             int64_t ngp, const uint32_t *wt, const float *sc,
                                                             const float *mn, int64_t ng, int bpg, const int mr,
-                                                            const float *bias, __mmask16 keep) {
+                                                            const int q8, const float *bias, __mmask16 keep) {
     __m512 acc[MR];
     for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < ng; g++) {
         __m512i d[MR];
         for (int r = 0; r < mr; r++) d[r] = _mm512_setzero_si512();
         for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
-            const __m512i *wb = (const __m512i *)(wt + b * 4 * NR);
-            __m512i lo[4], hi[4];
+            const __m512i *wb = (const __m512i *)(wt + b * (q8 ? 8 : 4) * NR);
+            __m512i lo[4], hi[4]; /* weights 4j .. 4j + 3 and 16 + 4j .. of the block (int8: dwords j and 4 + j) */
             for (int j = 0; j < 4; j++) {
                 const __m512i v = _mm512_load_si512(wb + j);
-                lo[j] = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
-                hi[j] = high_nibbles(v);
+                lo[j] = q8 ? v : _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+                hi[j] = q8 ? _mm512_load_si512(wb + 4 + j) : high_nibbles(v);
             }
             const int64_t xo = (b >> 2) * 128 + (b & 3) * 16;
             for (int r = 0; r < mr; r++) {
@@ -176,14 +184,12 @@ static inline __attribute__((always_inline)) void tile_rows(float *out, int64_t 
 }
 #endif
 
-/*
- * y = x W^T + bias for M rows of float32 x, as gemv_w4a8 computes it (same arguments, `halves` its flags), all M rows
- * staged at once in a buffer of its own. Returns 0 where it has no path (no AVX512-VNNI, no memory): the caller then
- * runs gemv_w4a8.
- */
-int gemm_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, const void *w,
-              const void *scale, const void *mins, int64_t G, int halves, const float *bias, int num_threads) {
-#ifdef GEMM_W4A8
+#ifdef GEMM_A8
+/* y = x W^T + bias for M rows of float32 x, all staged at once in a buffer of its own; q8: int8 blocks (G 32, float16
+ * scales, no mins), else int4 groups. Returns 0 where it runs out of memory. */
+static int gemm_tiles(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N,
+                      const void *w, const void *scale, const void *mins, int64_t G, int halves, const float *bias,
+                      int num_threads, const int q8) {
     const int64_t Kp = (K + G - 1) / G * G, ng = Kp / G, ngp = (ng + 15) / 16 * 16, Kx = (Kp + 127) / 128 * 128;
     const int ablk = (halves >> 3) & 1;
     /* staged x: scales, group sums, (block scales), codes */
@@ -193,9 +199,10 @@ int gemm_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64
     float *xs = (float *)stage, *xg = xs + M, *xb = ablk ? xg + (int64_t)M * ngp : NULL;
     int8_t *xq = (int8_t *)(xg + (int64_t)M * (1 + ablk) * ngp);
     const Weights W = {.w = (const uint8_t *)w, .scale = (const uint16_t *)scale, .mins = mins, .f16 = halves & 1,
-                       .f32mins = (halves >> 1) & 1, .sym = (halves >> 2) & 1, .N = N, .nb = Kp / 32, .ng = ng};
+                       .f32mins = (halves >> 1) & 1, .sym = (halves >> 2) & 1, .dpb = q8 ? 8 : 4,
+                       .min_mult = q8 ? -128.f : -8.f, .N = N, .nb = Kp / 32, .ng = ng};
     const int64_t panel_rows = TILES * NR, panels = (N + panel_rows - 1) / panel_rows;
-    const size_t wt_bytes = (size_t)TILES * W.nb * 4 * NR * 4, sc_bytes = (size_t)TILES * ng * NR * sizeof(float);
+    const size_t wt_bytes = (size_t)TILES * W.nb * W.dpb * NR * 4, sc_bytes = (size_t)TILES * ng * NR * sizeof(float);
     int failed = 0;
     int64_t next = 0;
 #pragma omp parallel num_threads(num_threads)
@@ -219,18 +226,18 @@ int gemm_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64
             while (take_rows(&next, panels, 1, &p, &p_end)) {
                 const int64_t n0 = p * panel_rows;
                 for (int tt = 0; tt < TILES && n0 + tt * NR < N; tt++)
-                    repack_tile(&W, n0 + tt * NR, wt + tt * W.nb * 4 * NR, sc + tt * ng * NR, mn + tt * ng * NR);
+                    repack_tile(&W, n0 + tt * NR, wt + tt * W.nb * W.dpb * NR, sc + tt * ng * NR, mn + tt * ng * NR);
                 for (int m0 = 0; m0 < M; m0 += MR) {
                     const int mr = M - m0 < MR ? M - m0 : MR;
                     for (int tt = 0; tt < TILES && n0 + tt * NR < N; tt++) {
                         const int64_t nt0 = n0 + tt * NR, left = N - nt0;
                         const __mmask16 keep = left >= NR ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-                        const uint32_t *wtt = wt + tt * W.nb * 4 * NR;
+                        const uint32_t *wtt = wt + tt * W.nb * W.dpb * NR;
                         const float *sct = sc + tt * ng * NR, *mnt = mn + tt * ng * NR;
                         const float *bt = bias ? bias + nt0 : NULL, *xbm = xb ? xb + m0 * ngp : NULL;
                         float *o = out + m0 * ldo + nt0;
 #define TILE(c) tile_rows(o, ldo, xq + m0 * Kx, Kx, xs + m0, xg + m0 * ngp, xbm, ngp, wtt, sct, mnt, ng, \
-                          (int)(G / 32), c, bt, keep)
+                          (int)(G / 32), c, q8, bt, keep)
                         switch (mr) {
                         case 1: TILE(1); break;
                         case 2: TILE(2); break;
@@ -250,9 +257,33 @@ int gemm_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64
     }
     free(stage);
     return !failed;
+}
+#endif
+
+/*
+ * y = x W^T + bias for M rows of float32 x, as gemv_w4a8 computes it (same arguments, `halves` its flags). Returns 0
+ * where it has no path (no AVX512-VNNI, no memory): the caller then runs gemv_w4a8.
+ */
+int gemm_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, const void *w,
+              const void *scale, const void *mins, int64_t G, int halves, const float *bias, int num_threads) {
+#ifdef GEMM_A8
+    return gemm_tiles(out, ldo, x, ldx, M, K, N, w, scale, mins, G, halves, bias, num_threads, 0);
 #else
     (void)out, (void)ldo, (void)x, (void)ldx, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)mins, (void)G;
     (void)halves, (void)bias, (void)num_threads;
+    return 0;
+#endif
+}
+
+/* The same for GGUF's Q8_0 blocks against int8 x (gemv_q8's q8a8; ablk: x in blocks of 32). */
+int gemm_q8a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, const void *w,
+              const void *scale, const float *bias, int ablk, int num_threads) {
+#ifdef GEMM_A8
+    const int halves = 1 | 4 | (ablk ? 8 : 0); /* float16 scales, no mins (-128 scale), x in blocks */
+    return gemm_tiles(out, ldo, x, ldx, M, K, N, w, scale, NULL, 32, halves, bias, num_threads, 1);
+#else
+    (void)out, (void)ldo, (void)x, (void)ldx, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)bias, (void)ablk;
+    (void)num_threads;
     return 0;
 #endif
 }
