@@ -128,18 +128,12 @@ static void repack_tile(const Weights *W, int64_t n0, uint32_t *wt, float *sc, f
     }
 }
 
+#include "group_window.h" /* high_nibbles */
+
 static inline __attribute__((always_inline)) __m512i bcast4(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
     return _mm512_set1_epi32(v);
-}
-
-static inline __attribute__((always_inline)) __m512i high_nibbles(__m512i wv) {
-#ifdef __GFNI__ /* each byte's high nibble in one instruction: the bit matrix sending bit i + 4 to bit i */
-    return _mm512_gf2p8affine_epi64_epi8(wv, _mm512_set1_epi64(0x1020408000000000LL), 0);
-#else
-    return _mm512_and_si512(_mm512_srli_epi16(wv, 4), _mm512_set1_epi8(0x0F));
-#endif
 }
 
 /* One tile (16 weight rows from n0) against mr rows of staged x: out[r, n0 + lane] for the lanes in `keep`.

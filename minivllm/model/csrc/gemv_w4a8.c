@@ -86,14 +86,6 @@ static inline float min_term(const void *mn, const float *xg, int64_t ng, int f1
 
 #include "group_window.h"
 
-static inline __attribute__((always_inline)) __m512i high_nibbles(__m512i wv) {
-#ifdef __GFNI__ /* each byte's high nibble in one instruction: the bit matrix sending bit i + 4 to bit i */
-    return _mm512_gf2p8affine_epi64_epi8(wv, _mm512_set1_epi64(0x1020408000000000LL), 0);
-#else
-    return _mm512_and_si512(_mm512_srli_epi16(wv, 4), _mm512_set1_epi8(0x0F));
-#endif
-}
-
 /* One 128-weight chunk (4 blocks) against M rows: two vpdpbusd per row, then its blocks' scales (block 4u + lane / 4
  * of the superblock's window: `id` picks them from win[0], or from win[m] for row m where x has block scales). */
 static inline __attribute__((always_inline)) void chunk_vnni(__m512 *acc, __m512i wv, const __m512 *win, __m512i id,
