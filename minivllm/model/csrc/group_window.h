@@ -1,7 +1,8 @@
 /* Group scales of the int4 layouts on AVX-512 (AVX512BW), shared by csrc/gemv_w4a8.c's W4A8 rows and
  * csrc/gemv_avx512.h's weight-only rows (the nibble split also by csrc/gemm_a8.c's tiles): both read a row 64 bytes
  * (128 weights, 4 blocks of 32) at a time as 16 int32 lanes, lane j holding 4 bytes of block j / 4, and fetch a
- * 16-block superblock's group scales once as a window. Included inside their AVX-512 sections (immintrin.h already in). */
+ * 16-block superblock's group scales once as a window. Included inside their AVX-512 sections (immintrin.h already
+ * in). */
 #ifndef MINIVLLM_GROUP_WINDOW_H
 #define MINIVLLM_GROUP_WINDOW_H
 
