@@ -242,6 +242,29 @@ def test_one_token_rows_handed_out_in_chunks_are_each_computed_once(fmt, threads
     assert torch.equal(got, again)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [4, 7, 12])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_float_rows_at_a_few_tokens_handed_out_in_chunks_are_each_computed_once(dtype, m, threads):
+    """Float weights at 2-16 tokens take their rows in chunks too (csrc/gemv_avx512.h dense_all_avx512, each pass
+    prefetching the next pass's rows): every row once, N past many chunks, not a multiple of the rows a pass (4, 2,
+    then 2 + the rest at 12 tokens) nor of the chunk; equal to the float64 reference and to a re-run."""
+    k, n = 256, 4099
+    torch.manual_seed(11)
+    w = (torch.randn(n, k) * 0.05).to(dtype)
+    x = torch.randn(m, k)
+    g = cpu_kernels.GemvWeights.dense(w, k, None)
+    expected = x.double() @ w.double().t()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got, again = g(x), g(x)
+    finally:
+        torch.set_num_threads(before)
+    assert (got.double() - expected).abs().max().item() <= 2e-6 * expected.abs().max().item()
+    assert torch.equal(got, again)
+
+
 @pytest.mark.parametrize("scales", ["bf16", "f16-sym"])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_one_token_projections_in_one_region_equal_them_one_by_one(scales, threads):

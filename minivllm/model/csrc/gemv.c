@@ -451,8 +451,9 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
             }
         } else if (fmt == FMT_BF16) {
 #if defined(GEMV_DENSE_AVX512)
+            int64_t next = 0; /* the rows' next chunk (take_rows) */
 #pragma omp parallel num_threads(num_threads)
-            dense_all_avx512(o, ldo, xm, mm, &L, 1, N);
+            dense_all_avx512(o, ldo, xm, mm, &L, 1, N, &next);
 #elif defined(GEMV_AVX2)
 #pragma omp parallel num_threads(num_threads)
             dense_all_avx2(o, ldo, xm, mm, &L, 1, N);
@@ -463,8 +464,9 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
 #endif
         } else {
 #if defined(GEMV_DENSE_AVX512)
+            int64_t next = 0; /* the rows' next chunk (take_rows) */
 #pragma omp parallel num_threads(num_threads)
-            dense_all_avx512(o, ldo, xm, mm, &L, 0, N);
+            dense_all_avx512(o, ldo, xm, mm, &L, 0, N, &next);
 #elif defined(GEMV_AVX2)
 #pragma omp parallel num_threads(num_threads)
             dense_all_avx2(o, ldo, xm, mm, &L, 0, N);
