@@ -26,7 +26,7 @@ from minivllm.model.attention import (
 from minivllm.model.decode_stack import DecodeStack
 from minivllm.model.gguf_conversion import gguf_conversions
 from minivllm.model.input_batch import SequenceInput
-from minivllm.model.kernel_plan import PlanCheck, PlannedLinear, best_time, plan_kernels, plan_kinds
+from minivllm.model.kernel_plan import PlanCheck, plan_kernels, plan_kinds
 from minivllm.model.kv_quant import is_quantized, kv_storage_dtype
 from minivllm.model.kv_swap import HostKVTier, block_bytes, check_capacity, uses_pinned_memory
 from minivllm.model.layers import Linear, onednn_linear_available
@@ -34,6 +34,7 @@ from minivllm.model.loader import load_model
 from minivllm.model.lora import LoRAModelManager, build_mapping
 from minivllm.model.models import get_model_class, kv_windows
 from minivllm.model.quantization import QuantizedLinear, check_device
+from minivllm.model.stack_plan import plan_classes_with_stack
 from minivllm.model.step_sampling import RunnerOutput, SamplingRequest, StepSampler
 
 logger = logging.getLogger(__name__)
@@ -163,7 +164,7 @@ class ModelRunner:
         self.lora: LoRAModelManager | None = None  # adapter slots, when the engine enables LoRA (init_lora)
         self.host_tiers: list[HostKVTier | None] = []  # preemption by swap's host tier per KV group (init_swap)
         self.plan_check: PlanCheck | None = None
-        self._plan_handful_with_stack()
+        plan_classes_with_stack(self)
         # Steps faster than the start-up timings allow re-time their class (not on CUDA: its forward time is not
         # synchronized; not across tensor-parallel ranks, which must keep one plan).
         cpu_alone = device.type == "cpu" and parallel.size == 1
@@ -180,37 +181,6 @@ class ModelRunner:
                              f"{self.mc.architecture}")
         self.lora = LoRAModelManager(self.model, max_loras, max_rank, self.dtype, self.device)
         return self.lora
-
-    def _plan_handful_with_stack(self) -> None:
-        """The projections' timing cannot see that native kernels in every layer let the decode stack run a whole
-        step in one call: where the handful class (2-6 rows: a batch-1 speculative verification) was planned
-        otherwise, time a 4-row decode step both ways and keep the faster (dummy rows: K/V into empty block 0)."""
-        stack, handful = self.decode_stack, 1
-        if stack is None or stack.native_classes[handful]:
-            return
-        projs = [m for m in self.model.modules() if isinstance(m, PlannedLinear)]
-        if not all("native" in m.candidates() for m in projs):
-            return
-        inputs = [SequenceInput([0], i, [0] * (i // self.block_size + 1), True, group_tables=(
-            [0] * (i // self.block_size + 1),) * (self.num_kv_groups - 1)) for i in range(4)]
-        planned, plan = [m.kernels for m in projs], self.linear_plan
-        use_stack = plan.kept_choice(handful, "decode stack")  # (decided by an engine of these layers before)
-        module_time = best_time(lambda: self.execute(inputs)) if use_stack is None else 0.0
-        for m in projs:
-            ks = list(m.kernels)
-            ks[handful] = m.candidates()["native"].__func__  # type: ignore[attr-defined]
-            m.kernels = tuple(ks)
-        stack.native_classes = tuple(c or i == handful for i, c in enumerate(stack.native_classes))
-        if use_stack is None:
-            stack_time = best_time(lambda: self.execute(inputs))
-            logger.info("4-row decode step: %s %.2f ms, native stack %.2f ms", self.linear_kernels.get("m<=6"),
-                        module_time * 1e3, stack_time * 1e3)
-            use_stack = plan.keep_choice(handful, "decode stack", stack_time < module_time)
-        if use_stack:
-            return plan.pin(handful, "native")
-        for m, kernels in zip(projs, planned, strict=True):
-            m.kernels = kernels
-        stack.native_classes = tuple(c and i != handful for i, c in enumerate(stack.native_classes))
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]], kv_group: int = 0) -> None:
