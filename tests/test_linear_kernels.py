@@ -206,6 +206,18 @@ def test_a_second_engine_of_the_same_layers_reuses_the_start_up_timings(monkeypa
     assert LLM(num_kv_blocks=64).llm_engine.runner.linear_plan.timings[0] == again.timings[0]
 
 
+def _equal_with_threads(g: cpu_kernels.GemvWeights, x: torch.Tensor, expected: torch.Tensor, threads: int) -> None:
+    """g(x) with `threads` threads equals the float64 reference within float32 rounding, and a re-run exactly."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got, again = g(x), g(x)
+    finally:
+        torch.set_num_threads(before)
+    assert (got.double() - expected).abs().max().item() <= 2e-6 * expected.abs().max().item()
+    assert torch.equal(got, again)
+
+
 @pytest.mark.parametrize("fmt", ["f32", "bf16", "w8a8", "int4", "w4a8"])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_one_token_rows_handed_out_in_chunks_are_each_computed_once(fmt, threads):
@@ -232,14 +244,7 @@ def test_one_token_rows_handed_out_in_chunks_are_each_computed_once(fmt, threads
         xq, xs = quantize_rows_int8(x)
         xd = xq.double() * xs.double()[:, None]
     expected = xd @ wd.t()
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got, again = g(x), g(x)
-    finally:
-        torch.set_num_threads(before)
-    assert (got.double() - expected).abs().max().item() <= 2e-6 * expected.abs().max().item()
-    assert torch.equal(got, again)
+    _equal_with_threads(g, x, expected, threads)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -255,14 +260,7 @@ def test_float_rows_at_a_few_tokens_handed_out_in_chunks_are_each_computed_once(
     x = torch.randn(m, k)
     g = cpu_kernels.GemvWeights.dense(w, k, None)
     expected = x.double() @ w.double().t()
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got, again = g(x), g(x)
-    finally:
-        torch.set_num_threads(before)
-    assert (got.double() - expected).abs().max().item() <= 2e-6 * expected.abs().max().item()
-    assert torch.equal(got, again)
+    _equal_with_threads(g, x, expected, threads)
 
 
 @pytest.mark.parametrize("scales", ["bf16", "f16-sym"])
