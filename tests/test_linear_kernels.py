@@ -263,6 +263,22 @@ def test_float_rows_at_a_few_tokens_handed_out_in_chunks_are_each_computed_once(
     _equal_with_threads(g, x, expected, threads)
 
 
+@pytest.mark.parametrize("m", [2, 5, 16])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_w4a8_rows_at_a_few_tokens_handed_out_in_chunks_are_each_computed_once(m, threads):
+    """W4A8 at 2-16 tokens (below the tiles of csrc/gemm_a8.c) takes its rows in chunks too, each row prefetching
+    two rows on: every row once, N past many chunks and not a multiple of them; equal to the reference and a re-run."""
+    k, n = 256, 4099
+    torch.manual_seed(13)
+    q, s, mn = quantize_int4(torch.randn(n, k) * 0.05, 32)
+    g = cpu_kernels.GemvWeights("w4a8", q, k, s, mn, 32)
+    codes = unpack_int4(q).double().view(n, k // 32, 32)
+    wd = (codes * s.double()[..., None] + mn.double()[..., None]).reshape(n, k)
+    x = torch.randn(m, k)
+    xq, xs = quantize_rows_int8(x)
+    _equal_with_threads(g, x, (xq.double() * xs.double()[:, None]) @ wd.t(), threads)
+
+
 @pytest.mark.parametrize("scales", ["bf16", "f16-sym"])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_one_token_projections_in_one_region_equal_them_one_by_one(scales, threads):
