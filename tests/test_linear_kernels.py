@@ -12,7 +12,14 @@ from minivllm import LLM, SamplingParams
 from minivllm.model import cpu_kernels
 from minivllm.model.kernel_plan import plan_kernels
 from minivllm.model.layers import Linear, onednn_linear_available
-from minivllm.model.quantization import quantize_int4, quantize_int8, quantize_rows_int8, unpack_int4
+from minivllm.model.quantization import (
+    quantize_blocks_int8,
+    quantize_int4,
+    quantize_int8,
+    quantize_int8_blocks,
+    quantize_rows_int8,
+    unpack_int4,
+)
 
 
 def _linear(k: int, n: int, dtype: torch.dtype, bias: bool) -> Linear:
@@ -277,6 +284,20 @@ def test_w4a8_rows_at_a_few_tokens_handed_out_in_chunks_are_each_computed_once(m
     x = torch.randn(m, k)
     xq, xs = quantize_rows_int8(x)
     _equal_with_threads(g, x, (xq.double() * xs.double()[:, None]) @ wd.t(), threads)
+
+
+@pytest.mark.parametrize("m", [1, 3, 9])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_int8_block_rows_against_int8_x_handed_out_in_chunks_are_each_computed_once(m, threads):
+    """GGUF Q8_0's blocks against x in int8 blocks (csrc/gemv_q8.c, a GGUF head's rows) take their rows in chunks,
+    prefetching two rows on from 2 rows of x: every row once, N past many chunks; equal to the reference."""
+    k, n = 256, 4099
+    torch.manual_seed(17)
+    q, s = quantize_int8_blocks(torch.randn(n, k) * 0.05)
+    g = cpu_kernels.GemvWeights("q8a8", q, k, s, None, 32, None, True)
+    wd = (q.double().view(n, -1, 32) * s.double()[..., None]).reshape(n, k)
+    x = torch.randn(m, k)
+    _equal_with_threads(g, x, quantize_blocks_int8(x).double() @ wd.t(), threads)
 
 
 @pytest.mark.parametrize("scales", ["bf16", "f16-sym"])

@@ -121,6 +121,8 @@ static inline __attribute__((always_inline)) void q8a8_row(float *out, int64_t l
         const __m512 win = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 16 * sb)));
         q8_windows(wins, win, xb, L->nbp, 16 * sb, M);
         const int8_t *wc = w + sb * 512, *xc = xq + sb * 512;
+        if (M > 1) /* two rows on (see gemv_q8) */
+            for (int u = 0; u < 8; u++) __builtin_prefetch(wc + 64 * u + 2 * L->Kp);
 #pragma GCC unroll 8
         for (int u = 0; u < 8; u++)
             chunk_q8(acc, _mm512_loadu_si512((const void *)(wc + 64 * u)), wins, idx[u], per_row, xc + 64 * u, L->Kx,
@@ -264,6 +266,11 @@ void gemv_q8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_
     for (int m = 0; m < M; m++)
         xs[m] = stage_row(x + m * ldx, K, xq + m * L.Kx, L.Kx, xg + m * nbp, nbp, xb ? xb + m * nbp : NULL);
 #define RA(c) q8a8_row(out + j * ldo, ldo, xq + j * L.Kx, xs + j, xg + j * nbp, xb ? xb + j * nbp : NULL, c, &L, n)
+    /* Rows in chunks to whichever thread asks, each prefetched two rows on where x has several rows (q8a8_row).
+     * Same-process A/B on a Zen 4 EPYC (2 threads, x in blocks): the 1B head (128256 x 2048) at 1 / 4 / 8 rows
+     * 1.17x / 1.29x / 1.22x, 1B-shaped projections at 1 / 4 / 16 rows 1.30x / 1.45x / 1.40x against fixed halves
+     * without prefetch; at one row the prefetch was mixed (head 1.05x more, projections 0.82x): not taken there. */
+    int64_t next = 0;
 #pragma omp parallel num_threads(num_threads)
-    FOR_ROWS(N, M, RA);
+    FOR_ROW_CHUNKS(N, M, RA, &next, Kp);
 }

@@ -20,6 +20,26 @@
         }                                                                             \
     } while (0)
 
+/* FOR_ROWS with the rows in chunks to whichever thread asks (take_rows, below; *next starts at 0, row_bytes: a
+ * weight row's bytes). */
+#define FOR_ROW_CHUNKS(N, mm, ROW, next, row_bytes)                                   \
+    do {                                                                              \
+        const int64_t chunk_ = row_chunk((N), omp_get_num_threads(), 1, (row_bytes)); \
+        int64_t c0_, c1_;                                                             \
+        while (take_rows((next), (N), chunk_, &c0_, &c1_)) {                          \
+            for (int64_t n = c0_; n < c1_; n++) {                                     \
+                for (int j = 0; j < (mm); j += MB) {                                  \
+                    switch ((mm) - j < MB ? (mm) - j : MB) {                          \
+                    case 1: ROW(1); break;                                            \
+                    case 2: ROW(2); break;                                            \
+                    case 3: ROW(3); break;                                            \
+                    default: ROW(4); break;                                           \
+                    }                                                                 \
+                }                                                                     \
+            }                                                                         \
+        }                                                                             \
+    } while (0)
+
 /* ROW(c) for a block of mt (1..8) tokens, c the literal mt: each size its own register-resident code (the AVX2
  * rows that take 8 tokens a pass). */
 #define SWITCH_M8(mt, ROW)                                                            \
