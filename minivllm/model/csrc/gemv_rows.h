@@ -3,21 +3,26 @@
 #ifndef MINIVLLM_GEMV_ROWS_H
 #define MINIVLLM_GEMV_ROWS_H
 
-/* Every row of this thread's share of N against chunks of up to MB rows of x; ROW(c) is called with c
- * a literal so each chunk size gets its own register-resident code. */
+/* Weight row n against the rows of x in chunks of up to MB; ROW(c) is called with c a literal so each chunk size
+ * gets its own register-resident code. */
+#define ROW_AGAINST_X(mm, ROW)                                                        \
+    do {                                                                              \
+        for (int j = 0; j < (mm); j += MB) {                                          \
+            switch ((mm) - j < MB ? (mm) - j : MB) {                                  \
+            case 1: ROW(1); break;                                                    \
+            case 2: ROW(2); break;                                                    \
+            case 3: ROW(3); break;                                                    \
+            default: ROW(4); break;                                                   \
+            }                                                                         \
+        }                                                                             \
+    } while (0)
+
+/* Every row of this thread's share of N (ROW_AGAINST_X each). */
 #define FOR_ROWS(N, mm, ROW)                                                          \
     do {                                                                              \
         int t_ = omp_get_thread_num(), nt_ = omp_get_num_threads();                   \
-        for (int64_t n = (N) * t_ / nt_; n < (N) * (t_ + 1) / nt_; n++) {             \
-            for (int j = 0; j < (mm); j += MB) {                                      \
-                switch ((mm) - j < MB ? (mm) - j : MB) {                              \
-                case 1: ROW(1); break;                                                \
-                case 2: ROW(2); break;                                                \
-                case 3: ROW(3); break;                                                \
-                default: ROW(4); break;                                               \
-                }                                                                     \
-            }                                                                         \
-        }                                                                             \
+        for (int64_t n = (N) * t_ / nt_; n < (N) * (t_ + 1) / nt_; n++)               \
+            ROW_AGAINST_X(mm, ROW);                                                   \
     } while (0)
 
 /* FOR_ROWS with the rows in chunks to whichever thread asks (take_rows, below; *next starts at 0, row_bytes: a
@@ -26,18 +31,9 @@
     do {                                                                              \
         const int64_t chunk_ = row_chunk((N), omp_get_num_threads(), 1, (row_bytes)); \
         int64_t c0_, c1_;                                                             \
-        while (take_rows((next), (N), chunk_, &c0_, &c1_)) {                          \
-            for (int64_t n = c0_; n < c1_; n++) {                                     \
-                for (int j = 0; j < (mm); j += MB) {                                  \
-                    switch ((mm) - j < MB ? (mm) - j : MB) {                          \
-                    case 1: ROW(1); break;                                            \
-                    case 2: ROW(2); break;                                            \
-                    case 3: ROW(3); break;                                            \
-                    default: ROW(4); break;                                           \
-                    }                                                                 \
-                }                                                                     \
-            }                                                                         \
-        }                                                                             \
+        while (take_rows((next), (N), chunk_, &c0_, &c1_))                            \
+            for (int64_t n = c0_; n < c1_; n++)                                       \
+                ROW_AGAINST_X(mm, ROW);                                               \
     } while (0)
 
 /* ROW(c) for a block of mt (1..8) tokens, c the literal mt: each size its own register-resident code (the AVX2
