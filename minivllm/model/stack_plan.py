@@ -44,7 +44,12 @@ def _plan_class(runner: ModelRunner, stack: DecodeStack, c: int, rows: int) -> N
     bs = runner.block_size
     inputs = [SequenceInput([0], i, [0] * (i // bs + 1), True, group_tables=(
         [0] * (i // bs + 1),) * (runner.num_kv_groups - 1)) for i in range(rows)]
-    planned, plan = [m.kernels for m in projs], runner.linear_plan
+    # Every plan holding layers is pinned alike (a quantized model's layers are in its quant plans, its linear plan
+    # may be empty); the first keys the decision kept for later engines.
+    plans = [p for p in (runner.linear_plan, *runner.quant_plans) if p.layers]
+    if not plans:
+        return
+    planned, plan = [m.kernels for m in projs], plans[0]
     use_stack = plan.kept_choice(c, "decode stack")
     module_time = best_time(lambda: runner.execute(inputs)) if use_stack is None else 0.0
     for m in projs:
@@ -58,7 +63,8 @@ def _plan_class(runner: ModelRunner, stack: DecodeStack, c: int, rows: int) -> N
                     module_time * 1e3, stack_time * 1e3)
         use_stack = plan.keep_choice(c, "decode stack", stack_time < module_time)
     if use_stack:
-        plan.pin(c, "native")
+        for p in plans:
+            p.pin(c, "native")
         return
     for m, kernels in zip(projs, planned, strict=True):
         m.kernels = kernels

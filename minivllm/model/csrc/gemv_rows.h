@@ -1,5 +1,6 @@
-/* Shared by the GEMV kernels (csrc/gemv.c, csrc/gemv_q8.c); the includer defines MB (rows of x per register
- * block, 4) and includes <omp.h>. */
+/* Shared by the GEMV kernels (csrc/gemv.c, csrc/gemv_w4a8.c, csrc/gemv_q8.c, csrc/gemm_a8.c) and the bandwidth
+ * probe (csrc/membw.c: take_rows); the includer includes <omp.h> and, for the row macros, defines MB (rows of x
+ * per register block, 4). */
 #ifndef MINIVLLM_GEMV_ROWS_H
 #define MINIVLLM_GEMV_ROWS_H
 

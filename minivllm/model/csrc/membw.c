@@ -7,6 +7,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "gemv_rows.h" /* take_rows */
 #include "simd_width.h"
 
 #define ROW 2048
@@ -24,10 +25,8 @@ double stream_read_f32(const float *buf, int64_t n, int num_threads) {
          * (csrc/gemv_rows.h): with fixed halves a pass lasted as long as the slower vCPU's half, and the probe read
          * less than llama.cpp's and our decodes streamed (104-109% of it on a Zen 4 EPYC). */
         vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
-        for (;;) {
-            const int64_t g0 = __atomic_fetch_add(&next, CHUNK, __ATOMIC_RELAXED);
-            if (g0 >= groups) break;
-            const int64_t g1 = g0 + CHUNK < groups ? g0 + CHUNK : groups;
+        int64_t g0, g1;
+        while (take_rows(&next, groups, CHUNK, &g0, &g1)) {
             for (int64_t g = g0; g < g1; g++) {
                 const float *p = buf + g * 4 * ROW;
                 for (int64_t k = 0; k < ROW; k += 2 * VL) {
