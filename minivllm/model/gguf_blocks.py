@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from minivllm.model.gguf_header import GGUFHeader
+from minivllm.model.gguf_header import GGUFHeader, read_header
 from minivllm.model.quantization import pack_int4, quantize_int8_blocks
 from minivllm.prequant_config import GGUF_INT4_TYPES, GGUF_INT8_TYPES
 from minivllm.quant_config import QuantConfig
@@ -167,3 +167,20 @@ def row_order(processor: Any, name: str, n: int, names: dict[str, str]) -> tuple
                          "blocks cannot run as they are")
     rows = got[:, 0].astype(np.int64)
     return result.name, None if np.array_equal(rows, np.arange(n)) else rows
+
+
+def head_blocks(files: list[str], ggml_type: str) -> np.ndarray | None:
+    """The rows [V, bytes a row] (uint8, a copy) of the tensor a GGUF file's head computes with (`output.weight`,
+    else the tied `token_embd.weight`) where it is of `ggml_type`, read at the checked header's offsets (files: the
+    file, or a split file's parts); None where it is another type."""
+    infos = {t.name: (f, t) for f in files for t in read_header(f).tensors}
+    found = infos.get("output.weight") or infos.get("token_embd.weight")
+    if found is None or found[1].ggml_type.name != ggml_type or len(found[1].dims) != 2:
+        return None
+    path, info = found
+    with open(path, "rb") as f:
+        f.seek(info.start)
+        data = np.frombuffer(f.read(info.nbytes), dtype=np.uint8)
+    if data.size != info.nbytes or info.nbytes % info.dims[1]:
+        raise ValueError(f"GGUF {path}: tensor {info.name!r} could not be read whole")
+    return data.reshape(info.dims[1], -1).copy()

@@ -3,8 +3,9 @@
 The LM head of a GGUF file whose projections run as int4 (int8) blocks (model/gguf_blocks.py) but whose head is
 a type no kernel of ours runs as it is, or is the tied embedding (llama.cpp's quantizer writes the head one type
 up: Q6_K or Q8_0 beside Q4_0). Dequantized, it would be a float32 matrix read whole at every decode step, often
-the largest single read of a small model's step (SmolLM2-135M: 113 MB against 60 MB for every projection). So it
-is converted at load to int8 in blocks of 32 (Q8_0's layout: against x in blocks of 32 beside w4a8 / w8a8
+the largest single read of a small model's step (SmolLM2-135M: 113 MB against 60 MB for every projection). A Q6_K
+head of whole superblocks runs as the file holds it (model/q6k_linear.py: its exact weights, 6.56 bits a weight);
+any other is converted at load to int8 in blocks of 32 (Q8_0's layout: against x in blocks of 32 beside w4a8 / w8a8
 projections, weight-only beside int4 / int8 ones; one scale per output channel ran the one-token head at 0.6-0.7x the
 blocks' speed on a Zen 4 EPYC, its short rows' fixed work unhidden), and the error that adds is measured on a probe
 prompt, the file's
@@ -29,9 +30,11 @@ import psutil
 import torch
 import torch.nn.functional as F
 
+from minivllm.model import cpu_kernels, gguf_blocks
 from minivllm.model.input_batch import SequenceInput
 from minivllm.model.kernel_plan import KernelPlan, plan_kernels
 from minivllm.model.layers import Linear
+from minivllm.model.q6k_linear import SUPERBLOCK, SUPERBLOCK_BYTES, Q6KLinear
 from minivllm.model.quantization import QuantizedLinear
 from minivllm.quant_config import QuantConfig
 
@@ -64,14 +67,21 @@ def convert_gguf_head(runner: ModelRunner) -> HeadConversion | None:
         return None
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     method = "w8a8" if {m.method for m in layers} & {"w4a8", "w8a8"} else "int8"
-    # int8 blocks of 32: a Q8_0 head (or embedding, loaded in float32) converts back to its own codes and scales
-    # (llama.cpp's peak code is 127, so amax / 127 is d again); finer than one scale a row for any other type.
     probe = _probe(runner)
     with torch.inference_mode():
         ref = runner.execute(probe)
-        cfg = QuantConfig(method, int8_blocks=True, act_blocks=True)  # (a8: x in blocks, as llama.cpp's Q8_0 x)
-        q = QuantizedLinear(head.in_features, head.out_features, head.bias is not None, cfg)
-        q.quantize_from(head.weight.detach().float(), None if head.bias is None else head.bias.detach().float())
+        six = _q6k_head(runner.mc.path, head, method)
+        q: Q6KLinear | QuantizedLinear
+        if six is not None:
+            x = "x in blocks of 32" if six.act_blocks else "weight-only"
+            q, done = six, f"run as its own Q6_K superblocks ({x})"
+        else:
+            # int8 blocks of 32: a Q8_0 head (or embedding, loaded in float32) converts back to its own codes and
+            # scales (llama.cpp's peak code is 127, so amax / 127 is d again); finer than one scale a row otherwise.
+            cfg = QuantConfig(method, int8_blocks=True, act_blocks=True)  # (a8: x in blocks, as llama.cpp's Q8_0 x)
+            q = QuantizedLinear(head.in_features, head.out_features, head.bias is not None, cfg)
+            q.quantize_from(head.weight.detach().float(), None if head.bias is None else head.bias.detach().float())
+            done = f"converted to {method} in blocks of 32"
         # Measured in the method's own math (the probe is a many-token step, where the auto plan may also quantize a
         # weight-only head's activations: not the conversion's error), then planned for serving.
         plan_kernels([q], "native" if "native" in q.candidates() else "reference", f"lm_head {method}", runner.dtype)
@@ -80,11 +90,25 @@ def convert_gguf_head(runner: ModelRunner) -> HeadConversion | None:
         new = runner.execute(probe)
         plan = plan_kernels([q], "auto", f"lm_head {method}", runner.dtype)
     kl, top1 = _divergence(ref, new)
-    logger.info("GGUF head (%s, %d x %d) converted to %s %s: KL %.2e nats, top-1 %.1f%% against the file's "
-                "dequantized head on a %d-token probe", runner.mc.path.rsplit("/", 1)[-1], head.out_features,
-                head.in_features, method, "in blocks of 32", kl, 100 * top1,
-                PROBE_TOKENS)
+    logger.info("GGUF head (%s, %d x %d) %s: KL %.2e nats, top-1 %.1f%% against the file's dequantized head on a "
+                "%d-token probe", runner.mc.path.rsplit("/", 1)[-1], head.out_features, head.in_features, done, kl,
+                100 * top1, PROBE_TOKENS)
     return HeadConversion(method, kl, top1, plan)
+
+
+def _q6k_head(path: str, head: Linear, method: str) -> Q6KLinear | None:
+    """The head as the file's own Q6_K rows (model/q6k_linear.py: weight-only beside int8 / int4 layers, against x
+    in blocks beside w8a8 / w4a8 ones), where the file holds it so, it is whole superblocks, and a native kernel
+    runs it; None otherwise (then int8 blocks)."""
+    from minivllm.model import gguf_checkpoint  # (it imports the loader's modules, which import this one's)
+
+    if head.bias is not None or head.in_features % SUPERBLOCK or not cpu_kernels.available():
+        return None
+    file = gguf_checkpoint.find_gguf(path)
+    rows = None if file is None else gguf_blocks.head_blocks(gguf_checkpoint.parts(file), "Q6_K")
+    if rows is None or rows.shape != (head.out_features, head.in_features // SUPERBLOCK * SUPERBLOCK_BYTES):
+        return None
+    return Q6KLinear.from_blocks(rows, head.in_features, method == "w8a8")
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,9 @@
  *
  * GGUF's Q8_0 blocks against int8 x (csrc/gemv_q8.c's q8a8) take the same tiles: 32 int8 weights a block, read
  * as w + 128 (vpdpbusd's unsigned operand: the sign bit flipped at repacking) with -128 scale as the block's min.
+ * GGUF's Q6_K superblocks against x in blocks (csrc/gemv_q6k.c's q6ka8) too: each tile's rows unpacked to their
+ * codes (0..63) as int8 blocks are laid out, a float scale d * sc per 16 weights (a block's low and high halves: two
+ * int32 sums, each converted and scaled), the -32 of every code joining through x's sums per 16 (xo, as the rows).
  *
  * Panel layout (TILES tiles of NR rows): wt[t][b][j][r] (uint32: bytes 4j .. 4j + 3 of block b of row r; int4: low
  * nibbles q[4j .. 4j + 3], high nibbles q[16 + 4j ..], j < 4; int8: q[4j ..], j < 8), sc[t][g][r] and mn[t][g][r]
@@ -33,6 +36,7 @@
 #define TILES 4 /* tiles per panel: a block of x rows is loaded once for the panel's 64 weight rows */
 #define MR 8    /* rows of x per register block */
 #include "gemv_rows.h"
+#include "q6k_unpack.h"
 
 /* csrc/gemv_w4a8.c: one row of x quantized and staged; returns its scale. */
 float w4a8_stage_row(const float *xr, int64_t K, int64_t G, int8_t *dst, int64_t Kx, float *xg, int64_t ngp,
@@ -43,7 +47,8 @@ typedef struct {
     const uint8_t *w;
     const uint16_t *scale;
     const void *mins;
-    int f16, f32mins, sym, dpb; /* dpb: dwords a block (4: int4, 8: int8) */
+    int f16, f32mins, sym, dpb; /* dpb: dwords a block (4: int4, 8: int8 and Q6_K) */
+    int q6k;                    /* Q6_K superblocks: ng = K / 16 scales a row, no mins */
     float min_mult;             /* sym: the mins are min_mult * scale (-8 int4, -128 int8) */
     int64_t N, nb, ng;          /* weight rows, 32-weight blocks and groups a row */
 } Weights;
@@ -128,6 +133,29 @@ static void repack_tile(const Weights *W, int64_t n0, uint32_t *wt, float *sc, f
     }
 }
 
+/* Rows n0 .. n0 + NR - 1 of Q6_K superblocks into one tile: each row's codes unpacked into `rows_buf` (NR x K
+ * bytes), then transposed as int8 blocks are; the scales d * sc to sc[g][r] (g < K / 16). */
+static void repack_tile_q6k(const Weights *W, int64_t n0, uint8_t *rows_buf, uint32_t *wt, float *sc) {
+    const int64_t rows = W->N - n0 < NR ? W->N - n0 : NR, K = W->nb * 32, nsb = K / 256, nd = K / 4;
+    float s[16];
+    for (int r = 0; r < NR; r++)
+        for (int64_t sb = 0; sb < nsb; sb++) {
+            if (r < rows) {
+                q6k_unpack(W->w + ((n0 + r) * nsb + sb) * SB_BYTES, rows_buf + r * K + 256 * sb, s);
+            } else {
+                memset(rows_buf + r * K + 256 * sb, 0, 256);
+                memset(s, 0, sizeof s);
+            }
+            for (int j = 0; j < 16; j++) sc[(16 * sb + j) * NR + r] = s[j];
+        }
+    __m512i v[16];
+    for (int64_t i0 = 0; i0 < nd; i0 += 16) { /* (K a multiple of 256: whole runs of 16 dwords) */
+        for (int r = 0; r < NR; r++) v[r] = _mm512_loadu_si512((const void *)(rows_buf + r * K + i0 * 4));
+        transpose16(v);
+        for (int c = 0; c < 16; c++) _mm512_store_si512((void *)(wt + (i0 + c) * NR), v[c]);
+    }
+}
+
 #include "group_window.h" /* high_nibbles */
 
 static inline __attribute__((always_inline)) __m512i bcast4(const int8_t *p) {
@@ -176,35 +204,76 @@ static inline __attribute__((always_inline)) void tile_rows(float *out, int64_t 
     for (int r = 0; r < mr; r++)
         _mm512_mask_storeu_ps(out + r * ldo, keep, _mm512_fmadd_ps(acc[r], _mm512_set1_ps(xs[r]), bv));
 }
+
+/* One tile of Q6_K codes against mr rows of x in blocks: block b's halves (sub-blocks 2b, 2b + 1) each an int32 sum,
+ * scaled by x's block scale xb and, with xo (-32 xb times the half's sum of xq), by the rows' d * sc. */
+static inline __attribute__((always_inline)) void tile_rows_q6k(float *out, int64_t ldo, const int8_t *xq,
+                                                                int64_t Kx, const float *xb, int64_t ngp,
+                                                                const float *xo, int64_t K16, const uint32_t *wt,
+                                                                const float *sc, int64_t nb, const int mr,
+                                                                const float *bias, __mmask16 keep) {
+    __m512 acc[MR];
+    for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const __m512i *wb = (const __m512i *)(wt + b * 8 * NR);
+        const __m512 s0 = _mm512_load_ps(sc + 2 * b * NR), s1 = _mm512_load_ps(sc + (2 * b + 1) * NR);
+        const int64_t at = (b >> 2) * 128 + (b & 3) * 16;
+        for (int r = 0; r < mr; r++) {
+            const int8_t *x = xq + r * Kx + at;
+            __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+            for (int j = 0; j < 4; j++) lo = _mm512_dpbusd_epi32(lo, _mm512_load_si512(wb + j), bcast4(x + 4 * j));
+            for (int j = 0; j < 4; j++)
+                hi = _mm512_dpbusd_epi32(hi, _mm512_load_si512(wb + 4 + j), bcast4(x + 64 + 4 * j));
+            const __m512 xbv = _mm512_set1_ps(xb[r * ngp + b]);
+            const float *o = xo + r * K16 + 2 * b;
+            acc[r] = _mm512_fmadd_ps(s0, _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), xbv, _mm512_set1_ps(o[0])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(s1, _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), xbv, _mm512_set1_ps(o[1])), acc[r]);
+        }
+    }
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps();
+    for (int r = 0; r < mr; r++) _mm512_mask_storeu_ps(out + r * ldo, keep, _mm512_add_ps(acc[r], bv));
+}
 #endif
 
 #ifdef GEMM_A8
-/* y = x W^T + bias for M rows of float32 x, all staged at once in a buffer of its own; q8: int8 blocks (G 32, float16
- * scales, no mins), else int4 groups. Returns 0 where it runs out of memory. */
+/* y = x W^T + bias for M rows of float32 x, all staged at once in a buffer of its own; q8: 1 int8 blocks (G 32,
+ * float16 scales, no mins), 2 Q6_K superblocks (G 32: x's blocks; K a multiple of 256), else int4 groups. Returns 0
+ * where it runs out of memory. */
 static int gemm_tiles(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N,
                       const void *w, const void *scale, const void *mins, int64_t G, int halves, const float *bias,
                       int num_threads, const int q8) {
     const int64_t Kp = (K + G - 1) / G * G, ng = Kp / G, ngp = (ng + 15) / 16 * 16, Kx = (Kp + 127) / 128 * 128;
-    const int ablk = (halves >> 3) & 1;
-    /* staged x: scales, group sums, (block scales), codes */
-    const size_t stage_bytes = (size_t)M * ((1 + (1 + ablk) * ngp) * sizeof(float) + Kx);
+    const int ablk = (halves >> 3) & 1, q6 = q8 == 2;
+    const int64_t K16 = q6 ? Kp / 16 : 0; /* Q6_K: xo, a float per 16 of x */
+    /* staged x: scales, group sums, (block scales), codes, (xo) */
+    const size_t stage_bytes = (size_t)M * ((1 + (1 + ablk) * ngp + K16) * sizeof(float) + Kx);
     char *stage = aligned_alloc(64, (stage_bytes + 63) / 64 * 64);
     if (!stage) return 0;
     float *xs = (float *)stage, *xg = xs + M, *xb = ablk ? xg + (int64_t)M * ngp : NULL;
     int8_t *xq = (int8_t *)(xg + (int64_t)M * (1 + ablk) * ngp);
+    float *xo = (float *)(xq + (int64_t)M * Kx);
     const Weights W = {.w = (const uint8_t *)w, .scale = (const uint16_t *)scale, .mins = mins, .f16 = halves & 1,
                        .f32mins = (halves >> 1) & 1, .sym = (halves >> 2) & 1, .dpb = q8 ? 8 : 4,
-                       .min_mult = q8 ? -128.f : -8.f, .N = N, .nb = Kp / 32, .ng = ng};
+                       .min_mult = q8 ? -128.f : -8.f, .N = N, .nb = Kp / 32, .ng = q6 ? Kp / 16 : ng,
+                       .q6k = q6};
     const int64_t panel_rows = TILES * NR, panels = (N + panel_rows - 1) / panel_rows;
-    const size_t wt_bytes = (size_t)TILES * W.nb * W.dpb * NR * 4, sc_bytes = (size_t)TILES * ng * NR * sizeof(float);
+    const size_t wt_bytes = (size_t)TILES * W.nb * W.dpb * NR * 4, sc_bytes = (size_t)TILES * W.ng * NR * sizeof(float);
+    const size_t rows_bytes = q6 ? (size_t)NR * Kp : 0; /* a Q6_K tile's codes, unpacked before transposing */
     int failed = 0;
     int64_t next = 0;
 #pragma omp parallel num_threads(num_threads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        for (int64_t m = M * t / nt; m < M * (t + 1) / nt; m++)
+        for (int64_t m = M * t / nt; m < M * (t + 1) / nt; m++) {
             xs[m] = w4a8_stage_row(x + m * ldx, K, G, xq + m * Kx, Kx, xg + m * ngp, ngp, xb ? xb + m * ngp : NULL);
-        char *buf = aligned_alloc(64, wt_bytes + 2 * sc_bytes);
+            for (int64_t j = 0; j < K16; j++) { /* half j % 2 of block j / 2: its 16 codes together (staged layout) */
+                const int8_t *c = xq + m * Kx + (j >> 3) * 128 + ((j >> 1) & 3) * 16 + (j & 1) * 64;
+                int32_t sum = 0;
+                for (int i = 0; i < 16; i++) sum += c[i];
+                xo[m * K16 + j] = -32.f * (float)sum * xb[m * ngp + j / 2];
+            }
+        }
+        char *buf = aligned_alloc(64, wt_bytes + 2 * sc_bytes + rows_bytes);
         if (!buf) {
 #pragma omp atomic write
             failed = 1;
@@ -220,18 +289,25 @@ static int gemm_tiles(float *out, int64_t ldo, const float *x, int64_t ldx, int 
             while (take_rows(&next, panels, 1, &p, &p_end)) {
                 const int64_t n0 = p * panel_rows;
                 for (int tt = 0; tt < TILES && n0 + tt * NR < N; tt++)
-                    repack_tile(&W, n0 + tt * NR, wt + tt * W.nb * W.dpb * NR, sc + tt * ng * NR, mn + tt * ng * NR);
+                    if (q6)
+                        repack_tile_q6k(&W, n0 + tt * NR, (uint8_t *)(mn + TILES * W.ng * NR),
+                                        wt + tt * W.nb * W.dpb * NR, sc + tt * W.ng * NR);
+                    else
+                        repack_tile(&W, n0 + tt * NR, wt + tt * W.nb * W.dpb * NR, sc + tt * ng * NR,
+                                    mn + tt * ng * NR);
                 for (int m0 = 0; m0 < M; m0 += MR) {
                     const int mr = M - m0 < MR ? M - m0 : MR;
                     for (int tt = 0; tt < TILES && n0 + tt * NR < N; tt++) {
                         const int64_t nt0 = n0 + tt * NR, left = N - nt0;
                         const __mmask16 keep = left >= NR ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
                         const uint32_t *wtt = wt + tt * W.nb * W.dpb * NR;
-                        const float *sct = sc + tt * ng * NR, *mnt = mn + tt * ng * NR;
+                        const float *sct = sc + tt * W.ng * NR, *mnt = mn + tt * W.ng * NR;
                         const float *bt = bias ? bias + nt0 : NULL, *xbm = xb ? xb + m0 * ngp : NULL;
                         float *o = out + m0 * ldo + nt0;
-#define TILE(c) tile_rows(o, ldo, xq + m0 * Kx, Kx, xs + m0, xg + m0 * ngp, xbm, ngp, wtt, sct, mnt, ng, \
-                          (int)(G / 32), c, q8, bt, keep)
+#define TILE(c) if (q6) tile_rows_q6k(o, ldo, xq + m0 * Kx, Kx, xbm, ngp, xo + m0 * K16, K16, wtt, sct, W.nb, c, \
+                                     bt, keep); \
+                else tile_rows(o, ldo, xq + m0 * Kx, Kx, xs + m0, xg + m0 * ngp, xbm, ngp, wtt, sct, mnt, ng, \
+                               (int)(G / 32), c, q8, bt, keep)
                         switch (mr) {
                         case 1: TILE(1); break;
                         case 2: TILE(2); break;
@@ -278,6 +354,17 @@ int gemm_q8a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64
 #else
     (void)out, (void)ldo, (void)x, (void)ldx, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)bias, (void)ablk;
     (void)num_threads;
+    return 0;
+#endif
+}
+
+/* The same for GGUF's Q6_K superblocks against x in blocks of 32 (gemv_q6k's q6ka8; K a multiple of 256). */
+int gemm_q6k(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, const void *w,
+             const float *bias, int num_threads) {
+#ifdef GEMM_A8
+    return gemm_tiles(out, ldo, x, ldx, M, K, N, w, NULL, NULL, 32, 8, bias, num_threads, 2);
+#else
+    (void)out, (void)ldo, (void)x, (void)ldx, (void)M, (void)K, (void)N, (void)w, (void)bias, (void)num_threads;
     return 0;
 #endif
 }

@@ -1,0 +1,196 @@
+"""GGUF's Q6_K run from its own superblocks (model/q6k_linear.py, csrc/gemv_q6k.c): the dequantizer equals the
+`gguf` package's, and every kernel path (AVX-512 VNNI, AVX2, portable) computes the weight-only and the x-in-blocks
+math of those weights."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from minivllm.model import cpu_kernels
+from minivllm.model.q6k_linear import SUPERBLOCK_BYTES, Q6KLinear, dequantize_q6k
+from minivllm.model.quantization import quantize_blocks_int8
+
+CSRC = os.path.join(os.path.dirname(cpu_kernels.__file__), "csrc")
+
+
+def _q6k_rows(n: int, k: int, seed: int) -> np.ndarray:
+    """n rows of random Q6_K superblocks (every code 0..63, scales -128..127) with finite float16 d."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, k // 256, SUPERBLOCK_BYTES), dtype=np.uint8)
+    raw[:, :, 208:210] = rng.uniform(1e-3, 4e-3, (n, k // 256)).astype(np.float16).view(np.uint8).reshape(
+        n, k // 256, 2)
+    return raw.reshape(n, -1)
+
+
+def test_dequantizer_equals_the_gguf_package():
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    raw = _q6k_rows(7, 512, 0)
+    ref = np.asarray(dequantize(raw, GGMLQuantizationType.Q6_K), dtype=np.float32)
+    got = dequantize_q6k(torch.from_numpy(raw), 512).numpy()
+    assert got.shape == ref.shape == (7, 512)
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=0)
+
+
+def _expected(layer: Q6KLinear, x: torch.Tensor) -> torch.Tensor:
+    xr = quantize_blocks_int8(x) if layer.act_blocks else x
+    return xr.double() @ layer.dequantize().double().t()
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no native kernels")
+@pytest.mark.parametrize("act_blocks", [False, True])
+@pytest.mark.parametrize("k,n", [(256, 37), (768, 300)])
+@pytest.mark.parametrize("m", [1, 3, 5, 11, 12, 21, 70])  # (from 12 rows with x in blocks: the tiles)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_native_kernel_computes_the_layers_math(act_blocks, k, n, m, threads):
+    layer = Q6KLinear.from_blocks(_q6k_rows(n, k, k + n), k, act_blocks)
+    x = torch.randn(m, k) * torch.linspace(0.1, 3.0, k)  # blocks of x at different scales
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = layer.forward_native(x)
+        ref = layer.forward_reference(x)
+    finally:
+        torch.set_num_threads(old)
+    expected = _expected(layer, x)
+    tol = 2e-5 * expected.abs().max().item()
+    assert (got.double() - expected).abs().max().item() <= tol
+    assert (ref.double() - expected).abs().max().item() <= tol
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no native kernels")
+def test_strided_x_and_the_planned_forward():
+    layer = Q6KLinear.from_blocks(_q6k_rows(64, 512, 3), 512, True)
+    big = torch.randn(4, 700)
+    x = big[:, 100:612]  # rows 700 floats apart
+    from minivllm.model.kernel_plan import plan_kernels
+
+    plan_kernels([layer], "native", "q6k", torch.float32)
+    got = layer(x)
+    assert (got.double() - _expected(layer, x)).abs().max().item() <= 2e-5 * got.abs().max().item()
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no native kernels")
+def test_a_weight_only_layer_quantizes_x_only_in_steps_of_many_tokens():
+    layer = Q6KLinear.from_blocks(_q6k_rows(40, 512, 5), 512, False)
+    assert set(layer.candidates()) == {"reference", "native", "native_a8"}
+    assert not layer.eligible("native_a8", 1) and not layer.eligible("native_a8", 6)
+    assert layer.eligible("native_a8", 16) and layer.eligible("native", 1)
+    x = torch.randn(20, 512)
+    blocks = Q6KLinear.from_blocks(layer.qweight, 512, True)
+    expected = _expected(blocks, x)
+    assert (layer.forward_native_a8(x).double() - expected).abs().max().item() <= 2e-5 * expected.abs().max().item()
+
+
+def test_malformed_rows_are_refused():
+    with pytest.raises(ValueError, match="superblocks of 256"):
+        Q6KLinear(300, 4, False)
+    with pytest.raises(ValueError, match="not 512 weights' superblocks"):
+        Q6KLinear.from_blocks(np.zeros((4, 400), dtype=np.uint8), 512, False)
+
+
+def _build(tmp_path, march: str) -> ctypes.CDLL:
+    """csrc/gemv_q6k.c alone for another instruction set (the paths this CPU's own build does not take)."""
+    cc = os.environ.get("CC") or shutil.which("gcc")
+    lib = tmp_path / f"q6k_{march}.so"
+    subprocess.run([cc, "-O3", f"-march={march}", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11", "-shared",
+                    os.path.join(CSRC, "gemv_q6k.c"), "-o", str(lib), "-lm"], check=True, capture_output=True)
+    so = ctypes.CDLL(str(lib))
+    p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    so.gemv_q6k.argtypes = [p, i64, p, i64, c_int, i64, i64, p, p, c_int, p, c_int]
+    return so
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and f" {flag}" in line for line in f)
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None and not os.environ.get("CC"), reason="no C compiler")
+@pytest.mark.parametrize("march", ["x86-64", "x86-64-v3"])  # portable loops; AVX2 + FMA without VNNI
+def test_other_instruction_sets_compute_the_same(tmp_path, march):
+    if march == "x86-64-v3" and not (_cpu_has("avx2") and _cpu_has("fma")):
+        pytest.skip("this CPU has no AVX2")
+    so = _build(tmp_path, march)
+    k, n = 512, 45
+    for act_blocks in (False, True):
+        layer = Q6KLinear.from_blocks(_q6k_rows(n, k, 9), k, act_blocks)
+        for m in (1, 6):
+            x = torch.randn(m, k) * torch.linspace(0.1, 3.0, k)
+            out = torch.empty(m, n)
+            scratch = torch.empty(16 * (k + 64))
+            so.gemv_q6k(out.data_ptr(), n, x.data_ptr(), k, m, k, n, layer.qweight.data_ptr(), None, int(act_blocks),
+                        scratch.data_ptr(), 2)
+            expected = _expected(layer, x)
+            assert (out.double() - expected).abs().max().item() <= 2e-5 * expected.abs().max().item(), (act_blocks, m)
+
+
+def _q4_0_file_with_a_q6_k_head(hf_dir: str, out: str) -> None:
+    """llama.cpp's own Q4_0 file of the model: its quantizer writes the head (the tied embedding where the model has
+    no head of its own) in Q6_K where rows are whole superblocks."""
+    from minivllm.bench import llamacpp
+
+    f32 = out + ".f32.gguf"
+    llamacpp.convert(hf_dir, f32, "f32")
+    llamacpp.quantize(f32, out, "Q4_0")
+    os.remove(f32)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no native kernels")
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("method", [None, "int4"])  # by default x in blocks of 32 (w4a8); int4: weight-only
+def test_a_gguf_files_q6_k_head_runs_as_its_own_superblocks(model_factory, tmp_path, caplog, tied, method):
+    """The head of a Q4_0 file (or its tied embedding) in Q6_K runs from the file's own rows: its bytes equal the
+    file's, weight-only it adds no error (logged KL ~0, logits and greedy text as transformers reads the file),
+    against x in blocks it stays close; the load says what it did."""
+    import logging
+
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM
+
+    from minivllm import LLM, SamplingParams
+    from minivllm.config import ModelConfig
+    from minivllm.engine.tokenizer import get_tokenizer
+    from minivllm.model.runner import SequenceInput
+    from tests.conftest import PROMPTS, hf_greedy, make_runner
+
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by the test extra")
+    hf_dir = model_factory("tiny-llama", overrides=(("hidden_size", 256), ("tie_word_embeddings", tied)))
+    path = str(tmp_path / "q4_0-q6_k-head.gguf")
+    _q4_0_file_with_a_q6_k_head(hf_dir, path)
+    kw = {"quantization": method} if method else {}
+    with caplog.at_level(logging.INFO, logger="minivllm.model.gguf_conversion"):
+        runner = make_runner(ModelConfig.from_pretrained(path), 16, quantization_kernel="native", **kw)
+    head = runner.model.lm_head  # type: ignore[attr-defined]
+    assert isinstance(head, Q6KLinear) and head.act_blocks == (method is None)
+    name = "token_embd.weight" if tied else "output.weight"
+    raw = next(t for t in GGUFReader(path).tensors if t.name == name)
+    assert torch.equal(head.qweight, torch.from_numpy(np.array(raw.data).reshape(head.out_features, -1)))
+    conv = runner.head_conversion
+    assert conv is not None
+    assert f"run as its own Q6_K superblocks ({'weight-only' if method else 'x in blocks of 32'}): KL" in caplog.text
+    if method is None:
+        assert conv.kl < 0.01 and conv.top1 >= 0.9
+        return
+    assert conv.kl < 1e-9 and conv.top1 == 1.0
+    ids = get_tokenizer(path).encode(PROMPTS[0] + PROMPTS[2])
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=os.path.basename(path),
+                                              dtype=torch.float32).eval()
+    ours = runner.execute([SequenceInput(ids, 0, list(range(16)), True)])[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0, -1]
+    torch.testing.assert_close(ours, ref, atol=1e-4 * ref.abs().max().item(), rtol=0)
+    llm = LLM(path, quantization="int4", quantization_kernel="native")
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    assert llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids == hf_greedy(hf, ids, 16)
