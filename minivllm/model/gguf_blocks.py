@@ -7,7 +7,9 @@ are copied, never re-quantized. A file whose projections mix in the 5- and 6-bit
 whose every part is Q4_K (or Q4_0 / Q4_1) to int4 groups of 32 (Q4_K's sub-blocks are such groups: its codes,
 scales d * sc rounded to float16, mins -dmin * m), every other one to int8 blocks of 32 (dequantized by the gguf
 package, then quantized to the nearest int8 codes); the error that adds is measured on a probe and logged
-(model/gguf_conversion.py). Other files are dequantized at load (model/gguf_checkpoint.py).
+(model/gguf_conversion.py). But a module whose every part is Q6_K of whole superblocks (a Q4_K_M file's ffn_down in
+some layers, its head; every projection of a Q6_K file) is not converted: it runs as the file's own rows
+(model/q6k_linear.py). Other files are dequantized at load (model/gguf_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import numpy as np
 import torch
 
 from minivllm.model.gguf_header import GGUFHeader, read_header
-from minivllm.model.quantization import pack_int4, quantize_int8_blocks
+from minivllm.model.q6k_linear import SUPERBLOCK as Q6K_SUPERBLOCK
+from minivllm.model.q6k_linear import Q6KLinear
+from minivllm.model.quantization import QuantizedLinear, pack_int4, quantize_int8_blocks
 from minivllm.prequant_config import GGUF_INT4_TYPES, GGUF_INT8_TYPES
 from minivllm.quant_config import QuantConfig
 
@@ -55,6 +59,35 @@ def int4_layers(mats: dict[str, str]) -> list[str]:
     return sorted(m for m, types in parts.items() if types <= INT4_GROUPS)
 
 
+def q6k_layers(mats: dict[str, str], names: set[str]) -> list[str]:
+    """The modules whose every part (of `names`, a file's served projections) is Q6_K of whole superblocks (`mats`:
+    those): they run as the file holds them (model/q6k_linear.py)."""
+    parts: dict[str, set[str]] = {}
+    for name in names:
+        module = module_of(name)
+        if module is not None:
+            parts.setdefault(module, set()).add(mats.get(name, ""))
+    return sorted(m for m, types in parts.items() if types == {"Q6_K"})
+
+
+def place_q6k_layers(model: torch.nn.Module, qc: dict[str, Any], quant: QuantConfig) -> None:
+    """Swap the (empty, to-be-loaded) layers `qc` names in `q6k_layers` for Q6_K ones: weight-only beside int8 layers,
+    against x in blocks beside w8a8 ones."""
+    for name in qc.get("q6k_layers") or ():
+        parent, _, child = name.rpartition(".")
+        old = model.get_submodule(name)
+        assert isinstance(old, QuantizedLinear)  # (quantize_model's, empty)
+        new = Q6KLinear(old.in_features, old.out_features, quant.method == "w8a8", old.bias is not None)
+        new.routed = getattr(old, "routed", False)
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
+def q6k_rows(data: np.ndarray, rows: np.ndarray | None) -> torch.Tensor:
+    """A Q6_K tensor's rows as the layer holds them (uint8 [N, K / 256 * 210], reordered by `rows`)."""
+    t = torch.from_numpy(np.array(data, dtype=np.uint8).reshape(data.shape[0], -1))
+    return t if rows is None else t[torch.from_numpy(rows)]
+
+
 def int4_overrides(qc: dict[str, Any], quant: QuantConfig) -> dict[str, QuantConfig]:
     """Module name -> the int4 configuration of those modules in a file of int8 blocks (`quant` is the file's:
     int8 -> int4, w8a8 -> w4a8, as the int8 layers quantize activations or not)."""
@@ -65,8 +98,9 @@ def int4_overrides(qc: dict[str, Any], quant: QuantConfig) -> dict[str, QuantCon
 
 def native_config(header: GGUFHeader, arch: str) -> dict[str, Any] | None:
     """The `quantization_config` of a file whose every projection is Q4_0 / Q4_1, or every one of the int8 blocks'
-    types (the head of the same family too, or not: `lm_head`; `converted`: the types re-quantized at load); None
-    when any is another type (then every tensor is dequantized)."""
+    types (the head of the same family too, or not: `lm_head`; `converted`: the types re-quantized at load;
+    `int4_layers` and `q6k_layers`: the modules that run as int4 groups and as the file's Q6_K superblocks); None when
+    any is another type (then every tensor is dequantized)."""
     mats = {t.name: t.ggml_type.name for t in header.tensors if len(t.dims) == 2}
     proj = {ty for name, ty in mats.items() if name not in _EMBEDDINGS and name != "output.weight"}
     family = next((f for f in (GGUF_INT4_TYPES, GGUF_INT8_TYPES) if proj and proj <= f), None)
@@ -75,8 +109,14 @@ def native_config(header: GGUFHeader, arch: str) -> dict[str, Any] | None:
     head = mats.get("output.weight") in family
     types = sorted(proj | ({mats["output.weight"]} if head else set()))
     converted = [t for t in types if t != "Q8_0"] if family is GGUF_INT8_TYPES else []
-    int4 = int4_layers({k: v for k, v in mats.items() if k != "output.weight" or head}) if converted else []
-    return {"quant_method": "gguf", "types": types, "lm_head": head, "converted": converted, "int4_layers": int4}
+    served = {k: v for k, v in mats.items() if k != "output.weight" or head}
+    int4 = int4_layers(served) if converted else []
+    whole = {t.name for t in header.tensors if len(t.dims) == 2 and t.dims[0] % Q6K_SUPERBLOCK == 0}
+    q6k = q6k_layers({k: v for k, v in served.items() if k in whole}, set(served)) if converted else []
+    converted = [t for t in converted if any(ty == t and module_of(k) not in q6k for k, ty in served.items()
+                                             if k not in _EMBEDDINGS)]
+    return {"quant_method": "gguf", "types": types, "lm_head": head, "converted": converted, "int4_layers": int4,
+            "q6k_layers": q6k}
 
 
 def is_native(name: str, ggml_type: str, lm_head: bool) -> bool:

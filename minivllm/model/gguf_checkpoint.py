@@ -324,6 +324,7 @@ def iterate_weights(path: str, native: bool = False) -> Iterator[tuple[str, torc
     symmetric = native_cfg.get("types") == ["Q4_0"]  # its layers store no mins (QuantConfig min_dtype "none")
     int8 = bool(native_cfg) and not set(native_cfg["types"]) <= GGUF_INT4_TYPES  # int8 blocks, some converted
     int4_layers = set(native_cfg.get("int4_layers") or ())  # (in such a file: modules of int4 groups, float32 mins)
+    q6k_layers = set(native_cfg.get("q6k_layers") or ())  # (and modules of Q6_K superblocks as the file holds them)
     extra: dict[str, Any] = {"tensors": {}}  # processors that rename a tensor put it here (GPT-2's output)
     # A mixture's merged gate/up experts: the processor fills one tensor from two of the file's (ffn_gate_exps,
     # ffn_up_exps), so it is yielded once both halves are in (yielded at the first, the up half stayed zeros).
@@ -338,10 +339,13 @@ def iterate_weights(path: str, native: bool = False) -> Iterator[tuple[str, torc
             hf_name = names.get(key or "")
             if hf_name is None or not hf_name.endswith(".weight"):
                 raise ValueError(f"GGUF {path}: {kind} tensor {tensor.name!r} has no projection of the model to run in")
+            prefix = hf_name.removesuffix(".weight")
+            if gguf_blocks.module_of(tensor.name) in q6k_layers:
+                yield prefix + ".qweight", gguf_blocks.q6k_rows(tensor.data, rows)
+                continue
             int4 = gguf_blocks.module_of(tensor.name) in int4_layers
             qweight, scales, mins = gguf_blocks.decode(tensor.name, tensor.data, kind, rows, symmetric,
                                                        int8 and not int4)
-            prefix = hf_name.removesuffix(".weight")
             yield from ((prefix + ".qweight", qweight), (prefix + ".scales", scales))
             if mins is not None:
                 yield prefix + ".mins", mins.float() if int4 else mins

@@ -160,9 +160,10 @@ def measure_layer_conversion(runner: ModelRunner) -> LayerConversion | None:
         return None
     types = tuple(str(t) for t in qc["converted"])
     int4 = sum(m.grouped for m in layers.values())
+    six = sum(isinstance(m, Q6KLinear) for m in model.modules())
     logger.info("GGUF %s: its %s projections converted at load (%d layers as int4 groups of 32, %d as int8 blocks of "
-                "32), in %s math: KL %.2e nats, top-1 %.1f%% against the file's dequantized weights on a %d-token "
-                "probe", path, ", ".join(types), int4, len(layers) - int4,
+                "32; %d run as their Q6_K superblocks), in %s math: KL %.2e nats, top-1 %.1f%% against the file's "
+                "dequantized weights on a %d-token probe", path, ", ".join(types), int4, len(layers) - int4, six,
                 "/".join(sorted({m.method for m in layers.values()})), kl, 100 * top1, PROBE_TOKENS)
     return LayerConversion(types, len(layers), kl, top1)
 

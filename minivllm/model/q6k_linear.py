@@ -39,10 +39,11 @@ def dequantize_q6k(raw: torch.Tensor, in_features: int) -> torch.Tensor:
 class Q6KLinear(PlannedLinear):
     """Q6_K weights [N, K]; `act_blocks`: x quantized per block of 32 to int8 (w8a8's math), else float x."""
 
+    checkpoint_buffers = ("qweight", "bias")  # what a GGUF file's rows fill (models/weights.py)
     qweight: torch.Tensor
     bias: torch.Tensor | None
 
-    def __init__(self, in_features: int, out_features: int, act_blocks: bool) -> None:
+    def __init__(self, in_features: int, out_features: int, act_blocks: bool, bias: bool = False) -> None:
         super().__init__()
         if in_features % SUPERBLOCK:
             raise ValueError(f"Q6_K: {in_features} input features are not whole superblocks of {SUPERBLOCK}")
@@ -51,7 +52,8 @@ class Q6KLinear(PlannedLinear):
         self.method = "w8a8" if act_blocks else "int8"  # (the math's name: 6-bit weights, x int8 or float)
         self.register_buffer("qweight", torch.empty(out_features, in_features // SUPERBLOCK * SUPERBLOCK_BYTES,
                                                     dtype=torch.uint8))
-        self.bias = None
+        # float32 whatever the model dtype: the kernels add it to float32 accumulators.
+        self.register_buffer("bias", torch.empty(out_features, dtype=torch.float32) if bias else None)
         self._gemv: cpu_kernels.GemvWeights | None = None
         self._gemv_a8: cpu_kernels.GemvWeights | None = None  # a weight-only layer's x-in-blocks kernel
         self.kernels = (Q6KLinear.forward_reference,) * len(SHAPE_CLASSES)
@@ -75,12 +77,16 @@ class Q6KLinear(PlannedLinear):
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         """Portable path (any device, any M): dequantize, then a float32 matmul."""
         xf = quantize_blocks_int8(x) if self.act_blocks else x.float()
-        return F.linear(xf, self.dequantize())
+        return F.linear(xf, self.dequantize(), self.bias)
+
+    def _bias(self) -> torch.Tensor | None:
+        return None if self.bias is None else self.bias.float().contiguous()
 
     def gemv_weights(self) -> cpu_kernels.GemvWeights:
         """The superblocks bound for csrc/gemv.c (the native decode stack takes them too)."""
         if self._gemv is None:
-            self._gemv = cpu_kernels.GemvWeights("q6k", self.qweight, self.in_features, act_blocks=self.act_blocks)
+            self._gemv = cpu_kernels.GemvWeights("q6k", self.qweight, self.in_features, bias=self._bias(),
+                                                 act_blocks=self.act_blocks)
         return self._gemv
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
@@ -91,7 +97,8 @@ class Q6KLinear(PlannedLinear):
     def forward_native_a8(self, x: torch.Tensor) -> torch.Tensor:
         """A weight-only layer against x in blocks of 32 (steps of many tokens only: `eligible`)."""
         if self._gemv_a8 is None:
-            self._gemv_a8 = cpu_kernels.GemvWeights("q6k", self.qweight, self.in_features, act_blocks=True)
+            self._gemv_a8 = cpu_kernels.GemvWeights("q6k", self.qweight, self.in_features, bias=self._bias(),
+                                                    act_blocks=True)
         xf = x if x.dtype == torch.float32 else x.float()
         return self._gemv_a8(xf if xf.stride(-1) == 1 else xf.contiguous())
 
