@@ -53,6 +53,25 @@ def hf_model(path: str):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+def gguf_hf_model(path: str):
+    """transformers' float32 reading of a GGUF file (the gguf package's dequantizer)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                dtype=torch.float32).eval()
+
+
+def last_logits_and_hf(runner: ModelRunner, path: str, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """(our runner's last-token logits of ids, transformers' of the GGUF file at path, that HF model)."""
+    from minivllm.model.runner import SequenceInput
+
+    hf = gguf_hf_model(path)
+    ours = runner.execute([SequenceInput(ids, 0, list(range(16)), True)])[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0, -1]
+    return ours, ref, hf
+
+
 def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
     """HF transformers' greedy continuation of exactly n tokens."""
     ids = torch.tensor([prompt_ids])

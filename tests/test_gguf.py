@@ -25,7 +25,7 @@ from minivllm.model.gguf_export import rewrite_gguf
 from minivllm.model.gguf_header import read_header
 from minivllm.model.quantization import QuantizedLinear, unpack_int4
 from minivllm.model.runner import SequenceInput
-from tests.conftest import make_runner
+from tests.conftest import last_logits_and_hf, make_runner
 
 FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-gpt2"]  # Llama's q/k permuted by the converter; GPT-2's transposed
 
@@ -375,7 +375,6 @@ def test_a_head_no_kernel_runs_as_it_is_is_converted_with_its_error_logged(gguf_
     dequantized head; the logits stay close to transformers' reading of the file."""
     import logging
 
-    from transformers import AutoModelForCausalLM
 
     path = str(tmp_path / "q4-head-q8.gguf")
     requantize(gguf_file("tiny-llama", "f32"), path, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0)
@@ -392,11 +391,7 @@ def test_a_head_no_kernel_runs_as_it_is_is_converted_with_its_error_logged(gguf_
     assert f"converted to {head_method} in blocks of 32: KL" in caplog.text
     if method == "int4":  # weight-only int8 head: close to the file's weights run in float32
         ids = get_tokenizer(path).encode(PROMPTS[0] + PROMPTS[2])
-        hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=os.path.basename(path),
-                                                  dtype=torch.float32).eval()
-        ours = runner.execute([SequenceInput(ids, 0, list(range(16)), True)])[0]
-        with torch.no_grad():
-            ref = hf(torch.tensor([ids])).logits[0, -1]
+        ours, ref, _ = last_logits_and_hf(runner, path, ids)
         assert (ours - ref).abs().max().item() < 0.05 * ref.abs().max().item()
         assert ours.argmax() == ref.argmax()
 

@@ -25,7 +25,7 @@ from minivllm.model.gguf_export import rewrite_gguf
 from minivllm.model.q6k_linear import Q6KLinear
 from minivllm.model.quantization import QuantizedLinear
 from minivllm.model.runner import SequenceInput
-from tests.conftest import make_runner
+from tests.conftest import last_logits_and_hf, make_runner
 
 Q = GGMLQuantizationType
 # K-quant blocks of 256 weights: where the block's float16 d (and Q4_K's dmin) sit; everything else is codes and
@@ -216,9 +216,7 @@ def test_a_q6_k_files_projections_run_as_its_superblocks_with_nothing_converted(
     up = np.array(tensors["blk.1.ffn_up.weight"].data)  # the second half of gate_up, as the file holds it
     assert torch.equal(layers[1].mlp.gate_up_proj.qweight[-up.shape[0]:], torch.from_numpy(up))
     ids = get_tokenizer(path).encode(PROMPTS[0] + PROMPTS[2])
-    ours = runner.execute([SequenceInput(ids, 0, list(range(16)), True)])[0]
-    with torch.no_grad():
-        ref = _hf(path)(torch.tensor([ids])).logits[0, -1]
+    ours, ref, _ = last_logits_and_hf(runner, path, ids)
     tol = (1e-4 if method else 0.02) * ref.abs().max().item()
     assert (ours - ref).abs().max().item() < tol and ours.argmax() == ref.argmax()
     if method is None:

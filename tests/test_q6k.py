@@ -157,13 +157,11 @@ def test_a_gguf_files_q6_k_head_runs_as_its_own_superblocks(model_factory, tmp_p
     import logging
 
     from gguf import GGUFReader
-    from transformers import AutoModelForCausalLM
 
     from minivllm import LLM, SamplingParams
     from minivllm.config import ModelConfig
     from minivllm.engine.tokenizer import get_tokenizer
-    from minivllm.model.runner import SequenceInput
-    from tests.conftest import PROMPTS, hf_greedy, make_runner
+    from tests.conftest import PROMPTS, hf_greedy, last_logits_and_hf, make_runner
 
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by the test extra")
     hf_dir = model_factory("tiny-llama", overrides=(("hidden_size", 256), ("tie_word_embeddings", tied)))
@@ -185,11 +183,7 @@ def test_a_gguf_files_q6_k_head_runs_as_its_own_superblocks(model_factory, tmp_p
         return
     assert conv.kl < 1e-9 and conv.top1 == 1.0
     ids = get_tokenizer(path).encode(PROMPTS[0] + PROMPTS[2])
-    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=os.path.basename(path),
-                                              dtype=torch.float32).eval()
-    ours = runner.execute([SequenceInput(ids, 0, list(range(16)), True)])[0]
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0, -1]
+    ours, ref, hf = last_logits_and_hf(runner, path, ids)
     torch.testing.assert_close(ours, ref, atol=1e-4 * ref.abs().max().item(), rtol=0)
     llm = LLM(path, quantization="int4", quantization_kernel="native")
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
