@@ -100,9 +100,12 @@ def test_malformed_rows_are_refused():
 def _build(tmp_path, march: str) -> ctypes.CDLL:
     """csrc/gemv_q6k.c alone for another instruction set (the paths this CPU's own build does not take)."""
     cc = os.environ.get("CC") or shutil.which("gcc")
-    lib = tmp_path / f"q6k_{march}.so"
-    subprocess.run([cc, "-O3", f"-march={march}", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11", "-shared",
-                    os.path.join(CSRC, "gemv_q6k.c"), "-o", str(lib), "-lm"], check=True, capture_output=True)
+    obj, lib = tmp_path / f"q6k_{march}.o", tmp_path / f"q6k_{march}.so"
+    # Compiled and linked apart, as cpu_kernels builds: -ffast-math at link time adds crtfastmath.o, whose
+    # constructor flushes denormals to zero in the loading process (tests/test_sampler.py checks they survive).
+    subprocess.run([cc, "-O3", f"-march={march}", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11", "-c",
+                    os.path.join(CSRC, "gemv_q6k.c"), "-o", str(obj)], check=True, capture_output=True)
+    subprocess.run([cc, "-shared", "-fopenmp", str(obj), "-o", str(lib), "-lm"], check=True, capture_output=True)
     so = ctypes.CDLL(str(lib))
     p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     so.gemv_q6k.argtypes = [p, i64, p, i64, c_int, i64, i64, p, p, c_int, p, c_int]
@@ -123,6 +126,7 @@ def test_other_instruction_sets_compute_the_same(tmp_path, march):
     if march == "x86-64-v3" and not (_cpu_has("avx2") and _cpu_has("fma")):
         pytest.skip("this CPU has no AVX2")
     so = _build(tmp_path, march)
+    assert (torch.tensor(1e-39, dtype=torch.float32) * 1).item() > 0  # (loading it kept denormals)
     k, n = 512, 45
     for act_blocks in (False, True):
         layer = Q6KLinear.from_blocks(_q6k_rows(n, k, 9), k, act_blocks)
