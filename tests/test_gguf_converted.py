@@ -1,7 +1,8 @@
 """GGUF files of the K-quants and 5-bit types (what Q4_K_M / Q5_K_M / Q6_K files hold): a module all of whose parts
-are Q6_K runs as the file's own superblocks (model/q6k_linear.py), one all Q4_K as int4 groups, every other one is
-converted at load to int8 blocks of 32; the error that adds is measured against the file's dequantized weights and
-logged, and the logits stay close to transformers' reading of the same file."""
+are Q6_K, or all Q4_K, runs as the file's own superblocks (model/q6k_linear.py, model/q4k_linear.py), one of Q4_K
+beside Q4_1 as int4 groups, every other one is converted at load to int8 blocks of 32; the error that adds is measured
+against the file's dequantized weights and logged, and the logits stay close to transformers' reading of the same
+file."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from minivllm.config import ModelConfig
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.model.gguf_conversion import PROBE_TOKENS, _divergence
 from minivllm.model.gguf_export import rewrite_gguf
+from minivllm.model.q4k_linear import Q4KLinear
 from minivllm.model.q6k_linear import Q6KLinear
 from minivllm.model.quantization import QuantizedLinear
 from minivllm.model.runner import SequenceInput
@@ -74,6 +76,7 @@ MIXES = {
     "Q4_K_M": {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, r"^output\.": Q.Q6_K, "blk.": Q.Q4_K},
     "Q5_K_M": {"attn_v": Q.Q6_K, r"^output\.": Q.Q6_K, "blk.": Q.Q5_K},
     "Q5_0+Q8_0": {"ffn_": Q.Q5_0, r"^output\.": Q.Q8_0, "blk.": Q.Q5_1},
+    "Q4_K+Q4_1": {"ffn_up": Q.Q4_1, r"^output\.": Q.Q6_K, "blk.": Q.Q4_K},  # gate Q4_K beside up Q4_1: int4 groups
 }
 
 
@@ -94,17 +97,22 @@ def test_k_quant_files_convert_to_int8_blocks_with_their_error_logged(f32_file, 
                              quantization_kernel="native")
     quantized = [m for m in runner.model.modules() if isinstance(m, QuantizedLinear)]
     six = {name for name, m in runner.model.named_modules() if isinstance(m, Q6KLinear)}
-    assert len(quantized) + len(six) == 4 * len(runner.model.layers) + 1  # type: ignore[attr-defined]
-    # Modules whose every part is Q4_K (Q4_K_M's o_proj and gate_up here) run as int4 groups of 32, every part Q6_K
-    # (Q4_K_M's down_proj, the Q6_K heads) as the file's superblocks, weight-only here; the others (q and k beside a
-    # Q6_K v, the 5-bit types) as int8 blocks.
+    four = {name for name, m in runner.model.named_modules() if isinstance(m, Q4KLinear)}
+    assert len(quantized) + len(six) + len(four) == 4 * len(runner.model.layers) + 1  # type: ignore[attr-defined]
+    # Modules whose every part is Q4_K (Q4_K_M's o_proj and gate_up here) or every part Q6_K (Q4_K_M's down_proj, the
+    # Q6_K heads) run as the file's superblocks, weight-only here; Q4_K beside Q4_1 (a gate_up) as int4 groups of 32;
+    # the others (q and k beside a Q6_K v, the 5-bit types) as int8 blocks.
     layers = len(runner.model.layers)  # type: ignore[attr-defined]
-    int4 = {f"layers.{i}.{m}" for i in range(layers) for m in ("self_attn.o_proj", "mlp.gate_up_proj")} \
-        if mix == "Q4_K_M" else set()
-    expected_six = ({f"layers.{i}.mlp.down_proj" for i in range(layers)} if mix == "Q4_K_M" else set()) | \
+    every = {m: {f"layers.{i}.{m}" for i in range(layers)} for m in ("self_attn.qkv_proj", "self_attn.o_proj",
+                                                                      "mlp.gate_up_proj", "mlp.down_proj")}
+    int4 = every["mlp.gate_up_proj"] if mix == "Q4_K+Q4_1" else set()
+    expected_four = {"Q4_K_M": every["self_attn.o_proj"] | every["mlp.gate_up_proj"],
+                     "Q4_K+Q4_1": every["self_attn.qkv_proj"] | every["self_attn.o_proj"] | every["mlp.down_proj"]
+                     }.get(mix, set())
+    expected_six = (every["mlp.down_proj"] if mix == "Q4_K_M" else set()) | \
         ({"lm_head"} if mix != "Q5_0+Q8_0" else set())
-    assert six == expected_six
-    assert not any(runner.model.get_submodule(name).act_blocks for name in six)
+    assert six == expected_six and four == expected_four
+    assert not any(runner.model.get_submodule(name).act_blocks for name in six | four)
     for name, m in runner.model.named_modules():
         if not isinstance(m, QuantizedLinear):
             continue
@@ -113,17 +121,22 @@ def test_k_quant_files_convert_to_int8_blocks_with_their_error_logged(f32_file, 
             assert m.mins.dtype == torch.float32, name
         else:
             assert m.method == "int8" and m.blocked, name
-    if mix == "Q4_K_M":  # each Q4_K sub-block: the file's codes, its min exactly, its scale d * sc in float16
-        raw = {t.name: t for t in GGUFReader(path).tensors}
-        layer = runner.model.layers[0]  # type: ignore[attr-defined]
+    raw = {t.name: t for t in GGUFReader(path).tensors}
+    layer = runner.model.layers[0]  # type: ignore[attr-defined]
+    if mix == "Q4_K_M":  # a Q4_K module holds the file's superblocks: its weights are the file's
         for name, module in (("blk.0.attn_output.weight", layer.self_attn.o_proj),
                              ("blk.0.ffn_up.weight", layer.mlp.gate_up_proj)):
             w = torch.from_numpy(dequantize(np.asarray(raw[name].data), Q.Q4_K).astype(np.float32))
-            rows = slice(module.out_features - w.shape[0], None)  # (up: the second half of gate_up)
-            bound = 15 * module.scales.float().abs().repeat_interleave(32, 1)[rows] * 2 ** -11 + 1e-7
-            assert ((module.dequantize()[rows] - w).abs() <= bound).all(), name
+            assert torch.equal(module.qweight[module.out_features - w.shape[0]:],  # (up: the second half of gate_up)
+                               torch.from_numpy(np.array(raw[name].data)))
+            torch.testing.assert_close(module.dequantize()[module.out_features - w.shape[0]:], w, rtol=1e-6, atol=0)
+    if mix == "Q4_K+Q4_1":  # each Q4_K sub-block of int4 groups: the file's codes, its min exactly, d * sc in float16
+        module = layer.mlp.gate_up_proj
+        w = torch.from_numpy(dequantize(np.asarray(raw["blk.0.ffn_gate.weight"].data), Q.Q4_K).astype(np.float32))
+        bound = 15 * module.scales.float().abs().repeat_interleave(32, 1)[:w.shape[0]] * 2 ** -11 + 1e-7
+        assert ((module.dequantize()[:w.shape[0]] - w).abs() <= bound).all()
     conv = runner.layer_conversion
-    expected = {k.name for k in MIXES[mix].values()} - {"Q8_0"}
+    expected = {k.name for k in MIXES[mix].values()} - {"Q8_0"} - ({"Q6_K"} if mix == "Q4_K+Q4_1" else set())
     assert conv is not None and set(conv.types) == expected and conv.layers == len(quantized)
     # Random K-quant blocks: against the file alone. The 5-bit types, quantized from the float model: the added
     # error is a small share of the file's own (KL from the float32 model's logits on the same probe; the share
@@ -137,15 +150,19 @@ def test_k_quant_files_convert_to_int8_blocks_with_their_error_logged(f32_file, 
         # (> 0: the measurement sees the re-quantization; this random 3-layer model's logits are flat, so a few of the
         # probe's 64 positions are near-ties: 4 flipped with down_proj and the head as Q6_K, 2 with them int8 blocks,
         # while its last logits came 3.4x closer to transformers' reading of the file)
-        assert 1e-7 < conv.kl < 1e-3 and conv.top1 >= 0.9
+        # (int4 groups round only the Q4_K sub-blocks' scales d * sc to float16: KL 6e-10)
+        lower = 1e-11 if mix == "Q4_K+Q4_1" else 1e-7
+        assert lower < conv.kl < 1e-3 and conv.top1 >= 0.9
+    kept = ", ".join(f"{len(names)} as their {t} superblocks" for t, names in (("Q4_K", four), ("Q6_K", six))
+                     if names) or "none as their superblocks"
     assert f"its {', '.join(conv.types)} projections converted at load ({len(int4)} layers as int4 groups of 32, " \
-        f"{len(quantized) - len(int4)} as int8 blocks of 32; {len(six)} run as their Q6_K superblocks)" in caplog.text
+        f"{len(quantized) - len(int4)} as int8 blocks of 32; {kept})" in caplog.text
     # The codes of one converted layer are Q8_0's of the file's dequantized weight (the row order HF's); a Q6_K
     # layer's weights are the file's.
     down = runner.model.layers[0].mlp.down_proj  # type: ignore[attr-defined]
     raw = next(t for t in GGUFReader(path).tensors if t.name == "blk.0.ffn_down.weight")
     w = torch.from_numpy(dequantize(np.asarray(raw.data), raw.tensor_type).astype(np.float32))
-    if isinstance(down, Q6KLinear):
+    if isinstance(down, Q6KLinear | Q4KLinear):
         torch.testing.assert_close(down.dequantize(), w, rtol=1e-6, atol=0)
     else:
         step = down.scales.float().repeat_interleave(32, 1)
@@ -197,20 +214,24 @@ def test_without_memory_for_the_float_copy_the_error_is_not_measured_but_the_fil
     assert torch.isfinite(runner.execute([SequenceInput(ids, 0, list(range(16)), True)])[0]).all()
 
 
+@pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q4_K])
 @pytest.mark.parametrize("method", [None, "int8"])
-def test_a_q6_k_files_projections_run_as_its_superblocks_with_nothing_converted(f32_file, tmp_path, caplog, method):
-    """Every projection Q6_K: each module holds the file's rows (nothing re-quantized, no conversion error to log),
-    against x in blocks of 32 by default (llama.cpp's arithmetic), weight-only on request (then the logits are the
-    file's weights' in float32); int4 is refused."""
-    path = str(tmp_path / "q6k.gguf")
-    write_mixed(f32_file, path, {"blk.": Q.Q6_K, r"^output\.": Q.Q6_K})
+def test_a_k_quant_files_projections_run_as_its_superblocks_with_nothing_converted(f32_file, tmp_path, caplog, method,
+                                                                                   qtype):
+    """Every projection Q6_K (or Q4_K, the head Q6_K): each module holds the file's rows (nothing re-quantized, no
+    conversion error to log), against x in blocks of 32 by default (llama.cpp's arithmetic), weight-only on request
+    (then the logits are the file's weights' in float32); int4 is refused."""
+    path = str(tmp_path / f"{qtype.name}.gguf")
+    write_mixed(f32_file, path, {"blk.": qtype, r"^output\.": Q.Q6_K})
     kw = {"quantization": method} if method else {}
     with caplog.at_level(logging.INFO, logger="minivllm.model.gguf_conversion"):
         runner = make_runner(ModelConfig.from_pretrained(path), 16, quantization_kernel="native", **kw)
     layers = runner.model.layers  # type: ignore[attr-defined]
     projs = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                              layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    assert all(isinstance(m, Q6KLinear) and m.act_blocks == (method is None) for m in [*projs, runner.model.lm_head])
+    cls = Q6KLinear if qtype == Q.Q6_K else Q4KLinear
+    assert all(isinstance(m, cls) and m.act_blocks == (method is None) for m in projs)
+    assert isinstance(runner.model.lm_head, Q6KLinear) and runner.model.lm_head.act_blocks == (method is None)
     assert runner.layer_conversion is None and "converted at load" not in caplog.text
     tensors = {t.name: t for t in GGUFReader(path).tensors}
     up = np.array(tensors["blk.1.ffn_up.weight"].data)  # the second half of gate_up, as the file holds it

@@ -34,8 +34,8 @@ from minivllm.bench.throughput import greedy, hf_batch1, resolve_model, run_engi
 from minivllm.config import EngineArgs, ModelConfig, cpu_count
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.model.layers import Linear
-from minivllm.model.q6k_linear import Q6KLinear
 from minivllm.model.quantization import QuantizedLinear
+from minivllm.model.superblock_linear import SuperblockLinear
 
 
 def add_quantization_args(p: argparse.ArgumentParser) -> None:
@@ -63,7 +63,7 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
     layouts counts once), quantization scales, biases and norms. Embedding rows are a gather, not counted."""
     total = 0
     for m in model.modules():
-        if isinstance(m, QuantizedLinear | Q6KLinear):
+        if isinstance(m, QuantizedLinear | SuperblockLinear):
             total += sum(b.numel() * b.element_size() for b in m.buffers())
         elif isinstance(m, Linear):
             w = m.weight if m.weight is not None else m.packed

@@ -46,12 +46,12 @@ def _cpu_signature() -> str:
 
 
 _SOURCES = ("paged_attention.c", "sampling.c", "gemv.c", "fused_ops.c", "membw.c", "decode_stack.c",
-            "gemv_w4a8.c", "gemm_a8.c", "gemv_q8.c", "gemv_q6k.c", "moe_decode.c", "quantize_rows.c",
+            "gemv_w4a8.c", "gemm_a8.c", "gemv_q8.c", "gemv_q6k.c", "gemv_q4k.c", "moe_decode.c", "quantize_rows.c",
             "greedy_loop.c")
 # included by the sources: copied and hashed with them
 _HEADERS = ("paged_attention.h", "paged_attention_rows.h", "gemv_rows.h", "gemv_m1.h", "gemv_avx2.h",
             "gemv_w4a8_avx2.h", "gemv_avx512.h", "hsum_avx2.h", "simd_width.h", "decode_stack.h",
-            "group_window.h", "stage_rows.h", "q6k_unpack.h")
+            "group_window.h", "stage_rows.h", "q6k_unpack.h", "q4k_unpack.h")
 
 
 @functools.cache
@@ -230,7 +230,9 @@ def logprobs_rows(logits: torch.Tensor, rows: torch.Tensor, chosen: torch.Tensor
 
 _MAX_M = 16  # csrc/gemv.c's rows of x staged per pass
 # q8 / q8a8: int8 in blocks of 32 with float16 scales (GGUF's Q8_0), weight-only / against int8 activations
-GEMV_FORMATS = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3, "w8a8": 4, "w4a8": 5, "q8": 6, "q8a8": 7, "q6k": 8}
+GEMV_FORMATS = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3, "w8a8": 4, "w4a8": 5, "q8": 6, "q8a8": 7, "q6k": 8,
+                "q4k": 9}
+SUPERBLOCK_BYTES = {"q6k": 210, "q4k": 144}  # GGUF's K-quants: bytes a superblock of 256 weights
 _F16_SCALES = 16  # csrc/gemv.c's FMT_F16_SCALES: int4 / w4a8 group scales (and mins) in float16, not bfloat16
 _F32_MINS = 32  # FMT_F32_MINS: int4 / w4a8 group mins in float32
 _SYM_MINS = 64  # FMT_SYM_MINS: no mins stored, each -8 * scale (GGUF's Q4_0)
@@ -256,11 +258,11 @@ class GemvWeights:
             assert mins is None or mins.dtype in (scale.dtype, torch.float32)
             self.fmt |= (_F16_SCALES if scale.dtype == torch.float16 else 0) | \
                 (_SYM_MINS if mins is None else _F32_MINS if mins.dtype == torch.float32 else 0)
-        elif fmt == "q6k":  # Q6_K superblocks as the file holds them (csrc/gemv_q6k.c)
+        elif fmt in SUPERBLOCK_BYTES:  # Q6_K / Q4_K superblocks as the file holds them (csrc/gemv_q6k.c, gemv_q4k.c)
             assert weight.dtype == torch.uint8 and in_features % 256 == 0 and scale is None and mins is None
-            assert weight.shape[1] == in_features // 256 * 210 and group == 0
+            assert weight.shape[1] == in_features // 256 * SUPERBLOCK_BYTES[fmt] and group == 0
         if act_blocks:  # x's blocks of 32 meet the weights' groups: one scale each (csrc/gemv_w4a8.c)
-            assert (fmt, group) in (("w4a8", 32), ("q8a8", 32), ("q6k", 0))
+            assert (fmt, group) in (("w4a8", 32), ("q8a8", 32), ("q6k", 0), ("q4k", 0))
             self.fmt |= _ACT_BLOCKS
         self.tensors = (weight, scale, mins, bias)  # the pointers below stay valid while these live
         self.ptrs = tuple(_ptr(t) for t in self.tensors)

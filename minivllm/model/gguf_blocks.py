@@ -3,13 +3,14 @@ m, w = d * q + m) are the engine's int4 groups of 32 with float16 scale d and mi
 and a block's 16 code bytes are laid out as ours (byte j: code j in the low nibble, code j + 16 in the high); Q8_0
 (d and 32 int8 codes, w = d * q) is the engine's int8 blocks (QuantConfig.int8_blocks, csrc/gemv_q8.c). The codes
 are copied, never re-quantized. A file whose projections mix in the 5- and 6-bit types and the K-quants
-(prequant_config.GGUF_CONVERTED_TYPES: Q4_K_M, Q5_K_M, Q6_K files) has its projections converted at load: a module
-whose every part is Q4_K (or Q4_0 / Q4_1) to int4 groups of 32 (Q4_K's sub-blocks are such groups: its codes,
-scales d * sc rounded to float16, mins -dmin * m), every other one to int8 blocks of 32 (dequantized by the gguf
-package, then quantized to the nearest int8 codes); the error that adds is measured on a probe and logged
-(model/gguf_conversion.py). But a module whose every part is Q6_K of whole superblocks (a Q4_K_M file's ffn_down in
-some layers, its head; every projection of a Q6_K file) is not converted: it runs as the file's own rows
-(model/q6k_linear.py). Other files are dequantized at load (model/gguf_checkpoint.py).
+(prequant_config.GGUF_CONVERTED_TYPES: Q4_K_M, Q5_K_M, Q6_K files) runs each module whose every part is Q4_K, or
+every part Q6_K, as the file's own superblocks (model/q4k_linear.py, model/q6k_linear.py: in a Q4_K_M file all but
+the attention of the layers whose v is Q6_K; its head; every projection of a Q6_K file). It converts the other
+modules at load: those whose parts are Q4_K beside Q4_0 / Q4_1 to int4 groups of 32 (Q4_K's sub-blocks are such
+groups: its codes, scales d * sc rounded to float16, mins -dmin * m), every other one (q and k Q4_K beside a Q6_K v;
+the 5-bit types) to int8 blocks of 32 (dequantized by the gguf package, then quantized to the nearest int8 codes);
+the error that adds is measured on a probe and logged (model/gguf_conversion.py). Other files are dequantized at load
+(model/gguf_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import numpy as np
 import torch
 
 from minivllm.model.gguf_header import GGUFHeader, read_header
-from minivllm.model.q6k_linear import SUPERBLOCK as Q6K_SUPERBLOCK
+from minivllm.model.q4k_linear import Q4KLinear
 from minivllm.model.q6k_linear import Q6KLinear
 from minivllm.model.quantization import QuantizedLinear, pack_int4, quantize_int8_blocks
+from minivllm.model.superblock_linear import SUPERBLOCK, SuperblockLinear
 from minivllm.prequant_config import GGUF_INT4_TYPES, GGUF_INT8_TYPES
 from minivllm.quant_config import QuantConfig
 
@@ -31,7 +33,8 @@ NATIVE_TYPES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # bytes per 32-weight block
 _EMBEDDINGS = ("token_embd.weight", "position_embd.weight", "token_types.weight")
 # In a file of int8 blocks, the types whose 32-weight (sub-)blocks are int4 groups with a scale and a min: a module
 # all of whose parts are these runs on the int4 kernels (Q4_K: scale d * sc rounded to float16, min -dmin * m
-# exact in float32), the others on int8 blocks. Q4_K_M's Q4_K layers keep their 4.5 bits.
+# exact in float32), the others on int8 blocks; but one all Q4_K runs as the file's own superblocks (4.5 bits, not
+# 5.5: SUPERBLOCK_LAYERS).
 INT4_GROUPS = frozenset({"Q4_0", "Q4_1", "Q4_K"})
 # GGUF projection names -> the module of the engine's decoder layer (models/decoder.py) each runs in.
 _MODULES = {"attn_q": "self_attn.qkv_proj", "attn_k": "self_attn.qkv_proj", "attn_v": "self_attn.qkv_proj",
@@ -59,31 +62,38 @@ def int4_layers(mats: dict[str, str]) -> list[str]:
     return sorted(m for m, types in parts.items() if types <= INT4_GROUPS)
 
 
-def q6k_layers(mats: dict[str, str], names: set[str]) -> list[str]:
-    """The modules whose every part (of `names`, a file's served projections) is Q6_K of whole superblocks (`mats`:
-    those): they run as the file holds them (model/q6k_linear.py)."""
+# The K-quants that run as the file's own superblocks, and the config key naming each one's modules.
+SUPERBLOCK_LAYERS: dict[str, tuple[str, type[SuperblockLinear]]] = {
+    "Q6_K": ("q6k_layers", Q6KLinear), "Q4_K": ("q4k_layers", Q4KLinear)}
+
+
+def superblock_layers(mats: dict[str, str], names: set[str], ggml_type: str) -> list[str]:
+    """The modules whose every part (of `names`, a file's served projections) is `ggml_type` of whole superblocks
+    (`mats`: those): they run as the file holds them (model/superblock_linear.py)."""
     parts: dict[str, set[str]] = {}
     for name in names:
         module = module_of(name)
         if module is not None:
             parts.setdefault(module, set()).add(mats.get(name, ""))
-    return sorted(m for m, types in parts.items() if types == {"Q6_K"})
+    return sorted(m for m, types in parts.items() if types == {ggml_type})
 
 
-def place_q6k_layers(model: torch.nn.Module, qc: dict[str, Any], quant: QuantConfig) -> None:
-    """Swap the (empty, to-be-loaded) layers `qc` names in `q6k_layers` for Q6_K ones: weight-only beside int8 layers,
-    against x in blocks beside w8a8 ones."""
-    for name in qc.get("q6k_layers") or ():
-        parent, _, child = name.rpartition(".")
-        old = model.get_submodule(name)
-        assert isinstance(old, QuantizedLinear)  # (quantize_model's, empty)
-        new = Q6KLinear(old.in_features, old.out_features, quant.method == "w8a8", old.bias is not None)
-        new.routed = getattr(old, "routed", False)
-        setattr(model.get_submodule(parent) if parent else model, child, new)
+def place_superblock_layers(model: torch.nn.Module, qc: dict[str, Any], quant: QuantConfig) -> None:
+    """Swap the (empty, to-be-loaded) layers `qc` names in `q6k_layers` / `q4k_layers` for Q6_K / Q4_K ones:
+    weight-only beside int8 layers, against x in blocks beside w8a8 ones."""
+    for key, cls in SUPERBLOCK_LAYERS.values():
+        for name in qc.get(key) or ():
+            parent, _, child = name.rpartition(".")
+            old = model.get_submodule(name)
+            assert isinstance(old, QuantizedLinear)  # (quantize_model's, empty)
+            new = cls(old.in_features, old.out_features, quant.method == "w8a8", old.bias is not None)
+            new.routed = getattr(old, "routed", False)
+            setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
-def q6k_rows(data: np.ndarray, rows: np.ndarray | None) -> torch.Tensor:
-    """A Q6_K tensor's rows as the layer holds them (uint8 [N, K / 256 * 210], reordered by `rows`)."""
+def superblock_rows(data: np.ndarray, rows: np.ndarray | None) -> torch.Tensor:
+    """A K-quant tensor's rows as the layer holds them (uint8 [N, K / 256 * superblock bytes], reordered by
+    `rows`)."""
     t = torch.from_numpy(np.array(data, dtype=np.uint8).reshape(data.shape[0], -1))
     return t if rows is None else t[torch.from_numpy(rows)]
 
@@ -99,8 +109,8 @@ def int4_overrides(qc: dict[str, Any], quant: QuantConfig) -> dict[str, QuantCon
 def native_config(header: GGUFHeader, arch: str) -> dict[str, Any] | None:
     """The `quantization_config` of a file whose every projection is Q4_0 / Q4_1, or every one of the int8 blocks'
     types (the head of the same family too, or not: `lm_head`; `converted`: the types re-quantized at load;
-    `int4_layers` and `q6k_layers`: the modules that run as int4 groups and as the file's Q6_K superblocks); None when
-    any is another type (then every tensor is dequantized)."""
+    `int4_layers`, `q6k_layers` and `q4k_layers`: the modules that run as int4 groups and as the file's Q6_K and Q4_K
+    superblocks); None when any is another type (then every tensor is dequantized)."""
     mats = {t.name: t.ggml_type.name for t in header.tensors if len(t.dims) == 2}
     proj = {ty for name, ty in mats.items() if name not in _EMBEDDINGS and name != "output.weight"}
     family = next((f for f in (GGUF_INT4_TYPES, GGUF_INT8_TYPES) if proj and proj <= f), None)
@@ -110,13 +120,16 @@ def native_config(header: GGUFHeader, arch: str) -> dict[str, Any] | None:
     types = sorted(proj | ({mats["output.weight"]} if head else set()))
     converted = [t for t in types if t != "Q8_0"] if family is GGUF_INT8_TYPES else []
     served = {k: v for k, v in mats.items() if k != "output.weight" or head}
-    int4 = int4_layers(served) if converted else []
-    whole = {t.name for t in header.tensors if len(t.dims) == 2 and t.dims[0] % Q6K_SUPERBLOCK == 0}
-    q6k = q6k_layers({k: v for k, v in served.items() if k in whole}, set(served)) if converted else []
-    converted = [t for t in converted if any(ty == t and module_of(k) not in q6k for k, ty in served.items()
+    rows_whole = {t.name for t in header.tensors if len(t.dims) == 2 and t.dims[0] % SUPERBLOCK == 0}
+    whole = {k: v for k, v in served.items() if k in rows_whole}
+    blocks = {key: superblock_layers(whole, set(served), ty) if converted else []
+              for ty, (key, _) in SUPERBLOCK_LAYERS.items()}
+    own = {m for layers in blocks.values() for m in layers}
+    int4 = [m for m in int4_layers(served) if m not in own] if converted else []
+    converted = [t for t in converted if any(ty == t and module_of(k) not in own for k, ty in served.items()
                                              if k not in _EMBEDDINGS)]
     return {"quant_method": "gguf", "types": types, "lm_head": head, "converted": converted, "int4_layers": int4,
-            "q6k_layers": q6k}
+            **blocks}
 
 
 def is_native(name: str, ggml_type: str, lm_head: bool) -> bool:

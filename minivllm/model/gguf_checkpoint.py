@@ -324,7 +324,8 @@ def iterate_weights(path: str, native: bool = False) -> Iterator[tuple[str, torc
     symmetric = native_cfg.get("types") == ["Q4_0"]  # its layers store no mins (QuantConfig min_dtype "none")
     int8 = bool(native_cfg) and not set(native_cfg["types"]) <= GGUF_INT4_TYPES  # int8 blocks, some converted
     int4_layers = set(native_cfg.get("int4_layers") or ())  # (in such a file: modules of int4 groups, float32 mins)
-    q6k_layers = set(native_cfg.get("q6k_layers") or ())  # (and modules of Q6_K superblocks as the file holds them)
+    # (and modules of Q6_K and Q4_K superblocks as the file holds them)
+    superblocks = {m for key, _ in gguf_blocks.SUPERBLOCK_LAYERS.values() for m in native_cfg.get(key) or ()}
     extra: dict[str, Any] = {"tensors": {}}  # processors that rename a tensor put it here (GPT-2's output)
     # A mixture's merged gate/up experts: the processor fills one tensor from two of the file's (ffn_gate_exps,
     # ffn_up_exps), so it is yielded once both halves are in (yielded at the first, the up half stayed zeros).
@@ -340,8 +341,8 @@ def iterate_weights(path: str, native: bool = False) -> Iterator[tuple[str, torc
             if hf_name is None or not hf_name.endswith(".weight"):
                 raise ValueError(f"GGUF {path}: {kind} tensor {tensor.name!r} has no projection of the model to run in")
             prefix = hf_name.removesuffix(".weight")
-            if gguf_blocks.module_of(tensor.name) in q6k_layers:
-                yield prefix + ".qweight", gguf_blocks.q6k_rows(tensor.data, rows)
+            if gguf_blocks.module_of(tensor.name) in superblocks:
+                yield prefix + ".qweight", gguf_blocks.superblock_rows(tensor.data, rows)
                 continue
             int4 = gguf_blocks.module_of(tensor.name) in int4_layers
             qweight, scales, mins = gguf_blocks.decode(tensor.name, tensor.data, kind, rows, symmetric,

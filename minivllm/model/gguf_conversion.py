@@ -12,10 +12,10 @@ prompt, the file's
 dequantized head as the reference (KL of the logits and top-1 agreement), and logged: the conversion is never
 silent.
 
-A file whose projections were converted at load (model/gguf_blocks.py: Q4_K modules to int4 groups, the other
-K-quants and the 5-bit types to int8 blocks) has the whole model's error measured the same way: the probe in each
-layer's exact math against the same model with every quantized layer computing with the file's dequantized
-weights.
+A file whose projections were converted at load (model/gguf_blocks.py: modules mixing Q4_K with Q4_0 / Q4_1 to int4
+groups, those mixing K-quants and the 5-bit types to int8 blocks) has the whole model's error measured the same way:
+the probe in each layer's exact math against the same model with every quantized layer computing with the file's
+dequantized weights.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ from minivllm.model import cpu_kernels, gguf_blocks
 from minivllm.model.input_batch import SequenceInput
 from minivllm.model.kernel_plan import KernelPlan, plan_kernels
 from minivllm.model.layers import Linear
-from minivllm.model.q6k_linear import SUPERBLOCK, SUPERBLOCK_BYTES, Q6KLinear
+from minivllm.model.q6k_linear import SUPERBLOCK_BYTES, Q6KLinear
 from minivllm.model.quantization import QuantizedLinear
+from minivllm.model.superblock_linear import SUPERBLOCK, SuperblockLinear
 from minivllm.quant_config import QuantConfig
 
 if TYPE_CHECKING:
@@ -160,10 +161,14 @@ def measure_layer_conversion(runner: ModelRunner) -> LayerConversion | None:
         return None
     types = tuple(str(t) for t in qc["converted"])
     int4 = sum(m.grouped for m in layers.values())
-    six = sum(isinstance(m, Q6KLinear) for m in model.modules())
+    own: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, SuperblockLinear):
+            own[m.type_name] = own.get(m.type_name, 0) + 1
+    kept = ", ".join(f"{n} as their {t} superblocks" for t, n in sorted(own.items())) or "none as their superblocks"
     logger.info("GGUF %s: its %s projections converted at load (%d layers as int4 groups of 32, %d as int8 blocks of "
-                "32; %d run as their Q6_K superblocks), in %s math: KL %.2e nats, top-1 %.1f%% against the file's "
-                "dequantized weights on a %d-token probe", path, ", ".join(types), int4, len(layers) - int4, six,
+                "32; %s), in %s math: KL %.2e nats, top-1 %.1f%% against the file's dequantized weights on a %d-token "
+                "probe", path, ", ".join(types), int4, len(layers) - int4, kept,
                 "/".join(sorted({m.method for m in layers.values()})), kl, 100 * top1, PROBE_TOKENS)
     return LayerConversion(types, len(layers), kl, top1)
 

@@ -115,7 +115,7 @@ def load_model(mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_mo
                 quantize_model(model, quant, materialize=False, overrides=gguf_blocks.int4_overrides(
                     mc.hf_config["quantization_config"], quant) if native and gguf else None)
                 if native and gguf:
-                    gguf_blocks.place_q6k_layers(model, mc.hf_config["quantization_config"], quant)
+                    gguf_blocks.place_superblock_layers(model, mc.hf_config["quantization_config"], quant)
     finally:
         torch.set_default_dtype(prev)
     model.to_empty(device=device)

@@ -33,10 +33,10 @@ from minivllm.model.layers import Linear, onednn_linear_available
 from minivllm.model.loader import load_model
 from minivllm.model.lora import LoRAModelManager, build_mapping
 from minivllm.model.models import get_model_class, kv_windows
-from minivllm.model.q6k_linear import Q6KLinear
 from minivllm.model.quantization import QuantizedLinear, check_device
 from minivllm.model.stack_plan import plan_classes_with_stack
 from minivllm.model.step_sampling import RunnerOutput, SamplingRequest, StepSampler
+from minivllm.model.superblock_linear import SuperblockLinear
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class ModelRunner:
         self.linear_kernels = self.linear_plan.names
         for m in linears:
             m.release_unused()
-        quantized = [m for m in self.model.modules() if isinstance(m, QuantizedLinear | Q6KLinear)]
+        quantized = [m for m in self.model.modules() if isinstance(m, QuantizedLinear | SuperblockLinear)]
         self.quant_plans = plan_kinds(quantized, ms.quantization_kernel, f"quantization {quant and quant.method}",
                                       dtype)  # (a plan per kind: a GGUF file's int4 layers beside int8 blocks)
         self.quant_kernels = self.quant_plans[0].names

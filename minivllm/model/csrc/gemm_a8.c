@@ -16,6 +16,8 @@
  * GGUF's Q6_K superblocks against x in blocks (csrc/gemv_q6k.c's q6ka8) too: each tile's rows unpacked to their
  * codes (0..63) as int8 blocks are laid out, a float scale d * sc per 16 weights (a block's low and high halves: two
  * int32 sums, each converted and scaled), the -32 of every code joining through x's sums per 16 (xo, as the rows).
+ * GGUF's Q4_K superblocks (csrc/gemv_q4k.c's q4ka8) are int4 groups of 32 once unpacked: each tile's rows repacked
+ * to the int4 blocks' nibble order, their float scales d * sc and mins -dmin * m, then the int4 tiles as they are.
  *
  * Panel layout (TILES tiles of NR rows): wt[t][b][j][r] (uint32: bytes 4j .. 4j + 3 of block b of row r; int4: low
  * nibbles q[4j .. 4j + 3], high nibbles q[16 + 4j ..], j < 4; int8: q[4j ..], j < 8), sc[t][g][r] and mn[t][g][r]
@@ -37,6 +39,7 @@
 #define MR 8    /* rows of x per register block */
 #include "gemv_rows.h"
 #include "q6k_unpack.h"
+#include "q4k_unpack.h"
 
 /* csrc/gemv_w4a8.c: one row of x quantized and staged; returns its scale. */
 float w4a8_stage_row(const float *xr, int64_t K, int64_t G, int8_t *dst, int64_t Kx, float *xg, int64_t ngp,
@@ -49,6 +52,7 @@ typedef struct {
     const void *mins;
     int f16, f32mins, sym, dpb; /* dpb: dwords a block (4: int4, 8: int8 and Q6_K) */
     int q6k;                    /* Q6_K superblocks: ng = K / 16 scales a row, no mins */
+    int q4k;                    /* Q4_K superblocks: ng = K / 32 scales and mins a row, as float */
     float min_mult;             /* sym: the mins are min_mult * scale (-8 int4, -128 int8) */
     int64_t N, nb, ng;          /* weight rows, 32-weight blocks and groups a row */
 } Weights;
@@ -156,6 +160,44 @@ static void repack_tile_q6k(const Weights *W, int64_t n0, uint8_t *rows_buf, uin
     }
 }
 
+/* Rows n0 .. n0 + NR - 1 of Q4_K superblocks into one tile of int4 blocks: each row's sub-blocks repacked into
+ * `rows_buf` (NR x K / 2 bytes; byte t of a block: code t low, code 16 + t high, as the int4 layout), then
+ * transposed as repack_tile's; d * sc to sc[g][r], -dmin * m to mn[g][r]. */
+static void repack_tile_q4k(const Weights *W, int64_t n0, uint8_t *rows_buf, uint32_t *wt, float *sc, float *mn) {
+    const int64_t rows = W->N - n0 < NR ? W->N - n0 : NR, K = W->nb * 32, nsb = K / 256, nd = K / 8;
+    uint32_t sm[4];
+    for (int r = 0; r < NR; r++)
+        for (int64_t sb = 0; sb < nsb; sb++) {
+            uint8_t *dst = rows_buf + r * (K / 2) + 128 * sb;
+            float *s = sc + 8 * sb * NR + r, *m = mn + 8 * sb * NR + r;
+            if (r >= rows) {
+                memset(dst, 0, 128);
+                for (int j = 0; j < 8; j++) s[j * NR] = m[j * NR] = 0.f;
+                continue;
+            }
+            const uint8_t *b = W->w + ((n0 + r) * nsb + sb) * Q4K_BYTES, *qs = b + 16;
+            for (int c = 0; c < 4; c++) /* chunk c: sub-block 2c in the low nibbles, 2c + 1 in the high */
+                for (int t = 0; t < 16; t++) {
+                    const uint8_t lo = qs[32 * c + t], hi = qs[32 * c + 16 + t];
+                    dst[32 * c + t] = (uint8_t)((lo & 15) | (hi << 4));
+                    dst[32 * c + 16 + t] = (uint8_t)((lo >> 4) | (hi & 0xF0));
+                }
+            q4k_scales(b, sm);
+            const uint8_t *v = (const uint8_t *)sm;
+            const float d = q4_half(b), dmin = q4_half(b + 2);
+            for (int j = 0; j < 8; j++) {
+                s[j * NR] = d * (float)v[j];
+                m[j * NR] = -dmin * (float)v[8 + j];
+            }
+        }
+    __m512i v[16];
+    for (int64_t i0 = 0; i0 < nd; i0 += 16) { /* (K a multiple of 256: whole runs of 16 dwords) */
+        for (int r = 0; r < NR; r++) v[r] = _mm512_loadu_si512((const void *)(rows_buf + r * (K / 2) + i0 * 4));
+        transpose16(v);
+        for (int c = 0; c < 16; c++) _mm512_store_si512((void *)(wt + (i0 + c) * NR), v[c]);
+    }
+}
+
 #include "group_window.h" /* high_nibbles */
 
 static inline __attribute__((always_inline)) __m512i bcast4(const int8_t *p) {
@@ -237,13 +279,13 @@ static inline __attribute__((always_inline)) void tile_rows_q6k(float *out, int6
 
 #ifdef GEMM_A8
 /* y = x W^T + bias for M rows of float32 x, all staged at once in a buffer of its own; q8: 1 int8 blocks (G 32,
- * float16 scales, no mins), 2 Q6_K superblocks (G 32: x's blocks; K a multiple of 256), else int4 groups. Returns 0
- * where it runs out of memory. */
+ * float16 scales, no mins), 2 Q6_K superblocks (G 32: x's blocks; K a multiple of 256), 3 Q4_K superblocks (the
+ * same), else int4 groups. Returns 0 where it runs out of memory. */
 static int gemm_tiles(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N,
                       const void *w, const void *scale, const void *mins, int64_t G, int halves, const float *bias,
                       int num_threads, const int q8) {
     const int64_t Kp = (K + G - 1) / G * G, ng = Kp / G, ngp = (ng + 15) / 16 * 16, Kx = (Kp + 127) / 128 * 128;
-    const int ablk = (halves >> 3) & 1, q6 = q8 == 2;
+    const int ablk = (halves >> 3) & 1, q6 = q8 == 2, q4 = q8 == 3;
     const int64_t K16 = q6 ? Kp / 16 : 0; /* Q6_K: xo, a float per 16 of x */
     /* staged x: scales, group sums, (block scales), codes, (xo) */
     const size_t stage_bytes = (size_t)M * ((1 + (1 + ablk) * ngp + K16) * sizeof(float) + Kx);
@@ -253,12 +295,13 @@ static int gemm_tiles(float *out, int64_t ldo, const float *x, int64_t ldx, int 
     int8_t *xq = (int8_t *)(xg + (int64_t)M * (1 + ablk) * ngp);
     float *xo = (float *)(xq + (int64_t)M * Kx);
     const Weights W = {.w = (const uint8_t *)w, .scale = (const uint16_t *)scale, .mins = mins, .f16 = halves & 1,
-                       .f32mins = (halves >> 1) & 1, .sym = (halves >> 2) & 1, .dpb = q8 ? 8 : 4,
+                       .f32mins = (halves >> 1) & 1, .sym = (halves >> 2) & 1, .dpb = q8 && !q4 ? 8 : 4,
                        .min_mult = q8 ? -128.f : -8.f, .N = N, .nb = Kp / 32, .ng = q6 ? Kp / 16 : ng,
-                       .q6k = q6};
+                       .q6k = q6, .q4k = q4};
     const int64_t panel_rows = TILES * NR, panels = (N + panel_rows - 1) / panel_rows;
     const size_t wt_bytes = (size_t)TILES * W.nb * W.dpb * NR * 4, sc_bytes = (size_t)TILES * W.ng * NR * sizeof(float);
-    const size_t rows_bytes = q6 ? (size_t)NR * Kp : 0; /* a Q6_K tile's codes, unpacked before transposing */
+    /* a Q6_K (Q4_K) tile's codes, unpacked (repacked) before transposing */
+    const size_t rows_bytes = q6 ? (size_t)NR * Kp : q4 ? (size_t)NR * Kp / 2 : 0;
     int failed = 0;
     int64_t next = 0;
 #pragma omp parallel num_threads(num_threads)
@@ -292,6 +335,9 @@ static int gemm_tiles(float *out, int64_t ldo, const float *x, int64_t ldx, int 
                     if (q6)
                         repack_tile_q6k(&W, n0 + tt * NR, (uint8_t *)(mn + TILES * W.ng * NR),
                                         wt + tt * W.nb * W.dpb * NR, sc + tt * W.ng * NR);
+                    else if (q4)
+                        repack_tile_q4k(&W, n0 + tt * NR, (uint8_t *)(mn + TILES * W.ng * NR),
+                                        wt + tt * W.nb * W.dpb * NR, sc + tt * ng * NR, mn + tt * ng * NR);
                     else
                         repack_tile(&W, n0 + tt * NR, wt + tt * W.nb * W.dpb * NR, sc + tt * ng * NR,
                                     mn + tt * ng * NR);
@@ -307,7 +353,7 @@ static int gemm_tiles(float *out, int64_t ldo, const float *x, int64_t ldx, int 
 #define TILE(c) if (q6) tile_rows_q6k(o, ldo, xq + m0 * Kx, Kx, xbm, ngp, xo + m0 * K16, K16, wtt, sct, W.nb, c, \
                                      bt, keep); \
                 else tile_rows(o, ldo, xq + m0 * Kx, Kx, xs + m0, xg + m0 * ngp, xbm, ngp, wtt, sct, mnt, ng, \
-                               (int)(G / 32), c, q8, bt, keep)
+                               (int)(G / 32), c, q8 == 1, bt, keep)
                         switch (mr) {
                         case 1: TILE(1); break;
                         case 2: TILE(2); break;
@@ -354,6 +400,17 @@ int gemm_q8a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64
 #else
     (void)out, (void)ldo, (void)x, (void)ldx, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)bias, (void)ablk;
     (void)num_threads;
+    return 0;
+#endif
+}
+
+/* The same for GGUF's Q4_K superblocks against x in blocks of 32 (gemv_q4k's q4ka8; K a multiple of 256). */
+int gemm_q4k(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, const void *w,
+             const float *bias, int num_threads) {
+#ifdef GEMM_A8
+    return gemm_tiles(out, ldo, x, ldx, M, K, N, w, NULL, NULL, 32, 8, bias, num_threads, 3);
+#else
+    (void)out, (void)ldo, (void)x, (void)ldx, (void)M, (void)K, (void)N, (void)w, (void)bias, (void)num_threads;
     return 0;
 #endif
 }

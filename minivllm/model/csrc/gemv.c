@@ -24,6 +24,7 @@
  *          (csrc/gemv_q8.c), | FMT_ACT_BLOCKS: x's blocks of 32 each their own scale.
  *   q6k    w [N, K / 256 * 210] uint8: GGUF's Q6_K superblocks as the file holds them (csrc/gemv_q6k.c; K a
  *          multiple of 256), weight-only, | FMT_ACT_BLOCKS: against x in blocks of 32.
+ *   q4k    w [N, K / 256 * 144] uint8: GGUF's Q4_K superblocks as the file holds them (csrc/gemv_q4k.c), the same.
  *
  * Each thread walks its share of N one weight row at a time, with two accumulators per row of x so the FMA
  * chains overlap; at one token the float formats take four or eight weight rows per pass instead (each load of
@@ -306,7 +307,7 @@ INLINE void w8a8_row(float *out, int64_t ldo, const int8_t *xq, const float *xs,
 float quantize_row_s8(const float *xr, int64_t K, int8_t *xq);
 
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_INT8 = 2, FMT_INT4 = 3, FMT_W8A8 = 4, FMT_W4A8 = 5, FMT_Q8 = 6, FMT_Q8A8 = 7,
-       FMT_Q6K = 8,
+       FMT_Q6K = 8, FMT_Q4K = 9,
        FMT_F16_SCALES = 16, FMT_F32_MINS = 32, FMT_SYM_MINS = 64, FMT_ACT_BLOCKS = 128 };
 
 /* csrc/gemv_w4a8.c */
@@ -323,10 +324,15 @@ int gemm_q8a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64
               const void *scale, const float *bias, int ablk, int num_threads);
 int gemm_q6k(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, const void *w,
              const float *bias, int num_threads);
+int gemm_q4k(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, const void *w,
+             const float *bias, int num_threads);
 /* Q6_K's rows convert and scale every 64 codes for each row of x, its tiles (two conversions a block) every 16 weight
  * rows: the 1B head (128256 x 2048, a Zen 4 EPYC, 2 threads) ran 8 / 12 / 16 rows of x in ~20 / ~30 / 40.7 ms as
  * rows, 26.0 / 30.1 / 33.4 as tiles. */
 #define Q6K_GEMM_MIN_M 12
+/* Q4_K's: the tiles' speed over the rows' on a 1B layer's four shapes (Zen 4 EPYC, 2 threads, 7 interleaved rounds)
+ * 0.90 / 1.03 / 1.09 at 12 / 14 / 16 rows of x */
+#define Q4K_GEMM_MIN_M 14
 #ifndef GEMM_A8_MIN_M /* below it the rows win: the tiles' repacking costs as much as 2-8 rows of x (1B shapes) */
 #define GEMM_A8_MIN_M 17
 #endif
@@ -336,6 +342,9 @@ void gemv_q8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_
 
 /* csrc/gemv_q6k.c: GGUF's Q6_K superblocks, weight-only or against x in blocks of 32 (a8) */
 void gemv_q6k(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, const void *w,
+              const float *bias, int a8, float *scratch, int num_threads);
+/* csrc/gemv_q4k.c: GGUF's Q4_K superblocks, the same */
+void gemv_q4k(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, const void *w,
               const float *bias, int a8, float *scratch, int num_threads);
 
 /*
@@ -362,12 +371,17 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
     if (fmt == FMT_Q6K && (halves >> 3) & 1 && M >= Q6K_GEMM_MIN_M &&
         gemm_q6k(out, ldo, x, ldx, M, K, N, w, bias, num_threads))
         return;
+    if (fmt == FMT_Q4K && (halves >> 3) & 1 && M >= Q4K_GEMM_MIN_M &&
+        gemm_q4k(out, ldo, x, ldx, M, K, N, w, bias, num_threads))
+        return;
     for (int m0 = 0; m0 < M; m0 += MAX_M) {
         int mm = M - m0 < MAX_M ? M - m0 : MAX_M;
         const float *xm = x + m0 * ldx;
         float *o = out + m0 * ldo;
         if (fmt == FMT_Q6K) {
             gemv_q6k(o, ldo, xm, ldx, mm, K, N, w, bias, (halves >> 3) & 1, scratch, num_threads);
+        } else if (fmt == FMT_Q4K) {
+            gemv_q4k(o, ldo, xm, ldx, mm, K, N, w, bias, (halves >> 3) & 1, scratch, num_threads);
         } else if (fmt == FMT_Q8 || fmt == FMT_Q8A8) {
             const int a8 = fmt == FMT_Q8A8 ? 1 + ((halves >> 3) & 1) : 0; /* 2: x in blocks of 32 */
             gemv_q8(o, ldo, xm, ldx, mm, K, N, w, scale, bias, a8, scratch, num_threads);

@@ -1,6 +1,7 @@
-"""GGUF's Q6_K run from its own superblocks (model/q6k_linear.py, csrc/gemv_q6k.c): the dequantizer equals the
-`gguf` package's, and every kernel path (AVX-512 VNNI, AVX2, portable) computes the weight-only and the x-in-blocks
-math of those weights."""
+"""GGUF's Q6_K and Q4_K run from their own superblocks (model/q6k_linear.py, model/q4k_linear.py, csrc/gemv_q6k.c,
+csrc/gemv_q4k.c, csrc/gemm_a8.c's tiles): the dequantizers equal the `gguf` package's, every kernel path (AVX-512
+VNNI rows and tiles, AVX2, portable) computes the weight-only and the x-in-blocks math of those weights, and
+llama.cpp's own files load them as they are."""
 
 from __future__ import annotations
 
@@ -14,44 +15,54 @@ import pytest
 import torch
 
 from minivllm.model import cpu_kernels
-from minivllm.model.q6k_linear import SUPERBLOCK_BYTES, Q6KLinear, dequantize_q6k
+from minivllm.model.q4k_linear import Q4KLinear
+from minivllm.model.q6k_linear import Q6KLinear
 from minivllm.model.quantization import quantize_blocks_int8
+from minivllm.model.superblock_linear import SuperblockLinear
 
 CSRC = os.path.join(os.path.dirname(cpu_kernels.__file__), "csrc")
 
 
-def _q6k_rows(n: int, k: int, seed: int) -> np.ndarray:
-    """n rows of random Q6_K superblocks (every code 0..63, scales -128..127) with finite float16 d."""
+TYPES = [Q6KLinear, Q4KLinear]
+# where each type's float16 d (and Q4_K's dmin) sit in a superblock; every other bit pattern is valid codes and scales
+_D_OFFSETS = {Q6KLinear: (208,), Q4KLinear: (0, 2)}
+
+
+def _rows(cls: type[SuperblockLinear], n: int, k: int, seed: int) -> np.ndarray:
+    """n rows of random superblocks of the type (every code and sub-block scale) with finite float16 d (dmin)."""
     rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (n, k // 256, SUPERBLOCK_BYTES), dtype=np.uint8)
-    raw[:, :, 208:210] = rng.uniform(1e-3, 4e-3, (n, k // 256)).astype(np.float16).view(np.uint8).reshape(
-        n, k // 256, 2)
+    raw = rng.integers(0, 256, (n, k // 256, cls.row_bytes(256)), dtype=np.uint8)
+    for off in _D_OFFSETS[cls]:
+        raw[:, :, off:off + 2] = rng.uniform(1e-3, 4e-3, (n, k // 256)).astype(np.float16).view(np.uint8).reshape(
+            n, k // 256, 2)
     return raw.reshape(n, -1)
 
 
-def test_dequantizer_equals_the_gguf_package():
+@pytest.mark.parametrize("cls", TYPES)
+def test_dequantizer_equals_the_gguf_package(cls):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    raw = _q6k_rows(7, 512, 0)
-    ref = np.asarray(dequantize(raw, GGMLQuantizationType.Q6_K), dtype=np.float32)
-    got = dequantize_q6k(torch.from_numpy(raw), 512).numpy()
+    raw = _rows(cls, 7, 512, 0)
+    ref = np.asarray(dequantize(raw, GGMLQuantizationType[cls.type_name]), dtype=np.float32)
+    got = cls.dequantize_rows(torch.from_numpy(raw), 512).numpy()
     assert got.shape == ref.shape == (7, 512)
     np.testing.assert_allclose(got, ref, rtol=1e-6, atol=0)
 
 
-def _expected(layer: Q6KLinear, x: torch.Tensor) -> torch.Tensor:
+def _expected(layer: SuperblockLinear, x: torch.Tensor) -> torch.Tensor:
     xr = quantize_blocks_int8(x) if layer.act_blocks else x
     return xr.double() @ layer.dequantize().double().t()
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no native kernels")
+@pytest.mark.parametrize("cls", TYPES)
 @pytest.mark.parametrize("act_blocks", [False, True])
 @pytest.mark.parametrize("k,n", [(256, 37), (768, 300)])
-@pytest.mark.parametrize("m", [1, 3, 5, 11, 12, 21, 70])  # (from 12 rows with x in blocks: the tiles)
+@pytest.mark.parametrize("m", [1, 3, 5, 11, 12, 14, 21, 70])  # (x in blocks: the tiles from 12 rows, Q4_K's from 14)
 @pytest.mark.parametrize("threads", [1, 3])
-def test_native_kernel_computes_the_layers_math(act_blocks, k, n, m, threads):
-    layer = Q6KLinear.from_blocks(_q6k_rows(n, k, k + n), k, act_blocks)
+def test_native_kernel_computes_the_layers_math(cls, act_blocks, k, n, m, threads):
+    layer = cls.from_blocks(_rows(cls, n, k, k + n), k, act_blocks)
     x = torch.randn(m, k) * torch.linspace(0.1, 3.0, k)  # blocks of x at different scales
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -67,48 +78,52 @@ def test_native_kernel_computes_the_layers_math(act_blocks, k, n, m, threads):
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no native kernels")
-def test_strided_x_and_the_planned_forward():
-    layer = Q6KLinear.from_blocks(_q6k_rows(64, 512, 3), 512, True)
+@pytest.mark.parametrize("cls", TYPES)
+def test_strided_x_and_the_planned_forward(cls):
+    layer = cls.from_blocks(_rows(cls, 64, 512, 3), 512, True)
     big = torch.randn(4, 700)
     x = big[:, 100:612]  # rows 700 floats apart
     from minivllm.model.kernel_plan import plan_kernels
 
-    plan_kernels([layer], "native", "q6k", torch.float32)
+    plan_kernels([layer], "native", cls.fmt, torch.float32)
     got = layer(x)
     assert (got.double() - _expected(layer, x)).abs().max().item() <= 2e-5 * got.abs().max().item()
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no native kernels")
-def test_a_weight_only_layer_quantizes_x_only_in_steps_of_many_tokens():
-    layer = Q6KLinear.from_blocks(_q6k_rows(40, 512, 5), 512, False)
+@pytest.mark.parametrize("cls", TYPES)
+def test_a_weight_only_layer_quantizes_x_only_in_steps_of_many_tokens(cls):
+    layer = cls.from_blocks(_rows(cls, 40, 512, 5), 512, False)
     assert set(layer.candidates()) == {"reference", "native", "native_a8"}
     assert not layer.eligible("native_a8", 1) and not layer.eligible("native_a8", 6)
     assert layer.eligible("native_a8", 16) and layer.eligible("native", 1)
     x = torch.randn(20, 512)
-    blocks = Q6KLinear.from_blocks(layer.qweight, 512, True)
+    blocks = cls.from_blocks(layer.qweight, 512, True)
     expected = _expected(blocks, x)
     assert (layer.forward_native_a8(x).double() - expected).abs().max().item() <= 2e-5 * expected.abs().max().item()
 
 
-def test_malformed_rows_are_refused():
-    with pytest.raises(ValueError, match="superblocks of 256"):
-        Q6KLinear(300, 4, False)
+@pytest.mark.parametrize("cls", TYPES)
+def test_malformed_rows_are_refused(cls):
+    with pytest.raises(ValueError, match=f"{cls.type_name}: 300 input features are not whole superblocks of 256"):
+        cls(300, 4, False)
     with pytest.raises(ValueError, match="not 512 weights' superblocks"):
-        Q6KLinear.from_blocks(np.zeros((4, 400), dtype=np.uint8), 512, False)
+        cls.from_blocks(np.zeros((4, 400), dtype=np.uint8), 512, False)
 
 
-def _build(tmp_path, march: str) -> ctypes.CDLL:
-    """csrc/gemv_q6k.c alone for another instruction set (the paths this CPU's own build does not take)."""
+def _build(tmp_path, march: str, cls: type[SuperblockLinear]) -> ctypes.CDLL:
+    """csrc/gemv_q6k.c (gemv_q4k.c) alone for another instruction set (the paths this CPU's own build does not
+    take)."""
     cc = os.environ.get("CC") or shutil.which("gcc")
-    obj, lib = tmp_path / f"q6k_{march}.o", tmp_path / f"q6k_{march}.so"
+    obj, lib = tmp_path / f"{cls.fmt}_{march}.o", tmp_path / f"{cls.fmt}_{march}.so"
     # Compiled and linked apart, as cpu_kernels builds: -ffast-math at link time adds crtfastmath.o, whose
     # constructor flushes denormals to zero in the loading process (tests/test_sampler.py checks they survive).
     subprocess.run([cc, "-O3", f"-march={march}", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11", "-c",
-                    os.path.join(CSRC, "gemv_q6k.c"), "-o", str(obj)], check=True, capture_output=True)
+                    os.path.join(CSRC, f"gemv_{cls.fmt}.c"), "-o", str(obj)], check=True, capture_output=True)
     subprocess.run([cc, "-shared", "-fopenmp", str(obj), "-o", str(lib), "-lm"], check=True, capture_output=True)
     so = ctypes.CDLL(str(lib))
     p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    so.gemv_q6k.argtypes = [p, i64, p, i64, c_int, i64, i64, p, p, c_int, p, c_int]
+    getattr(so, f"gemv_{cls.fmt}").argtypes = [p, i64, p, i64, c_int, i64, i64, p, p, c_int, p, c_int]
     return so
 
 
@@ -121,21 +136,22 @@ def _cpu_has(flag: str) -> bool:
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None and not os.environ.get("CC"), reason="no C compiler")
+@pytest.mark.parametrize("cls", TYPES)
 @pytest.mark.parametrize("march", ["x86-64", "x86-64-v3"])  # portable loops; AVX2 + FMA without VNNI
-def test_other_instruction_sets_compute_the_same(tmp_path, march):
+def test_other_instruction_sets_compute_the_same(tmp_path, march, cls):
     if march == "x86-64-v3" and not (_cpu_has("avx2") and _cpu_has("fma")):
         pytest.skip("this CPU has no AVX2")
-    so = _build(tmp_path, march)
+    so = _build(tmp_path, march, cls)
     assert (torch.tensor(1e-39, dtype=torch.float32) * 1).item() > 0  # (loading it kept denormals)
     k, n = 512, 45
     for act_blocks in (False, True):
-        layer = Q6KLinear.from_blocks(_q6k_rows(n, k, 9), k, act_blocks)
+        layer = cls.from_blocks(_rows(cls, n, k, 9), k, act_blocks)
         for m in (1, 6):
             x = torch.randn(m, k) * torch.linspace(0.1, 3.0, k)
             out = torch.empty(m, n)
             scratch = torch.empty(16 * (k + 64))
-            so.gemv_q6k(out.data_ptr(), n, x.data_ptr(), k, m, k, n, layer.qweight.data_ptr(), None, int(act_blocks),
-                        scratch.data_ptr(), 2)
+            getattr(so, f"gemv_{cls.fmt}")(out.data_ptr(), n, x.data_ptr(), k, m, k, n, layer.qweight.data_ptr(), None,
+                                           int(act_blocks), scratch.data_ptr(), 2)
             expected = _expected(layer, x)
             assert (out.double() - expected).abs().max().item() <= 2e-5 * expected.abs().max().item(), (act_blocks, m)
 
@@ -190,5 +206,61 @@ def test_a_gguf_files_q6_k_head_runs_as_its_own_superblocks(model_factory, tmp_p
     ours, ref, hf = last_logits_and_hf(runner, path, ids)
     torch.testing.assert_close(ours, ref, atol=1e-4 * ref.abs().max().item(), rtol=0)
     llm = LLM(path, quantization="int4", quantization_kernel="native")
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    assert llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids == hf_greedy(hf, ids, 16)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no native kernels")
+@pytest.mark.parametrize("method", [None, "int8"])  # by default x in blocks of 32 (w8a8); int8: weight-only
+def test_llama_cpps_q4_k_m_file_runs_its_q4_k_modules_as_the_file_holds_them(model_factory, tmp_path, caplog, method):
+    """llama.cpp's own Q4_K_M file: every module whose parts are all Q4_K holds the file's rows (4.5 bits, nothing
+    re-quantized), those all Q6_K too, only the attention whose v is Q6_K beside Q4_K q and k is converted (its error
+    logged); weight-only, the logits stay within 0.5% of transformers' reading of the file and 16 greedy tokens
+    equal its."""
+    import logging
+
+    from gguf import GGUFReader
+
+    from minivllm import LLM, SamplingParams
+    from minivllm.config import ModelConfig
+    from minivllm.engine.tokenizer import get_tokenizer
+    from minivllm.model.gguf_blocks import module_of
+    from minivllm.model.quantization import QuantizedLinear
+    from tests.conftest import PROMPTS, hf_greedy, last_logits_and_hf, make_runner
+
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by the test extra")
+    from minivllm.bench import llamacpp
+
+    hf_dir = model_factory("tiny-llama", overrides=(("hidden_size", 256), ("intermediate_size", 512),
+                                                    ("tie_word_embeddings", False)))
+    f32, path = str(tmp_path / "f32.gguf"), str(tmp_path / "q4_k_m.gguf")
+    llamacpp.quantize(llamacpp.convert(hf_dir, f32, "f32"), path, "Q4_K_M")
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    kw = {"quantization": method} if method else {}
+    with caplog.at_level(logging.INFO, logger="minivllm.model.gguf_conversion"):
+        runner = make_runner(ModelConfig.from_pretrained(path), 16, quantization_kernel="native", **kw)
+    parts: dict[str, set[str]] = {}
+    for name, t in tensors.items():
+        module = module_of(name)
+        if module is not None and module != "lm_head":
+            parts.setdefault(module, set()).add(t.tensor_type.name)
+    kinds = {"Q4_K": Q4KLinear, "Q6_K": Q6KLinear}
+    for module, types in parts.items():
+        layer = runner.model.get_submodule(module)
+        expected = kinds[types.pop()] if len(types) == 1 else QuantizedLinear  # (mixed: int8 blocks)
+        assert type(layer) is expected, (module, types)
+        if expected is not QuantizedLinear:
+            assert layer.act_blocks == (method is None)
+    assert sum(isinstance(m, Q4KLinear) for m in runner.model.modules()) >= 2 * len(parts) // 3
+    o = runner.model.layers[0].self_attn.o_proj  # type: ignore[attr-defined]
+    assert torch.equal(o.qweight, torch.from_numpy(np.array(tensors["blk.0.attn_output.weight"].data)))
+    assert "as their Q4_K superblocks" in caplog.text
+    ids = get_tokenizer(path).encode(PROMPTS[0] + PROMPTS[2])
+    ours, ref, hf = last_logits_and_hf(runner, path, ids)
+    assert ours.argmax() == ref.argmax()
+    if method is None:
+        return
+    assert (ours - ref).abs().max().item() < 5e-3 * ref.abs().max().item()
+    llm = LLM(path, quantization="int8", quantization_kernel="native")
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     assert llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids == hf_greedy(hf, ids, 16)
