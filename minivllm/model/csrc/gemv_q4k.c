@@ -98,13 +98,9 @@ static inline __attribute__((always_inline)) void q4ka8_row(float *out, int64_t 
         const uint8_t *blk = w + Q4K_BYTES * sb;
         const int64_t ahead = M > 1 ? 2 * L->row_bytes : 512;
         for (int c = 0; c < Q4K_BYTES; c += 64) __builtin_prefetch(blk + c + ahead);
-        uint32_t sm[4];
-        q4k_scales(blk, sm);
-        uint32_t dd;
-        memcpy(&dd, blk, sizeof dd);
-        const __m512 ws = _mm512_mul_ps(
-            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi32((int)sm[3], (int)sm[2], (int)sm[1], (int)sm[0]))),
-            _mm512_permutexvar_ps(dsel, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dd)))));
+        const __m128i head = _mm_loadu_si128((const __m128i *)blk); /* dwords: d and dmin, u0, u1, u2 */
+        const __m512 ws = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q4k_scales128(head))),
+                                        _mm512_permutexvar_ps(dsel, _mm512_castps128_ps512(_mm_cvtph_ps(head))));
         const __m512i h0 = _mm512_loadu_si512((const void *)(blk + 16));
         const __m512i h1 = _mm512_loadu_si512((const void *)(blk + 80));
         const __m512i a = _mm512_shuffle_i32x4(h0, h1, 0x88), b = _mm512_shuffle_i32x4(h0, h1, 0xDD);

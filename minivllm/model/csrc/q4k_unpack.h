@@ -23,6 +23,21 @@ static inline __attribute__((always_inline)) void q4k_scales(const uint8_t *b, u
     out[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | ((u[1] >> 6) & 0x03030303u) << 4;
 }
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+/* q4k_scales in one register, from the superblock's first 16 bytes (dwords: d and dmin, u0, u1, u2): sc 0-3 and m 0-3
+ * are u0 and u1's low 6 bits a byte, sc 4-7 and m 4-7 the low and high nibbles of u2 with u0's and u1's top two bits
+ * of each byte above them ((u >> 2) & 0x30 a byte: bits 6-7 to 4-5). */
+static inline __attribute__((always_inline)) __m128i q4k_scales128(__m128i head) {
+    const __m128i low = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(head, _MM_SHUFFLE(3, 2, 3, 1)),
+                                                     _mm_set_epi32(4, 0, 0, 0)),
+                                      _mm_set_epi32(0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f));
+    const __m128i top = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(head, _MM_SHUFFLE(2, 0, 1, 0)), 2),
+                                      _mm_set_epi32(0x30303030, 0, 0x30303030, 0));
+    return _mm_or_si128(low, top);
+}
+#endif
+
 /* A superblock's 256 codes (0..15) in weight order into q; its 8 sub-block scales d * sc into s, mins -dmin * m into
  * mn (w = s q + mn). */
 static inline __attribute__((always_inline)) void q4k_unpack(const uint8_t *b, uint8_t *q, float *s, float *mn) {
