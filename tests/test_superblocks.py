@@ -170,7 +170,8 @@ def _q4_0_file_with_a_q6_k_head(hf_dir: str, out: str) -> None:
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no native kernels")
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("method", [None, "int4"])  # by default x in blocks of 32 (w4a8); int4: weight-only
-def test_a_gguf_files_q6_k_head_runs_as_its_own_superblocks(model_factory, tmp_path, caplog, tied, method):
+def test_a_gguf_files_q6_k_head_runs_as_its_own_superblocks(model_factory, tmp_path, caplog, monkeypatch, tied,
+                                                             method):
     """The head of a Q4_0 file (or its tied embedding) in Q6_K runs from the file's own rows: its bytes equal the
     file's, weight-only it adds no error (logged KL ~0, logits and greedy text as transformers reads the file),
     against x in blocks it stays close; the load says what it did."""
@@ -188,10 +189,19 @@ def test_a_gguf_files_q6_k_head_runs_as_its_own_superblocks(model_factory, tmp_p
     path = str(tmp_path / "q4_0-q6_k-head.gguf")
     _q4_0_file_with_a_q6_k_head(hf_dir, path)
     kw = {"quantization": method} if method else {}
+    from minivllm.model import gguf_conversion, hugepages
+
+    placed = []  # the head is built after the loader's placement in huge pages: it is placed itself (this one is
+    # under the 1 MiB the placement skips, so placed whatever its size)
+    monkeypatch.setattr(gguf_conversion, "place_in_hugepages",
+                        lambda m: placed.append(m) or hugepages.place_in_hugepages(m, min_bytes=0))
     with caplog.at_level(logging.INFO, logger="minivllm.model.gguf_conversion"):
         runner = make_runner(ModelConfig.from_pretrained(path), 16, quantization_kernel="native", **kw)
     head = runner.model.lm_head  # type: ignore[attr-defined]
     assert isinstance(head, Q6KLinear) and head.act_blocks == (method is None)
+    assert placed == [head]
+    if hugepages.enabled():
+        assert head.qweight.data_ptr() % hugepages.HUGE_PAGE == 0 and hugepages.huge_page_bytes(head.qweight) > 0
     name = "token_embd.weight" if tied else "output.weight"
     raw = next(t for t in GGUFReader(path).tensors if t.name == name)
     assert torch.equal(head.qweight, torch.from_numpy(np.array(raw.data).reshape(head.out_features, -1)))

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.model import cpu_kernels, gguf_blocks
+from minivllm.model.hugepages import place_in_hugepages
 from minivllm.model.input_batch import SequenceInput
 from minivllm.model.kernel_plan import KernelPlan, plan_kernels
 from minivllm.model.layers import Linear
@@ -83,6 +84,9 @@ def convert_gguf_head(runner: ModelRunner) -> HeadConversion | None:
             q = QuantizedLinear(head.in_features, head.out_features, head.bias is not None, cfg)
             q.quantize_from(head.weight.detach().float(), None if head.bias is None else head.bias.detach().float())
             done = f"converted to {method} in blocks of 32"
+        # Built after the loader placed the model's weights in huge pages: the head is the step's largest read (a 1B
+        # model's Q6_K head in 4 KiB pages streamed at 0.86x the Q6_K projections' rate beside it).
+        place_in_hugepages(q)
         # Measured in the method's own math (the probe is a many-token step, where the auto plan may also quantize a
         # weight-only head's activations: not the conversion's error), then planned for serving.
         plan_kernels([q], "native" if "native" in q.candidates() else "reference", f"lm_head {method}", runner.dtype)
