@@ -32,8 +32,7 @@
 #include "gemv_rows.h"
 #include "stage_rows.h"
 #include "q6k_unpack.h"
-
-typedef float v16 __attribute__((vector_size(64)));
+#include "superblock_rows.h"
 
 typedef struct {
     const uint8_t *w;
@@ -41,17 +40,6 @@ typedef struct {
     int64_t nsb, row_bytes;    /* superblocks per row, bytes per row */
     int64_t Kx, nbp, K16;      /* bytes between rows of staged codes, floats between rows of xb, of xo */
 } Q6Layer;
-
-/* 16 codes as float lanes. */
-static inline __attribute__((always_inline)) v16 codes16(const uint8_t *p) {
-#if defined(__AVX512F__)
-    return (v16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
-#else
-    v16 r;
-    for (int i = 0; i < 16; i++) r[i] = (float)p[i];
-    return r;
-#endif
-}
 
 /* Weight-only: weight row n against M rows of float32 x (rows Kx floats apart). */
 static inline __attribute__((always_inline)) void q6k_row(float *out, int64_t ldo, const float *x, int M,
@@ -72,11 +60,7 @@ static inline __attribute__((always_inline)) void q6k_row(float *out, int64_t ld
             }
         }
     }
-    for (int m = 0; m < M; m++) {
-        float t = 0.f;
-        for (int i = 0; i < 16; i++) t += acc[m][i];
-        out[m * ldo + n] = t + (L->bias ? L->bias[n] : 0.f);
-    }
+    store_rows16(out, ldo, acc, M, L->bias, n);
 }
 
 #ifdef Q6_VNNI
