@@ -165,7 +165,6 @@ static void repack_tile_q6k(const Weights *W, int64_t n0, uint8_t *rows_buf, uin
  * transposed as repack_tile's; d * sc to sc[g][r], -dmin * m to mn[g][r]. */
 static void repack_tile_q4k(const Weights *W, int64_t n0, uint8_t *rows_buf, uint32_t *wt, float *sc, float *mn) {
     const int64_t rows = W->N - n0 < NR ? W->N - n0 : NR, K = W->nb * 32, nsb = K / 256, nd = K / 8;
-    uint32_t sm[4];
     for (int r = 0; r < NR; r++)
         for (int64_t sb = 0; sb < nsb; sb++) {
             uint8_t *dst = rows_buf + r * (K / 2) + 128 * sb;
@@ -182,13 +181,7 @@ static void repack_tile_q4k(const Weights *W, int64_t n0, uint8_t *rows_buf, uin
                     dst[32 * c + t] = (uint8_t)((lo & 15) | (hi << 4));
                     dst[32 * c + 16 + t] = (uint8_t)((lo >> 4) | (hi & 0xF0));
                 }
-            q4k_scales(b, sm);
-            const uint8_t *v = (const uint8_t *)sm;
-            const float d = q4_half(b), dmin = q4_half(b + 2);
-            for (int j = 0; j < 8; j++) {
-                s[j * NR] = d * (float)v[j];
-                m[j * NR] = -dmin * (float)v[8 + j];
-            }
+            q4k_scale_floats(b, s, m, NR);
         }
     __m512i v[16];
     for (int64_t i0 = 0; i0 < nd; i0 += 16) { /* (K a multiple of 256: whole runs of 16 dwords) */

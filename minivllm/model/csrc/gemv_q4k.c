@@ -117,14 +117,7 @@ static inline __attribute__((always_inline)) void q4ka8_row(float *out, int64_t 
     for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < L->nsb; sb++) {
         const uint8_t *blk = w + Q4K_BYTES * sb;
-        uint32_t sm[4];
-        q4k_scales(blk, sm);
-        const uint8_t *v = (const uint8_t *)sm;
-        const float d = q4_half(blk), dmin = q4_half(blk + 2);
-        for (int j = 0; j < 8; j++) {
-            s[j] = d * (float)v[j];
-            mn[j] = -dmin * (float)v[8 + j];
-        }
+        q4k_scale_floats(blk, s, mn, 1);
         const __m256 mv = _mm256_loadu_ps(mn);
         for (int c = 0; c < 4; c++) { /* chunk c: sub-blocks 2c (low nibbles) and 2c + 1 (high) */
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));

@@ -38,8 +38,21 @@ static inline __attribute__((always_inline)) __m128i q4k_scales128(__m128i head)
 }
 #endif
 
-/* A superblock's 256 codes (0..15) in weight order into q; its 8 sub-block scales d * sc into s, mins -dmin * m into
- * mn (w = s q + mn). */
+/* A superblock's 8 sub-block scales d * sc into s[j * stride], its mins -dmin * m into mn[j * stride]
+ * (w = s q + mn). */
+static inline __attribute__((always_inline)) void q4k_scale_floats(const uint8_t *b, float *s, float *mn,
+                                                                   int64_t stride) {
+    uint32_t sm[4];
+    q4k_scales(b, sm);
+    const uint8_t *v = (const uint8_t *)sm;
+    const float d = q4_half(b), dmin = q4_half(b + 2);
+    for (int j = 0; j < 8; j++) {
+        s[j * stride] = d * (float)v[j];
+        mn[j * stride] = -dmin * (float)v[8 + j];
+    }
+}
+
+/* A superblock's 256 codes (0..15) in weight order into q; its scales and mins as q4k_scale_floats. */
 static inline __attribute__((always_inline)) void q4k_unpack(const uint8_t *b, uint8_t *q, float *s, float *mn) {
     const uint8_t *qs = b + 16;
     for (int c = 0; c < 4; c++)
@@ -47,14 +60,7 @@ static inline __attribute__((always_inline)) void q4k_unpack(const uint8_t *b, u
             q[64 * c + i] = qs[32 * c + i] & 15;
             q[64 * c + 32 + i] = qs[32 * c + i] >> 4;
         }
-    uint32_t sm[4];
-    q4k_scales(b, sm);
-    const uint8_t *v = (const uint8_t *)sm;
-    const float d = q4_half(b), dmin = q4_half(b + 2);
-    for (int j = 0; j < 8; j++) {
-        s[j] = d * (float)v[j];
-        mn[j] = -dmin * (float)v[8 + j];
-    }
+    q4k_scale_floats(b, s, mn, 1);
 }
 
 #endif
