@@ -27,6 +27,7 @@ from minivllm.model.q4k_linear import Q4KLinear
 from minivllm.model.q6k_linear import Q6KLinear
 from minivllm.model.quantization import QuantizedLinear
 from minivllm.model.runner import SequenceInput
+from minivllm.model.split_linear import SplitLinear
 from tests.conftest import last_logits_and_hf, make_runner
 
 Q = GGMLQuantizationType
@@ -88,7 +89,7 @@ def _hf(path: str):
                                                 dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("mix", [m for m in MIXES if m != "Q4_K_M"])  # (Q4_K_M's: nothing converted, below)
 def test_k_quant_files_convert_to_int8_blocks_with_their_error_logged(f32_file, tmp_path, caplog, mix):
     path = str(tmp_path / f"{mix}.gguf")
     write_mixed(f32_file, path, MIXES[mix])
@@ -99,18 +100,16 @@ def test_k_quant_files_convert_to_int8_blocks_with_their_error_logged(f32_file, 
     six = {name for name, m in runner.model.named_modules() if isinstance(m, Q6KLinear)}
     four = {name for name, m in runner.model.named_modules() if isinstance(m, Q4KLinear)}
     assert len(quantized) + len(six) + len(four) == 4 * len(runner.model.layers) + 1  # type: ignore[attr-defined]
-    # Modules whose every part is Q4_K (Q4_K_M's o_proj and gate_up here) or every part Q6_K (Q4_K_M's down_proj, the
-    # Q6_K heads) run as the file's superblocks, weight-only here; Q4_K beside Q4_1 (a gate_up) as int4 groups of 32;
-    # the others (q and k beside a Q6_K v, the 5-bit types) as int8 blocks.
+    # Modules whose every part is Q4_K run as the file's superblocks (as the Q6_K heads), weight-only here; Q4_K
+    # beside Q4_1 (a gate_up) as int4 groups of 32; the others (the 5-bit types, and a Q6_K v beside them) as int8
+    # blocks.
     layers = len(runner.model.layers)  # type: ignore[attr-defined]
     every = {m: {f"layers.{i}.{m}" for i in range(layers)} for m in ("self_attn.qkv_proj", "self_attn.o_proj",
                                                                       "mlp.gate_up_proj", "mlp.down_proj")}
     int4 = every["mlp.gate_up_proj"] if mix == "Q4_K+Q4_1" else set()
-    expected_four = {"Q4_K_M": every["self_attn.o_proj"] | every["mlp.gate_up_proj"],
-                     "Q4_K+Q4_1": every["self_attn.qkv_proj"] | every["self_attn.o_proj"] | every["mlp.down_proj"]
-                     }.get(mix, set())
-    expected_six = (every["mlp.down_proj"] if mix == "Q4_K_M" else set()) | \
-        ({"lm_head"} if mix != "Q5_0+Q8_0" else set())
+    expected_four = every["self_attn.qkv_proj"] | every["self_attn.o_proj"] | every["mlp.down_proj"] \
+        if mix == "Q4_K+Q4_1" else set()
+    expected_six = {"lm_head"} if mix != "Q5_0+Q8_0" else set()
     assert six == expected_six and four == expected_four
     assert not any(runner.model.get_submodule(name).act_blocks for name in six | four)
     for name, m in runner.model.named_modules():
@@ -123,13 +122,6 @@ def test_k_quant_files_convert_to_int8_blocks_with_their_error_logged(f32_file, 
             assert m.method == "int8" and m.blocked, name
     raw = {t.name: t for t in GGUFReader(path).tensors}
     layer = runner.model.layers[0]  # type: ignore[attr-defined]
-    if mix == "Q4_K_M":  # a Q4_K module holds the file's superblocks: its weights are the file's
-        for name, module in (("blk.0.attn_output.weight", layer.self_attn.o_proj),
-                             ("blk.0.ffn_up.weight", layer.mlp.gate_up_proj)):
-            w = torch.from_numpy(dequantize(np.asarray(raw[name].data), Q.Q4_K).astype(np.float32))
-            assert torch.equal(module.qweight[module.out_features - w.shape[0]:],  # (up: the second half of gate_up)
-                               torch.from_numpy(np.array(raw[name].data)))
-            torch.testing.assert_close(module.dequantize()[module.out_features - w.shape[0]:], w, rtol=1e-6, atol=0)
     if mix == "Q4_K+Q4_1":  # each Q4_K sub-block of int4 groups: the file's codes, its min exactly, d * sc in float16
         module = layer.mlp.gate_up_proj
         w = torch.from_numpy(dequantize(np.asarray(raw["blk.0.ffn_gate.weight"].data), Q.Q4_K).astype(np.float32))
@@ -214,28 +206,46 @@ def test_without_memory_for_the_float_copy_the_error_is_not_measured_but_the_fil
     assert torch.isfinite(runner.execute([SequenceInput(ids, 0, list(range(16)), True)])[0]).all()
 
 
-@pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q4_K])
+K_QUANT_FILES = {"Q6_K": {"blk.": Q.Q6_K, r"^output\.": Q.Q6_K}, "Q4_K": {"blk.": Q.Q4_K, r"^output\.": Q.Q6_K},
+                 "Q4_K_M": MIXES["Q4_K_M"]}
+
+
+@pytest.mark.parametrize("mix", list(K_QUANT_FILES))
 @pytest.mark.parametrize("method", [None, "int8"])
 def test_a_k_quant_files_projections_run_as_its_superblocks_with_nothing_converted(f32_file, tmp_path, caplog, method,
-                                                                                   qtype):
-    """Every projection Q6_K (or Q4_K, the head Q6_K): each module holds the file's rows (nothing re-quantized, no
-    conversion error to log), against x in blocks of 32 by default (llama.cpp's arithmetic), weight-only on request
+                                                                                   mix):
+    """Every projection Q6_K, or Q4_K, or Q4_K_M's mix (Q4_K; v and down Q6_K), the head Q6_K: each module holds the
+    file's rows (nothing re-quantized, no conversion error to log), Q4_K_M's qkv in two parts (model/split_linear.py:
+    Q4_K q and k, Q6_K v), against x in blocks of 32 by default (llama.cpp's arithmetic), weight-only on request
     (then the logits are the file's weights' in float32); int4 is refused."""
-    path = str(tmp_path / f"{qtype.name}.gguf")
-    write_mixed(f32_file, path, {"blk.": qtype, r"^output\.": Q.Q6_K})
+    path = str(tmp_path / f"{mix}.gguf")
+    write_mixed(f32_file, path, K_QUANT_FILES[mix])
     kw = {"quantization": method} if method else {}
-    with caplog.at_level(logging.INFO, logger="minivllm.model.gguf_conversion"):
+    with caplog.at_level(logging.INFO, logger="minivllm.model"):
         runner = make_runner(ModelConfig.from_pretrained(path), 16, quantization_kernel="native", **kw)
     layers = runner.model.layers  # type: ignore[attr-defined]
-    projs = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                             layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    cls = Q6KLinear if qtype == Q.Q6_K else Q4KLinear
-    assert all(isinstance(m, cls) and m.act_blocks == (method is None) for m in projs)
-    assert isinstance(runner.model.lm_head, Q6KLinear) and runner.model.lm_head.act_blocks == (method is None)
+    four, six = ((Q6KLinear,) * 4 if mix == "Q6_K" else (Q4KLinear,) * 4 if mix == "Q4_K" else
+                 (SplitLinear, Q4KLinear, Q4KLinear, Q6KLinear)), Q6KLinear
+    for layer in layers:
+        projs = layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+        assert tuple(type(m) for m in projs) == four
+        planned = [q for m in projs for q in (m.parts if isinstance(m, SplitLinear) else (m,))]
+        assert all(m.act_blocks == (method is None) for m in planned)
+    assert isinstance(runner.model.lm_head, six) and runner.model.lm_head.act_blocks == (method is None)
     assert runner.layer_conversion is None and "converted at load" not in caplog.text
     tensors = {t.name: t for t in GGUFReader(path).tensors}
     up = np.array(tensors["blk.1.ffn_up.weight"].data)  # the second half of gate_up, as the file holds it
     assert torch.equal(layers[1].mlp.gate_up_proj.qweight[-up.shape[0]:], torch.from_numpy(up))
+    if mix == "Q4_K_M":  # the parts: q and k's rows (in HF's order), v's as the file holds them
+        qkv = layers[1].self_attn.qkv_proj
+        v = np.array(tensors["blk.1.attn_v.weight"].data)
+        assert [(type(p), p.out_features) for p in qkv.parts] == [(Q4KLinear, qkv.out_features - v.shape[0]),
+                                                                  (Q6KLinear, v.shape[0])]
+        assert torch.equal(qkv.parts[1].qweight, torch.from_numpy(v))
+        k = torch.from_numpy(dequantize(np.array(tensors["blk.1.attn_k.weight"].data), Q.Q4_K).astype(np.float32))
+        got = qkv.parts[0].dequantize()[-k.shape[0]:]
+        assert torch.equal(got.sort(0).values, k.sort(0).values)  # (the rows permuted: rope's order)
+        assert f"; {len(layers)} in parts (Q4_K + Q6_K)" in caplog.text
     ids = get_tokenizer(path).encode(PROMPTS[0] + PROMPTS[2])
     ours, ref, _ = last_logits_and_hf(runner, path, ids)
     tol = (1e-4 if method else 0.02) * ref.abs().max().item()

@@ -26,6 +26,7 @@ from minivllm.model import cpu_kernels
 from minivllm.model.attention import CpuNativePagedAttention, get_metadata
 from minivllm.model.kernel_plan import SHAPE_CLASSES, shape_class
 from minivllm.model.moe import SparseMoE
+from minivllm.model.split_linear import SplitLinear
 
 _p, _i64, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _MAX_KV_GROUPS = 4  # csrc/decode_stack.c's
@@ -33,7 +34,7 @@ _MAX_KV_GROUPS = 4  # csrc/decode_stack.c's
 
 class Proj(ctypes.Structure):
     _fields_ = [("w", _p), ("scale", _p), ("mins", _p), ("bias", _p), ("K", _i64), ("N", _i64), ("G", _i64),
-                ("fmt", _i64)]
+                ("fmt", _i64), ("next", _p)]
 
 
 def proj_table(g: cpu_kernels.GemvWeights) -> Proj:
@@ -73,9 +74,11 @@ def _projections(layer: Any) -> tuple[Any, ...]:
     shared expert's)."""
     attn, mlp = layer.self_attn, layer.mlp
     if not isinstance(mlp, SparseMoE):
-        return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
-    shared = () if mlp.shared_expert is None else (mlp.shared_expert.gate_up_proj, mlp.shared_expert.down_proj)
-    return attn.qkv_proj, attn.o_proj, *mlp.experts.gate_up, *mlp.experts.down, *shared
+        found = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+    else:
+        shared = () if mlp.shared_expert is None else (mlp.shared_expert.gate_up_proj, mlp.shared_expert.down_proj)
+        found = attn.qkv_proj, attn.o_proj, *mlp.experts.gate_up, *mlp.experts.down, *shared
+    return tuple(q for p in found for q in (p.planned() if isinstance(p, SplitLinear) else (p,)))
 
 
 def _native_classes(model: Any) -> tuple[bool, ...]:
@@ -117,7 +120,14 @@ class DecodeStack:
             return None if module is None else f32(module.weight).data_ptr()
 
         def bound(proj: Any) -> Proj:
-            """A planned projection's (or a router's) native weights, kept alive with the stack."""
+            """A planned projection's (or a router's) native weights, kept alive with the stack; a split one's
+            parts chained (each after the first a table of its own, kept)."""
+            if isinstance(proj, SplitLinear):
+                first, *rest = (bound(p) for p in proj.planned())
+                for before, after in zip([first, *rest], rest, strict=False):
+                    keep.append(after)
+                    before.next = ctypes.addressof(after)
+                return first
             g = proj.gemv_weights()  # a planned projection's, or a router's (model/moe.py's RouterLinear)
             keep.append(g)
             return proj_table(g)

@@ -5,16 +5,18 @@ and a block's 16 code bytes are laid out as ours (byte j: code j in the low nibb
 are copied, never re-quantized. A file whose projections mix in the 5- and 6-bit types and the K-quants
 (prequant_config.GGUF_CONVERTED_TYPES: Q4_K_M, Q5_K_M, Q6_K files) runs each module whose every part is Q4_K, or
 every part Q6_K, as the file's own superblocks (model/q4k_linear.py, model/q6k_linear.py: in a Q4_K_M file all but
-the attention of the layers whose v is Q6_K; its head; every projection of a Q6_K file). It converts the other
-modules at load: those whose parts are Q4_K beside Q4_0 / Q4_1 to int4 groups of 32 (Q4_K's sub-blocks are such
-groups: its codes, scales d * sc rounded to float16, mins -dmin * m), every other one (q and k Q4_K beside a Q6_K v;
-the 5-bit types) to int8 blocks of 32 (dequantized by the gguf package, then quantized to the nearest int8 codes);
+the attention of the layers whose v is Q6_K; its head; every projection of a Q6_K file), and one whose parts mix the
+two (Q4_K q and k beside a Q6_K v) as parts of each (model/split_linear.py). It converts the other modules at load:
+those whose parts are Q4_K beside Q4_0 / Q4_1 to int4 groups of 32 (Q4_K's sub-blocks are such groups: its codes,
+scales d * sc rounded to float16, mins -dmin * m), every other one (the 5-bit types, and what sits beside them) to
+int8 blocks of 32 (dequantized by the gguf package, then quantized to the nearest int8 codes);
 the error that adds is measured on a probe and logged (model/gguf_conversion.py). Other files are dequantized at load
 (model/gguf_checkpoint.py).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -24,9 +26,12 @@ from minivllm.model.gguf_header import GGUFHeader, read_header
 from minivllm.model.q4k_linear import Q4KLinear
 from minivllm.model.q6k_linear import Q6KLinear
 from minivllm.model.quantization import QuantizedLinear, pack_int4, quantize_int8_blocks
+from minivllm.model.split_linear import SplitLinear
 from minivllm.model.superblock_linear import SUPERBLOCK, SuperblockLinear
 from minivllm.prequant_config import GGUF_INT4_TYPES, GGUF_INT8_TYPES
 from minivllm.quant_config import QuantConfig
+
+logger = logging.getLogger(__name__)
 
 NATIVE_TYPES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # bytes per 32-weight block
 # Matrices that are not projections: embeddings stay in the float dtype; the head is a projection of its own.
@@ -78,17 +83,63 @@ def superblock_layers(mats: dict[str, str], names: set[str], ggml_type: str) -> 
     return sorted(m for m, types in parts.items() if types == {ggml_type})
 
 
+# A fused module's parts in its row order (q, k, v; gate, up): a module mixing superblock types is split there.
+_PART_ORDER = {"attn_q": 0, "attn_k": 1, "attn_v": 2, "ffn_gate": 0, "ffn_up": 1}
+
+
+def split_layers(mats: dict[str, str], rows: dict[str, int], names: set[str]) -> dict[str, list[list[Any]]]:
+    """The fused modules whose parts (of `names`) are all whole superblocks (`mats`: those) of more than one type
+    (a Q4_K_M file's qkv_proj: q and k Q4_K, v Q6_K): module -> [[type, rows], ...], consecutive parts of one type
+    joined. Each part runs as the file holds it (model/split_linear.py)."""
+    parts: dict[str, list[tuple[int, str, int]]] = {}
+    for name in names:
+        module, kind = module_of(name), name.split(".")[2] if name.count(".") == 3 else ""
+        if module is not None and kind in _PART_ORDER:
+            parts.setdefault(module, []).append((_PART_ORDER[kind], mats.get(name, ""), rows[name]))
+    out: dict[str, list[list[Any]]] = {}
+    for module, found in parts.items():
+        types = {t for _, t, _ in found}
+        if len(types) < 2 or not types <= set(SUPERBLOCK_LAYERS):
+            continue
+        runs: list[list[Any]] = []
+        for _, ty, n in sorted(found):
+            if runs and runs[-1][0] == ty:
+                runs[-1][1] += n
+            else:
+                runs.append([ty, n])
+        out[module] = runs
+    return out
+
+
 def place_superblock_layers(model: torch.nn.Module, qc: dict[str, Any], quant: QuantConfig) -> None:
-    """Swap the (empty, to-be-loaded) layers `qc` names in `q6k_layers` / `q4k_layers` for Q6_K / Q4_K ones:
-    weight-only beside int8 layers, against x in blocks beside w8a8 ones."""
-    for key, cls in SUPERBLOCK_LAYERS.values():
-        for name in qc.get(key) or ():
-            parent, _, child = name.rpartition(".")
-            old = model.get_submodule(name)
-            assert isinstance(old, QuantizedLinear)  # (quantize_model's, empty)
-            new = cls(old.in_features, old.out_features, quant.method == "w8a8", old.bias is not None)
-            new.routed = getattr(old, "routed", False)
-            setattr(model.get_submodule(parent) if parent else model, child, new)
+    """Swap the (empty, to-be-loaded) layers `qc` names in `q6k_layers` / `q4k_layers` for Q6_K / Q4_K ones, and
+    those in `split_layers` for parts of them: weight-only beside int8 layers, against x in blocks beside w8a8
+    ones."""
+    act_blocks = quant.method == "w8a8"
+    placed: dict[str, int] = {}
+    layers: list[tuple[str, list[list[Any]]]] = [
+        (name, [[ty, None]]) for ty, (key, _) in SUPERBLOCK_LAYERS.items() for name in qc.get(key) or ()]
+    split: dict[str, list[list[Any]]] = qc.get("split_layers") or {}
+    for name, runs in [*layers, *split.items()]:
+        parent, _, child = name.rpartition(".")
+        old = model.get_submodule(name)
+        assert isinstance(old, QuantizedLinear)  # (quantize_model's, empty)
+        rows = [old.out_features if n is None else n for _, n in runs]
+        if sum(rows) != old.out_features:
+            raise ValueError(f"GGUF: the parts of {name} hold {sum(rows)} rows, the model's {old.out_features}")
+        parts = [SUPERBLOCK_LAYERS[ty][1](old.in_features, n, act_blocks, old.bias is not None)
+                 for (ty, _), n in zip(runs, rows, strict=True)]
+        for p in parts:
+            p.routed = getattr(old, "routed", False)
+        setattr(model.get_submodule(parent) if parent else model, child, SplitLinear(parts) if name in split
+                else parts[0])
+        if name not in split:
+            placed[runs[0][0]] = placed.get(runs[0][0], 0) + 1
+    if layers or split:
+        kinds = sorted({" + ".join(ty for ty, _ in runs) for runs in split.values()})
+        logger.info("GGUF projections run as the file holds them: %s%s", ", ".join(
+            f"{n} as their {ty} superblocks" for ty, n in sorted(placed.items())) or "none whole",
+            f"; {len(split)} in parts ({', '.join(kinds)})" if split else "")
 
 
 def superblock_rows(data: np.ndarray, rows: np.ndarray | None) -> torch.Tensor:
@@ -110,7 +161,8 @@ def native_config(header: GGUFHeader, arch: str) -> dict[str, Any] | None:
     """The `quantization_config` of a file whose every projection is Q4_0 / Q4_1, or every one of the int8 blocks'
     types (the head of the same family too, or not: `lm_head`; `converted`: the types re-quantized at load;
     `int4_layers`, `q6k_layers` and `q4k_layers`: the modules that run as int4 groups and as the file's Q6_K and Q4_K
-    superblocks); None when any is another type (then every tensor is dequantized)."""
+    superblocks; `split_layers`: those that run as parts of both, by row); None when any is another type (then every
+    tensor is dequantized)."""
     mats = {t.name: t.ggml_type.name for t in header.tensors if len(t.dims) == 2}
     proj = {ty for name, ty in mats.items() if name not in _EMBEDDINGS and name != "output.weight"}
     family = next((f for f in (GGUF_INT4_TYPES, GGUF_INT8_TYPES) if proj and proj <= f), None)
@@ -122,8 +174,10 @@ def native_config(header: GGUFHeader, arch: str) -> dict[str, Any] | None:
     served = {k: v for k, v in mats.items() if k != "output.weight" or head}
     rows_whole = {t.name for t in header.tensors if len(t.dims) == 2 and t.dims[0] % SUPERBLOCK == 0}
     whole = {k: v for k, v in served.items() if k in rows_whole}
-    blocks = {key: superblock_layers(whole, set(served), ty) if converted else []
-              for ty, (key, _) in SUPERBLOCK_LAYERS.items()}
+    blocks: dict[str, Any] = {key: superblock_layers(whole, set(served), ty) if converted else []
+                              for ty, (key, _) in SUPERBLOCK_LAYERS.items()}
+    rows = {t.name: int(t.dims[1]) for t in header.tensors if len(t.dims) == 2}
+    blocks["split_layers"] = split_layers(whole, rows, set(served)) if converted else {}
     own = {m for layers in blocks.values() for m in layers}
     int4 = [m for m in int4_layers(served) if m not in own] if converted else []
     converted = [t for t in converted if any(ty == t and module_of(k) not in own for k, ty in served.items()

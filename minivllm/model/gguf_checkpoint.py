@@ -325,7 +325,8 @@ def iterate_weights(path: str, native: bool = False) -> Iterator[tuple[str, torc
     int8 = bool(native_cfg) and not set(native_cfg["types"]) <= GGUF_INT4_TYPES  # int8 blocks, some converted
     int4_layers = set(native_cfg.get("int4_layers") or ())  # (in such a file: modules of int4 groups, float32 mins)
     # (and modules of Q6_K and Q4_K superblocks as the file holds them)
-    superblocks = {m for key, _ in gguf_blocks.SUPERBLOCK_LAYERS.values() for m in native_cfg.get(key) or ()}
+    superblocks = {m for key, _ in gguf_blocks.SUPERBLOCK_LAYERS.values() for m in native_cfg.get(key) or ()} | \
+        set(native_cfg.get("split_layers") or ())
     extra: dict[str, Any] = {"tensors": {}}  # processors that rename a tensor put it here (GPT-2's output)
     # A mixture's merged gate/up experts: the processor fills one tensor from two of the file's (ffn_gate_exps,
     # ffn_up_exps), so it is yielded once both halves are in (yielded at the first, the up half stayed zeros).

@@ -33,7 +33,7 @@ void paged_attention_f32(float *out, const float *q, int64_t q_stride, const voi
                          int64_t sinks, int64_t max_ctx, float *scratch, int num_threads);
 
 static void project(float *out, const float *x, const proj_t *p, const step_t *s) {
-    project_rows(out, p->N, x, p->K, s->M, p, s);
+    project_rows(out, proj_n(p), x, p->K, s->M, p, s);
 }
 
 /* The input of a sublayer: `pending` (the previous sublayer's output, NULL for the first) joins the residual

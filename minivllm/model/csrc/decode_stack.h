@@ -6,12 +6,14 @@
 #define MINIVLLM_DECODE_STACK_H
 #include <stdint.h>
 
-/* One projection as csrc/gemv.c takes it (the fields of cpu_kernels.GemvWeights). */
-typedef struct {
+/* One projection as csrc/gemv.c takes it (the fields of cpu_kernels.GemvWeights); `next`: the part holding the
+ * output columns after these N (model/split_linear.py: a module of two weight types), or NULL. */
+typedef struct proj {
     const void *w, *scale, *mins;
     const float *bias;
     int64_t K, N, G;
     int64_t fmt;
+    const struct proj *next;
 } proj_t;
 
 /* A mixture of experts in a layer's MLP place (model/moe.py's SparseMoE). */
@@ -67,11 +69,19 @@ int linear_gemv_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, in
 void silu_mul_f32(const float *gu, int64_t ldg, float *out, int64_t M, int64_t I, int num_threads);
 void gelu_tanh_mul_f32(const float *gu, int64_t ldg, float *out, int64_t M, int64_t I, int num_threads);
 
-/* out [rows, p->N] (ldo floats apart) = x [rows, p->K] (ldx apart) W^T + b. */
+/* Output columns of a projection and the parts after it. */
+static inline int64_t proj_n(const proj_t *p) {
+    int64_t n = 0;
+    for (; p; p = p->next) n += p->N;
+    return n;
+}
+
+/* out [rows, proj_n(p)] (ldo floats apart) = x [rows, p->K] (ldx apart) W^T + b, part by part. */
 static inline void project_rows(float *out, int64_t ldo, const float *x, int64_t ldx, int64_t rows, const proj_t *p,
                                 const step_t *s) {
-    linear_gemv(out, ldo, x, ldx, (int)rows, p->K, p->N, (int)p->fmt, p->w, p->scale, p->mins, p->G, p->bias,
-                s->gemv_scratch, (int)s->num_threads);
+    for (; p; out += p->N, p = p->next)
+        linear_gemv(out, ldo, x, ldx, (int)rows, p->K, p->N, (int)p->fmt, p->w, p->scale, p->mins, p->G, p->bias,
+                    s->gemv_scratch, (int)s->num_threads);
 }
 
 /* The gated activation of gu [rows, 2I] (gate columns first) into out [rows, I]. */

@@ -21,6 +21,12 @@ class WeightLoader:
                 t = getattr(m, b, None)
                 if isinstance(t, torch.Tensor):
                     self.params[f"{prefix}.{b}" if prefix else b] = t
+        # A module holding its rows in parts (model/split_linear.py): its buffers' rows go to the part holding them.
+        self.routes: dict[str, list[tuple[int, int, str]]] = {}
+        for prefix, m in module.named_modules():
+            for b in getattr(m, "routed_buffers", ()):
+                self.routes[f"{prefix}.{b}" if prefix else b] = [
+                    (a, z, f"{prefix}.{part}.{b}" if prefix else f"{part}.{b}") for a, z, part in m.row_spans]
         self.module_name = type(module).__name__
         self.ignore = ignore
         # A stacked parameter is complete when every row of it has been written.
@@ -30,11 +36,19 @@ class WeightLoader:
 
     def load(self, name: str, tensor: torch.Tensor, source: str | None = None) -> None:
         """Copy a whole tensor into parameter `name` (`source`: its name in the checkpoint)."""
-        p = self.params.get(name)
-        self.load_slice(name, tensor, 0, p.shape[0] if p is not None else 0, source or name)
+        p, route = self.params.get(name), self.routes.get(name)
+        rows = route[-1][1] if route else p.shape[0] if p is not None else 0
+        self.load_slice(name, tensor, 0, rows, source or name)
 
     def load_slice(self, name: str, tensor: torch.Tensor, offset: int, size: int, source: str) -> None:
         """Copy `tensor` into rows [offset, offset+size) of parameter `name`."""
+        route = self.routes.get(name)
+        if route is not None:
+            part = next(((a, target) for a, z, target in route if a <= offset and offset + size <= z), None)
+            if part is None:
+                raise ValueError(f"{self.module_name}: weight {source!r} (rows {offset}-{offset + size} of {name}) "
+                                 f"spans parts of other types: {[(a, z) for a, z, _ in route]}")
+            return self.load_slice(part[1], tensor, offset - part[0], size, source)
         p = self.params.get(name)
         if p is None:
             if not any(source.endswith(s) for s in self.ignore):
