@@ -157,25 +157,27 @@ def test_other_instruction_sets_compute_the_same(tmp_path, march, cls):
             assert (out.double() - expected).abs().max().item() <= 2e-5 * expected.abs().max().item(), (act_blocks, m)
 
 
-def _q4_0_file_with_a_q6_k_head(hf_dir: str, out: str) -> None:
-    """llama.cpp's own Q4_0 file of the model: its quantizer writes the head (the tied embedding where the model has
-    no head of its own) in Q6_K where rows are whole superblocks."""
+def _file_with_a_q6_k_head(hf_dir: str, out: str, ftype: str) -> None:
+    """llama.cpp's own Q4_0 (Q4_K_M) file of the model: its quantizer writes the head (the tied embedding where the
+    model has no head of its own) in Q6_K where rows are whole superblocks."""
     from minivllm.bench import llamacpp
 
     f32 = out + ".f32.gguf"
     llamacpp.convert(hf_dir, f32, "f32")
-    llamacpp.quantize(f32, out, "Q4_0")
+    llamacpp.quantize(f32, out, ftype)
     os.remove(f32)
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no native kernels")
-@pytest.mark.parametrize("tied", [False, True])
-@pytest.mark.parametrize("method", [None, "int4"])  # by default x in blocks of 32 (w4a8); int4: weight-only
+@pytest.mark.parametrize("ftype,tied", [("Q4_0", False), ("Q4_0", True), ("Q4_K_M", True)])
+@pytest.mark.parametrize("weight_only", [False, True])  # by default x in blocks of 32 (w4a8, w8a8)
 def test_a_gguf_files_q6_k_head_runs_as_its_own_superblocks(model_factory, tmp_path, caplog, monkeypatch, tied,
-                                                             method):
+                                                             ftype, weight_only):
     """The head of a Q4_0 file (or its tied embedding) in Q6_K runs from the file's own rows: its bytes equal the
     file's, weight-only it adds no error (logged KL ~0, logits and greedy text as transformers reads the file),
-    against x in blocks it stays close; the load says what it did."""
+    against x in blocks it stays close; the load says what it did. The head's math is the layers': a Q4_K_M file's
+    tied head beside layers all of superblocks (none of int8 blocks left to say w8a8) took x in blocks too (it ran
+    weight-only: 0.8x the speed of a 1B file's decode)."""
     import logging
 
     from gguf import GGUFReader
@@ -186,9 +188,11 @@ def test_a_gguf_files_q6_k_head_runs_as_its_own_superblocks(model_factory, tmp_p
     from tests.conftest import PROMPTS, hf_greedy, last_logits_and_hf, make_runner
 
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by the test extra")
-    hf_dir = model_factory("tiny-llama", overrides=(("hidden_size", 256), ("tie_word_embeddings", tied)))
-    path = str(tmp_path / "q4_0-q6_k-head.gguf")
-    _q4_0_file_with_a_q6_k_head(hf_dir, path)
+    wide = (("intermediate_size", 512),) if ftype == "Q4_K_M" else ()  # (K-quant rows: whole superblocks)
+    hf_dir = model_factory("tiny-llama", overrides=(("hidden_size", 256), *wide, ("tie_word_embeddings", tied)))
+    path = str(tmp_path / f"{ftype}-q6_k-head.gguf")
+    _file_with_a_q6_k_head(hf_dir, path, ftype)
+    method = ("int4" if ftype == "Q4_0" else "int8") if weight_only else None
     kw = {"quantization": method} if method else {}
     from minivllm.model import gguf_conversion, hugepages
 
@@ -216,7 +220,7 @@ def test_a_gguf_files_q6_k_head_runs_as_its_own_superblocks(model_factory, tmp_p
     ids = get_tokenizer(path).encode(PROMPTS[0] + PROMPTS[2])
     ours, ref, hf = last_logits_and_hf(runner, path, ids)
     torch.testing.assert_close(ours, ref, atol=1e-4 * ref.abs().max().item(), rtol=0)
-    llm = LLM(path, quantization="int4", quantization_kernel="native")
+    llm = LLM(path, quantization=method, quantization_kernel="native")
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     assert llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids == hf_greedy(hf, ids, 16)
 

@@ -67,7 +67,8 @@ def convert_gguf_head(runner: ModelRunner) -> HeadConversion | None:
         return None
     if not isinstance(head, Linear) or head.weight is None or runner.parallel.size > 1:
         return None
-    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    # The layers' math (a file's layers may all be its own superblocks: none of int8 blocks left to say w8a8).
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear | SuperblockLinear)]
     method = "w8a8" if {m.method for m in layers} & {"w4a8", "w8a8"} else "int8"
     probe = _probe(runner)
     with torch.inference_mode():
