@@ -111,7 +111,7 @@ TIMED_WEIGHTS = 64 * 2**20
 _KEPT_TIMINGS: dict[tuple[object, ...], dict[str, float]] = {}
 _MAX_KEPT = 256
 # Decisions made by timing whole steps (KernelPlan.keep_choice), by the same key plus the measure's name.
-_KEPT_CHOICES: dict[tuple[object, ...], bool] = {}
+_KEPT_CHOICES: dict[tuple[object, ...], object] = {}
 
 
 class KernelPlan:
@@ -182,18 +182,17 @@ class KernelPlan:
     def _choice_key(self, c: int, measure: str) -> tuple[object, ...]:
         return (*self._timing_key(c, [measure]), len(self.layers), self.scale)  # (a whole step: every layer)
 
-    def kept_choice(self, c: int, measure: str) -> bool | None:
+    def kept_choice(self, c: int, measure: str) -> object | None:
         """What an earlier plan of the same layers in this process decided for class c by `measure` (a timing of
         whole steps), if it did: a second engine of one model decides as the first (two engines of the same
         layers planned differently where the two whole-step timings were near and noise picked)."""
         return _KEPT_CHOICES.get(self._choice_key(c, measure))
 
-    def keep_choice(self, c: int, measure: str, choice: bool) -> bool:
-        """Record `choice` for kept_choice; returns it."""
+    def keep_choice(self, c: int, measure: str, choice: object) -> None:
+        """Record `choice` (what the measure decided, with its figures) for kept_choice."""
         _KEPT_CHOICES[self._choice_key(c, measure)] = choice
         while len(_KEPT_CHOICES) > _MAX_KEPT:
             del _KEPT_CHOICES[next(iter(_KEPT_CHOICES))]
-        return choice
 
     def bind(self, c: int, name: str) -> None:
         """Kernel `name` for every layer's shape class c."""
@@ -205,7 +204,8 @@ class KernelPlan:
             q.kernels = tuple(ks)
 
     def pin(self, c: int, name: str) -> None:
-        """Shape class c runs `name`, chosen by another measurement (whole steps): never re-checked."""
+        """Shape class c runs `name`, chosen by another measurement (whole steps): kernel timings no longer bound
+        its steps nor re-check it (that measurement re-checks its own choice: model/stack_plan.py)."""
         self.chosen[c] = self.names[_label(c)] = name
         self.timings[c] = None
 

@@ -34,7 +34,7 @@ from minivllm.model.loader import load_model
 from minivllm.model.lora import LoRAModelManager, build_mapping
 from minivllm.model.models import get_model_class, kv_windows
 from minivllm.model.quantization import QuantizedLinear, check_device
-from minivllm.model.stack_plan import plan_classes_with_stack
+from minivllm.model.stack_plan import StackCheck, plan_classes_with_stack
 from minivllm.model.step_sampling import RunnerOutput, SamplingRequest, StepSampler
 from minivllm.model.superblock_linear import SuperblockLinear
 
@@ -165,7 +165,8 @@ class ModelRunner:
         self.lora: LoRAModelManager | None = None  # adapter slots, when the engine enables LoRA (init_lora)
         self.host_tiers: list[HostKVTier | None] = []  # preemption by swap's host tier per KV group (init_swap)
         self.plan_check: PlanCheck | None = None
-        plan_classes_with_stack(self)
+        self.stack_check: StackCheck | None = None
+        self.stack_check = plan_classes_with_stack(self)  # (classes decided by whole steps, re-checked on steps)
         # Steps faster than the start-up timings allow re-time their class (not on CUDA: its forward time is not
         # synchronized; not across tensor-parallel ranks, which must keep one plan).
         cpu_alone = device.type == "cpu" and parallel.size == 1
@@ -276,6 +277,8 @@ class ModelRunner:
         if self.plan_check is not None and self.plan_check.observe(len(input_ids), self.last_forward_time) \
                 and self.decode_stack is not None:
             self.decode_stack.refresh(self.model)
+        if self.stack_check is not None:
+            self.stack_check.observe(md, len(input_ids), self.last_forward_time)
         return logits
 
     @torch.inference_mode()
