@@ -12,8 +12,8 @@ from minivllm.engine.sequence import Sequence
 from minivllm.sampling_params import SamplingParams
 from minivllm.spec_decode.cost import ProposerCostModel, StepCostTable
 from minivllm.spec_decode.ngram_proposer import NgramProposer, ngram_propose
-from minivllm.spec_decode.speculator import Payoff, SpecRecord, Speculator
-from tests.conftest import PROMPTS, corpus_token_ids, noisy_copy
+from minivllm.spec_decode.speculator import SpecRecord, Speculator
+from tests.conftest import corpus_token_ids, noisy_copy
 
 
 def test_ngram_proposes_what_followed_the_latest_match():
@@ -333,41 +333,6 @@ def test_payoff_counts_whole_steps_in_the_engine(model_factory):
     rates = spec.payoff.rates
     assert rates and all(size in (1, 2) for size, _ in rates)
     assert sum(len(d) for d in rates.values()) >= 10 and all(r > 0 for d in rates.values() for r in d)
-
-
-def test_a_size_that_speculates_still_measures_plain_steps():
-    """Where proposals are predicted to pay every step, the plain rate they must beat is still measured: every
-    FIRST_EVERY-th step goes plain until MIN_SAMPLES plain ones were seen, then one in every PLAIN_EVERY (before, a
-    batch-1 engine measured one plain step, its first, and the payoff verdict never came)."""
-    pay = Payoff()
-    assert not pay.wants_plain(1)  # never speculated: nothing to compare
-    for _ in range(pay.MIN_SAMPLES):
-        for _ in range(pay.FIRST_EVERY - 1):
-            assert not pay.wants_plain(1)
-            pay.observe(1, True, 3, 0.01)
-        assert pay.wants_plain(1) and not pay.wants_plain(2)
-        pay.observe(1, False, 1, 0.005)
-    for _ in range(pay.PLAIN_EVERY - 1):
-        assert not pay.wants_plain(1)
-        pay.observe(1, True, 3, 0.01)
-    assert pay.wants_plain(1)
-    pay.observe(1, False, 1, 0.005)
-    assert not pay.wants_plain(1)
-
-
-def test_a_speculating_engine_measures_its_plain_rate_too():
-    """A batch-1 engine whose draft's proposals are predicted to pay every step still runs the plain steps that give
-    the payoff its verdict (before: one plain step, the first, then every step speculated)."""
-    eng = LLMEngine(EngineArgs(num_kv_blocks=512, speculative_model="default-draft", num_speculative_tokens=4))
-    spec = eng.speculator
-    assert spec is not None
-    code = PROMPTS[1] + "    def size(self):\n        return len(self.x)\n"
-    prompt = code + "\n\n# The same code again, unchanged:\n" + code[:30]  # (the embedded model copies it)
-    eng.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True))
-    while eng.has_unfinished_requests():
-        eng.step()
-    rates = spec.payoff.rates
-    assert len(rates[(1, True)]) >= 2 and len(rates[(1, False)]) >= spec.payoff.MIN_SAMPLES
 
 
 def test_adaptive_proposal_length_follows_the_acceptance_by_position():

@@ -1,9 +1,11 @@
-"""Measured step costs for speculative decoding's adaptive rule: StepCostTable (all-decode steps by rows)
-and ProposerCostModel (a + b * forwards + c * rows: a draft model's round)."""
+"""Measured step costs for speculative decoding's adaptive rule: StepCostTable (all-decode steps by rows),
+ProposerCostModel (a + b * forwards + c * rows: a draft model's round) and Payoff (whole steps' tokens per second,
+with and without proposals)."""
 
 from __future__ import annotations
 
 import bisect
+import statistics
 from collections import deque
 
 import numpy as np
@@ -125,3 +127,46 @@ class StepCostTable:
     def measured(self, rows: int) -> float | None:
         """A plain step of `rows` rows on the fitted curve, None if no step of exactly that size was seen."""
         return self._fitted()[rows] if rows in self._median else None
+
+
+class Payoff:
+    """Tokens per second of whole pure-decode steps, with and without proposals, by the step's number of sequences:
+    the medians of each kind's last WINDOW steps. A step with proposals counts the tokens its proposals were expected
+    to yield (at the acceptance that chose them), not those they did: the verdict judges what proposals cost, which
+    the cost model predicted; how well a sequence's proposals hold is its record's business (Speculator._factor).
+    Counted as yielded, one request's poor guesses stopped the next one's good ones at batch 1 (the size's window
+    mixes them): a draft lost a fifth of the tokens per second speculating every step gave.
+
+    Where proposals are predicted to pay, every step of a size would speculate and its plain rate would never be
+    measured (one plain step, the first, before any step cost was known) and the verdict never came. So once a size
+    has speculated, every FIRST_EVERY-th of its steps goes plain until MIN_SAMPLES plain ones were seen, and one in
+    every PLAIN_EVERY after that (at a 2.5x gain, 1.2% of the tokens): one plain step at a time, so a draft model
+    falls one token behind, which its next round catches up on the decode stack."""
+
+    WINDOW = 16
+    MIN_SAMPLES = 6  # of each kind before a verdict (a step's time spreads widely from one to the next)
+    FIRST_EVERY, PLAIN_EVERY = 4, 64
+
+    def __init__(self) -> None:
+        self.rates: dict[tuple[int, bool], deque[float]] = {}  # (sequences, with proposals) → tokens / s
+        self.since_plain: dict[int, int] = {}  # sequences → steps that speculated since the last plain one
+
+    def observe(self, num_seqs: int, speculated: bool, tokens: float, seconds: float) -> None:
+        d = self.rates.setdefault((num_seqs, speculated), deque(maxlen=self.WINDOW))
+        d.append(tokens / max(seconds, 1e-9))
+        self.since_plain[num_seqs] = self.since_plain.get(num_seqs, 0) + 1 if speculated else 0
+
+    def wants_plain(self, num_seqs: int) -> bool:
+        """Whether the next step of num_seqs sequences should go without proposals, to measure the plain rate."""
+        if (num_seqs, True) not in self.rates:
+            return False  # (nothing to compare yet)
+        plain = self.rates.get((num_seqs, False))
+        every = self.FIRST_EVERY if plain is None or len(plain) < self.MIN_SAMPLES else self.PLAIN_EVERY
+        return self.since_plain[num_seqs] >= every - 1
+
+    def loses(self, num_seqs: int) -> bool:
+        """Whether steps of num_seqs sequences have yielded less with proposals than without."""
+        spec, plain = self.rates.get((num_seqs, True)), self.rates.get((num_seqs, False))
+        if spec is None or plain is None or min(len(spec), len(plain)) < self.MIN_SAMPLES:
+            return False
+        return statistics.median(spec) < statistics.median(plain)

@@ -16,9 +16,7 @@ Eligible: requests without logprobs or pending min_tokens, and not beam search (
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -27,7 +25,7 @@ import torch
 from minivllm.engine.sequence import Sequence
 from minivllm.model.runner import SequenceInput
 from minivllm.model.step_sampling import Verification
-from minivllm.spec_decode.cost import StepCostTable
+from minivllm.spec_decode.cost import Payoff, StepCostTable
 
 
 def verify_rows(seq: Sequence, n: int) -> list[SequenceInput]:
@@ -74,45 +72,6 @@ class SpecDecodeStats:
     proposed_per_position: list[int] = field(default_factory=list)  # [i]: drafts that had a proposal i
 
 
-class Payoff:
-    """Realized tokens per second of whole pure-decode steps, with and without proposals, by the step's number of
-    sequences: the medians of each kind's last WINDOW steps.
-
-    Where proposals are predicted to pay, every step of a size would speculate and its plain rate would never be
-    measured (one plain step, the first, before any step cost was known) and the verdict never came. So once a size
-    has speculated, every FIRST_EVERY-th of its steps goes plain until MIN_SAMPLES plain ones were seen, and one in
-    every PLAIN_EVERY after that (at a 2.5x gain, 1.2% of the tokens): one plain step at a time, so a draft model
-    falls one token behind, which its next round catches up on the decode stack."""
-
-    WINDOW = 16
-    MIN_SAMPLES = 6  # of each kind before a verdict (a step's time spreads widely from one to the next)
-    FIRST_EVERY, PLAIN_EVERY = 4, 64
-
-    def __init__(self) -> None:
-        self.rates: dict[tuple[int, bool], deque[float]] = {}  # (sequences, with proposals) → tokens / s
-        self.since_plain: dict[int, int] = {}  # sequences → steps that speculated since the last plain one
-
-    def observe(self, num_seqs: int, speculated: bool, tokens: int, seconds: float) -> None:
-        d = self.rates.setdefault((num_seqs, speculated), deque(maxlen=self.WINDOW))
-        d.append(tokens / max(seconds, 1e-9))
-        self.since_plain[num_seqs] = self.since_plain.get(num_seqs, 0) + 1 if speculated else 0
-
-    def wants_plain(self, num_seqs: int) -> bool:
-        """Whether the next step of num_seqs sequences should go without proposals, to measure the plain rate."""
-        if (num_seqs, True) not in self.rates:
-            return False  # (nothing to compare yet)
-        plain = self.rates.get((num_seqs, False))
-        every = self.FIRST_EVERY if plain is None or len(plain) < self.MIN_SAMPLES else self.PLAIN_EVERY
-        return self.since_plain[num_seqs] >= every - 1
-
-    def loses(self, num_seqs: int) -> bool:
-        """Whether steps of num_seqs sequences have yielded less with proposals than without."""
-        spec, plain = self.rates.get((num_seqs, True)), self.rates.get((num_seqs, False))
-        if spec is None or plain is None or min(len(spec), len(plain)) < self.MIN_SAMPLES:
-            return False
-        return statistics.median(spec) < statistics.median(plain)
-
-
 @dataclass(slots=True)
 class SpecRecord:
     """One sequence's speculation record: proposals verified so far, and (recent ones weighing most) the tokens
@@ -142,13 +101,14 @@ class Speculator:
     The costs are predictions from the forward's time; what steps with proposals really yield is measured too
     (Payoff): each pure-decode step's whole wall time (rejection sampling, proposer and outputs included) and the
     tokens it produced, by its number of sequences. Where steps with proposals have yielded fewer tokens per second
-    than plain steps of the same size, proposals stop at that size (exploration still re-measures them, EXPLORE_BURST
-    steps in a row). A step that speculates after a pause of more than one step is not measured: a draft model
-    catches up on the whole pause in it (~128 tokens through its prefill path after an exploration's pause), which
-    steady speculation does not pay; measured, those steps kept an exploration from ever finding that proposals
-    pay again (a batch-1 draft stopped at 0.8x of what speculating every step gave)."""
+    than plain steps of the same size, proposals stop at that size (exploration still re-measures them). A step
+    that speculates after a pause of more than one step counts its proposer at the proposer's usual round time, not
+    at what this round took: a draft model catches up on the whole pause in it (~128 tokens through its prefill path
+    after an exploration's pause), which steady speculation does not pay; counted, those rounds kept an exploration
+    from ever finding that proposals pay again (a batch-1 draft stopped at 0.8x of what speculating every step
+    gave)."""
 
-    EXPLORE_EVERY, EXPLORE_BURST = 128, 3
+    EXPLORE_EVERY = 128
     # A sequence's record weighs its recent drafts most (each older one by RECENT more): how well a text is
     # guessed changes as it goes (a proposer that failed on fresh code guesses a repeated block well). A
     # sequence withheld for its record forgets some of it each step (FORGET), so it proposes again
@@ -170,13 +130,13 @@ class Speculator:
         self.proposing: list[Sequence] = []  # this step's speculating sequences
         self.records: dict[int, SpecRecord] = {}  # seq_id → its record, from its first verification to its end
         self._step = self._last_spec = 0  # steps proposed for, and the last one that speculated
-        self._burst = 0  # exploration steps still to come in a row
         self.payoff = Payoff()
         # The step in progress, for the payoff: its start, sequences, whether it proposed, the tokens it produced
         # (None: not a pure-decode step, not measured).
         self._began, self._seqs, self._speculated = 0.0, 0, False
         self._tokens: int | None = None
-        self._measured = True  # whether the step in progress goes into the payoff (see the class docstring)
+        self._excess = 0.0  # seconds of the step in progress not counted in its payoff (see the class docstring)
+        self._expected = 0.0  # tokens its proposals were expected to yield, plain rows included (see Payoff)
 
     # ---- cost model ----------------------------------------------------------------------------
     def observe(self, scheduled: list[tuple[Sequence, int]], seconds: float) -> None:
@@ -196,8 +156,9 @@ class Speculator:
 
     def _close_step(self, now: float) -> None:
         """The last step's payoff, once the next one begins (its outputs were built in between)."""
-        if self._tokens and self._seqs and self._measured:
-            self.payoff.observe(self._seqs, self._speculated, self._tokens, now - self._began)
+        if self._tokens and self._seqs:
+            tokens = self._expected if self._speculated else self._tokens
+            self.payoff.observe(self._seqs, self._speculated, tokens, now - self._began - self._excess)
         self._tokens = None
 
     def position_rates(self) -> list[float]:
@@ -213,7 +174,7 @@ class Speculator:
         return (rec.accepted + 1) / (rec.expected + 1) if rec is not None and rec.drafts >= 4 else 1.0
 
     def _explore_due(self) -> bool:
-        return self._burst > 0 or self._step - self._last_spec >= self.EXPLORE_EVERY
+        return self._step - self._last_spec >= self.EXPLORE_EVERY
 
     def _may_pay(self, num_seqs: int, pure_decode: bool) -> bool:
         """Whether proposals at the batch's usual acceptance could pay for one sequence or for all of them, at
@@ -313,7 +274,7 @@ class Speculator:
             return []
         lacking = [s.num_tokens - s.num_computed_tokens for s in running]
         pure_decode = not waiting and all(n <= 1 for n in lacking)  # waiting requests: prefill chunks join
-        self._began, self._seqs, self._speculated, self._measured = now, len(running), False, True
+        self._began, self._seqs, self._speculated, self._excess = now, len(running), False, 0.0
         self._tokens = 0 if pure_decode else None
         if self.adaptive and not self._may_pay(len(running), pure_decode):
             return []  # not even typical proposals for everyone would pay: skip the proposing
@@ -334,20 +295,27 @@ class Speculator:
             self.num_skipped += sum(k for _, k in batch) - sum(k for _, k in kept)
             self.forget_withheld(batch, kept)
             batch = kept
+        t = time.perf_counter()
         found = self.proposer.propose(batch) if batch else []
+        gap = self._step - self._last_spec
+        if found and gap > 2:  # (a pause's catch-up: the round counted at its usual time)
+            usual = self.proposer.overhead(max(k for _, k in batch), sum(k for _, k in batch))
+            self._excess = max(time.perf_counter() - t - usual, 0.0)
         for seq, spec, dist in found:
             seq.spec_token_ids = spec
             if dist is not None:
                 self.draft_probs[seq.seq_id] = dist
         self.proposing = [seq for seq, _, _ in found]
-        gap = self._step - self._last_spec
         if found:
             self._last_spec = self._step
-            self._speculated, self._measured = True, gap <= 2
-        if found and gap >= self.EXPLORE_EVERY:
-            self._burst = self.EXPLORE_BURST - 1
-        elif self._burst:
-            self._burst -= 1
+            self._speculated = True
+            rates = self.position_rates()
+            self._expected = float(len(running))
+            for seq, spec, _ in found:
+                f, g = self._factor(seq), float("inf")
+                for rate in rates[:len(spec)]:
+                    g = min(g, rate * f)  # (as worth() prices a sequence's units)
+                    self._expected += min(g, 1.0)  # (a record above the average scales past certainty)
         return self.proposing
 
     def end_step(self) -> None:
