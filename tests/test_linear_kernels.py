@@ -310,13 +310,13 @@ def test_int8_block_rows_against_int8_x_handed_out_in_chunks_are_each_computed_o
     _equal_with_threads(g, x, quantize_blocks_int8(x).double() @ wd.t(), threads)
 
 
-@pytest.mark.parametrize("scales", ["bf16", "f16-sym"])
+@pytest.mark.parametrize("scales", ["bf16", "f16-sym", "f32"])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_one_token_projections_in_one_region_equal_them_one_by_one(scales, threads):
     """A mixture's chosen experts at one token run in one parallel region per projection kind (csrc/gemv.c's
-    linear_gemv_m1_many, W4A8): each of k projections' outputs bit-equal to its own linear_gemv, with one x shared
-    (the gate_ups) or one x each (the downs), N not a multiple of 4 rows or of the chunk, K not of the group; other
-    formats return 0 (their caller runs them one by one), as W4A8 does without VNNI."""
+    linear_gemv_m1_many, W4A8 and float32): each of k projections' outputs bit-equal to its own linear_gemv, with one
+    x shared (the gate_ups) or one x each (the downs), N not a multiple of the rows a pass or of the chunk, K not of
+    the group; other formats return 0 (their caller runs them one by one), as W4A8 does without VNNI."""
     import ctypes
 
     lib = cpu_kernels.load_library()
@@ -326,7 +326,8 @@ def test_one_token_projections_in_one_region_equal_them_one_by_one(scales, threa
     gs = []
     for _ in range(3):
         q, s, mn = quantize_int4(torch.randn(n, kin) * 0.05, group)
-        gs.append(cpu_kernels.GemvWeights("w4a8", q, kin, s, mn, group) if scales == "bf16" else
+        gs.append(cpu_kernels.GemvWeights.dense(torch.randn(n, kin), kin, torch.randn(n)) if scales == "f32" else
+                  cpu_kernels.GemvWeights("w4a8", q, kin, s, mn, group) if scales == "bf16" else
                   cpu_kernels.GemvWeights("w4a8", q, kin, s.half(), None, group))
     xs = torch.randn(3, kin)
     scratch = torch.empty(max(g.scratch_numel for g in gs))
@@ -336,8 +337,9 @@ def test_one_token_projections_in_one_region_equal_them_one_by_one(scales, threa
 
     def many(k: int, ldx: int, fmt: int) -> tuple[int, torch.Tensor]:
         out = torch.full((k, n), float("nan"))
+        biases = (ctypes.c_void_p * k)(*(g.ptrs[3] for g in gs[:k]))
         done = lib.linear_gemv_m1_many(out.data_ptr(), n, xs.data_ptr(), ldx, k, kin, n, fmt, arr(0, k), arr(1, k),
-                                       arr(2, k), group, None, scratch.data_ptr(), torch.get_num_threads())
+                                       arr(2, k), group, biases, scratch.data_ptr(), torch.get_num_threads())
         return done, out
 
     before = torch.get_num_threads()
@@ -347,12 +349,13 @@ def test_one_token_projections_in_one_region_equal_them_one_by_one(scales, threa
             for ldx in (0, kin):
                 done, out = many(k, ldx, gs[0].fmt)
                 if not done:  # no VNNI here: the caller's one-by-one path runs
+                    assert scales != "f32"
                     continue
                 for j in range(k):
                     assert torch.equal(out[j], gs[j](xs[j if ldx else 0].unsqueeze(0))[0]), (k, ldx, j)
-        f32 = cpu_kernels.GemvWeights.dense(torch.randn(n, kin), kin, None)
-        assert lib.linear_gemv_m1_many(xs.data_ptr(), n, xs.data_ptr(), 0, 1, kin, n, f32.fmt,
-                                       (ctypes.c_void_p * 1)(f32.ptrs[0]), (ctypes.c_void_p * 1)(None),
+        bf16 = cpu_kernels.GemvWeights.dense(torch.randn(n, kin).bfloat16(), kin, None)
+        assert lib.linear_gemv_m1_many(xs.data_ptr(), n, xs.data_ptr(), 0, 1, kin, n, bf16.fmt,
+                                       (ctypes.c_void_p * 1)(bf16.ptrs[0]), (ctypes.c_void_p * 1)(None),
                                        (ctypes.c_void_p * 1)(None), 0, None, scratch.data_ptr(), threads) == 0
     finally:
         torch.set_num_threads(before)

@@ -319,7 +319,7 @@ def _ceiling_text(r: dict[str, Any]) -> str:
             f"{c['decode_ms']:.2f} ms, and proposing L tokens costs a verification of L + 1 rows plus the draft's "
             f"round, so at these costs and that average acceptance the best one proposal length for every round "
             f"can give is {c['ceiling'][best]:.2f}x (L={best}; {costs}); the adaptive rule gets somewhat more by "
-            "proposing where a sequence's own record is good. The target is too small for the issue's premise: "
-            "at 2-7 rows its step is bound by FLOPs, not by reading its weights, so each verified row costs a good "
-            "share of a step, and the draft (2 layers, 1.4M parameters, held-out perplexity 47 against the "
-            "target's 36) guesses the second token onwards poorly.")
+            "proposing where a sequence's own record is good." + (
+                " The target is too small for the issue's premise: at 2-7 rows its step is bound by FLOPs, not by "
+                "reading its weights, so each verified row costs a good share of a step, and what the draft guesses "
+                "past its first token holds too rarely to pay for it." if c["ceiling"][best] < 1.4 else ""))

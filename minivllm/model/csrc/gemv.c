@@ -511,10 +511,37 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
     }
 }
 
+/* k float32 projections at one token each in one region (linear_gemv_m1_many, below): each row computed as
+ * linear_gemv's one-token f32 path computes it (dense_rows_m1 / dense_row_m1), the k N rows handed out in chunks
+ * that never straddle two projections. */
+static int dense_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, int k, int64_t K, int64_t N,
+                         const void *const *w, const float *const *bias, int num_threads) {
+    if (k < 1 || k > 16) return 0;
+    Layer L[16];
+    for (int j = 0; j < k; j++) L[j] = (Layer){.w = w[j], .K = K, .Kv = K, .bias = bias ? bias[j] : NULL};
+    int64_t next = 0;
+    const int64_t chunk = row_chunk(N * k, num_threads, M1_ROWS, K * 4), per = (N + chunk - 1) / chunk;
+#pragma omp parallel num_threads(num_threads)
+    {
+        int64_t c, c_end;
+        while (take_rows(&next, per * k, 1, &c, &c_end)) {
+            const int j = (int)(c / per);
+            const float *xj = x + j * ldx;
+            float *o = out + j * ldo;
+            int64_t n = c % per * chunk;
+            const int64_t end = n + chunk < N ? n + chunk : N;
+            for (; n + M1_ROWS <= end; n += M1_ROWS) dense_rows_m1(o, xj, &L[j], n);
+            for (; n < end; n++) dense_row_m1(o, xj, &L[j], n);
+        }
+    }
+    return 1;
+}
+
 /*
  * k projections of one shape and format at one token each (w, scale, mins, bias: k pointers each; bias may be NULL)
  * in one parallel region: out + j ldo = (x + j ldx) W_j^T + b_j, ldx 0 for one x shared by all. A mixture's chosen
- * experts at one decoding token (csrc/moe_decode.c). Returns 0 where the format has no such path: the caller runs
+ * experts at one decoding token (csrc/moe_decode.c): three regions a layer instead of five, the second thread
+ * waiting at each end. W4A8 (with VNNI) and float32; returns 0 where the format has no such path: the caller runs
  * them one by one.
  */
 int linear_gemv_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, int k, int64_t K, int64_t N, int fmt,
@@ -524,5 +551,6 @@ int linear_gemv_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, in
     fmt &= ~(FMT_F16_SCALES | FMT_F32_MINS | FMT_SYM_MINS | FMT_ACT_BLOCKS);
     if (fmt == FMT_W4A8)
         return gemv_w4a8_m1_many(out, ldo, x, ldx, k, K, N, w, scale, mins, G, halves, bias, scratch, num_threads);
+    if (fmt == FMT_F32) return dense_m1_many(out, ldo, x, ldx, k, K, N, w, bias, num_threads);
     return 0;
 }
