@@ -10,7 +10,7 @@ EPYC, so its decode ran every layer and expert through Python, at 0.5-0.76x llam
 Kernel timings cannot re-check such a choice, and a choice timed at start-up can be wrong for the engine's life (a
 busy core during one of the two timings, the machine's speed shifting later). So StackCheck watches each decided
 class's serving steps: where they run faster than their way's start-up timing allows (that timing was inflated) or
-slower than the other way's (the choice's premise no longer holds), the class's next steps run each way in turn,
+clearly slower than the other way's (the choice's premise no longer holds), the class's next steps run each way in turn,
 TRIAL of each, and the faster by their medians is kept, at most once per COOLDOWN steps of the class.
 """
 
@@ -82,10 +82,11 @@ class StackClass:
 
 class StackCheck:
     """Re-checks the classes decided by whole steps on the serving steps (see the module's docstring). A step counts
-    against its class's choice when it ran below FASTER x its way's expected time or above the other way's; SUSPECT
-    of the class's last WINDOW steps start a trial."""
+    against its class's choice when it ran below FASTER x its way's expected time or above SLOWER x the other way's
+    (this machine's speed drifts by a third over minutes: a slow phase alone should not start a trial); SUSPECT of
+    the class's last WINDOW steps start a trial."""
 
-    FASTER, WINDOW, SUSPECT, COOLDOWN, TRIAL = 0.5, 8, 3, 1000, 8
+    FASTER, SLOWER, WINDOW, SUSPECT, COOLDOWN, TRIAL = 0.5, 1.3, 8, 3, 1000, 8
 
     def __init__(self, classes: list[StackClass]) -> None:
         self.classes = {k.c: k for k in classes}
@@ -116,7 +117,7 @@ class StackCheck:
         expected = k.choice.expected(on_stack)
         recent = self.recent[c]
         recent.append(seconds < self.FASTER * expected * min(1.0, f)
-                      or seconds > k.choice.expected(not on_stack) * max(1.0, f))
+                      or seconds > self.SLOWER * k.choice.expected(not on_stack) * max(1.0, f))
         if sum(recent) >= self.SUSPECT and self.since[c] >= self.COOLDOWN:
             recent.clear()
             self.since[c] = 0
