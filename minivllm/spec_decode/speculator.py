@@ -99,14 +99,15 @@ class Speculator:
     best proposal goes through anyway, so one unlucky measurement cannot switch speculation off for good.
 
     The costs are predictions from the forward's time; what steps with proposals really yield is measured too
-    (Payoff): each pure-decode step's whole wall time (rejection sampling, proposer and outputs included) and the
-    tokens it produced, by its number of sequences. Where steps with proposals have yielded fewer tokens per second
-    than plain steps of the same size, proposals stop at that size (exploration still re-measures them). A step
-    that speculates after a pause of more than one step counts its proposer at the proposer's usual round time, not
-    at what this round took: a draft model catches up on the whole pause in it (~128 tokens through its prefill path
-    after an exploration's pause), which steady speculation does not pay; counted, those rounds kept an exploration
-    from ever finding that proposals pay again (a batch-1 draft stopped at 0.8x of what speculating every step
-    gave)."""
+    (Payoff): each pure-decode step's whole wall time (rejection sampling, proposer and outputs included) and its
+    tokens (with proposals: those they were expected to yield, see Payoff), by its number of sequences; one plain
+    step now and then keeps the rate without proposals measured. Where steps with proposals have yielded fewer
+    tokens per second than plain steps of the same size, proposals stop at that size (exploration still re-measures
+    them). A step that speculates after a pause of more than one step counts its proposer at the proposer's usual
+    round time, not at what this round took: a draft model catches up on the whole pause in it (~128 tokens through
+    its prefill path after an exploration's pause), which steady speculation does not pay; counted, those rounds kept
+    an exploration from ever finding that proposals pay again (a batch-1 draft stopped at 0.8x of what speculating
+    every step gave)."""
 
     EXPLORE_EVERY = 128
     # A sequence's record weighs its recent drafts most (each older one by RECENT more): how well a text is
