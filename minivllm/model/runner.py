@@ -165,8 +165,9 @@ class ModelRunner:
         self.lora: LoRAModelManager | None = None  # adapter slots, when the engine enables LoRA (init_lora)
         self.host_tiers: list[HostKVTier | None] = []  # preemption by swap's host tier per KV group (init_swap)
         self.plan_check: PlanCheck | None = None
+        # Classes decided by timing whole steps, re-checked on serving steps (None while those steps are timed).
         self.stack_check: StackCheck | None = None
-        self.stack_check = plan_classes_with_stack(self)  # (classes decided by whole steps, re-checked on steps)
+        self.stack_check = plan_classes_with_stack(self)
         # Steps faster than the start-up timings allow re-time their class (not on CUDA: its forward time is not
         # synchronized; not across tensor-parallel ranks, which must keep one plan).
         cpu_alone = device.type == "cpu" and parallel.size == 1

@@ -174,6 +174,15 @@ class Speculator:
         rec = self.records.get(seq.seq_id)
         return (rec.accepted + 1) / (rec.expected + 1) if rec is not None and rec.drafts >= 4 else 1.0
 
+    def _gains(self, seq: Sequence, rates: list[float]) -> list[float]:
+        """seq's expected gain at each proposal position: the position's acceptance rate scaled by seq's record,
+        never above the position before (a sequence's units stay in order)."""
+        f, g, out = self._factor(seq), float("inf"), []
+        for rate in rates:
+            g = min(g, rate * f)
+            out.append(g)
+        return out
+
     def _explore_due(self) -> bool:
         return self._step - self._last_spec >= self.EXPLORE_EVERY
 
@@ -218,10 +227,7 @@ class Speculator:
         rates = self.position_rates()
         units: list[tuple[float, int]] = []  # (expected gain, candidate index), positions in order per candidate
         for j, (seq, k) in enumerate(candidates):
-            f, g = self._factor(seq), float("inf")
-            for rate in rates[:k]:
-                g = min(g, rate * f)  # never above the position before: a sequence's units stay in order
-                units.append((g, j))
+            units += [(g, j) for g in self._gains(seq, rates[:k])]
         units.sort(key=lambda u: -u[0])  # stable: ties keep each sequence's positions in order
         over = self.proposer.overhead
         lengths = [0] * len(candidates)
@@ -311,12 +317,9 @@ class Speculator:
             self._last_spec = self._step
             self._speculated = True
             rates = self.position_rates()
-            self._expected = float(len(running))
-            for seq, spec, _ in found:
-                f, g = self._factor(seq), float("inf")
-                for rate in rates[:len(spec)]:
-                    g = min(g, rate * f)  # (as worth() prices a sequence's units)
-                    self._expected += min(g, 1.0)  # (a record above the average scales past certainty)
+            # (a record above the average scales a gain past certainty: at most a token each)
+            self._expected = len(running) + sum(min(g, 1.0) for seq, spec, _ in found
+                                                for g in self._gains(seq, rates[:len(spec)]))
         return self.proposing
 
     def end_step(self) -> None:
