@@ -4,6 +4,9 @@ the weight are released, and a plan whose start-up timings steps later beat is r
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 from conftest import PROMPTS
@@ -262,6 +265,70 @@ def test_one_token_rows_handed_out_in_chunks_are_each_computed_once(fmt, threads
         xd = xq.double() * xs.double()[:, None]
     expected = xd @ wd.t()
     _equal_with_threads(g, x, expected, threads)
+
+
+_QUEUE_HARNESS = r"""
+#include <omp.h>
+#include <stdint.h>
+#include <time.h>
+#include "gemv_rows.h"
+
+/* Rows [0, N) through a queue set up for nt threads, taken by a region of `threads` (fewer: the missing threads'
+ * ranges are left to stealing; a thread that starts late has its range stolen from): count[n] += 1 for each row,
+ * returns the pieces taken from another thread's starting range, or -1 when a piece broke the unit alignment. */
+int64_t drain(int64_t N, int nt, int threads, int64_t unit, int64_t row_bytes, int late_us, int32_t *count) {
+    row_queue_t q;
+    rq_init(&q, N, nt, unit, row_bytes);
+    int64_t stolen = 0, bad = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : stolen, bad)
+    {
+        const int me = omp_get_thread_num();
+        if (me == 1 && late_us) {
+            struct timespec t = {0, late_us * 1000L};
+            nanosleep(&t, NULL);
+        }
+        int64_t n, end;
+        while (rq_take(&q, &n, &end)) {
+            const int64_t lo = N * me / nt / unit * unit, hi = me + 1 == nt ? N : N * (me + 1) / nt / unit * unit;
+            stolen += n < lo || n >= hi;
+            bad += n % unit != 0 || (end % unit != 0 && end != N) || end <= n;
+            for (int64_t i = n; i < end; i++) __atomic_fetch_add(count + i, 1, __ATOMIC_RELAXED);
+        }
+    }
+    return bad ? -1 : stolen;
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler")
+def test_the_row_queue_hands_every_row_out_once_and_steals_from_late_or_missing_threads(tmp_path):
+    """csrc/gemv_rows.h's queue (every one-token GEMV's rows): each thread takes its own contiguous range piece by
+    piece and then steals the back half of what another has left. Whatever the interleaving every row goes out
+    exactly once, pieces stay aligned to the kernel's rows a pass (only a range ending at N has a tail); a range
+    whose thread never comes (a queue for more threads than the region got) or comes late is taken by the others."""
+    import ctypes
+    import subprocess
+
+    csrc = os.path.join(os.path.dirname(cpu_kernels.__file__), "csrc")
+    src, lib = tmp_path / "queue.c", tmp_path / "queue.so"
+    src.write_text(_QUEUE_HARNESS)
+    subprocess.run(["gcc", "-O2", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", f"-I{csrc}", str(src), "-o", str(lib)],
+                   check=True, capture_output=True)
+    drain = ctypes.CDLL(str(lib)).drain
+    drain.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                      ctypes.c_void_p]
+    drain.restype = ctypes.c_int64
+    stolen = {}
+    for n, unit, row_bytes in [(4099, 4, 1024), (1000, 8, 64), (37, 4, 1 << 20), (3, 4, 16)]:
+        for nt, threads, late_us in [(1, 1, 0), (2, 2, 0), (3, 2, 0), (5, 3, 0), (2, 2, 3000), (4, 1, 0)]:
+            count = torch.zeros(n, dtype=torch.int32)
+            got = drain(n, nt, threads, unit, row_bytes, late_us, count.data_ptr())
+            assert got >= 0, (n, nt, threads, "a piece not aligned to the unit")
+            assert torch.equal(count, torch.ones(n, dtype=torch.int32)), (n, nt, threads, late_us)
+            stolen[(n, nt, threads, late_us)] = got
+    assert stolen[(4099, 3, 2, 0)] > 0 and stolen[(4099, 4, 1, 0)] > 0  # ranges without a thread
+    assert stolen[(4099, 2, 2, 3000)] > 0  # a thread 3 ms late: the other took from its range
+    assert stolen[(4099, 1, 1, 0)] == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -29,7 +29,7 @@
  * Each thread walks its share of N one weight row at a time, with two accumulators per row of x so the FMA
  * chains overlap; at one token the float formats take four or eight weight rows per pass instead (each load of
  * x serving them all: 1.2-1.5x the one-row pass on an AVX2 EPYC, see dense_rows_m1), and the one-token paths
- * hand rows out in chunks to whichever thread is free (take_rows). Rows of x come in chunks of up to MB, each
+ * share rows out as csrc/gemv_rows.h's queue does (rq_take). Rows of x come in chunks of up to MB, each
  * chunk size compiled on its own so the accumulators live in registers. GCC vector extensions:
  * AVX-512 where the CPU has it, narrower registers elsewhere; only the byte-widening loads use
  * intrinsics (GCC 12 scalarises __builtin_convertvector from 8-bit lanes).
@@ -394,12 +394,12 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
                 float *xg = scratch + (Kp + 127) / 128 * 128;
                 int4_stage_m1(scratch, xg, xm, K, Kp, G);
                 L.Kv = Kp;
-                int64_t next = 0;
-                const int64_t chunk = row_chunk(N, num_threads, 1, Kp / 2);
+                row_queue_t q;
+                rq_init(&q, N, num_threads, 1, Kp / 2);
 #pragma omp parallel num_threads(num_threads)
                 {
                     int64_t n, end;
-                    while (take_rows(&next, N, chunk, &n, &end))
+                    while (rq_take(&q, &n, &end))
                         for (; n < end; n++) int4_row_m1_avx512(o, scratch, xg, &L, n);
                 }
                 continue;
@@ -439,10 +439,10 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
             if (mm == 1) {
                 int32_t xsum = 0;
                 for (int64_t k = 0; k < K; k++) xsum += xq[k];
-                int64_t next = 0;
-                const int64_t chunk = row_chunk(N, num_threads, 4, K);
+                row_queue_t q;
+                rq_init(&q, N, num_threads, 4, K);
 #pragma omp parallel num_threads(num_threads)
-                w8a8_m1_vnni(o, xq, xs[0], xsum, &L, N, &next, chunk);
+                w8a8_m1_vnni(o, xq, xs[0], xsum, &L, &q);
                 continue;
             }
 #endif
@@ -465,12 +465,12 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
         } else if (mm == 1) {
             const int bf16 = fmt == FMT_BF16;
             if (bf16) bf16_split_x(scratch, xm, K);
-            int64_t next = 0; /* the rows' next chunk (take_rows) */
-            const int64_t chunk = row_chunk(N, num_threads, M1_ROWS, K * (bf16 ? 2 : 4));
+            row_queue_t q;
+            rq_init(&q, N, num_threads, M1_ROWS, K * (bf16 ? 2 : 4));
 #pragma omp parallel num_threads(num_threads)
             {
                 int64_t n, end;
-                while (take_rows(&next, N, chunk, &n, &end)) {
+                while (rq_take(&q, &n, &end)) {
                     for (; n + M1_ROWS <= end; n += M1_ROWS) {
                         if (bf16) bf16_rows_m1(o, xm, scratch, &L, n);
                         else dense_rows_m1(o, xm, &L, n);
@@ -483,9 +483,10 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
             }
         } else if (fmt == FMT_BF16) {
 #if defined(GEMV_DENSE_AVX512)
-            int64_t next = 0; /* the rows' next chunk (take_rows) */
+            row_queue_t q;
+            rq_init(&q, N, num_threads, 8, K * 2);
 #pragma omp parallel num_threads(num_threads)
-            dense_all_avx512(o, ldo, xm, mm, &L, 1, N, &next);
+            dense_all_avx512(o, ldo, xm, mm, &L, 1, &q);
 #elif defined(GEMV_AVX2)
 #pragma omp parallel num_threads(num_threads)
             dense_all_avx2(o, ldo, xm, mm, &L, 1, N);
@@ -496,9 +497,10 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
 #endif
         } else {
 #if defined(GEMV_DENSE_AVX512)
-            int64_t next = 0; /* the rows' next chunk (take_rows) */
+            row_queue_t q;
+            rq_init(&q, N, num_threads, 8, K * 4);
 #pragma omp parallel num_threads(num_threads)
-            dense_all_avx512(o, ldo, xm, mm, &L, 0, N, &next);
+            dense_all_avx512(o, ldo, xm, mm, &L, 0, &q);
 #elif defined(GEMV_AVX2)
 #pragma omp parallel num_threads(num_threads)
             dense_all_avx2(o, ldo, xm, mm, &L, 0, N);
@@ -512,24 +514,29 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
 }
 
 /* k float32 projections at one token each in one region (linear_gemv_m1_many, below): each row computed as
- * linear_gemv's one-token f32 path computes it (dense_rows_m1 / dense_row_m1), the k N rows handed out in chunks
- * that never straddle two projections. */
+ * linear_gemv's one-token f32 path computes it (dense_rows_m1 / dense_row_m1), the k projections' rows shared out
+ * as one range (csrc/gemv_rows.h's queue). */
 static int dense_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, int k, int64_t K, int64_t N,
                          const void *const *w, const float *const *bias, int num_threads) {
     if (k < 1 || k > 16) return 0;
     Layer L[16];
     for (int j = 0; j < k; j++) L[j] = (Layer){.w = w[j], .K = K, .Kv = K, .bias = bias ? bias[j] : NULL};
-    int64_t next = 0;
-    const int64_t chunk = row_chunk(N * k, num_threads, M1_ROWS, K * 4), per = (N + chunk - 1) / chunk;
+    /* The k projections' rows as one range, each projection's padded to whole passes (Np rows, those past N
+     * skipped) so its rows fall into passes as linear_gemv's one projection does (equal bits). */
+    const int64_t Np = (N + M1_ROWS - 1) / M1_ROWS * M1_ROWS;
+    row_queue_t q;
+    rq_init(&q, Np * k, num_threads, M1_ROWS, K * 4);
 #pragma omp parallel num_threads(num_threads)
     {
         int64_t c, c_end;
-        while (take_rows(&next, per * k, 1, &c, &c_end)) {
-            const int j = (int)(c / per);
+        while (rq_take(&q, &c, &c_end))
+        for (int64_t at = c; at < c_end;) { /* (a piece may run from one projection into the next) */
+            const int j = (int)(at / Np);
             const float *xj = x + j * ldx;
             float *o = out + j * ldo;
-            int64_t n = c % per * chunk;
-            const int64_t end = n + chunk < N ? n + chunk : N;
+            int64_t n = at - j * Np;
+            const int64_t end = c_end - j * Np < N ? c_end - j * Np : N;
+            at = (j + 1) * Np < c_end ? (j + 1) * Np : c_end;
             for (; n + M1_ROWS <= end; n += M1_ROWS) dense_rows_m1(o, xj, &L[j], n);
             for (; n < end; n++) dense_row_m1(o, xj, &L[j], n);
         }

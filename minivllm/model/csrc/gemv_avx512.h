@@ -103,13 +103,12 @@ INLINE void dense_span_avx512(float *out, int64_t ldo, const float *x, int M, co
     }
 }
 
-/* All N rows against M (2..16) tokens, in chunks to whichever thread of the enclosing region asks (csrc/gemv_rows.h's
- * take_rows; *next starts at 0): fixed halves left the faster vCPU waiting (1.0-1.12x at 4-12 tokens here). */
-INLINE void dense_all_avx512(float *out, int64_t ldo, const float *x, int M, const Layer *L, int bf16, int64_t N,
-                             int64_t *next) {
-    const int64_t chunk = row_chunk(N, omp_get_num_threads(), 8, L->K * (bf16 ? 2 : 4));
+/* All rows against M (2..16) tokens, as the queue q hands them to the threads of the enclosing region
+ * (csrc/gemv_rows.h's rq_take): fixed halves left the faster vCPU waiting (1.0-1.12x at 4-12 tokens here). */
+INLINE void dense_all_avx512(float *out, int64_t ldo, const float *x, int M, const Layer *L, int bf16,
+                             row_queue_t *q) {
     int64_t n0, end;
-    while (take_rows(next, N, chunk, &n0, &end)) dense_span_avx512(out, ldo, x, M, L, bf16, n0, end);
+    while (rq_take(q, &n0, &end)) dense_span_avx512(out, ldo, x, M, L, bf16, n0, end);
 }
 
 #define GEMV_DENSE_AVX512 1
@@ -261,12 +260,10 @@ INLINE void w8a8_rows_m1_vnni(float *out, const int8_t *xq, float xs, int32_t xs
     }
 }
 
-/* This thread's rows of N at one token, four a pass (inside an omp parallel region; chunks as take_rows hands
- * them out, *next starting at 0). */
-INLINE void w8a8_m1_vnni(float *out, const int8_t *xq, float xs, int32_t xsum, const Layer *L, int64_t N,
-                         int64_t *next, int64_t chunk) {
+/* This thread's rows at one token, four a pass (inside an omp parallel region; as the queue q hands them out). */
+INLINE void w8a8_m1_vnni(float *out, const int8_t *xq, float xs, int32_t xsum, const Layer *L, row_queue_t *q) {
     int64_t n, end;
-    while (take_rows(next, N, chunk, &n, &end)) {
+    while (rq_take(q, &n, &end)) {
         for (; n + 4 <= end; n += 4) w8a8_rows_m1_vnni(out, xq, xs, xsum, L, n, 4);
         for (; n < end; n++) w8a8_rows_m1_vnni(out, xq, xs, xsum, L, n, 1);
     }

@@ -177,11 +177,12 @@ void gemv_q4k(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64
     const int64_t nsb = K / 256, nb = K / 32, nbp = (nb + 15) / 16 * 16;
     Q4Layer L = {.w = (const uint8_t *)w, .bias = bias, .nsb = nsb, .row_bytes = nsb * Q4K_BYTES, .Kx = ldx,
                  .K16 = K / 16};
-    int64_t next = 0;
+    row_queue_t q;
+    rq_init(&q, N, num_threads, 1, L.row_bytes);
     if (!a8) {
 #define R4(c) q4k_row(out + j * ldo, ldo, x + j * ldx, c, &L, n)
 #pragma omp parallel num_threads(num_threads)
-        FOR_ROW_CHUNKS(N, M, R4, &next, L.row_bytes);
+        FOR_ROW_CHUNKS(M, R4, &q);
         return;
     }
     L.Kx = K;
@@ -207,5 +208,5 @@ void gemv_q4k(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64
     }
 #define R4A(c) q4ka8_row(out + j * ldo, ldo, xq + j * K, xv + j * L.K16, c, &L, n)
 #pragma omp parallel num_threads(num_threads)
-    FOR_ROW_CHUNKS(N, M, R4A, &next, L.row_bytes);
+    FOR_ROW_CHUNKS(M, R4A, &q);
 }

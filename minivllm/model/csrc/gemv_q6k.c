@@ -186,11 +186,12 @@ void gemv_q6k(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64
     const int64_t nsb = K / 256, nb = K / 32, nbp = (nb + 15) / 16 * 16;
     Q6Layer L = {.w = (const uint8_t *)w, .bias = bias, .nsb = nsb, .row_bytes = nsb * SB_BYTES, .Kx = ldx,
                  .nbp = nbp, .K16 = K / 16};
-    int64_t next = 0;
+    row_queue_t q;
+    rq_init(&q, N, num_threads, 1, L.row_bytes);
     if (!a8) {
 #define R6(c) q6k_row(out + j * ldo, ldo, x + j * ldx, c, &L, n)
 #pragma omp parallel num_threads(num_threads)
-        FOR_ROW_CHUNKS(N, M, R6, &next, L.row_bytes);
+        FOR_ROW_CHUNKS(M, R6, &q);
         return;
     }
     L.Kx = K;
@@ -208,5 +209,5 @@ void gemv_q6k(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64
     }
 #define R6A(c) q6ka8_row(out + j * ldo, ldo, xq + j * K, xb + j * nbp, xo + j * L.K16, c, &L, n)
 #pragma omp parallel num_threads(num_threads)
-    FOR_ROW_CHUNKS(N, M, R6A, &next, L.row_bytes);
+    FOR_ROW_CHUNKS(M, R6A, &q);
 }

@@ -227,7 +227,8 @@ void gemv_q8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_
      * Same-process A/B on a Zen 4 EPYC (2 threads, x in blocks): the 1B head (128256 x 2048) at 1 / 4 / 8 rows
      * 1.17x / 1.29x / 1.22x, 1B-shaped projections at 1 / 4 / 16 rows 1.30x / 1.45x / 1.40x against fixed halves
      * without prefetch; at one row the prefetch was mixed (head 1.05x more, projections 0.82x): not taken there. */
-    int64_t next = 0;
+    row_queue_t q;
+    rq_init(&q, N, num_threads, 1, Kp);
 #pragma omp parallel num_threads(num_threads)
-    FOR_ROW_CHUNKS(N, M, RA, &next, Kp);
+    FOR_ROW_CHUNKS(M, RA, &q);
 }

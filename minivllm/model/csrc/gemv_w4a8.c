@@ -362,16 +362,16 @@ void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int6
      * (row_vnni at M > 1): against 2-16 rows of x the arithmetic per weight left the hardware prefetcher behind.
      * Same-process A/B on a Zen 4 EPYC (1B-shaped projections, Q4_0's layout, 2 threads): 1.51x / 1.48x / 1.23x /
      * 1.12x at 2 / 4 / 8 / 16 rows, the prefetch alone 1.14-1.44x. */
-    int64_t next = 0;
+    row_queue_t q;
+    rq_init(&q, N, num_threads, 4, Kp / 2);
 #pragma omp parallel num_threads(num_threads)
     {
 #ifdef W4A8_AVX2
         float sf[4 * 2 * (ng + 8)]; /* up to four weight rows' group scales and mins as float (rows_avx2; one row
                                      * and its scaled mins, row_all_tokens_avx2) */
 #endif
-        const int64_t chunk = row_chunk(N, omp_get_num_threads(), 4, Kp / 2);
         int64_t c0, c1;
-        while (take_rows(&next, N, chunk, &c0, &c1))
+        while (rq_take(&q, &c0, &c1))
         for (int64_t n = c0; n < c1; n++) {
 #ifdef W4A8_AVX2
             if (M > 1 && !(Kp & 63)) { /* several tokens: one weight row against up to 8 of them per pass */
@@ -449,17 +449,21 @@ int gemv_w4a8_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, int 
                            .sym = (halves >> 2) & 1, .ablk = xb != NULL, .Kp = Kp, .G = G, .ng = ng, .ngp = ngp,
                            .Kx = Kx};
     const int64_t tail_rows = tail_rows_vnni(Kp, ng, ngp, Kx);
-    /* The k projections' rows as one range of k N, in chunks that never straddle two of them. */
-    int64_t next = 0;
-    const int64_t chunk = row_chunk(N * k, num_threads, 4, Kp / 2), per = (N + chunk - 1) / chunk;
+    /* The k projections' rows as one range, each projection's padded to whole passes of four (Np rows, those past
+     * N skipped) so its rows fall into passes as one projection's do. */
+    const int64_t Np = (N + 3) / 4 * 4;
+    row_queue_t q;
+    rq_init(&q, Np * k, num_threads, 4, Kp / 2);
 #pragma omp parallel num_threads(num_threads)
     {
         int64_t c, c_end;
-        while (take_rows(&next, per * k, 1, &c, &c_end)) {
-            const int j = (int)(c / per), x_at = ldx ? j : 0;
+        while (rq_take(&q, &c, &c_end))
+        for (int64_t at = c; at < c_end;) { /* (a piece may run from one projection into the next) */
+            const int j = (int)(at / Np), x_at = ldx ? j : 0;
             const int64_t lim = N - tail_rows;
-            int64_t n = c % per * chunk;
-            const int64_t end = n + chunk < N ? n + chunk : N;
+            int64_t n = at - j * Np;
+            const int64_t end = c_end - j * Np < N ? c_end - j * Np : N;
+            at = (j + 1) * Np < c_end ? (j + 1) * Np : c_end;
             const int8_t *xqj = xq + x_at * Kx;
             const float *xgj = xg + x_at * ngp, *xbj = xb ? xb + x_at * ngp : NULL;
             float *o = out + j * ldo;
