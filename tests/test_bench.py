@@ -255,6 +255,32 @@ def test_bench_peers_smoke_and_its_verdicts(tmp_path):
     assert "below a peer's decode: the probe measures the wrong thing" in text  # llama.cpp streams 33 GB/s
 
 
+def test_bench_peers_paired_bursts_beside_llama_cpp(tmp_path):
+    """--pairs N: ours and llama.cpp loaded at once in two worker processes decode one sequence in alternating
+    bursts (ABBA); N rates each, the median of the pairs' ratios between its quartiles, a table with its verdict.
+    A worker that cannot load ends the pairing with a clear error naming it and what it printed."""
+    from minivllm.bench import llamacpp
+    from minivllm.bench.paired import BurstWorker
+    from minivllm.bench.peers_report import report
+
+    if why := llamacpp.available():
+        pytest.skip(why)
+    out = tmp_path / "peers.json"
+    rc = main(["bench", "peers", "--presets", "tiny-llama", "--modes", "gguf:Q8_0", "--batches", "1", "--steps", "4",
+               "--prefill-len", "0", "--rounds", "1", "--no-hf", "--pairs", "3", "--work-dir", str(tmp_path / "w"),
+               "--out", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    p = r["paired"]["tiny-llama"]["gguf:Q8_0"]
+    assert p["pairs"] == 3 and len(p["ours"]) == len(p["peer"]) == 3 and min(p["ours"] + p["peer"]) > 0
+    ratios = sorted(a / b for a, b in zip(p["ours"], p["peer"], strict=True))
+    assert p["ratio"] == pytest.approx(ratios[1]) and p["q1"] <= p["ratio"] <= p["q3"]
+    assert f"| gguf:Q8_0 | Q8_0 | 3 | {statistics.median(p['ours']):.1f} |" in report(r)
+    with pytest.raises(RuntimeError, match="(?s)llama.cpp worker ended: .*could not load .*missing.gguf"):
+        BurstWorker({"engine": "llama.cpp", "model": str(tmp_path / "missing.gguf"), "threads": 1, "prompt_len": 4,
+                     "steps": 2}, "llama.cpp")
+
+
 def test_bench_replicas_verdict_with_every_variant_or_the_latency_pair_alone():
     """`bench all --quick` runs the router's latency pair only (each Ray deployment costs ~30 s): the verdict then
     judges the pair; with every variant it judges the replicas too. Unknown variant names are refused."""

@@ -7,7 +7,9 @@ configuration runs in a fresh process that loads the model once, warms up, then 
 prefill one 512-token prompt (TTFT), and decode tok/s at each batch size after short prompts (the logits of every
 row computed, in every engine). Each round runs the configurations in the reverse order of the one before
 (ABBA) and starts with the bandwidth probe (bench/roofline.py: 2 threads, >= 8x the last-level cache); ratios
-are of medians.
+are of medians. With --pairs N, each mode then meets llama.cpp at one sequence in N pairs of alternating bursts,
+both engines loaded at once (bench/paired.py): the ratio within each pair, where rounds minutes apart mix the
+machine's phases.
 
 The roofline column: bytes each engine's decode step reads (its own format's weights: the GGUF tensors for
 llama.cpp, ours counted by decode_weight_bytes, HF's parameters) x tokens/s at one sequence = the bandwidth its
@@ -71,7 +73,10 @@ def add_peers_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-hf", action="store_true", help="skip HF transformers")
     p.add_argument("--work-dir", default=None, help="where checkpoints and GGUF files go (deleted after each preset)")
     p.add_argument("--out", default=None, help="write the results as JSON here (and a PNG next to it)")
+    p.add_argument("--pairs", type=int, default=0, help="also time b=1 in this many pairs of alternating bursts, "
+                   "ours and llama.cpp loaded at once (bench/paired.py; 0: off)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one configuration in this process: JSON
+    p.add_argument("--burst-worker", default=None, help=argparse.SUPPRESS)  # one engine serving bursts: JSON
 
 
 def decode_steps(engine: Any, num_seqs: int, prompt_len: int, n: int) -> dict[str, float]:
@@ -100,9 +105,9 @@ def decode_steps(engine: Any, num_seqs: int, prompt_len: int, n: int) -> dict[st
     return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "decode_tok_s": made / (t2 - t1), "running": running}
 
 
-def _ours(spec: dict[str, Any]) -> dict[str, Any]:
+def _our_engine(spec: dict[str, Any]) -> Any:
+    """Our engine on the spec's model and mode, warmed up (every weight touched, buffers allocated)."""
     from minivllm.bench.quant_quality import mode_engine_kwargs
-    from minivllm.bench.quantization import decode_weight_bytes
     from minivllm.config import EngineArgs
     from minivllm.engine.llm_engine import LLMEngine
 
@@ -115,7 +120,15 @@ def _ours(spec: dict[str, Any]) -> dict[str, Any]:
     engine = LLMEngine(EngineArgs(model=spec["model"], kv_cache_memory="1GiB", num_threads=spec["threads"],
                                   max_model_len=max(spec["prefill_len"], spec["prompt_len"] + spec["steps"]) + 16,
                                   max_num_seqs=max(batches), enable_prefix_caching=False, **kwargs))
-    decode_steps(engine, 1, 8, 4)  # warm-up: every weight touched, buffers allocated
+    decode_steps(engine, 1, 8, 4)
+    return engine
+
+
+def _ours(spec: dict[str, Any]) -> dict[str, Any]:
+    from minivllm.bench.quantization import decode_weight_bytes
+
+    engine = _our_engine(spec)
+    batches = spec["batches"]
     out: dict[str, Any] = {"bytes": decode_weight_bytes(engine.runner.model)}
     if spec["prefill_len"]:
         out[PREFILL] = decode_steps(engine, 1, spec["prefill_len"], 0)["prefill_s"]
@@ -137,6 +150,21 @@ def _llama_cpp(spec: dict[str, Any]) -> dict[str, Any]:
     finally:
         session.close()
     return out
+
+
+def _bursts(spec: dict[str, Any]) -> int:
+    """A paired-burst worker (bench/paired.py): the engine loaded and warm, one b=1 decode of `steps` steps a burst."""
+    from minivllm.bench.paired import serve_bursts
+
+    if spec["engine"] == "ours":
+        engine = _our_engine(spec)
+        return serve_bursts(lambda: decode_steps(engine, 1, spec["prompt_len"], spec["steps"])["decode_tok_s"])
+    session = llamacpp.Session(spec["model"], spec["threads"])
+    try:
+        session.decode_tok_s(1, 8, 4)
+        return serve_bursts(lambda: session.decode_tok_s(1, spec["prompt_len"], spec["steps"]))
+    finally:
+        session.close()
 
 
 def _hf(spec: dict[str, Any]) -> dict[str, Any]:
@@ -218,6 +246,8 @@ def run_peers(ns: argparse.Namespace) -> int:
         spec = json.loads(ns.worker)
         print(json.dumps(WORKERS[spec["engine"]](spec)))
         return 0
+    if ns.burst_worker:
+        return _bursts(json.loads(ns.burst_worker))
     modes = ns.modes.split(",")
     unknown = [m for m in modes if not valid_mode(m)]
     if unknown:
@@ -249,6 +279,8 @@ def run_peers(ns: argparse.Namespace) -> int:
                     print(f"  round {r} {engine} {mode}: " + ", ".join(
                         f"{k} {v:.2f}" for k, v in out.items() if k != "bytes"), flush=True)
         results["presets"][preset] = _medians(runs)
+        if ns.pairs and skip is None:
+            results.setdefault("paired", {})[preset] = _paired(common, modes, paths, ns.pairs)
         shutil.rmtree(root, ignore_errors=True)
         if ns.out:  # after each preset: a run of an hour keeps what it measured
             save(results, ns.out, None)
@@ -257,6 +289,28 @@ def run_peers(ns: argparse.Namespace) -> int:
     print(report(results))
     save(results, ns.out, plot)
     return 0
+
+
+def _paired(common: dict[str, Any], modes: list[str], paths: dict[str, str], pairs: int) -> dict[str, Any]:
+    """Each mode against llama.cpp on its file in paired bursts at one sequence (bench/paired.py)."""
+    from minivllm.bench.paired import paired_bursts
+
+    out: dict[str, Any] = {}
+    for mode in modes:
+        t = peer_type(mode)
+        if t not in paths:
+            continue
+        model = paths[t] if mode.startswith("gguf:") else paths["hf"]
+        ours = {**common, "engine": "ours", "mode": mode, "model": model}
+        try:
+            out[mode] = paired_bursts(ours, {**common, "engine": "llama.cpp", "mode": t, "model": paths[t]}, pairs)
+        except RuntimeError as e:
+            print(f"  paired {mode} failed: {e}", flush=True)
+            continue
+        r = out[mode]
+        print(f"  paired {mode} vs llama.cpp {t}: median ratio {r['ratio']:.3f} (quartiles {r['q1']:.3f}-"
+              f"{r['q3']:.3f}, {pairs} pairs)", flush=True)
+    return out
 
 
 def _params(path: str) -> int:

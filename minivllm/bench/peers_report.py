@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from minivllm.bench.peers import HF_DTYPE, PREFILL, peer_type
@@ -70,8 +71,26 @@ def report(results: dict[str, Any]) -> str:
                     f">= {goal:.1f}x: " + ("not measured" if r_cpp is None else "met" if r_cpp >= goal else "NOT MET")
                 lines.append(f"| {mode} | {_point_name(point, results)} | {_fmt(mine, point)} | {peer} "
                              f"{_fmt(cpp, point)} | {_x(r_cpp)} | {_fmt(hf, point)} | {_x(r_hf)} | {verdict} |")
-        lines += ["", *roofline_lines(results, runs, params), ""]
+        lines += ["", *roofline_lines(results, runs, params), "", *paired_lines(results, preset, params)]
     return "\n".join(lines).rstrip()
+
+
+def paired_lines(results: dict[str, Any], preset: str, params: float) -> list[str]:
+    """b=1 in paired bursts (bench/paired.py): each mode's median ratio over adjacent pairs, with its quartiles."""
+    paired = results.get("paired", {}).get(preset)
+    if not paired:
+        return []
+    lines = [f"Paired bursts at one sequence (both engines loaded at once, alternating bursts of {results['steps']} "
+             "steps, ABBA; the ratio within each adjacent pair):", "",
+             "| ours | llama.cpp | pairs | ours tok/s (median) | llama.cpp tok/s (median) | median pair ratio | "
+             "quartiles | target |", "|---|---|---|---|---|---|---|---|"]
+    for mode, r in paired.items():
+        goal = targets(mode, "1", params)
+        verdict = "-" if goal is None else f">= {goal:.1f}x: " + ("met" if r["ratio"] >= goal else "NOT MET")
+        lines.append(f"| {mode} | {peer_type(mode)} | {r['pairs']} | {statistics.median(r['ours']):.1f} | "
+                     f"{statistics.median(r['peer']):.1f} | **{r['ratio']:.2f}x** | {r['q1']:.2f}-{r['q3']:.2f}x | "
+                     f"{verdict} |")
+    return [*lines, ""]
 
 
 def roofline_lines(results: dict[str, Any], runs: dict[str, Any], params: float) -> list[str]:
