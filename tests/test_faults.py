@@ -59,6 +59,35 @@ def test_spec_parsing_and_production_refusal():
         FaultInjector.from_env({ENV_VAR: "step_raise=AAA", "MINIVLLM_ENV": "production"})
 
 
+def test_the_guard_fails_rows_with_nan_or_plus_inf_logits_and_keeps_masked_ones():
+    """StepGuard's check of a step's logits (one sum over every row, the rows looked at only when it is NaN or +inf):
+    a row holding NaN or +inf fails its request and only that one; -inf logits (masked tokens) fail none, whole rows
+    of them neither; finite rows whose sum over the step overflows fail none."""
+    import torch
+
+    from minivllm.engine.sequence import Sequence
+    from minivllm.engine.step_guard import StepGuard
+
+    seqs = [Sequence(f"r{i}", [1, 2], SamplingParams(), i) for i in range(4)]
+    spans = [(i, i + 1, i, i + 1) for i in range(4)]
+
+    def check(cells: dict[tuple[int, int], float], fill: float = 0.5) -> tuple[set[str], torch.Tensor]:
+        logits = torch.full((4, 6), fill)
+        for (r, c), v in cells.items():
+            logits[r, c] = v
+        out = StepGuard(lambda scheduled, inputs: logits).forward([(s, 1) for s in seqs], list("abcd"), spans)
+        return set(out.failed), out.logits
+
+    inf, nan = float("inf"), float("nan")
+    failed, kept = check({(1, 2): -inf, (3, 0): -inf})
+    assert not failed and kept.shape == (4, 6)
+    failed, kept = check({(1, 0): inf, (2, 5): nan, (3, 1): -inf})
+    assert failed == {"r1", "r2"} and kept.shape == (2, 6) and torch.isinf(kept[1, 1])
+    assert check({(0, 3): inf})[0] == {"r0"}  # the step's sum +inf, not NaN
+    assert check({(2, c): -inf for c in range(6)} | {(0, 1): inf})[0] == {"r0"}  # +inf beside -inf: the sum NaN
+    assert not check({}, fill=1.6e37)[0]  # each row's sum ~1e38, the step's overflows float32 to +inf
+
+
 def test_each_fault_fails_only_its_request_and_the_rest_match(model, monkeypatch):
     prompts = {f"g{i}": p for i, p in enumerate(GOOD)} | FAULTY
     reference, none_failed, _ = _run_batch(model, prompts)  # hook off: every request completes
