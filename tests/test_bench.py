@@ -267,7 +267,7 @@ def test_bench_peers_paired_bursts_beside_llama_cpp(tmp_path):
         pytest.skip(why)
     out = tmp_path / "peers.json"
     rc = main(["bench", "peers", "--presets", "tiny-llama", "--modes", "gguf:Q8_0", "--batches", "1", "--steps", "4",
-               "--prefill-len", "0", "--rounds", "1", "--no-hf", "--pairs", "3", "--work-dir", str(tmp_path / "w"),
+               "--prefill-len", "0", "--rounds", "0", "--no-hf", "--pairs", "3", "--work-dir", str(tmp_path / "w"),
                "--out", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
