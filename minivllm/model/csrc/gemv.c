@@ -528,15 +528,12 @@ static int dense_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, i
     rq_init(&q, Np * k, num_threads, M1_ROWS, K * 4);
 #pragma omp parallel num_threads(num_threads)
     {
-        int64_t c, c_end;
-        while (rq_take(&q, &c, &c_end))
-        for (int64_t at = c; at < c_end;) { /* (a piece may run from one projection into the next) */
-            const int j = (int)(at / Np);
+        int64_t at, c_end, n, end;
+        int j;
+        while (rq_take(&q, &at, &c_end))
+        while (rq_span(&at, c_end, Np, N, &j, &n, &end)) { /* (a piece may run from one projection into the next) */
             const float *xj = x + j * ldx;
             float *o = out + j * ldo;
-            int64_t n = at - j * Np;
-            const int64_t end = c_end - j * Np < N ? c_end - j * Np : N;
-            at = (j + 1) * Np < c_end ? (j + 1) * Np : c_end;
             for (; n + M1_ROWS <= end; n += M1_ROWS) dense_rows_m1(o, xj, &L[j], n);
             for (; n < end; n++) dense_row_m1(o, xj, &L[j], n);
         }

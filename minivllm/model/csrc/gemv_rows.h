@@ -108,6 +108,19 @@ static inline int rq_take(row_queue_t *q, int64_t *n, int64_t *end) {
     return 0;
 }
 
+/* A piece [*at, end) of k projections' rows laid end to end, each padded to Np rows (a whole number of the kernel's
+ * passes, so a projection's rows fall into passes as they would alone): its next span inside one projection, as
+ * that projection *j and its rows [*n, *n_end) (none past N), *at moved past it; 0 once the piece is done. */
+static inline int rq_span(int64_t *at, int64_t end, int64_t Np, int64_t N, int *j, int64_t *n, int64_t *n_end) {
+    if (*at >= end) return 0;
+    *j = (int)(*at / Np);
+    const int64_t base = *j * Np;
+    *n = *at - base;
+    *n_end = end - base < N ? end - base : N;
+    *at = base + Np < end ? base + Np : end;
+    return 1;
+}
+
 /* Chunks of `chunk` items to whichever thread asks (the bandwidth probe's 2 MiB chunks, the tiles' panels). */
 static inline int take_rows(int64_t *next, int64_t N, int64_t chunk, int64_t *n, int64_t *end) {
     *n = __atomic_fetch_add(next, chunk, __ATOMIC_RELAXED);

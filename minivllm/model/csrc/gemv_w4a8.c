@@ -456,14 +456,12 @@ int gemv_w4a8_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, int 
     rq_init(&q, Np * k, num_threads, 4, Kp / 2);
 #pragma omp parallel num_threads(num_threads)
     {
-        int64_t c, c_end;
-        while (rq_take(&q, &c, &c_end))
-        for (int64_t at = c; at < c_end;) { /* (a piece may run from one projection into the next) */
-            const int j = (int)(at / Np), x_at = ldx ? j : 0;
+        int64_t at, c_end, n, end;
+        int j;
+        while (rq_take(&q, &at, &c_end))
+        while (rq_span(&at, c_end, Np, N, &j, &n, &end)) { /* (a piece may run from one projection into the next) */
+            const int x_at = ldx ? j : 0;
             const int64_t lim = N - tail_rows;
-            int64_t n = at - j * Np;
-            const int64_t end = c_end - j * Np < N ? c_end - j * Np : N;
-            at = (j + 1) * Np < c_end ? (j + 1) * Np : c_end;
             const int8_t *xqj = xq + x_at * Kx;
             const float *xgj = xg + x_at * ngp, *xbj = xb ? xb + x_at * ngp : NULL;
             float *o = out + j * ldo;
