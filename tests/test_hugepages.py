@@ -43,6 +43,21 @@ def test_large_tensors_move_into_huge_pages_with_their_values_and_ties():
     assert torch.equal(m.embed.weight, before["embed.weight"])
 
 
+@pytest.mark.skipif(not hugepages.enabled(), reason="transparent huge pages are off (or not Linux)")
+def test_what_is_placed_stays_and_empty_tensors_move_without_a_copy():
+    m = _Tied()
+    big = [m.embed.weight, m.other.weight, m.table]
+    assert hugepages.placed_bytes(m) == 0
+    moved = hugepages.place_in_hugepages(m, copy=False)  # the loader's first call, on tensors about to be filled
+    assert moved == hugepages.placed_bytes(m) == sum(t.nbytes for t in big)
+    assert all(hugepages.in_hugepage_mapping(t) for t in big) and not hugepages.in_hugepage_mapping(m.small)
+    ptrs = [t.data_ptr() for t in big]
+    assert hugepages.place_in_hugepages(m) == 0 and [t.data_ptr() for t in big] == ptrs  # the final call: no move
+    m.other.weight.data = torch.ones(1024, 1024)  # replaced after the load (as quantizing or sharding does)
+    assert hugepages.place_in_hugepages(m) == 1024 * 1024 * 4 and torch.equal(m.other.weight, torch.ones(1024, 1024))
+    assert hugepages.in_hugepage_mapping(m.other.weight) and m.embed.weight.data_ptr() == ptrs[0]
+
+
 def test_nothing_moves_when_turned_off(monkeypatch):
     monkeypatch.setenv("MINIVLLM_HUGEPAGES", "0")
     m = _Tied()

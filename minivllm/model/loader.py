@@ -18,7 +18,7 @@ from minivllm.config import ModelConfig
 from minivllm.distributed.parallel import attach_collectives, shard_model
 from minivllm.engine_config import ParallelConfig
 from minivllm.model import gguf_blocks, gguf_checkpoint, prequantized
-from minivllm.model.hugepages import place_in_hugepages
+from minivllm.model.hugepages import place_in_hugepages, placed_bytes
 from minivllm.model.models import get_model_class
 from minivllm.model.quantization import quantize_model
 from minivllm.model.quantized_checkpoint import load_quantized
@@ -119,6 +119,8 @@ def load_model(mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_mo
     finally:
         torch.set_default_dtype(prev)
     model.to_empty(device=device)
+    if device.type == "cpu":
+        place_in_hugepages(model, copy=False)  # read the checkpoint straight into huge pages (model/hugepages.py)
     for module in model.modules():
         if hasattr(module, "reset_buffers"):
             module.reset_buffers()
@@ -155,7 +157,8 @@ def load_model(mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_mo
         attach_collectives(model, mc, parallel)
     model.eval().requires_grad_(False)
     if device.type == "cpu":
-        moved = place_in_hugepages(model)  # before any kernel takes a weight's address
-        if moved:
-            logger.info("weights: %.2f GB placed in huge pages", moved / 1e9)
+        place_in_hugepages(model)  # what the load replaced (quantized, sharded); before any kernel takes an address
+        placed = placed_bytes(model)
+        if placed:
+            logger.info("weights: %.2f GB in huge pages", placed / 1e9)
     return model
