@@ -34,6 +34,7 @@ from minivllm.model.loader import load_model
 from minivllm.model.lora import LoRAModelManager, build_mapping
 from minivllm.model.models import get_model_class, kv_windows
 from minivllm.model.quantization import QuantizedLinear, check_device
+from minivllm.model.row_order import choose_row_order
 from minivllm.model.stack_plan import StackCheck, plan_classes_with_stack
 from minivllm.model.step_sampling import RunnerOutput, SamplingRequest, StepSampler
 from minivllm.model.superblock_linear import SuperblockLinear
@@ -100,6 +101,8 @@ class ModelRunner:
                 ms.linear_backend == "onednn" or _second_layout_affordable(linears)):
             for m in linears:
                 m.pack(keep_weight=ms.linear_backend == "auto")
+        # Before the plan times the native kernel: how its one-token rows stream here (model/row_order.py).
+        self.row_order = choose_row_order(linears, dtype) if ms.linear_backend in ("auto", "native") else None
         self.linear_plan = plan_kernels(linears, ms.linear_backend, "linear_backend", dtype)
         self.linear_kernels = self.linear_plan.names
         for m in linears:

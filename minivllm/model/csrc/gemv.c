@@ -28,7 +28,8 @@
  *
  * Each thread walks its share of N one weight row at a time, with two accumulators per row of x so the FMA
  * chains overlap; at one token the float formats take four or eight weight rows per pass instead (each load of
- * x serving them all: 1.2-1.5x the one-row pass on an AVX2 EPYC, see dense_rows_m1), and the one-token paths
+ * x serving them all: 1.2-1.5x the one-row pass on an AVX2 EPYC, see dense_rows_m1; f32 rows one by one where
+ * start-up timing finds that faster: gemv_m1_sequential), and the one-token paths
  * share rows out as csrc/gemv_rows.h's queue does (rq_take). Rows of x come in chunks of up to MB, each
  * chunk size compiled on its own so the accumulators live in registers. GCC vector extensions:
  * AVX-512 where the CPU has it, narrower registers elsewhere; only the byte-widening loads use
@@ -133,6 +134,10 @@ typedef struct {
     int f16, f32mins; /* int4 group scales (and mins) are float16, else bfloat16; mins are float32 */
     int sym;          /* no mins stored: each is -8 scale (codes centred on 8: GGUF's Q4_0, symmetric GPTQ) */
 } Layer;
+
+int gemv_m1_sequential = 0; /* see gemv_m1.h; the interleaved passes until set_gemv_m1_sequential says otherwise */
+
+void set_gemv_m1_sequential(int on) { gemv_m1_sequential = on != 0; }
 
 #include "gemv_m1.h"
 

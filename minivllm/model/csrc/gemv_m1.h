@@ -17,11 +17,25 @@ INLINE float hsumv(vf v) {
  * on AVX2's 16. */
 #define M1_ROWS (VL == 16 ? 8 : 4)
 
+/* How the one-token f32 rows stream (gemv.c holds it; model/row_order.py sets it at start-up by timing both on the
+ * model's own weights): 1 = each row whole before the next (dense_row_m1), one sequential stream per thread; 0 =
+ * M1_ROWS rows a pass, each load of x serving them all. On a 2-vCPU Zen 4 EPYC the passes' M1_ROWS interleaved
+ * streams of short rows starved the hardware prefetcher: a 135M model's one-token decode stack (576-float rows)
+ * took 1.34-1.40x as long as row by row (2 rows interleaved: 1.09x), a 1B model's 1.19x (same process,
+ * alternating); on an AVX2 EPYC four rows a pass had streamed 1.2x one row. */
+extern int gemv_m1_sequential;
+
 /* One token against M1_ROWS consecutive f32 weight rows, each load of x serving all of them: one row per pass
  * streamed 16-18 GB/s (21-26 with 32-byte vectors) on a 2-core AVX2 EPYC, four rows 27-32, oneDNN's plain-weight
  * GEMM 19-25 (same probe: 24 distinct 512x2048 .. 2048x8192 weights, one token). Fewer loads per FMA, and more
  * streams in flight per core: on an AVX-512 Xeon eight rows streamed 1.05-1.08x four (same process, alternating). */
+INLINE void dense_row_m1(float *out, const float *x, const Layer *L, int64_t n);
+
 INLINE void dense_rows_m1(float *out, const float *x, const Layer *L, int64_t n) {
+    if (gemv_m1_sequential) {
+        for (int r = 0; r < M1_ROWS; r++) dense_row_m1(out, x, L, n + r);
+        return;
+    }
     const int64_t K = L->K;
     enum { R = M1_ROWS };
     vf a[R][2] = {{{0}}};

@@ -1,0 +1,112 @@
+"""The one-token float32 rows streamed row by row or several a pass (csrc/gemv_m1.h, model/row_order.py): both orders
+compute the same linear, the faster one as timed at start-up is set, the choice is reused for the same layers, and an
+engine's greedy output is the same either way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import PROMPTS
+
+from minivllm import LLM, SamplingParams
+from minivllm.model import cpu_kernels, row_order
+from minivllm.model.layers import Linear
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="native kernels did not build here")
+
+
+@pytest.fixture(autouse=True)
+def _restore_order():
+    yield
+    cpu_kernels.set_m1_sequential(False)
+    row_order._KEPT.clear()  # (the next engine times afresh and sets its own)
+
+
+def _one_token(g: cpu_kernels.GemvWeights, x: torch.Tensor, sequential: bool, threads: int) -> torch.Tensor:
+    before = torch.get_num_threads()
+    cpu_kernels.set_m1_sequential(sequential)
+    torch.set_num_threads(threads)
+    try:
+        return g(x)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("k,n", [(576, 1030), (100, 37), (31, 5), (1024, 8)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_both_row_orders_compute_the_same_linear(k, n, threads):
+    """Row by row and several rows a pass: each equal to the float64 reference within float32 rounding, N past
+    whole passes (a tail), K past whole vectors; the two differ only in rounding (their sums run in other orders)."""
+    torch.manual_seed(k + n)
+    w, b, x = torch.randn(n, k) * 0.05, torch.randn(n), torch.randn(1, k)
+    g = cpu_kernels.GemvWeights.dense(w, k, b)
+    expected = x.double() @ w.double().t() + b.double()
+    tol = 2e-6 * expected.abs().max().item()
+    outs = {seq: _one_token(g, x, seq, threads) for seq in (False, True)}
+    for seq, got in outs.items():
+        assert (got.double() - expected).abs().max().item() <= tol, seq
+        assert torch.equal(got, _one_token(g, x, seq, threads))  # and a re-run exactly
+    if k >= 64 and n >= 16:  # (rows of a pass summed with 2 accumulators each, row by row with 4: other bits)
+        assert not torch.equal(outs[False], outs[True])
+
+
+def _layers(n: int = 3) -> list[Linear]:
+    torch.manual_seed(0)
+    layers = [Linear(256, 512, bias=False) for _ in range(n)]
+    for q in layers:
+        assert q.weight is not None
+        torch.nn.init.normal_(q.weight, 0, 0.05)
+    return layers
+
+
+@pytest.mark.parametrize("faster", ["sequential", "interleaved", "tie"])
+def test_the_faster_order_as_timed_is_set_and_kept_for_the_same_layers(monkeypatch, faster):
+    """The rule: row by row where its best round beats the interleaved one's by the margin, else interleaved (a tie
+    keeps the passes); the library's flag follows (seen in the output's bits); a second call on layers of the same
+    shapes reuses the timings; bf16 layers choose nothing."""
+    state = {"seq": False, "timed": 0}
+    real_set = cpu_kernels.set_m1_sequential
+
+    def track(on: bool) -> None:
+        state["seq"] = on
+        real_set(on)
+
+    cost = {"sequential": {True: 1.0, False: 2.0}, "interleaved": {True: 2.0, False: 1.0},
+            "tie": {True: 0.99, False: 1.0}}[faster]
+
+    def fake_best_time(fn, reps=3):
+        fn()
+        state["timed"] += 1
+        return cost[bool(state["seq"])]
+
+    monkeypatch.setattr(row_order.cpu_kernels, "set_m1_sequential", track)
+    monkeypatch.setattr(row_order, "best_time", fake_best_time)
+    layers = _layers()
+    chosen = row_order.choose_row_order(layers, torch.float32)
+    assert chosen is not None and chosen.sequential == (faster == "sequential")
+    assert (chosen.sequential_s, chosen.interleaved_s) == (cost[True], cost[False])
+    assert state["timed"] == 2 * row_order.ROUNDS and state["seq"] == chosen.sequential
+    g = layers[0].gemv_weights()
+    x = torch.randn(1, 256)
+    got = g(x)
+    assert torch.equal(got, _one_token(g, x, chosen.sequential, torch.get_num_threads()))
+    assert not torch.equal(got, _one_token(g, x, not chosen.sequential, torch.get_num_threads()))
+    real_set(not chosen.sequential)
+    state["timed"] = 0
+    assert row_order.choose_row_order(_layers(), torch.float32) == chosen and state["timed"] == 0
+    assert state["seq"] == chosen.sequential  # set again from the kept choice
+    assert row_order.choose_row_order(_layers(), torch.bfloat16) is None
+    assert row_order.choose_row_order([q.to(torch.bfloat16) for q in _layers()], torch.float32) is None
+
+
+def test_an_engine_reports_its_order_and_greedy_output_does_not_depend_on_it(model_factory, monkeypatch):
+    path = model_factory("tiny-llama")
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outs = {}
+    for seq in (False, True):
+        row_order._KEPT.clear()
+        monkeypatch.setattr(row_order, "MARGIN", 1e9 if seq else 0.0)  # the rule forced one way, then the other
+        llm = LLM(path, num_kv_blocks=64, linear_backend="native")
+        assert llm.llm_engine.runner.row_order.sequential == seq
+        outs[seq] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+    assert outs[False] == outs[True]
