@@ -1,6 +1,6 @@
-"""The one-token float32 rows streamed row by row or several a pass (csrc/gemv_m1.h, model/row_order.py): both orders
-compute the same linear, the faster one as timed at start-up is set, the choice is reused for the same layers, and an
-engine's greedy output is the same either way."""
+"""The one-token float rows (f32, bf16) streamed row by row or several a pass (csrc/gemv_m1.h, model/row_order.py):
+both orders compute the same linear, the faster one as timed at start-up is set, the choice is reused for the same
+layers, and an engine's greedy output is the same either way."""
 
 from __future__ import annotations
 
@@ -32,13 +32,15 @@ def _one_token(g: cpu_kernels.GemvWeights, x: torch.Tensor, sequential: bool, th
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k,n", [(576, 1030), (100, 37), (31, 5), (1024, 8)])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_both_row_orders_compute_the_same_linear(k, n, threads):
-    """Row by row and several rows a pass: each equal to the float64 reference within float32 rounding, N past
-    whole passes (a tail), K past whole vectors; the two differ only in rounding (their sums run in other orders)."""
+def test_both_row_orders_compute_the_same_linear(dtype, k, n, threads):
+    """Row by row and several rows a pass: each equal to the float64 reference (of the weights as stored) within
+    float32 rounding, N past whole passes (a tail), K past whole vectors; the two differ only in rounding (their
+    sums run in other orders)."""
     torch.manual_seed(k + n)
-    w, b, x = torch.randn(n, k) * 0.05, torch.randn(n), torch.randn(1, k)
+    w, b, x = (torch.randn(n, k) * 0.05).to(dtype), torch.randn(n), torch.randn(1, k)
     g = cpu_kernels.GemvWeights.dense(w, k, b)
     expected = x.double() @ w.double().t() + b.double()
     tol = 2e-6 * expected.abs().max().item()
@@ -95,8 +97,10 @@ def test_the_faster_order_as_timed_is_set_and_kept_for_the_same_layers(monkeypat
     state["timed"] = 0
     assert row_order.choose_row_order(_layers(), torch.float32) == chosen and state["timed"] == 0
     assert state["seq"] == chosen.sequential  # set again from the kept choice
-    assert row_order.choose_row_order(_layers(), torch.bfloat16) is None
-    assert row_order.choose_row_order([q.to(torch.bfloat16) for q in _layers()], torch.float32) is None
+    assert row_order.choose_row_order(_layers(), torch.float16) is None  # (no float16 rows natively)
+    state["timed"] = 0
+    assert row_order.choose_row_order([q.to(torch.bfloat16) for q in _layers()], torch.bfloat16) == chosen
+    assert state["timed"] == 2 * row_order.ROUNDS  # bf16 layers: other layers, timed afresh
 
 
 def test_an_engine_reports_its_order_and_greedy_output_does_not_depend_on_it(model_factory, monkeypatch):

@@ -380,7 +380,7 @@ def gelu_tanh_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def set_m1_sequential(on: bool) -> None:
-    """The one-token f32 rows streamed one by one (True) or M1_ROWS a pass (csrc/gemv_m1.h; model/row_order.py)."""
+    """The one-token float rows streamed one by one (True) or M1_ROWS a pass (csrc/gemv_m1.h; model/row_order.py)."""
     lib = load_library()
     assert lib is not None
     lib.set_gemv_m1_sequential(int(on))

@@ -1,13 +1,13 @@
-"""How the one-token float32 GEMV streams its weight rows, chosen at start-up by timing both ways on the model's own
-layers (csrc/gemv_m1.h, gemv_m1_sequential).
+"""How the one-token float GEMV (f32 and bf16 weights) streams its weight rows, chosen at start-up by timing both ways
+on the model's own layers (csrc/gemv_m1.h, gemv_m1_sequential).
 
-M1_ROWS rows a pass share each load of x but read as many interleaved streams; row by row reads one sequential
-stream per thread. Which streams faster is the memory system's business, not the ISA's: on a 2-vCPU AVX2 EPYC four
-rows a pass streamed 1.2x one row; on a 2-vCPU Zen 4 EPYC (AVX-512) row by row decoded a 135M model's layers 1.34-1.40x
-as fast and a 1B model's 1.19x. So neither is hard-coded: both are timed on the first layers the kernel plan
-times (the same TIMED_WEIGHTS: past the last-level cache), alternating, before the plan times the native kernel
-against oneDNN. The choice is process-wide (one flag in the library); a second engine of the same layers in this
-process reuses the first one's timings.
+M1_ROWS rows a pass share each load of x but read as many interleaved streams; row by row reads one sequential stream
+per thread. Which streams faster is the memory system's business, not the ISA's: on a 2-vCPU AVX2 EPYC four rows a pass
+streamed 1.2x one row; on a 2-vCPU Zen 4 EPYC (AVX-512) row by row decoded a 135M model's layers 1.34-1.40x as fast and
+a 1B model's 1.19x, and bf16 rows streamed 1.2-1.8x as fast. So neither is hard-coded: both are timed on the first
+layers the kernel plan times (the same TIMED_WEIGHTS: past the last-level cache), alternating, before the plan times the
+native kernel against oneDNN. The choice is process-wide (one flag in the library); a second engine of the same layers
+in this process reuses the first one's timings.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 ROUNDS = 3  # alternating rounds per order; each order's best round counts
 MARGIN = 0.97  # row by row must be this much faster to be chosen (interleaved stays where they tie)
+FLOATS = (torch.float32, torch.bfloat16)  # the weights (and activations) csrc/gemv_m1.h's rows take
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,24 +41,24 @@ _KEPT: dict[tuple[object, ...], RowOrder] = {}
 
 
 def choose_row_order(layers: Sequence[PlannedLinear], dtype: torch.dtype) -> RowOrder | None:
-    """Time the native one-token kernel over the first layers both ways and set the faster; None where no float32
-    layer runs natively here (nothing to choose)."""
-    if dtype != torch.float32 or not cpu_kernels.available():
+    """Time the native one-token kernel over the first float layers both ways (activations of `dtype`) and set the
+    faster; None where no float32 or bfloat16 layer runs natively here (nothing to choose)."""
+    if dtype not in FLOATS or not cpu_kernels.available():
         return None
     timed, total = [], 0
     for q in layers:
         w = getattr(q, "weight", None)
-        if isinstance(w, torch.Tensor) and w.dtype == torch.float32 and "native" in q.candidates():
+        if isinstance(w, torch.Tensor) and w.dtype in FLOATS and "native" in q.candidates():
             timed.append(q)
             total += q.in_features * q.out_features
             if total >= TIMED_WEIGHTS:
                 break
     if not timed:
         return None
-    key = tuple(q.timing_key() for q in timed)
+    key = (dtype, *(q.timing_key() for q in timed))
     kept = _KEPT.get(key)
     if kept is None:
-        xs = {k: torch.randn(1, k) for k in {q.in_features for q in timed}}
+        xs = {k: torch.randn(1, k, dtype=dtype) for k in {q.in_features for q in timed}}
 
         def run() -> None:
             for q in timed:
@@ -70,7 +71,7 @@ def choose_row_order(layers: Sequence[PlannedLinear], dtype: torch.dtype) -> Row
                 best[seq] = min(best[seq], best_time(run, reps=2))
         kept = RowOrder(best[True] < MARGIN * best[False], best[False], best[True])
         _KEPT[key] = kept
-        logger.info("one-token f32 rows: %s (row by row %.1f ms, interleaved passes %.1f ms, over %d layers)",
+        logger.info("one-token float rows: %s (row by row %.1f ms, interleaved passes %.1f ms, over %d layers)",
                     "row by row" if kept.sequential else "interleaved", kept.sequential_s * 1e3,
                     kept.interleaved_s * 1e3, len(timed))
     cpu_kernels.set_m1_sequential(kept.sequential)

@@ -28,7 +28,7 @@
  *
  * Each thread walks its share of N one weight row at a time, with two accumulators per row of x so the FMA
  * chains overlap; at one token the float formats take four or eight weight rows per pass instead (each load of
- * x serving them all: 1.2-1.5x the one-row pass on an AVX2 EPYC, see dense_rows_m1; f32 rows one by one where
+ * x serving them all: 1.2-1.5x the one-row pass on an AVX2 EPYC, see dense_rows_m1; rows one by one where
  * start-up timing finds that faster: gemv_m1_sequential), and the one-token paths
  * share rows out as csrc/gemv_rows.h's queue does (rq_take). Rows of x come in chunks of up to MB, each
  * chunk size compiled on its own so the accumulators live in registers. GCC vector extensions:
