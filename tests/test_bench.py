@@ -219,8 +219,9 @@ def test_bandwidth_probe_streams_beyond_the_last_level_cache():
     assert probe_mib() * 2**20 >= max(1 << 30, 8 * llc)  # the default buffer dwarfs the cache
     if cpu_kernels.available():
         buf = torch.ones(3 * 2**20 + 77)
-        assert cpu_kernels.stream_read(buf, 2) == buf.numel()
-        assert cpu_kernels.stream_read(buf, 1) == buf.numel()
+        for sequential in (True, False):  # both of the probe's patterns read every float once, at 1-3 threads
+            for threads in (1, 2, 3):
+                assert cpu_kernels.stream_read(buf, threads, sequential) == buf.numel(), (sequential, threads)
     median, lo, hi = measure_bandwidth(mib=64, passes=3)
     assert 0 < lo <= median <= hi
 

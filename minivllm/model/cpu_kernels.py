@@ -119,7 +119,7 @@ def load_library() -> ctypes.CDLL | None:
     lib.apply_token_bitmask_f32.restype = None
     lib.set_gemv_m1_sequential.argtypes = [c_int]
     lib.set_gemv_m1_sequential.restype = None
-    lib.stream_read_f32.argtypes = [p, i64, c_int]
+    lib.stream_read_f32.argtypes = [p, i64, c_int, c_int]
     lib.stream_read_f32.restype = ctypes.c_double
     return lib
 
@@ -386,8 +386,9 @@ def set_m1_sequential(on: bool) -> None:
     lib.set_gemv_m1_sequential(int(on))
 
 
-def stream_read(buf: torch.Tensor, threads: int) -> float:
-    """Read every float of buf once with `threads` OpenMP threads (a bandwidth probe); returns their sum."""
+def stream_read(buf: torch.Tensor, threads: int, sequential: bool = False) -> float:
+    """Read every float of buf once with `threads` OpenMP threads (a bandwidth probe, csrc/membw.c: each thread one
+    sequential stream, or chunks of four interleaved rows); returns their sum."""
     lib = load_library()
     assert lib is not None and buf.dtype == torch.float32 and buf.is_contiguous()
-    return lib.stream_read_f32(buf.data_ptr(), buf.numel(), threads)
+    return lib.stream_read_f32(buf.data_ptr(), buf.numel(), threads, int(sequential))
