@@ -1,13 +1,13 @@
-"""How the one-token float GEMV (f32 and bf16 weights) streams its weight rows, chosen at start-up by timing both ways
-on the model's own layers (csrc/gemv_m1.h, gemv_m1_sequential).
+"""How the one-token GEMV of float (f32, bf16) and W8A8 weights streams its weight rows, chosen at start-up by timing
+both ways on the model's own layers (csrc/gemv_m1.h, gemv_m1_sequential).
 
 M1_ROWS rows a pass share each load of x but read as many interleaved streams; row by row reads one sequential stream
 per thread. Which streams faster is the memory system's business, not the ISA's: on a 2-vCPU AVX2 EPYC four rows a pass
 streamed 1.2x one row; on a 2-vCPU Zen 4 EPYC (AVX-512) row by row decoded a 135M model's layers 1.34-1.40x as fast and
-a 1B model's 1.19x, and bf16 rows streamed 1.2-1.8x as fast. So neither is hard-coded: both are timed on the first
-layers the kernel plan times (the same TIMED_WEIGHTS: past the last-level cache), alternating, before the plan times the
-native kernel against oneDNN. The choice is process-wide (one flag in the library); a second engine of the same layers
-in this process reuses the first one's timings.
+a 1B model's 1.19x, bf16 rows streamed 1.2-1.8x as fast, and W8A8's decode stacks ran 1.71x (135M) and 1.33x (1B). So
+neither is hard-coded: both are timed on the first layers the kernel plan times (the same TIMED_WEIGHTS: past the
+last-level cache), alternating, before the plan times the native kernel against oneDNN. The choice is process-wide (one
+flag in the library); a second engine of the same layers in this process reuses the first one's timings.
 """
 
 from __future__ import annotations
@@ -40,15 +40,25 @@ class RowOrder:
 _KEPT: dict[tuple[object, ...], RowOrder] = {}
 
 
+def _streams_rows(q: PlannedLinear) -> bool:
+    """Whether q's native one-token kernel reads the rows the flag orders: float weights, or W8A8's per-channel
+    int8 (not GGUF's Q8_0 blocks, read row by row always)."""
+    if "native" not in q.candidates():
+        return False
+    w = getattr(q, "weight", None)
+    if isinstance(w, torch.Tensor):
+        return w.dtype in FLOATS
+    return getattr(q, "method", None) == "w8a8" and not getattr(q, "blocked", True)
+
+
 def choose_row_order(layers: Sequence[PlannedLinear], dtype: torch.dtype) -> RowOrder | None:
     """Time the native one-token kernel over the first float layers both ways (activations of `dtype`) and set the
-    faster; None where no float32 or bfloat16 layer runs natively here (nothing to choose)."""
+    faster; None where no float32, bfloat16 or W8A8 layer runs natively here (nothing to choose)."""
     if dtype not in FLOATS or not cpu_kernels.available():
         return None
     timed, total = [], 0
     for q in layers:
-        w = getattr(q, "weight", None)
-        if isinstance(w, torch.Tensor) and w.dtype in FLOATS and "native" in q.candidates():
+        if _streams_rows(q):
             timed.append(q)
             total += q.in_features * q.out_features
             if total >= TIMED_WEIGHTS:
@@ -71,7 +81,7 @@ def choose_row_order(layers: Sequence[PlannedLinear], dtype: torch.dtype) -> Row
                 best[seq] = min(best[seq], best_time(run, reps=2))
         kept = RowOrder(best[True] < MARGIN * best[False], best[False], best[True])
         _KEPT[key] = kept
-        logger.info("one-token float rows: %s (row by row %.1f ms, interleaved passes %.1f ms, over %d layers)",
+        logger.info("one-token GEMV rows: %s (row by row %.1f ms, interleaved passes %.1f ms, over %d layers)",
                     "row by row" if kept.sequential else "interleaved", kept.sequential_s * 1e3,
                     kept.interleaved_s * 1e3, len(timed))
     cpu_kernels.set_m1_sequential(kept.sequential)

@@ -101,13 +101,13 @@ class ModelRunner:
                 ms.linear_backend == "onednn" or _second_layout_affordable(linears)):
             for m in linears:
                 m.pack(keep_weight=ms.linear_backend == "auto")
-        # Before the plan times the native kernel: how its one-token rows stream here (model/row_order.py).
-        self.row_order = choose_row_order(linears, dtype) if ms.linear_backend in ("auto", "native") else None
+        quantized = [m for m in self.model.modules() if isinstance(m, QuantizedLinear | SuperblockLinear)]
+        # Before the plans time the native kernels: how their one-token rows stream here (model/row_order.py).
+        self.row_order = choose_row_order([*linears, *quantized], dtype)
         self.linear_plan = plan_kernels(linears, ms.linear_backend, "linear_backend", dtype)
         self.linear_kernels = self.linear_plan.names
         for m in linears:
             m.release_unused()
-        quantized = [m for m in self.model.modules() if isinstance(m, QuantizedLinear | SuperblockLinear)]
         self.quant_plans = plan_kinds(quantized, ms.quantization_kernel, f"quantization {quant and quant.method}",
                                       dtype)  # (a plan per kind: a GGUF file's int4 layers beside int8 blocks)
         self.quant_kernels = self.quant_plans[0].names

@@ -17,13 +17,13 @@ INLINE float hsumv(vf v) {
  * on AVX2's 16. */
 #define M1_ROWS (VL == 16 ? 8 : 4)
 
-/* How the one-token float rows (f32 and bf16) stream (gemv.c holds it; model/row_order.py sets it at start-up by
- * timing both on the model's own weights): 1 = each row whole before the next (dense_row_m1, bf16_row_m1), one
- * sequential stream per thread; 0 = M1_ROWS rows a pass, each load of x serving them all. On a 2-vCPU Zen 4 EPYC
- * the passes' M1_ROWS interleaved streams of short rows starved the hardware prefetcher: a 135M model's one-token
- * decode stack (576-float rows) took 1.34-1.40x as long as row by row (2 rows interleaved: 1.09x), a 1B model's
- * 1.19x (same process, alternating); bf16 rows streamed 16 -> 29 GB/s (576 wide), 24 -> 28 (2048 wide). On an
- * AVX2 EPYC four rows a pass had streamed 1.2x one row. */
+/* How the one-token float rows (f32 and bf16; W8A8's too, csrc/gemv_avx512.h) stream; gemv.c holds the flag,
+ * model/row_order.py sets it at start-up by timing both on the model's own weights. 1 = each row whole before the
+ * next (dense_row_m1, bf16_row_m1), one sequential stream per thread; 0 = M1_ROWS rows a pass, each load of x
+ * serving them all. On a 2-vCPU Zen 4 EPYC the passes' M1_ROWS interleaved streams of short rows starved the
+ * hardware prefetcher: a 135M model's one-token decode stack (576-float rows) took 1.34-1.40x as long as row by row
+ * (2 rows interleaved: 1.09x), a 1B model's 1.19x (same process, alternating); bf16 rows streamed 16 -> 29 GB/s
+ * (576 wide), 24 -> 28 (2048 wide). On an AVX2 EPYC four rows a pass had streamed 1.2x one row. */
 extern int gemv_m1_sequential;
 
 /* One token against M1_ROWS consecutive f32 weight rows, each load of x serving all of them: one row per pass
