@@ -58,6 +58,33 @@ def test_what_is_placed_stays_and_empty_tensors_move_without_a_copy():
     assert hugepages.in_hugepage_mapping(m.other.weight) and m.embed.weight.data_ptr() == ptrs[0]
 
 
+@pytest.mark.skipif(not hugepages.enabled(), reason="transparent huge pages are off (or not Linux)")
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_the_loader_reads_a_float_checkpoint_straight_into_huge_pages(model_factory, monkeypatch, quantization):
+    """The loader's first placement (copy=False, on the empty tensors) takes every parameter, which the load then fills
+    where they are, so its last placement leaves them in place; quantized weights, made after the load, are what the
+    last one moves."""
+    from minivllm.model import loader
+
+    calls: list[tuple[bool, int, dict[str, int]]] = []
+
+    def place(model, copy=True):  # every tensor counts as large here: the tiny model's are all under 1 MiB
+        moved = hugepages.place_in_hugepages(model, min_bytes=0, copy=copy)
+        calls.append((copy, moved, {n: p.data_ptr() for n, p in model.named_parameters()}))
+        return moved
+
+    monkeypatch.setattr(loader, "place_in_hugepages", place)
+    llm = LLM(model_factory("tiny-llama"), num_kv_blocks=64, quantization=quantization)
+    assert [c[0] for c in calls] == [False, True] and calls[0][1] > 0
+    assert calls[1][2] == {k: v for k, v in calls[0][2].items() if k in calls[1][2]}  # the parameters stayed put
+    if quantization is None:
+        assert set(calls[1][2]) == set(calls[0][2])
+    else:
+        assert calls[1][1] > 0  # the int8 weights and scales
+    for p in llm.llm_engine.runner.model.parameters():
+        assert hugepages.in_hugepage_mapping(p)
+
+
 def test_nothing_moves_when_turned_off(monkeypatch):
     monkeypatch.setenv("MINIVLLM_HUGEPAGES", "0")
     m = _Tied()

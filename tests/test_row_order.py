@@ -19,13 +19,13 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="native kern
 @pytest.fixture(autouse=True)
 def _restore_order():
     yield
-    cpu_kernels.set_m1_sequential(False)
+    row_order.set_sequential(False)
     row_order._KEPT.clear()  # (the next engine times afresh and sets its own)
 
 
 def _one_token(g: cpu_kernels.GemvWeights, x: torch.Tensor, sequential: bool, threads: int) -> torch.Tensor:
     before = torch.get_num_threads()
-    cpu_kernels.set_m1_sequential(sequential)
+    row_order.set_sequential(sequential)
     torch.set_num_threads(threads)
     try:
         return g(x)
@@ -82,9 +82,9 @@ def _layers(n: int = 3) -> list[Linear]:
 def test_the_faster_order_as_timed_is_set_and_kept_for_the_same_layers(monkeypatch, faster):
     """The rule: row by row where its best round beats the interleaved one's by the margin, else interleaved (a tie
     keeps the passes); the library's flag follows (seen in the output's bits); a second call on layers of the same
-    shapes reuses the timings; bf16 layers choose nothing."""
+    shapes reuses the timings; bf16 layers are timed on their own; float16 ones choose nothing."""
     state = {"seq": False, "timed": 0}
-    real_set = cpu_kernels.set_m1_sequential
+    real_set = row_order.set_sequential
 
     def track(on: bool) -> None:
         state["seq"] = on
@@ -98,7 +98,7 @@ def test_the_faster_order_as_timed_is_set_and_kept_for_the_same_layers(monkeypat
         state["timed"] += 1
         return cost[bool(state["seq"])]
 
-    monkeypatch.setattr(row_order.cpu_kernels, "set_m1_sequential", track)
+    monkeypatch.setattr(row_order, "set_sequential", track)
     monkeypatch.setattr(row_order, "best_time", fake_best_time)
     layers = _layers()
     chosen = row_order.choose_row_order(layers, torch.float32)
@@ -133,5 +133,6 @@ def test_an_engine_reports_its_order_and_greedy_output_does_not_depend_on_it(mod
     assert outs[False] == outs[True]
     # W8A8's per-channel rows are ordered by the same flag and timed; int4's (four rows a pass with their own
     # prefetch, faster here than one by one) are not.
-    assert LLM(path, num_kv_blocks=64, quantization="w8a8").llm_engine.runner.row_order is not None
+    w8a8 = LLM(path, num_kv_blocks=64, quantization="w8a8").llm_engine.runner.row_order
+    assert (w8a8 is not None) == row_order.w8a8_ordered()  # (without AVX-512 VNNI the order changes nothing there)
     assert LLM(path, num_kv_blocks=64, quantization="w4a8").llm_engine.runner.row_order is None

@@ -119,6 +119,8 @@ def load_library() -> ctypes.CDLL | None:
     lib.apply_token_bitmask_f32.restype = None
     lib.set_gemv_m1_sequential.argtypes = [c_int]
     lib.set_gemv_m1_sequential.restype = None
+    lib.gemv_w8a8_rows_ordered.argtypes = []
+    lib.gemv_w8a8_rows_ordered.restype = c_int
     lib.stream_read_f32.argtypes = [p, i64, c_int, c_int]
     lib.stream_read_f32.restype = ctypes.c_double
     return lib
@@ -377,13 +379,6 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 def gelu_tanh_mul(x: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(gate) * up of a fused [M, 2I] float32 projection (rows any stride) → [M, I]."""
     return _gated("gelu_tanh_mul_f32", x)
-
-
-def set_m1_sequential(on: bool) -> None:
-    """The one-token float rows streamed one by one (True) or M1_ROWS a pass (csrc/gemv_m1.h; model/row_order.py)."""
-    lib = load_library()
-    assert lib is not None
-    lib.set_gemv_m1_sequential(int(on))
 
 
 def stream_read(buf: torch.Tensor, threads: int, sequential: bool = False) -> float:

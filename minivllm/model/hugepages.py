@@ -60,7 +60,7 @@ def hugepage_buffer(nbytes: int) -> torch.Tensor:
 def in_hugepage_mapping(t: torch.Tensor) -> bool:
     """Whether t's storage lies in a mapping hugepage_buffer made (and still alive)."""
     ptr = t.untyped_storage().data_ptr()
-    return any(lo <= ptr < hi for lo, hi in _MAPPINGS.values())
+    return any(lo <= ptr < hi for lo, hi in list(_MAPPINGS.values()))  # (a snapshot: finalizers may pop meanwhile)
 
 
 def place_in_hugepages(model: nn.Module, min_bytes: int = MIN_BYTES, copy: bool = True) -> int:

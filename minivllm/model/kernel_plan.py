@@ -143,7 +143,11 @@ class KernelPlan:
         return self.scale * t[self.chosen[c]] * min(1.0, m / SHAPE_CLASSES[c][1])
 
     def _timing_key(self, c: int, names: list[str]) -> tuple[object, ...]:
-        return (self.what, self.dtype, SHAPE_CLASSES[c][1], tuple(names), tuple(q.timing_key() for q in self.timed))
+        # (the one-token row order too: native timings made under one order say little of the other)
+        from minivllm.model.row_order import sequential  # (it imports this module)
+
+        return (self.what, self.dtype, SHAPE_CLASSES[c][1], tuple(names), tuple(q.timing_key() for q in self.timed),
+                sequential())
 
     def time_class(self, c: int, names: list[str], reuse: bool = False) -> str:
         """Time `names` for shape class c on the timed layers (interleaved rounds: a burst of load skews all

@@ -38,17 +38,37 @@ class RowOrder:
 
 
 _KEPT: dict[tuple[object, ...], RowOrder] = {}
+_SEQUENTIAL = [False]  # the library's flag as last set here (it starts at 0)
+
+
+def set_sequential(on: bool) -> None:
+    """The one-token float and W8A8 rows streamed one by one (True) or several a pass (csrc/gemv_m1.h)."""
+    lib = cpu_kernels.load_library()
+    assert lib is not None
+    lib.set_gemv_m1_sequential(int(on))
+    _SEQUENTIAL[0] = bool(on)
+
+
+def sequential() -> bool:
+    """The order set_sequential last set (what the kernel plan's native timings were made under)."""
+    return _SEQUENTIAL[0]
+
+
+def w8a8_ordered() -> bool:
+    """Whether W8A8's one-token rows follow the order on this CPU (the AVX-512 VNNI path)."""
+    lib = cpu_kernels.load_library()
+    return lib is not None and bool(lib.gemv_w8a8_rows_ordered())
 
 
 def _streams_rows(q: PlannedLinear) -> bool:
     """Whether q's native one-token kernel reads the rows the flag orders: float weights, or W8A8's per-channel
-    int8 (not GGUF's Q8_0 blocks, read row by row always)."""
+    int8 where its AVX-512 VNNI rows run (not GGUF's Q8_0 blocks, read row by row always)."""
     if "native" not in q.candidates():
         return False
     w = getattr(q, "weight", None)
     if isinstance(w, torch.Tensor):
         return w.dtype in FLOATS
-    return getattr(q, "method", None) == "w8a8" and not getattr(q, "blocked", True)
+    return getattr(q, "method", None) == "w8a8" and not getattr(q, "blocked", True) and w8a8_ordered()
 
 
 def choose_row_order(layers: Sequence[PlannedLinear], dtype: torch.dtype) -> RowOrder | None:
@@ -77,12 +97,12 @@ def choose_row_order(layers: Sequence[PlannedLinear], dtype: torch.dtype) -> Row
         best = {False: float("inf"), True: float("inf")}
         for r in range(ROUNDS):
             for seq in ((False, True) if r % 2 == 0 else (True, False)):
-                cpu_kernels.set_m1_sequential(seq)
+                set_sequential(seq)
                 best[seq] = min(best[seq], best_time(run, reps=2))
         kept = RowOrder(best[True] < MARGIN * best[False], best[False], best[True])
         _KEPT[key] = kept
         logger.info("one-token GEMV rows: %s (row by row %.1f ms, interleaved passes %.1f ms, over %d layers)",
                     "row by row" if kept.sequential else "interleaved", kept.sequential_s * 1e3,
                     kept.interleaved_s * 1e3, len(timed))
-    cpu_kernels.set_m1_sequential(kept.sequential)
+    set_sequential(kept.sequential)
     return kept

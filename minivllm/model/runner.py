@@ -102,8 +102,11 @@ class ModelRunner:
             for m in linears:
                 m.pack(keep_weight=ms.linear_backend == "auto")
         quantized = [m for m in self.model.modules() if isinstance(m, QuantizedLinear | SuperblockLinear)]
-        # Before the plans time the native kernels: how their one-token rows stream here (model/row_order.py).
-        self.row_order = choose_row_order([*linears, *quantized], dtype)
+        # Before the plans time the native kernels: how their one-token rows stream here (model/row_order.py), timed
+        # on the layers a plan may run natively.
+        native = lambda setting: setting in ("auto", "native")  # noqa: E731
+        self.row_order = choose_row_order([*(linears if native(ms.linear_backend) else []),
+                                           *(quantized if native(ms.quantization_kernel) else [])], dtype)
         self.linear_plan = plan_kernels(linears, ms.linear_backend, "linear_backend", dtype)
         self.linear_kernels = self.linear_plan.names
         for m in linears:

@@ -26,6 +26,7 @@ from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.engine_config import EngineConfig
+from minivllm.model import cpu_kernels, row_order
 from minivllm.model.greedy_loop import GreedyLoop
 from minivllm.model.runner import ModelRunner, SequenceInput
 from minivllm.model.sampler import draw_from, processed_probs
@@ -78,7 +79,12 @@ class DraftModelProposer:
         """Check the draft against the target, load it (the target's dtype, device and kernels), and give it a pool
         of num_blocks blocks."""
         mc = load_draft_config(path, target.model_config, target_tokenizer)
+        order = row_order.sequential()
         runner = ModelRunner(target.for_draft(mc), num_blocks)
+        # The process's one-token row order stays the target's (model/row_order.py: one flag), timed on the weights
+        # that dominate a step; a small draft's timing may even run from cache.
+        if cpu_kernels.available():
+            row_order.set_sequential(order)
         return cls(mc, runner, BlockManager(num_blocks, target.cache.block_size, prefix_caching), generator)
 
     def _shadow(self, seq: Sequence) -> Sequence:

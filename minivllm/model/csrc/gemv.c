@@ -259,6 +259,16 @@ INLINE void dense_rows_store(float *out, int64_t ldo, const float *x, int M, int
 #include "gemv_avx2.h"
 #include "gemv_avx512.h"
 
+/* Whether W8A8's one-token rows follow gemv_m1_sequential here (the AVX-512 VNNI path; the others read theirs one
+ * by one or in a fixed order): where not, timing its layers both ways would only measure noise. */
+int gemv_w8a8_rows_ordered(void) {
+#ifdef GEMV_W8A8_M1_VNNI
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* x here is the int8 quantized rows (Kv bytes apart), xs their scales. With AVX512-VNNI, vpdpbusd sums
  * 64 byte products per instruction; it takes one unsigned operand, so x is shifted to x + 128 (a
  * sign-bit flip) and 128 * sum(w), summed by the same instruction against a vector of ones, is taken
@@ -446,8 +456,9 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
                 for (int64_t k = 0; k < K; k++) xsum += xq[k];
                 row_queue_t q;
                 rq_init(&q, N, num_threads, 4, K);
+                const int seq = gemv_m1_sequential;
 #pragma omp parallel num_threads(num_threads)
-                w8a8_m1_vnni(o, xq, xs[0], xsum, &L, &q);
+                w8a8_m1_vnni(o, xq, xs[0], xsum, &L, &q, seq);
                 continue;
             }
 #endif
@@ -472,13 +483,14 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
             if (bf16) bf16_split_x(scratch, xm, K);
             row_queue_t q;
             rq_init(&q, N, num_threads, M1_ROWS, K * (bf16 ? 2 : 4));
+            const int seq = gemv_m1_sequential;
 #pragma omp parallel num_threads(num_threads)
             {
                 int64_t n, end;
                 while (rq_take(&q, &n, &end)) {
                     for (; n + M1_ROWS <= end; n += M1_ROWS) {
-                        if (bf16) bf16_rows_m1(o, xm, scratch, &L, n);
-                        else dense_rows_m1(o, xm, &L, n);
+                        if (bf16) bf16_rows_m1(o, xm, scratch, &L, n, seq);
+                        else dense_rows_m1(o, xm, &L, n, seq);
                     }
                     for (; n < end; n++) {
                         if (bf16) bf16_row_m1(o, xm, scratch, &L, n);
@@ -531,6 +543,7 @@ static int dense_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, i
     const int64_t Np = (N + M1_ROWS - 1) / M1_ROWS * M1_ROWS;
     row_queue_t q;
     rq_init(&q, Np * k, num_threads, M1_ROWS, K * 4);
+    const int seq = gemv_m1_sequential;
 #pragma omp parallel num_threads(num_threads)
     {
         int64_t at, c_end, n, end;
@@ -539,7 +552,7 @@ static int dense_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, i
         while (rq_span(&at, c_end, Np, N, &j, &n, &end)) { /* (a piece may run from one projection into the next) */
             const float *xj = x + j * ldx;
             float *o = out + j * ldo;
-            for (; n + M1_ROWS <= end; n += M1_ROWS) dense_rows_m1(o, xj, &L[j], n);
+            for (; n + M1_ROWS <= end; n += M1_ROWS) dense_rows_m1(o, xj, &L[j], n, seq);
             for (; n < end; n++) dense_row_m1(o, xj, &L[j], n);
         }
     }

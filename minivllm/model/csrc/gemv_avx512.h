@@ -264,10 +264,11 @@ INLINE void w8a8_rows_m1_vnni(float *out, const int8_t *xq, float xs, int32_t xs
  * one by one where start-up timing chose that for the float rows (gemv_m1_sequential, csrc/gemv_m1.h): the same
  * interleaved short streams, and on the Zen 4 EPYC that chose it the W8A8 decode stack ran 1.71x (135M, 576-byte
  * rows) and 1.33x (1B) as fast row by row. */
-INLINE void w8a8_m1_vnni(float *out, const int8_t *xq, float xs, int32_t xsum, const Layer *L, row_queue_t *q) {
+INLINE void w8a8_m1_vnni(float *out, const int8_t *xq, float xs, int32_t xsum, const Layer *L, row_queue_t *q,
+                         int seq) {
     int64_t n, end;
     while (rq_take(q, &n, &end)) {
-        if (!gemv_m1_sequential)
+        if (!seq)
             for (; n + 4 <= end; n += 4) w8a8_rows_m1_vnni(out, xq, xs, xsum, L, n, 4);
         for (; n < end; n++) w8a8_rows_m1_vnni(out, xq, xs, xsum, L, n, 1);
     }

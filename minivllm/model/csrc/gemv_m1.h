@@ -32,8 +32,9 @@ extern int gemv_m1_sequential;
  * streams in flight per core: on an AVX-512 Xeon eight rows streamed 1.05-1.08x four (same process, alternating). */
 INLINE void dense_row_m1(float *out, const float *x, const Layer *L, int64_t n);
 
-INLINE void dense_rows_m1(float *out, const float *x, const Layer *L, int64_t n) {
-    if (gemv_m1_sequential) {
+/* seq: gemv_m1_sequential as the caller read it once before its parallel region (a matmul's rows in one order). */
+INLINE void dense_rows_m1(float *out, const float *x, const Layer *L, int64_t n, int seq) {
+    if (seq) {
         for (int r = 0; r < M1_ROWS; r++) dense_row_m1(out, x, L, n + r);
         return;
     }
@@ -96,8 +97,8 @@ INLINE void ld_bf16_pair(const uint16_t *p, vf *even, vf *odd) {
 /* M1_ROWS bf16 rows against x split by bf16_split_x (xs; x itself for the tail past the last 2*VL chunk). */
 INLINE void bf16_row_m1(float *out, const float *x, const float *xs, const Layer *L, int64_t n);
 
-INLINE void bf16_rows_m1(float *out, const float *x, const float *xs, const Layer *L, int64_t n) {
-    if (gemv_m1_sequential) {
+INLINE void bf16_rows_m1(float *out, const float *x, const float *xs, const Layer *L, int64_t n, int seq) {
+    if (seq) {
         for (int r = 0; r < M1_ROWS; r++) bf16_row_m1(out, x, xs, L, n + r);
         return;
     }
