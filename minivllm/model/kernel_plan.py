@@ -292,6 +292,17 @@ def plan_kinds(layers: Sequence[PlannedLinear], kernel: str = "auto", what: str 
     return [plan_kernels(group, kernel, f"{what} ({kind})", dtype) for kind, group in kinds.items()]
 
 
+def first_layers(layers: Sequence[PlannedLinear]) -> list[PlannedLinear]:
+    """The layers a start-up timing runs over: the first ones up to TIMED_WEIGHTS weights (all of a small model)."""
+    timed, total = [], 0
+    for q in layers:
+        timed.append(q)
+        total += q.in_features * q.out_features
+        if total >= TIMED_WEIGHTS:
+            break
+    return timed
+
+
 def plan_kernels(layers: Sequence[PlannedLinear], kernel: str = "auto", what: str = "linear",
                  dtype: torch.dtype = torch.float32) -> KernelPlan:
     """Time every candidate over the model's own layers (the first TIMED_WEIGHTS weights of them) for each
@@ -305,12 +316,7 @@ def plan_kernels(layers: Sequence[PlannedLinear], kernel: str = "auto", what: st
         names = [kernel]
     elif "torch" in names and ("onednn" in names or "onednn_plain" in names):
         names.remove("torch")  # aten's path ran 1.2-4x slower than oneDNN at every M measured; never timed
-    timed, total = [], 0
-    for q in layers:
-        timed.append(q)
-        total += q.in_features * q.out_features
-        if total >= TIMED_WEIGHTS:
-            break
+    timed = first_layers(layers)
     plan = KernelPlan(layers, timed, what, dtype)
     every = list(layers[0].candidates())
     for c, (largest, _) in enumerate(SHAPE_CLASSES):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.model import cpu_kernels
-from minivllm.model.kernel_plan import TIMED_WEIGHTS, PlannedLinear, best_time
+from minivllm.model.kernel_plan import PlannedLinear, best_time, first_layers
 
 logger = logging.getLogger(__name__)
 
@@ -76,13 +76,7 @@ def choose_row_order(layers: Sequence[PlannedLinear], dtype: torch.dtype) -> Row
     faster; None where no float32, bfloat16 or W8A8 layer runs natively here (nothing to choose)."""
     if dtype not in FLOATS or not cpu_kernels.available():
         return None
-    timed, total = [], 0
-    for q in layers:
-        if _streams_rows(q):
-            timed.append(q)
-            total += q.in_features * q.out_features
-            if total >= TIMED_WEIGHTS:
-                break
+    timed = first_layers([q for q in layers if _streams_rows(q)])
     if not timed:
         return None
     key = (dtype, *(q.timing_key() for q in timed))

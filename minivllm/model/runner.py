@@ -104,9 +104,9 @@ class ModelRunner:
         quantized = [m for m in self.model.modules() if isinstance(m, QuantizedLinear | SuperblockLinear)]
         # Before the plans time the native kernels: how their one-token rows stream here (model/row_order.py), timed
         # on the layers a plan may run natively.
-        native = lambda setting: setting in ("auto", "native")  # noqa: E731
-        self.row_order = choose_row_order([*(linears if native(ms.linear_backend) else []),
-                                           *(quantized if native(ms.quantization_kernel) else [])], dtype)
+        native = ("auto", "native")
+        self.row_order = choose_row_order([*(linears if ms.linear_backend in native else []),
+                                           *(quantized if ms.quantization_kernel in native else [])], dtype)
         self.linear_plan = plan_kernels(linears, ms.linear_backend, "linear_backend", dtype)
         self.linear_kernels = self.linear_plan.names
         for m in linears:
