@@ -11,7 +11,8 @@ from conftest import PROMPTS
 from minivllm import LLM, SamplingParams
 from minivllm.model import cpu_kernels, row_order
 from minivllm.model.layers import Linear
-from minivllm.model.quantization import quantize_int8, quantize_rows_int8
+from minivllm.model.quantization import QuantizedLinear, quantize_int4, quantize_int8, quantize_rows_int8
+from minivllm.quant_config import QuantConfig
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="native kernels did not build here")
 
@@ -20,6 +21,7 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="native kern
 def _restore_order():
     yield
     row_order.set_sequential(False)
+    row_order.set_w4a8_seq_bytes(row_order.NEVER)
     row_order._KEPT.clear()  # (the next engine times afresh and sets its own)
 
 
@@ -136,3 +138,98 @@ def test_an_engine_reports_its_order_and_greedy_output_does_not_depend_on_it(mod
     w8a8 = LLM(path, num_kv_blocks=64, quantization="w8a8").llm_engine.runner.row_order
     assert (w8a8 is not None) == row_order.w8a8_ordered()  # (without AVX-512 VNNI the order changes nothing there)
     assert LLM(path, num_kv_blocks=64, quantization="w4a8").llm_engine.runner.row_order is None
+
+
+def _w4a8_one_token(g: cpu_kernels.GemvWeights, x: torch.Tensor, seq_bytes: int, threads: int) -> torch.Tensor:
+    before = torch.get_num_threads()
+    row_order.set_w4a8_seq_bytes(seq_bytes)
+    torch.set_num_threads(threads)
+    try:
+        return g(x)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("k,n,sym", [(4096, 37, False), (2048, 1030, True), (100, 9, False), (576, 6, True)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_w4a8_rows_one_by_one_and_four_a_pass_give_the_same_bits(k, n, sym, threads):
+    """W4A8 at one token, every row four a pass (NEVER), every row one by one (a length of 1 byte), and the length
+    itself (rows of exactly that many bytes go one by one): the same bits each way (the same sums in the same
+    order), equal to the reference of the stored weights against quantized x; N past whole passes of four."""
+    torch.manual_seed(k + n)
+    w, x = torch.randn(n, k) * 0.05, torch.randn(1, k)
+    q, s, m = quantize_int4(w, 32, torch.float16 if sym else torch.bfloat16, sym)
+    g = cpu_kernels.GemvWeights("w4a8", q, k, s, None if sym else m, 32, act_blocks=sym)
+    layer = QuantizedLinear(k, n, False, QuantConfig("w4a8", 32, act_blocks=sym, scale_dtype="float16" if sym
+                                                     else "bfloat16", min_dtype="none" if sym else ""))
+    layer.quantize_from(w, None)
+    expected = layer.forward_reference(x).double()
+    kp = -(-k // 32) * 32
+    outs = [_w4a8_one_token(g, x, b, threads) for b in (row_order.NEVER, 1, kp // 2, kp // 2 + 1)]
+    assert (outs[0].double() - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def _w4a8_layers(widths: tuple[int, ...]) -> list[QuantizedLinear]:
+    torch.manual_seed(1)
+    layers = []
+    for k in widths:
+        q = QuantizedLinear(k, 64, False, QuantConfig("w4a8", 32))
+        q.quantize_from(torch.randn(64, k) * 0.05, None)
+        layers.append(q)
+    return layers
+
+
+@pytest.mark.parametrize("wins,expected", [((True, True), 128), ((True, False), 512), ((False, True), None),
+                                           ((False, False), None)])
+def test_w4a8_rows_one_by_one_from_the_shortest_length_that_wins_at_every_longer_one(monkeypatch, wins, expected):
+    """Lengths timed longest first (1024-wide rows: 512 bytes, then 256-wide: 128), stopping at the first where one
+    by one does not win by the margin; the length set is the last that won (NEVER where the longest lost); the
+    library follows (a call's bits are those of the order set); kept for the same layers; no W4A8 layer, no
+    choice."""
+    if not row_order.w4a8_ordered():
+        pytest.skip("W4A8's one-token rows have one order here (no AVX-512 VNNI)")
+    now = {"bytes": row_order.NEVER, "timed": []}
+    real_set = row_order.set_w4a8_seq_bytes
+
+    def track(n: int) -> None:
+        now["bytes"] = n
+        real_set(n)
+
+    def fake_time_both(kernels, set_order):
+        widths = {x.shape[1] for _, x in kernels}
+        assert len(widths) == 1  # (one row length at a time)
+        now["timed"].append(widths.pop())
+        for kernel, x in kernels:
+            kernel(x)
+        return {True: 1.0, False: 2.0} if wins[len(now["timed"]) - 1] else {True: 1.0, False: 1.01}
+
+    monkeypatch.setattr(row_order, "set_w4a8_seq_bytes", track)
+    monkeypatch.setattr(row_order, "_time_both", fake_time_both)
+    layers = [*_w4a8_layers((256, 1024)), *_layers(1)]  # (a float layer among them: not W4A8's)
+    chosen = row_order.choose_w4a8_rows(layers)
+    assert chosen is not None and chosen.seq_bytes == (row_order.NEVER if expected is None else expected)
+    assert [t[0] for t in chosen.timings] == ([512, 128] if wins[0] else [512])  # (a tie within the margin: lost)
+    assert now["timed"] == ([1024, 256] if wins[0] else [1024])
+    assert now["bytes"] == chosen.seq_bytes and row_order.state()[1] == chosen.seq_bytes
+    now["timed"].clear()
+    assert row_order.choose_w4a8_rows(_w4a8_layers((256, 1024))) == chosen and not now["timed"]
+    assert row_order.choose_w4a8_rows(_layers()) is None
+
+
+def test_a_w4a8_engine_times_its_rows_and_greedy_output_does_not_depend_on_them(model_factory, monkeypatch):
+    path = model_factory("tiny-llama")
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outs = {}
+    for seq in (False, True):
+        row_order._KEPT.clear()
+        monkeypatch.setattr(row_order, "MARGIN", 1e9 if seq else 0.0)  # the rule forced one way, then the other
+        llm = LLM(path, num_kv_blocks=64, quantization="w4a8")
+        chosen = llm.llm_engine.runner.w4a8_rows
+        if not row_order.w4a8_ordered():
+            assert chosen is None
+            return
+        assert chosen is not None and (chosen.seq_bytes != row_order.NEVER) == seq
+        outs[seq] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+    assert outs[False] == outs[True]
+    assert LLM(path, num_kv_blocks=64).llm_engine.runner.w4a8_rows is None  # (float layers: nothing to time)

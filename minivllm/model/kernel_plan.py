@@ -144,10 +144,10 @@ class KernelPlan:
 
     def _timing_key(self, c: int, names: list[str]) -> tuple[object, ...]:
         # (the one-token row order too: native timings made under one order say little of the other)
-        from minivllm.model.row_order import sequential  # (it imports this module)
+        from minivllm.model.row_order import state  # (it imports this module)
 
         return (self.what, self.dtype, SHAPE_CLASSES[c][1], tuple(names), tuple(q.timing_key() for q in self.timed),
-                sequential())
+                state())
 
     def time_class(self, c: int, names: list[str], reuse: bool = False) -> str:
         """Time `names` for shape class c on the timed layers (interleaved rounds: a burst of load skews all

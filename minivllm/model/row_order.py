@@ -8,18 +8,24 @@ a 1B model's 1.19x, bf16 rows streamed 1.2-1.8x as fast, and W8A8's decode stack
 neither is hard-coded: both are timed on the first layers the kernel plan times (the same TIMED_WEIGHTS: past the
 last-level cache), alternating, before the plan times the native kernel against oneDNN. The choice is process-wide (one
 flag in the library); a second engine of the same layers in this process reuses the first one's timings.
+
+W4A8's one-token rows (csrc/gemv_w4a8.c: four a pass with a prefetch two passes ahead, or one by one) depend on the
+row's length as well: on that Zen 4 one by one read 4-8 KiB rows 1.4-1.6x as fast, tied at 1 KiB and lost below. So
+its choice is a length (gemv_w4a8_seq_bytes: rows at least that long go one by one), timed per row length of the
+model's W4A8 layers from the longest down, as long as one by one keeps winning.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from minivllm.model import cpu_kernels
-from minivllm.model.kernel_plan import PlannedLinear, best_time, first_layers
+from minivllm.model.kernel_plan import Kernel, PlannedLinear, best_time, first_layers
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +43,19 @@ class RowOrder:
     sequential_s: float
 
 
-_KEPT: dict[tuple[object, ...], RowOrder] = {}
+@dataclass(frozen=True, slots=True)
+class W4A8RowOrder:
+    """Row length (weight bytes) from which W4A8's one-token rows go one by one (NEVER: none), and per row length
+    timed, longest first, the seconds each order took (best round): (bytes, four a pass, one by one)."""
+
+    seq_bytes: int
+    timings: tuple[tuple[int, float, float], ...]
+
+
+NEVER = (1 << 63) - 1  # csrc/gemv_w4a8.c's INT64_MAX: no W4A8 row one by one
+_KEPT: dict[tuple[object, ...], RowOrder | W4A8RowOrder] = {}
 _SEQUENTIAL = [False]  # the library's flag as last set here (it starts at 0)
+_W4A8_SEQ_BYTES = [NEVER]  # gemv_w4a8_seq_bytes as last set here
 
 
 def set_sequential(on: bool) -> None:
@@ -54,10 +71,34 @@ def sequential() -> bool:
     return _SEQUENTIAL[0]
 
 
+def set_w4a8_seq_bytes(n: int) -> None:
+    """W4A8's one-token rows of at least n weight bytes streamed one by one, the others four a pass."""
+    lib = cpu_kernels.load_library()
+    assert lib is not None
+    lib.set_gemv_w4a8_seq_bytes(n)
+    _W4A8_SEQ_BYTES[0] = n
+
+
+def state() -> tuple[bool, int]:
+    """Both choices as last set here (what native timings were made under; what a draft model restores)."""
+    return _SEQUENTIAL[0], _W4A8_SEQ_BYTES[0]
+
+
+def restore(saved: tuple[bool, int]) -> None:
+    set_sequential(saved[0])
+    set_w4a8_seq_bytes(saved[1])
+
+
 def w8a8_ordered() -> bool:
     """Whether W8A8's one-token rows follow the order on this CPU (the AVX-512 VNNI path)."""
     lib = cpu_kernels.load_library()
     return lib is not None and bool(lib.gemv_w8a8_rows_ordered())
+
+
+def w4a8_ordered() -> bool:
+    """Whether W4A8's one-token rows follow the row length set here (the AVX-512 VNNI path)."""
+    lib = cpu_kernels.load_library()
+    return lib is not None and bool(lib.gemv_w4a8_rows_ordered())
 
 
 def _streams_rows(q: PlannedLinear) -> bool:
@@ -81,22 +122,78 @@ def choose_row_order(layers: Sequence[PlannedLinear], dtype: torch.dtype) -> Row
         return None
     key = (dtype, *(q.timing_key() for q in timed))
     kept = _KEPT.get(key)
-    if kept is None:
-        xs = {k: torch.randn(1, k, dtype=dtype) for k in {q.in_features for q in timed}}
-
-        def run() -> None:
-            for q in timed:
-                q.candidates()["native"](xs[q.in_features])
-
-        best = {False: float("inf"), True: float("inf")}
-        for r in range(ROUNDS):
-            for seq in ((False, True) if r % 2 == 0 else (True, False)):
-                set_sequential(seq)
-                best[seq] = min(best[seq], best_time(run, reps=2))
+    if not isinstance(kept, RowOrder):
+        kernels = [(q.candidates()["native"], torch.randn(1, q.in_features, dtype=dtype)) for q in timed]
+        best = _time_both(kernels, set_sequential)
         kept = RowOrder(best[True] < MARGIN * best[False], best[False], best[True])
         _KEPT[key] = kept
         logger.info("one-token GEMV rows: %s (row by row %.1f ms, interleaved passes %.1f ms, over %d layers)",
                     "row by row" if kept.sequential else "interleaved", kept.sequential_s * 1e3,
                     kept.interleaved_s * 1e3, len(timed))
     set_sequential(kept.sequential)
+    return kept
+
+
+def _time_both(kernels: Sequence[tuple[Kernel, torch.Tensor]], set_order: Callable[[bool], None]
+               ) -> dict[bool, float]:
+    """Best round's seconds over `kernels` (each on its x) with the order set each way (one by one: True),
+    alternating which goes first (a burst of load skews both alike)."""
+
+    def run() -> None:
+        for kernel, x in kernels:
+            kernel(x)
+
+    best = {False: float("inf"), True: float("inf")}
+    for r in range(ROUNDS):
+        for seq in ((False, True) if r % 2 == 0 else (True, False)):
+            set_order(seq)
+            best[seq] = min(best[seq], best_time(run, reps=2))
+    return best
+
+
+def _w4a8_kernel(q: PlannedLinear) -> Kernel | None:
+    """q's kernel through csrc/gemv_w4a8.c's rows where they follow the length here: a W4A8 layer's native one, an
+    int4 layer's native_a8 (a plan may pick it at one token); None for any other layer."""
+    method = getattr(q, "method", None)
+    name = "native" if method == "w4a8" else "native_a8" if method == "int4" else None
+    return q.candidates().get(name) if name is not None and w4a8_ordered() else None
+
+
+def _row_bytes(q: PlannedLinear) -> int:
+    """Weight bytes of one of q's int4 rows (K rounded up to whole groups, two weights a byte)."""
+    group = int(getattr(q, "group_size", 32))
+    return -(-q.in_features // group) * group // 2
+
+
+def _w4a8_order(n: int, one_by_one: bool) -> None:
+    set_w4a8_seq_bytes(n if one_by_one else NEVER)
+
+
+def choose_w4a8_rows(layers: Sequence[PlannedLinear]) -> W4A8RowOrder | None:
+    """Time W4A8's one-token rows both ways per row length of the model's int4 layers (the first TIMED_WEIGHTS of
+    each), longest first, and set the shortest length from which one by one wins at every longer one; None where
+    no layer runs them here."""
+    w4 = [q for q in layers if _w4a8_kernel(q) is not None]
+    if not w4 or not cpu_kernels.available():
+        return None
+    by_length = {n: first_layers([q for q in w4 if _row_bytes(q) == n]) for n in
+                 sorted({_row_bytes(q) for q in w4}, reverse=True)}
+    key = ("w4a8", *(q.timing_key() for timed in by_length.values() for q in timed))
+    kept = _KEPT.get(key)
+    if not isinstance(kept, W4A8RowOrder):
+        timings, seq_bytes = [], NEVER
+        for n, timed in by_length.items():
+            kernels = [(k, torch.randn(1, q.in_features)) for q in timed if (k := _w4a8_kernel(q)) is not None]
+            best = _time_both(kernels, functools.partial(_w4a8_order, n))
+            timings.append((n, best[False], best[True]))
+            if not best[True] < MARGIN * best[False]:
+                break
+            seq_bytes = n
+        kept = W4A8RowOrder(seq_bytes, tuple(timings))
+        _KEPT[key] = kept
+        logger.info("W4A8 one-token rows: %s (%s)", "four a pass" if seq_bytes == NEVER else
+                    f"one by one from {seq_bytes} bytes", ", ".join(
+                        f"{n} B rows: one by one {s * 1e3:.1f} ms, four a pass {i * 1e3:.1f} ms"
+                        for n, i, s in timings))
+    set_w4a8_seq_bytes(kept.seq_bytes)
     return kept

@@ -34,7 +34,7 @@ from minivllm.model.loader import load_model
 from minivllm.model.lora import LoRAModelManager, build_mapping
 from minivllm.model.models import get_model_class, kv_windows
 from minivllm.model.quantization import QuantizedLinear, check_device
-from minivllm.model.row_order import choose_row_order
+from minivllm.model.row_order import choose_row_order, choose_w4a8_rows
 from minivllm.model.stack_plan import StackCheck, plan_classes_with_stack
 from minivllm.model.step_sampling import RunnerOutput, SamplingRequest, StepSampler
 from minivllm.model.superblock_linear import SuperblockLinear
@@ -107,6 +107,7 @@ class ModelRunner:
         native = ("auto", "native")
         self.row_order = choose_row_order([*(linears if ms.linear_backend in native else []),
                                            *(quantized if ms.quantization_kernel in native else [])], dtype)
+        self.w4a8_rows = choose_w4a8_rows(quantized if ms.quantization_kernel in (*native, "native_a8") else [])
         self.linear_plan = plan_kernels(linears, ms.linear_backend, "linear_backend", dtype)
         self.linear_kernels = self.linear_plan.names
         for m in linears:

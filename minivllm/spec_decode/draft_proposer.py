@@ -79,12 +79,12 @@ class DraftModelProposer:
         """Check the draft against the target, load it (the target's dtype, device and kernels), and give it a pool
         of num_blocks blocks."""
         mc = load_draft_config(path, target.model_config, target_tokenizer)
-        order = row_order.sequential()
+        order = row_order.state()
         runner = ModelRunner(target.for_draft(mc), num_blocks)
-        # The process's one-token row order stays the target's (model/row_order.py: one flag), timed on the weights
+        # The process's one-token row orders stay the target's (model/row_order.py: process-wide), timed on the weights
         # that dominate a step; a small draft's timing may even run from cache.
         if cpu_kernels.available():
-            row_order.set_sequential(order)
+            row_order.restore(order)
         return cls(mc, runner, BlockManager(num_blocks, target.cache.block_size, prefix_caching), generator)
 
     def _shadow(self, seq: Sequence) -> Sequence:

@@ -421,6 +421,25 @@ void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int6
     }
 }
 
+/* One-token rows of at least this many weight bytes (Kp / 2) go one by one (row_vnni), the rest four a pass
+ * (rows4_m1_vnni); never (INT64_MAX) until set_gemv_w4a8_seq_bytes says otherwise (model/row_order.py times both at
+ * start-up). Four interleaved rows a pass stream short rows well with their prefetch two passes ahead, but long rows
+ * poorly: on a 2-vCPU Zen 4 (2 threads, 250 MB of weights) one row at a time read 8192-wide rows (4 KiB) 1.4-1.6x
+ * as fast and 4096-wide 1.4x, tied at 2048, and lost at 1024 and 576 (0.8-0.9x). */
+static int64_t gemv_w4a8_seq_bytes = INT64_MAX;
+
+void set_gemv_w4a8_seq_bytes(int64_t bytes) { gemv_w4a8_seq_bytes = bytes; }
+
+/* Whether W4A8's one-token rows follow gemv_w4a8_seq_bytes here (the AVX-512 VNNI path): where not, timing its
+ * layers both ways would only measure noise. */
+int gemv_w4a8_rows_ordered(void) {
+#ifdef W4A8_VNNI
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /*
  * k one-token projections of one shape (K, N, G and scale types alike) in one parallel region: row n of output j,
  * out[j * ldo + n], is x_j W_j[n]^T + bias_j[n], x_j = x + j * ldx (ldx 0: one x for all, staged once). A mixture's
@@ -452,6 +471,7 @@ int gemv_w4a8_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, int 
     /* The k projections' rows as one range, each projection's padded to whole passes of four (Np rows, those past
      * N skipped) so its rows fall into passes as one projection's do. */
     const int64_t Np = (N + 3) / 4 * 4;
+    const int one_by_one = Kp / 2 >= gemv_w4a8_seq_bytes; /* (read once: a call's rows in one order) */
     row_queue_t q;
     rq_init(&q, Np * k, num_threads, 4, Kp / 2);
 #pragma omp parallel num_threads(num_threads)
@@ -465,7 +485,7 @@ int gemv_w4a8_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, int 
             const int8_t *xqj = xq + x_at * Kx;
             const float *xgj = xg + x_at * ngp, *xbj = xb ? xb + x_at * ngp : NULL;
             float *o = out + j * ldo;
-            for (; n + 4 <= end && n + 4 <= lim; n += 4)
+            for (; !one_by_one && n + 4 <= end && n + 4 <= lim; n += 4)
                 rows4_m1_vnni(o, xqj, xs[x_at], xgj, xbj, &L[j], n, n + 12 <= lim);
             for (; n < end; n++) row_vnni(o, ldo, xqj, xs + x_at, xgj, xbj, 1, &L[j], n, n >= lim);
         }
