@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.model import cpu_kernels
-from minivllm.model.kv_quant import dequantize_kv, quantize_kv
+from minivllm.model.kv_quant import dequantize_kv, indexable, quantize_kv
 
 if TYPE_CHECKING:
     from minivllm.model.lora import LoRAMapping
@@ -145,9 +145,10 @@ class Attention(nn.Module):
     def cached_kv(self, block_table: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the blocks in block_table (any shape of block ids), gathered as `dtype`:
         [*block_table.shape, block_size, kv_heads, head_dim] each (a quantized cache dequantized)."""
-        k, v = self.k_cache[block_table], self.v_cache[block_table]
         if self.k_scale is None:
-            return k, v
+            return self.k_cache[block_table], self.v_cache[block_table]
+        k = indexable(self.k_cache)[block_table].view(self.k_cache.dtype)
+        v = indexable(self.v_cache)[block_table].view(self.v_cache.dtype)
         assert self.v_scale is not None
         return (dequantize_kv(k, self.k_scale[block_table], dtype), dequantize_kv(v, self.v_scale[block_table], dtype))
 
@@ -161,7 +162,7 @@ def write_kv(layer: Attention, k: torch.Tensor, v: torch.Tensor, slot_mapping: t
             cache.view(-1, kvh, d).index_copy_(0, slot_mapping, x)
         else:
             q, s = quantize_kv(x, cache.dtype)
-            cache.view(-1, kvh, d).index_copy_(0, slot_mapping, q)
+            indexable(cache).view(-1, kvh, d).index_copy_(0, slot_mapping, indexable(q))
             scales.view(-1, kvh).index_copy_(0, slot_mapping, s)
 
 

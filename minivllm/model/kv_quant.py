@@ -31,6 +31,13 @@ def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torc
     raise ValueError(f"kv_cache_dtype: unknown {kv_cache_dtype!r}; choose auto, int8 or fp8")
 
 
+def indexable(t: torch.Tensor) -> torch.Tensor:
+    """t as bytes where it holds fp8: CUDA's index, index_put and index_copy kernels take no float8 dtype (torch 2.11
+    on an H200: "index_copy_cuda" not implemented for 'Float8_e4m3fn'), and the pool's gathers, scatters and block
+    copies only move values. Any other tensor as it is."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
 def is_quantized(dtype: torch.dtype) -> bool:
     """Whether a pool of this dtype holds quantized rows with scales."""
     return dtype in (torch.int8, torch.float8_e4m3fn)

@@ -19,6 +19,8 @@ import time
 import psutil
 import torch
 
+from minivllm.model.kv_quant import indexable
+
 _ALIGN = 4096  # regions start on page boundaries
 
 
@@ -89,7 +91,7 @@ class HostKVTier:
         dev = torch.tensor([d for d, _ in pairs], device=pools[0].device)
         host = torch.tensor([h for _, h in pairs])
         for pool, region in zip(pools, self.regions, strict=True):
-            region[host] = pool[:, :, dev].movedim(2, 0).cpu()
+            indexable(region)[host] = indexable(pool)[:, :, dev].movedim(2, 0).cpu()
 
     @torch.inference_mode()
     def swap_in(self, pools: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
@@ -97,7 +99,7 @@ class HostKVTier:
         host = torch.tensor([h for h, _ in pairs])
         dev = torch.tensor([d for _, d in pairs], device=pools[0].device)
         for pool, region in zip(pools, self.regions, strict=True):
-            pool[:, :, dev] = region[host].movedim(0, 2).to(pool.device)
+            indexable(pool)[:, :, dev] = indexable(region)[host].movedim(0, 2).to(pool.device)
 
     def probe(self, pools: list[torch.Tensor], num_blocks: int) -> float:
         """Seconds per block moved, from a swap out and back in of blocks 0..num_blocks-1 (the same blocks, so

@@ -27,7 +27,7 @@ from minivllm.model.decode_stack import DecodeStack
 from minivllm.model.gguf_conversion import gguf_conversions
 from minivllm.model.input_batch import SequenceInput
 from minivllm.model.kernel_plan import PlanCheck, plan_kernels, plan_kinds
-from minivllm.model.kv_quant import is_quantized, kv_storage_dtype
+from minivllm.model.kv_quant import indexable, is_quantized, kv_storage_dtype
 from minivllm.model.kv_swap import HostKVTier, block_bytes, check_capacity, uses_pinned_memory
 from minivllm.model.layers import Linear, onednn_linear_available
 from minivllm.model.loader import load_model
@@ -203,7 +203,7 @@ class ModelRunner:
 
     def _copy(self, copies: list[tuple[int, int]], kv_group: int = 0) -> None:
         src, dst = (torch.tensor(list(ids), device=self.device) for ids in zip(*copies, strict=True))
-        for pool in self.group_pools[kv_group]:
+        for pool in map(indexable, self.group_pools[kv_group]):
             pool[:, :, dst] = pool[:, :, src]
 
     @property
