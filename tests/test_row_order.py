@@ -55,6 +55,21 @@ def test_both_row_orders_compute_the_same_linear(dtype, k, n, threads):
         assert not torch.equal(outs[False], outs[True])
 
 
+@pytest.mark.parametrize("k,n", [(576, 1030), (100, 37), (31, 5), (8192, 9)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_rows_against_a_bf16_x_in_both_orders(k, n, threads):
+    """A bfloat16 model's x (every float a bf16: AVX512-BF16's dot product where the CPU has it, csrc/gemv_bf16dot.h):
+    within float32 rounding of the float64 reference both ways, K past whole 32-weight blocks (the tail masked)."""
+    torch.manual_seed(k + n)
+    w, b = (torch.randn(n, k) * 0.05).bfloat16(), torch.randn(n)
+    x = torch.randn(1, k).bfloat16().float()
+    g = cpu_kernels.GemvWeights.dense(w, k, b)
+    expected = x.double() @ w.double().t() + b.double()
+    for seq in (False, True):
+        got = _one_token(g, x, seq, threads)
+        assert (got.double() - expected).abs().max().item() <= 2e-6 * expected.abs().max().item(), seq
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_w8a8_rows_in_both_orders_equal_the_reference_and_each_other(threads):
     """W8A8 at one token (AVX-512 VNNI's rows four a pass or one by one; elsewhere the order changes nothing): the

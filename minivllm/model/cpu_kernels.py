@@ -50,7 +50,7 @@ _SOURCES = ("paged_attention.c", "sampling.c", "gemv.c", "fused_ops.c", "membw.c
             "greedy_loop.c")
 # included by the sources: copied and hashed with them
 _HEADERS = ("paged_attention.h", "paged_attention_rows.h", "gemv_rows.h", "gemv_m1.h", "gemv_avx2.h",
-            "gemv_w4a8_avx2.h", "gemv_avx512.h", "hsum_avx2.h", "simd_width.h", "decode_stack.h",
+            "gemv_w4a8_avx2.h", "gemv_bf16dot.h", "gemv_avx512.h", "hsum_avx2.h", "simd_width.h", "decode_stack.h",
             "group_window.h", "stage_rows.h", "q6k_unpack.h", "q4k_unpack.h",
             "superblock_rows.h")
 
