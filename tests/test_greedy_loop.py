@@ -31,6 +31,20 @@ def _pool(p: DraftModelProposer) -> list[torch.Tensor]:
                                                                      layer.self_attn.attn.v_cache)]
 
 
+def _assert_bf16_tie(draft: str, before: list[list[int]], a: list[list[int]], b: list[list[int]]) -> None:
+    """Where the two loops part in a bfloat16 model, their first differing tokens tie in HF's bf16 logits: the
+    stack keeps the residual stream, norms and attention in float32 where the modules round each op's output, so a
+    tie at bf16's precision may break either way (seen: two logits 0.009 apart in float32, equal in bf16)."""
+    from transformers import AutoModelForCausalLM
+
+    i = next(j for j in range(len(a)) if a[j] != b[j])
+    t = next(j for j in range(min(len(a[i]), len(b[i]))) if a[i][j] != b[i][j])
+    hf = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([before[i] + a[i][:t]])).logits[0, -1].float()
+    assert abs(logits[a[i][t]] - logits[b[i][t]]).item() <= logits.abs().max().item() * 2 ** -7, (i, t)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_native_round_proposes_what_the_python_loop_does(model_factory, tmp_path, dtype):
     path = model_factory("tiny-llama")
@@ -63,6 +77,7 @@ def test_native_round_proposes_what_the_python_loop_does(model_factory, tmp_path
     seqs = {name: [Sequence(str(i), text[7 * i:7 * i + 20 + 3 * i], greedy, 20 + 3 * i) for i in range(4)]
             for name in ("native", "python")}
     for step, ks in enumerate([(3, 3, 3, 3), (4, 1, 2, 4), (1, 3, 4, 2), (2, 2, 1, 4), (4, 4, 4, 4)]):
+        before = [list(seq.token_ids) for seq in seqs["native"]]
         got = {}
         for name, p in (("native", native), ("python", python)):
             out = p.propose(list(zip(seqs[name], ks, strict=True)))
@@ -74,6 +89,9 @@ def test_native_round_proposes_what_the_python_loop_does(model_factory, tmp_path
                 keep = (i + step) % (len(spec) + 1)
                 seq.token_ids += spec[:keep] + [text[100 + step + i]]
             p.settle()
+        if dtype == "bfloat16" and got["native"] != got["python"]:
+            _assert_bf16_tie(draft, before, got["native"], got["python"])
+            break  # (the sequences part from here)
         assert got["native"] == got["python"], f"step {step}"
         if dtype == "float32":  # the stack keeps bf16 activations in float32 where the modules round them
             for a, b in zip(_pool(native), _pool(python), strict=True):

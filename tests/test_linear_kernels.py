@@ -202,7 +202,7 @@ def test_a_second_engine_of_the_same_layers_reuses_the_start_up_timings(monkeypa
     """Start-up timings are kept per process by what was timed: a second engine of the same model times nothing and
     plans the same kernels (with its own copy of the timings); other layers (bf16 activations and weights) are
     timed; a re-check's timings replace the kept ones."""
-    from minivllm.model import kernel_plan
+    from minivllm.model import kernel_plan, row_order
 
     monkeypatch.setattr(Linear, "release_unused", lambda self: None)  # (both layouts stay: a re-check has a choice)
     monkeypatch.setattr(kernel_plan.KernelPlan, "RECHECK_SPAN", float("inf"))
@@ -215,9 +215,12 @@ def test_a_second_engine_of_the_same_layers_reuses_the_start_up_timings(monkeypa
     again = LLM(num_kv_blocks=64).llm_engine.runner.linear_plan
     assert calls == [] and again.chosen == plan.chosen and again.timings == plan.timings
     assert again.timings[0] is not plan.timings[0]
+    order = row_order.state()
     LLM(num_kv_blocks=64, dtype="bfloat16")
     assert calls  # other layers: timed
     calls.clear()
+    # (the one-token row order is process-wide and keys the timings: the bf16 engine's may differ from this one's)
+    row_order.restore(order)
     timed = again.timings[0]
     assert timed is not None and len(timed) > 1
     again.timings[0] = {n: t * 50 for n, t in timed.items()}

@@ -8,9 +8,10 @@ experts' router, routing and expert GEMVs too: csrc/moe_decode.c), and the stack
 module path would have run them too: every projection (every expert's) planned `native` for the step's shape
 class, the compiled paged attention, no prefill tokens. With float32 activations
 it computes exactly what the modules do (tests/test_decode_stack.py). In a bfloat16 model (bf16
-weights and KV pool) it keeps the activations in float32 between the kernels, where the module path
-rounds them to bf16 after every op: the same weights and cache with a little more precision, within
-bf16 tolerance of the module path. `enforce_eager` (vLLM's switch for its captured CUDA graphs) turns
+weights and KV pool) it keeps the residual stream, norms and attention in float32 between the kernels, where the
+module path rounds them to bf16 after every op, and rounds each projection's input to bf16 as the module path's
+is (so bf16 weights take AVX512-BF16's dot product, csrc/gemv_bf16dot.h): within bf16 tolerance of the module
+path. `enforce_eager` (vLLM's switch for its captured CUDA graphs) turns
 it off.
 """
 
@@ -62,7 +63,7 @@ class _Step(ctypes.Structure):
                 ("positions", _p), ("slot_mapping", _p * _MAX_KV_GROUPS), ("block_tables", _p * _MAX_KV_GROUPS),
                 ("bt_stride", _i64 * _MAX_KV_GROUPS), ("sinks", _i64), ("max_ctx", _i64), ("gemv_scratch", _p),
                 ("attn_scratch", _p), ("work", _p), ("num_threads", _i64),
-                ("kv_fmt", _i64), ("moe_work", _p), ("moe_ids", _p)]
+                ("kv_fmt", _i64), ("moe_work", _p), ("moe_ids", _p), ("x_bf16", _i64)]
 
 _ACTS = {"SiluAndMul": 0, "GeluTanhAndMul": 1}
 
@@ -167,7 +168,7 @@ class DecodeStack:
                           block_size=self.block_size, eps=model.norm.eps, scale=attn.scale,
                           softcap=attn.softcap or 0.0, res_scale=first.residual_scale,
                           act=_ACTS[type(first.mlp.act).__name__], gemv_scratch=self.gemv_scratch.data_ptr(),
-                          kv_fmt=cpu_kernels.KV_FORMATS[attn.k_cache.dtype])
+                          kv_fmt=cpu_kernels.KV_FORMATS[attn.k_cache.dtype], x_bf16=self.dtype == torch.bfloat16)
         self.n_layers = len(model.layers)
         self._layers_ptr, self._step_ptr = ctypes.addressof(self.layers), ctypes.addressof(self.step)
         self.residual = torch.empty(0)

@@ -58,6 +58,7 @@ typedef struct {
     int64_t num_threads, kv_fmt;
     float *moe_work;  /* max(M, k) (E + k + 2H + 3 Imax) floats, where a layer has experts (csrc/moe_decode.c) */
     int64_t *moe_ids; /* 3 M k int64 */
+    int64_t x_bf16;   /* a bfloat16 model: every projection's input rounded to bf16 (csrc/decode_stack.c) */
 } step_t;
 
 void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, int fmt,
