@@ -66,11 +66,6 @@ def set_sequential(on: bool) -> None:
     _SEQUENTIAL[0] = bool(on)
 
 
-def sequential() -> bool:
-    """The order set_sequential last set (what the kernel plan's native timings were made under)."""
-    return _SEQUENTIAL[0]
-
-
 def set_w4a8_seq_bytes(n: int) -> None:
     """W4A8's one-token rows of at least n weight bytes streamed one by one, the others four a pass."""
     lib = cpu_kernels.load_library()
