@@ -109,6 +109,7 @@ def test_cuda_swap_preemption_through_the_pinned_host_tier(model_factory, kv):
     assert bm.num_used == 0 and swap.num_used == 0 and len(swap.free_ids) == swap.num_blocks
     pools = engine.runner.group_pools[0]
     before = [pool.view(torch.uint8)[:, :, 3].clone() for pool in pools]
+    assert all(b.any() for b in before)  # (a block the run wrote: a round trip of zeros would prove nothing)
     engine.runner.move_blocks([(3, 0)], [], [])
     engine.runner.move_blocks([], [(0, 6)], [])
     assert all(torch.equal(pool.view(torch.uint8)[:, :, 6], b) for pool, b in zip(pools, before, strict=True))

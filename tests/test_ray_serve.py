@@ -238,7 +238,10 @@ def test_killed_replica_fails_only_its_requests_and_is_replaced(replicated):
     assert failed, "killing a replica with streams in flight failed none of them"
     assert len(failed) <= routed_to_victim
     assert all(f"replica {victim_id} died" in r for r in failed), failed
-    assert len(failed) < 16  # the other replica's streams finished
+    # Every stream the other replica held finished: the victim held at most routed_to_victim - whole_on_victim of
+    # them (its routes less the whole answers it had accepted before the kill). Least-loaded routing under a loaded
+    # machine once sent all 16 streams to the victim (the full suite on 2 cores): then every stream fails, correctly.
+    assert len(failed) <= routed_to_victim - whole_on_victim, (len(failed), routed_to_victim, whole_on_victim)
     # Whole answers had nothing sent yet: the router routed them again instead of failing them.
     assert whole_res == ["length"] * 8
     # The whole answers the victim held were routed once more (streams with output failed instead; one it had

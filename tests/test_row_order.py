@@ -183,6 +183,10 @@ def test_w4a8_rows_one_by_one_and_four_a_pass_give_the_same_bits(k, n, sym, thre
     outs = [_w4a8_one_token(g, x, b, threads) for b in (row_order.NEVER, 1, kp // 2, kp // 2 + 1)]
     assert (outs[0].double() - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
     assert all(torch.equal(outs[0], o) for o in outs[1:])
+    # (the same bits either way: the library's own test says which order these rows took)
+    for length, want in ((row_order.NEVER, False), (1, True), (kp // 2, True), (kp // 2 + 1, False)):
+        row_order.set_w4a8_seq_bytes(length)
+        assert row_order.one_by_one(kp // 2) == want, length
 
 
 def _w4a8_layers(widths: tuple[int, ...]) -> list[QuantizedLinear]:
@@ -227,6 +231,8 @@ def test_w4a8_rows_one_by_one_from_the_shortest_length_that_wins_at_every_longer
     assert [t[0] for t in chosen.timings] == ([512, 128] if wins[0] else [512])  # (a tie within the margin: lost)
     assert now["timed"] == ([1024, 256] if wins[0] else [1024])
     assert now["bytes"] == chosen.seq_bytes and row_order.state()[1] == chosen.seq_bytes
+    for length in (128, 512):  # rows of 128 and 512 bytes (256 and 1024 wide) as the kernel will read them
+        assert row_order.one_by_one(length) == (expected is not None and length >= expected)
     now["timed"].clear()
     assert row_order.choose_w4a8_rows(_w4a8_layers((256, 1024))) == chosen and not now["timed"]
     assert row_order.choose_w4a8_rows(_layers()) is None

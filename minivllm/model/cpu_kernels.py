@@ -123,6 +123,8 @@ def load_library() -> ctypes.CDLL | None:
     lib.gemv_w8a8_rows_ordered.restype = c_int
     lib.set_gemv_w4a8_seq_bytes.argtypes = [i64]
     lib.set_gemv_w4a8_seq_bytes.restype = None
+    lib.gemv_w4a8_one_by_one.argtypes = [i64]
+    lib.gemv_w4a8_one_by_one.restype = c_int
     lib.gemv_w4a8_rows_ordered.argtypes = []
     lib.gemv_w4a8_rows_ordered.restype = c_int
     lib.stream_read_f32.argtypes = [p, i64, c_int, c_int]

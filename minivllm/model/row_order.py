@@ -147,11 +147,12 @@ def _time_both(kernels: Sequence[tuple[Kernel, torch.Tensor]], set_order: Callab
 
 
 def _w4a8_kernel(q: PlannedLinear) -> Kernel | None:
-    """q's kernel through csrc/gemv_w4a8.c's rows where they follow the length here: a W4A8 layer's native one, an
-    int4 layer's native_a8 (a plan may pick it at one token); None for any other layer."""
-    method = getattr(q, "method", None)
-    name = "native" if method == "w4a8" else "native_a8" if method == "int4" else None
-    return q.candidates().get(name) if name is not None and w4a8_ordered() else None
+    """q's one-token kernel where it is csrc/gemv_w4a8.c's rows and they follow the length here: a W4A8 layer's
+    native one (GGUF's Q4_0 / Q4_1 files by default too); None for any other layer (int4's native_a8 never runs a
+    single token: QuantizedLinear.eligible)."""
+    if getattr(q, "method", None) != "w4a8" or not w4a8_ordered():
+        return None
+    return q.candidates().get("native")
 
 
 def _row_bytes(q: PlannedLinear) -> int:
@@ -164,8 +165,14 @@ def _w4a8_order(n: int, one_by_one: bool) -> None:
     set_w4a8_seq_bytes(n if one_by_one else NEVER)
 
 
+def one_by_one(row_bytes: int) -> bool:
+    """Whether the library streams one-token W4A8 rows of row_bytes weight bytes one by one (its own test)."""
+    lib = cpu_kernels.load_library()
+    return lib is not None and bool(lib.gemv_w4a8_one_by_one(row_bytes))
+
+
 def choose_w4a8_rows(layers: Sequence[PlannedLinear]) -> W4A8RowOrder | None:
-    """Time W4A8's one-token rows both ways per row length of the model's int4 layers (the first TIMED_WEIGHTS of
+    """Time W4A8's one-token rows both ways per row length of the model's W4A8 layers (the first TIMED_WEIGHTS of
     each), longest first, and set the shortest length from which one by one wins at every longer one; None where
     no layer runs them here."""
     w4 = [q for q in layers if _w4a8_kernel(q) is not None]

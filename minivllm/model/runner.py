@@ -107,7 +107,7 @@ class ModelRunner:
         native = ("auto", "native")
         self.row_order = choose_row_order([*(linears if ms.linear_backend in native else []),
                                            *(quantized if ms.quantization_kernel in native else [])], dtype)
-        self.w4a8_rows = choose_w4a8_rows(quantized if ms.quantization_kernel in (*native, "native_a8") else [])
+        self.w4a8_rows = choose_w4a8_rows(quantized if ms.quantization_kernel in native else [])
         self.linear_plan = plan_kernels(linears, ms.linear_backend, "linear_backend", dtype)
         self.linear_kernels = self.linear_plan.names
         for m in linears:

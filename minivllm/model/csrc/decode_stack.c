@@ -32,20 +32,6 @@ void paged_attention_f32(float *out, const float *q, int64_t q_stride, const voi
                          int num_kv_heads, int head_dim, int block_size, float scale, float softcap, int64_t window,
                          int64_t sinks, int64_t max_ctx, float *scratch, int num_threads);
 
-/* A projection's input rounded to bfloat16 in place (to nearest even; NaN kept) where the model is bf16 (x_bf16): the
- * module path's activations are bf16 there, and a bf16 x lets bf16 weights take the dot-product rows (csrc/
- * gemv_bf16dot.h: 1.3x the float rows' rate on 8192-wide rows on a Zen 4). Never the residual stream itself. */
-static const float *bf16_input(float *x, int64_t n, const step_t *s) {
-    if (s->x_bf16)
-        for (int64_t i = 0; i < n; i++) {
-            uint32_t u;
-            memcpy(&u, x + i, sizeof u);
-            if ((u & 0x7fffffffu) <= 0x7f800000u) u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-            memcpy(x + i, &u, sizeof u);
-        }
-    return x;
-}
-
 static void project(float *out, const float *x, const proj_t *p, const step_t *s) {
     project_rows(out, proj_n(p), x, p->K, s->M, p, s);
 }

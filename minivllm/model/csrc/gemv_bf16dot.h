@@ -1,7 +1,7 @@
 /* csrc/gemv.c's one-token bf16 rows by AVX512-BF16's dot product (vdpbf16ps: 32 bf16 products summed in pairs into 16
  * float32 lanes, one instruction per 64 bytes of weights), where x itself is bf16: a bfloat16 model's activations
  * are, so every product is the one the float path forms (a bf16 times a bf16 is exact in float32) and only the order
- * of the float32 sums differs. The float path (gemv_m1.h) widens each weight first: a shift, an and and two FMAs per
+ * of the float32 sums differs (and subnormals: the instruction reads them as zero and flushes them, 1e-38 apart). The float path (gemv_m1.h) widens each weight first: a shift, an and and two FMAs per
  * 32 weights, twice this one's instructions; on a 2-vCPU Zen 4 its rows ran 60-72 GB/s on weights in L2 against
  * f32's 112-134, which near a fast phase of the memory is the bound. Any x with a bit below bf16's precision takes
  * the float path (x is checked once a call: the kernel's contract is the float product). Included after gemv_m1.h. */

@@ -426,9 +426,14 @@ void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int6
  * start-up). Four interleaved rows a pass stream short rows well with their prefetch two passes ahead, but long rows
  * poorly: on a 2-vCPU Zen 4 (2 threads, 250 MB of weights) one row at a time read 8192-wide rows (4 KiB) 1.4-1.6x
  * as fast and 4096-wide 1.4x, tied at 2048, and lost at 1024 and 576 (0.8-0.9x). */
-static int64_t gemv_w4a8_seq_bytes = INT64_MAX;
+static int64_t gemv_w4a8_seq_bytes = INT64_MAX; /* (atomic: one engine's start-up may set it while another runs) */
 
-void set_gemv_w4a8_seq_bytes(int64_t bytes) { gemv_w4a8_seq_bytes = bytes; }
+void set_gemv_w4a8_seq_bytes(int64_t bytes) { __atomic_store_n(&gemv_w4a8_seq_bytes, bytes, __ATOMIC_RELAXED); }
+
+/* Whether a one-token call's rows of row_bytes weight bytes go one by one (the kernel's own test, exported). */
+int gemv_w4a8_one_by_one(int64_t row_bytes) {
+    return row_bytes >= __atomic_load_n(&gemv_w4a8_seq_bytes, __ATOMIC_RELAXED);
+}
 
 /* Whether W4A8's one-token rows follow gemv_w4a8_seq_bytes here (the AVX-512 VNNI path): where not, timing its
  * layers both ways would only measure noise. */
@@ -471,7 +476,7 @@ int gemv_w4a8_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, int 
     /* The k projections' rows as one range, each projection's padded to whole passes of four (Np rows, those past
      * N skipped) so its rows fall into passes as one projection's do. */
     const int64_t Np = (N + 3) / 4 * 4;
-    const int one_by_one = Kp / 2 >= gemv_w4a8_seq_bytes; /* (read once: a call's rows in one order) */
+    const int one_by_one = gemv_w4a8_one_by_one(Kp / 2); /* (read once: a call's rows in one order) */
     row_queue_t q;
     rq_init(&q, Np * k, num_threads, 4, Kp / 2);
 #pragma omp parallel num_threads(num_threads)
