@@ -25,14 +25,18 @@ def _restore_order():
     row_order._KEPT.clear()  # (the next engine times afresh and sets its own)
 
 
-def _one_token(g: cpu_kernels.GemvWeights, x: torch.Tensor, sequential: bool, threads: int) -> torch.Tensor:
+def _threaded(g: cpu_kernels.GemvWeights, x: torch.Tensor, threads: int) -> torch.Tensor:
     before = torch.get_num_threads()
-    row_order.set_sequential(sequential)
     torch.set_num_threads(threads)
     try:
         return g(x)
     finally:
         torch.set_num_threads(before)
+
+
+def _one_token(g: cpu_kernels.GemvWeights, x: torch.Tensor, sequential: bool, threads: int) -> torch.Tensor:
+    row_order.set_sequential(sequential)
+    return _threaded(g, x, threads)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -137,32 +141,38 @@ def test_the_faster_order_as_timed_is_set_and_kept_for_the_same_layers(monkeypat
     assert state["timed"] == 2 * row_order.ROUNDS  # bf16 layers: other layers, timed afresh
 
 
-def test_an_engine_reports_its_order_and_greedy_output_does_not_depend_on_it(model_factory, monkeypatch):
-    path = model_factory("tiny-llama")
+def _greedy_forced_each_way(path: str, monkeypatch, kwargs: dict, chosen) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """The engine's greedy tokens with the start-up rule forced one way, then the other (each engine's choice
+    checked by `chosen(llm, one_by_one)`): both the same."""
     sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     outs = {}
     for seq in (False, True):
         row_order._KEPT.clear()
-        monkeypatch.setattr(row_order, "MARGIN", 1e9 if seq else 0.0)  # the rule forced one way, then the other
-        llm = LLM(path, num_kv_blocks=64, linear_backend="native")
-        assert llm.llm_engine.runner.row_order.sequential == seq
+        monkeypatch.setattr(row_order, "MARGIN", 1e9 if seq else 0.0)
+        llm = LLM(path, num_kv_blocks=64, **kwargs)
+        chosen(llm, seq)
         outs[seq] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
     assert outs[False] == outs[True]
-    # W8A8's per-channel rows are ordered by the same flag and timed; int4's (four rows a pass with their own
-    # prefetch, faster here than one by one) are not.
+    return outs[True]
+
+
+def test_an_engine_reports_its_order_and_greedy_output_does_not_depend_on_it(model_factory, monkeypatch):
+    path = model_factory("tiny-llama")
+
+    def check(llm, seq):  # type: ignore[no-untyped-def]
+        assert llm.llm_engine.runner.row_order.sequential == seq
+
+    _greedy_forced_each_way(path, monkeypatch, {"linear_backend": "native"}, check)
+    # W8A8's per-channel rows are ordered by the same flag and timed; W4A8's follow a row length of their own
+    # (choose_w4a8_rows, below), not this flag.
     w8a8 = LLM(path, num_kv_blocks=64, quantization="w8a8").llm_engine.runner.row_order
     assert (w8a8 is not None) == row_order.w8a8_ordered()  # (without AVX-512 VNNI the order changes nothing there)
     assert LLM(path, num_kv_blocks=64, quantization="w4a8").llm_engine.runner.row_order is None
 
 
 def _w4a8_one_token(g: cpu_kernels.GemvWeights, x: torch.Tensor, seq_bytes: int, threads: int) -> torch.Tensor:
-    before = torch.get_num_threads()
     row_order.set_w4a8_seq_bytes(seq_bytes)
-    torch.set_num_threads(threads)
-    try:
-        return g(x)
-    finally:
-        torch.set_num_threads(before)
+    return _threaded(g, x, threads)
 
 
 @pytest.mark.parametrize("k,n,sym", [(4096, 37, False), (2048, 1030, True), (100, 9, False), (576, 6, True)])
@@ -240,17 +250,13 @@ def test_w4a8_rows_one_by_one_from_the_shortest_length_that_wins_at_every_longer
 
 def test_a_w4a8_engine_times_its_rows_and_greedy_output_does_not_depend_on_them(model_factory, monkeypatch):
     path = model_factory("tiny-llama")
-    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    outs = {}
-    for seq in (False, True):
-        row_order._KEPT.clear()
-        monkeypatch.setattr(row_order, "MARGIN", 1e9 if seq else 0.0)  # the rule forced one way, then the other
-        llm = LLM(path, num_kv_blocks=64, quantization="w4a8")
+    if not row_order.w4a8_ordered():  # (no AVX-512 VNNI: the rows have one order, nothing is timed)
+        assert LLM(path, num_kv_blocks=64, quantization="w4a8").llm_engine.runner.w4a8_rows is None
+        return
+
+    def check(llm, seq):  # type: ignore[no-untyped-def]
         chosen = llm.llm_engine.runner.w4a8_rows
-        if not row_order.w4a8_ordered():
-            assert chosen is None
-            return
         assert chosen is not None and (chosen.seq_bytes != row_order.NEVER) == seq
-        outs[seq] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
-    assert outs[False] == outs[True]
+
+    _greedy_forced_each_way(path, monkeypatch, {"quantization": "w4a8"}, check)
     assert LLM(path, num_kv_blocks=64).llm_engine.runner.w4a8_rows is None  # (float layers: nothing to time)
