@@ -481,14 +481,9 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
             FOR_ROWS(N, mm, R8);
         } else if (mm == 1) {
             const int bf16 = fmt == FMT_BF16;
-#ifdef GEMV_BF16_DOT
             const int dot = bf16 && bf16_exact(xm, K); /* (x a bf16 model's: vdpbf16ps, gemv_bf16dot.h) */
             if (dot) bf16_pack_x((uint16_t *)scratch, xm, K);
-            else
-#else
-            const int dot = 0;
-#endif
-            if (bf16) bf16_split_x(scratch, xm, K);
+            else if (bf16) bf16_split_x(scratch, xm, K);
             row_queue_t q;
             rq_init(&q, N, num_threads, M1_ROWS, K * (bf16 ? 2 : 4));
             const int seq = gemv_m1_sequential;
@@ -497,24 +492,17 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
                 int64_t n, end;
                 while (rq_take(&q, &n, &end)) {
                     for (; n + M1_ROWS <= end; n += M1_ROWS) {
-#ifdef GEMV_BF16_DOT
                         if (dot) bf16dot_rows(o, (const uint16_t *)scratch, &L, n, seq);
-                        else
-#endif
-                        if (bf16) bf16_rows_m1(o, xm, scratch, &L, n, seq);
+                        else if (bf16) bf16_rows_m1(o, xm, scratch, &L, n, seq);
                         else dense_rows_m1(o, xm, &L, n, seq);
                     }
                     for (; n < end; n++) {
-#ifdef GEMV_BF16_DOT
                         if (dot) bf16dot_row(o, (const uint16_t *)scratch, &L, n);
-                        else
-#endif
-                        if (bf16) bf16_row_m1(o, xm, scratch, &L, n);
+                        else if (bf16) bf16_row_m1(o, xm, scratch, &L, n);
                         else dense_row_m1(o, xm, &L, n);
                     }
                 }
             }
-            (void)dot;
         } else if (fmt == FMT_BF16) {
 #if defined(GEMV_DENSE_AVX512)
             row_queue_t q;

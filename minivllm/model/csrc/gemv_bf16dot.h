@@ -65,6 +65,15 @@ INLINE void bf16dot_rows(float *out, const uint16_t *xb, const Layer *L, int64_t
         for (int r = 0; r < M1_ROWS; r++) a[r] = dot32(a[r], w + r * K, xb, k, K);
     for (int r = 0; r < M1_ROWS; r++) out[n + r] = _mm512_reduce_add_ps(a[r]) + (L->bias ? L->bias[n + r] : 0.f);
 }
+#else /* no AVX512-BF16: never taken (bf16_exact says no), so the caller needs no #ifdef */
+INLINE int bf16_exact(const float *x, int64_t K) { return (void)x, (void)K, 0; }
+INLINE void bf16_pack_x(uint16_t *xb, const float *x, int64_t K) { (void)xb, (void)x, (void)K; }
+INLINE void bf16dot_row(float *out, const uint16_t *xb, const Layer *L, int64_t n) {
+    (void)out, (void)xb, (void)L, (void)n;
+}
+INLINE void bf16dot_rows(float *out, const uint16_t *xb, const Layer *L, int64_t n, int seq) {
+    (void)out, (void)xb, (void)L, (void)n, (void)seq;
+}
 #endif
 
 #endif
