@@ -1,87 +1,107 @@
-"""How the one-token GEMV of float (f32, bf16) and W8A8 weights streams its weight rows, chosen at start-up by timing
-both ways on the model's own layers (csrc/gemv_m1.h, gemv_m1_sequential).
+"""How the one-token GEMV rows stream their weights, chosen at start-up by timing each way on the model's own layers.
 
-M1_ROWS rows a pass share each load of x but read as many interleaved streams; row by row reads one sequential stream
-per thread. Which streams faster is the memory system's business, not the ISA's: on a 2-vCPU AVX2 EPYC four rows a pass
-streamed 1.2x one row; on a 2-vCPU Zen 4 EPYC (AVX-512) row by row decoded a 135M model's layers 1.34-1.40x as fast and
-a 1B model's 1.19x, bf16 rows streamed 1.2-1.8x as fast, and W8A8's decode stacks ran 1.71x (135M) and 1.33x (1B). So
-neither is hard-coded: both are timed on the first layers the kernel plan times (the same TIMED_WEIGHTS: past the
-last-level cache), alternating, before the plan times the native kernel against oneDNN. The choice is process-wide (one
-flag in the library); a second engine of the same layers in this process reuses the first one's timings.
+Float (f32, bf16) and W8A8 rows (csrc/gemv_m1.h, gemv_m1_order): M1_ROWS rows a pass share each load of x but read as
+many interleaved streams; row by row reads one sequential stream per thread; pairs read two rows a pass, their loads
+alternating cache line by cache line. Which streams fastest is the memory system's business, not the ISA's: on a
+2-vCPU AVX2 EPYC four rows a pass streamed 1.2x one row; on a 2-vCPU Zen 4 EPYC (AVX-512) row by row decoded a 135M
+model's layers 1.34-1.40x as fast and a 1B model's 1.19x, bf16 rows streamed 1.2-1.8x as fast, and W8A8's decode
+stacks ran 1.71x (135M) and 1.33x (1B); on a 2-vCPU Sapphire Rapids-class Xeon those two tied and pairs decoded a
+135M model's f32 layers 1.11-1.125x as fast, a 1B model's W8A8 layers 1.08x. So none is hard-coded: each is timed
+on the model's first layers, alternating, before the plan times the native kernel against oneDNN; the passes stay
+unless another beats them by MARGIN. The choice is process-wide (one setting in the library); a second engine of the
+same layers in this process reuses the first one's timings.
 
-W4A8's one-token rows (csrc/gemv_w4a8.c: four a pass with a prefetch two passes ahead, or one by one) depend on the
-row's length as well: on that Zen 4 one by one read 4-8 KiB rows 1.4-1.6x as fast, tied at 1 KiB and lost below. So
-its choice is a length (gemv_w4a8_seq_bytes: rows at least that long go one by one), timed per row length of the
-model's W4A8 layers from the longest down, as long as one by one keeps winning.
+W4A8's one-token rows (csrc/gemv_w4a8.c: four or two rows a pass with a prefetch two passes ahead, or one by one)
+depend on the row's length as well: on that Zen 4 one by one read 4-8 KiB rows 1.4-1.6x as fast, tied at 1 KiB and
+lost below; on that Xeon two rows a pass decoded a 1B model 1.19x as fast as four, at every length. So its choice is
+the rows a pass (gemv_w4a8_pass_rows), then a length (gemv_w4a8_seq_bytes: rows at least that long go one by one),
+from the longest of the model's lengths down as long as one by one keeps winning.
+
+The timings read at least TIMED_LLC times the last-level cache's bytes of weights in the model's order (all of a
+smaller model), as a decode step streams them: on that Xeon (480 MiB of L3) the first 64M weights of a W4A8 model
+(32 MB) ran from the cache, where four rows a pass and one by one tied, while the decode from memory ran 1.18x as fast
+one by one.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from minivllm.model import cpu_kernels
-from minivllm.model.kernel_plan import Kernel, PlannedLinear, best_time, first_layers
+from minivllm.model.kernel_plan import TIMED_WEIGHTS, Kernel, PlannedLinear, best_time
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 ROUNDS = 3  # alternating rounds per order; each order's best round counts
-MARGIN = 0.97  # row by row must be this much faster to be chosen (interleaved stays where they tie)
+MARGIN = 0.97  # another order must be this much faster than the passes to be chosen (the passes stay where they tie)
+TIMED_LLC = 2  # weights timed: at least this many times the last-level cache's bytes (and TIMED_WEIGHTS weights)
 FLOATS = (torch.float32, torch.bfloat16)  # the weights (and activations) csrc/gemv_m1.h's rows take
+# csrc/gemv_m1.h's orders, by their values there (M1_PASS, M1_ONE, M1_PAIRS)
+PASS, ONE, PAIRS = 0, 1, 2
+ORDERS = (PASS, ONE, PAIRS)
+ORDER_NAMES = {PASS: "interleaved passes", ONE: "row by row", PAIRS: "pairs"}
+NEVER = (1 << 63) - 1  # csrc/gemv_w4a8.c's INT64_MAX: no W4A8 row one by one
 
 
 @dataclass(frozen=True, slots=True)
 class RowOrder:
-    """The choice and the seconds each order took over the timed layers (best round)."""
+    """The chosen order and the seconds each order took over the timed layers (best round), in ORDERS' order."""
 
-    sequential: bool
-    interleaved_s: float
-    sequential_s: float
+    order: int
+    seconds: tuple[float, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class W4A8RowOrder:
-    """Row length (weight bytes) from which W4A8's one-token rows go one by one (NEVER: none), and per row length
-    timed, longest first, the seconds each order took (best round): (bytes, four a pass, one by one)."""
+    """W4A8's one-token rows: pass_rows (4, or 2) a pass where shorter than seq_bytes weight bytes, one by one from
+    there (NEVER: none); and each configuration timed, in the order timed, with its best round's seconds:
+    ((pass_rows, seq_bytes), seconds)."""
 
+    pass_rows: int
     seq_bytes: int
-    timings: tuple[tuple[int, float, float], ...]
+    timings: tuple[tuple[tuple[int, int], float], ...]
 
 
-NEVER = (1 << 63) - 1  # csrc/gemv_w4a8.c's INT64_MAX: no W4A8 row one by one
 _KEPT: dict[tuple[object, ...], RowOrder | W4A8RowOrder] = {}
-_SEQUENTIAL = [False]  # the library's flag as last set here (it starts at 0)
-_W4A8_SEQ_BYTES = [NEVER]  # gemv_w4a8_seq_bytes as last set here
+_ORDER = [PASS]  # the library's order as last set here (it starts at M1_PASS)
+_W4A8 = [(4, NEVER)]  # gemv_w4a8_pass_rows and gemv_w4a8_seq_bytes as last set here
 
 
-def set_sequential(on: bool) -> None:
-    """The one-token float and W8A8 rows streamed one by one (True) or several a pass (csrc/gemv_m1.h)."""
+def set_order(order: int) -> None:
+    """The order the one-token float and W8A8 rows stream in (csrc/gemv_m1.h): PASS, ONE or PAIRS."""
+    assert order in ORDERS, order
     lib = cpu_kernels.load_library()
     assert lib is not None
-    lib.set_gemv_m1_sequential(int(on))
-    _SEQUENTIAL[0] = bool(on)
+    lib.set_gemv_m1_order(order)
+    _ORDER[0] = order
 
 
-def set_w4a8_seq_bytes(n: int) -> None:
-    """W4A8's one-token rows of at least n weight bytes streamed one by one, the others four a pass."""
+def set_w4a8_rows(pass_rows: int, seq_bytes: int) -> None:
+    """W4A8's one-token rows of at least seq_bytes weight bytes streamed one by one, the others pass_rows a pass."""
+    assert pass_rows in (2, 4), pass_rows
     lib = cpu_kernels.load_library()
     assert lib is not None
-    lib.set_gemv_w4a8_seq_bytes(n)
-    _W4A8_SEQ_BYTES[0] = n
+    lib.set_gemv_w4a8_pass_rows(pass_rows)
+    lib.set_gemv_w4a8_seq_bytes(seq_bytes)
+    _W4A8[0] = (pass_rows, seq_bytes)
 
 
-def state() -> tuple[bool, int]:
+def state() -> tuple[int, tuple[int, int]]:
     """Both choices as last set here (what native timings were made under; what a draft model restores)."""
-    return _SEQUENTIAL[0], _W4A8_SEQ_BYTES[0]
+    return _ORDER[0], _W4A8[0]
 
 
-def restore(saved: tuple[bool, int]) -> None:
-    set_sequential(saved[0])
-    set_w4a8_seq_bytes(saved[1])
+def restore(saved: tuple[int, tuple[int, int]]) -> None:
+    set_order(saved[0])
+    set_w4a8_rows(*saved[1])
 
 
 def w8a8_ordered() -> bool:
@@ -91,9 +111,54 @@ def w8a8_ordered() -> bool:
 
 
 def w4a8_ordered() -> bool:
-    """Whether W4A8's one-token rows follow the row length set here (the AVX-512 VNNI path)."""
+    """Whether W4A8's one-token rows follow the choice made here (the AVX-512 VNNI path)."""
     lib = cpu_kernels.load_library()
     return lib is not None and bool(lib.gemv_w4a8_rows_ordered())
+
+
+def one_by_one(row_bytes: int) -> bool:
+    """Whether the library streams one-token W4A8 rows of row_bytes weight bytes one by one (its own test)."""
+    lib = cpu_kernels.load_library()
+    return lib is not None and bool(lib.gemv_w4a8_one_by_one(row_bytes))
+
+
+@functools.cache
+def llc_bytes() -> int:
+    """The last-level cache's size in bytes as sysfs gives it for cpu0 (0 where unknown)."""
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    best = (0, 0)
+    try:
+        for index in (d for d in os.listdir(root) if d.startswith("index")):
+            with open(os.path.join(root, index, "level")) as f:
+                level = int(f.read())
+            with open(os.path.join(root, index, "size")) as f:
+                size = f.read().strip()
+            unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+            best = max(best, (level, int(size.rstrip("KMG")) * unit))
+    except (OSError, ValueError):
+        return 0
+    return best[1]
+
+
+def weight_bytes(q: torch.nn.Module) -> int:
+    """Bytes of q's weights (and their scales and mins) a one-token matmul streams."""
+    w = getattr(q, "weight", None)
+    if isinstance(w, torch.Tensor):
+        return w.numel() * w.element_size()
+    return sum(b.numel() * b.element_size() for name, b in q.named_buffers(recurse=False) if name != "bias")
+
+
+def timed_layers(layers: Sequence[PlannedLinear]) -> list[PlannedLinear]:
+    """The layers a row-order timing runs over, in the model's order: the first ones until they hold TIMED_WEIGHTS
+    weights and TIMED_LLC times the last-level cache's bytes (all of a smaller model)."""
+    timed, weights, nbytes, want = [], 0, 0, TIMED_LLC * llc_bytes()
+    for q in layers:
+        timed.append(q)
+        weights += q.in_features * q.out_features
+        nbytes += weight_bytes(q)
+        if weights >= TIMED_WEIGHTS and nbytes >= want:
+            break
+    return timed
 
 
 def _streams_rows(q: PlannedLinear) -> bool:
@@ -107,47 +172,47 @@ def _streams_rows(q: PlannedLinear) -> bool:
     return getattr(q, "method", None) == "w8a8" and not getattr(q, "blocked", True) and w8a8_ordered()
 
 
+def _time_each(kernels: Sequence[tuple[Kernel, torch.Tensor]], configs: Sequence[T],
+               set_config: Callable[[T], None]) -> dict[T, float]:
+    """Best round's seconds over `kernels` (each on its x) with each of `configs` set, their order reversed every
+    other round (a burst of load skews them all alike)."""
+
+    def run() -> None:
+        for kernel, x in kernels:
+            kernel(x)
+
+    best = {c: float("inf") for c in configs}
+    for r in range(ROUNDS):
+        for c in (configs if r % 2 == 0 else configs[::-1]):
+            set_config(c)
+            best[c] = min(best[c], best_time(run, reps=2))
+    return best
+
+
 def choose_row_order(layers: Sequence[PlannedLinear], dtype: torch.dtype) -> RowOrder | None:
-    """Time the native one-token kernel over the first float layers both ways (activations of `dtype`) and set the
-    faster; None where no float32, bfloat16 or W8A8 layer runs natively here (nothing to choose)."""
+    """Time the native one-token kernel over the first float layers in each order (activations of `dtype`) and set
+    the fastest; None where no float32, bfloat16 or W8A8 layer runs natively here (nothing to choose)."""
     if dtype not in FLOATS or not cpu_kernels.available():
         return None
-    timed = first_layers([q for q in layers if _streams_rows(q)])
+    timed = timed_layers([q for q in layers if _streams_rows(q)])
     if not timed:
         return None
     key = (dtype, *(q.timing_key() for q in timed))
     kept = _KEPT.get(key)
     if not isinstance(kept, RowOrder):
         kernels = [(q.candidates()["native"], torch.randn(1, q.in_features, dtype=dtype)) for q in timed]
-        best = _time_both(kernels, set_sequential)
-        kept = RowOrder(best[True] < MARGIN * best[False], best[False], best[True])
+        best = _time_each(kernels, ORDERS, set_order)
+        fastest = min(ORDERS, key=lambda o: best[o])
+        kept = RowOrder(fastest if best[fastest] < MARGIN * best[PASS] else PASS, tuple(best[o] for o in ORDERS))
         _KEPT[key] = kept
-        logger.info("one-token GEMV rows: %s (row by row %.1f ms, interleaved passes %.1f ms, over %d layers)",
-                    "row by row" if kept.sequential else "interleaved", kept.sequential_s * 1e3,
-                    kept.interleaved_s * 1e3, len(timed))
-    set_sequential(kept.sequential)
+        logger.info("one-token GEMV rows: %s (%s, over %d layers)", ORDER_NAMES[kept.order],
+                    ", ".join(f"{ORDER_NAMES[o]} {best[o] * 1e3:.1f} ms" for o in ORDERS), len(timed))
+    set_order(kept.order)
     return kept
 
 
-def _time_both(kernels: Sequence[tuple[Kernel, torch.Tensor]], set_order: Callable[[bool], None]
-               ) -> dict[bool, float]:
-    """Best round's seconds over `kernels` (each on its x) with the order set each way (one by one: True),
-    alternating which goes first (a burst of load skews both alike)."""
-
-    def run() -> None:
-        for kernel, x in kernels:
-            kernel(x)
-
-    best = {False: float("inf"), True: float("inf")}
-    for r in range(ROUNDS):
-        for seq in ((False, True) if r % 2 == 0 else (True, False)):
-            set_order(seq)
-            best[seq] = min(best[seq], best_time(run, reps=2))
-    return best
-
-
 def _w4a8_kernel(q: PlannedLinear) -> Kernel | None:
-    """q's one-token kernel where it is csrc/gemv_w4a8.c's rows and they follow the length here: a W4A8 layer's
+    """q's one-token kernel where it is csrc/gemv_w4a8.c's rows and they follow the choice here: a W4A8 layer's
     native one (GGUF's Q4_0 / Q4_1 files by default too); None for any other layer (int4's native_a8 never runs a
     single token: QuantizedLinear.eligible)."""
     if getattr(q, "method", None) != "w4a8" or not w4a8_ordered():
@@ -161,41 +226,36 @@ def _row_bytes(q: PlannedLinear) -> int:
     return -(-q.in_features // group) * group // 2
 
 
-def _w4a8_order(n: int, one_by_one: bool) -> None:
-    set_w4a8_seq_bytes(n if one_by_one else NEVER)
-
-
-def one_by_one(row_bytes: int) -> bool:
-    """Whether the library streams one-token W4A8 rows of row_bytes weight bytes one by one (its own test)."""
-    lib = cpu_kernels.load_library()
-    return lib is not None and bool(lib.gemv_w4a8_one_by_one(row_bytes))
+def _set_w4a8(config: tuple[int, int]) -> None:
+    set_w4a8_rows(*config)
 
 
 def choose_w4a8_rows(layers: Sequence[PlannedLinear]) -> W4A8RowOrder | None:
-    """Time W4A8's one-token rows both ways per row length of the model's W4A8 layers (the first TIMED_WEIGHTS of
-    each), longest first, and set the shortest length from which one by one wins at every longer one; None where
-    no layer runs them here."""
+    """Time W4A8's one-token rows over the model's W4A8 layers: four against two rows a pass, then one by one from
+    each of their row lengths, longest first, while it wins; set the fastest. None where no layer runs them here."""
     w4 = [q for q in layers if _w4a8_kernel(q) is not None]
     if not w4 or not cpu_kernels.available():
         return None
-    by_length = {n: first_layers([q for q in w4 if _row_bytes(q) == n]) for n in
-                 sorted({_row_bytes(q) for q in w4}, reverse=True)}
-    key = ("w4a8", *(q.timing_key() for timed in by_length.values() for q in timed))
+    timed = timed_layers(w4)
+    key = ("w4a8", *(q.timing_key() for q in timed))
     kept = _KEPT.get(key)
     if not isinstance(kept, W4A8RowOrder):
-        timings, seq_bytes = [], NEVER
-        for n, timed in by_length.items():
-            kernels = [(k, torch.randn(1, q.in_features)) for q in timed if (k := _w4a8_kernel(q)) is not None]
-            best = _time_both(kernels, functools.partial(_w4a8_order, n))
-            timings.append((n, best[False], best[True]))
-            if not best[True] < MARGIN * best[False]:
+        kernels = [(k, torch.randn(1, q.in_features)) for q in timed if (k := _w4a8_kernel(q)) is not None]
+        best = _time_each(kernels, [(4, NEVER), (2, NEVER)], _set_w4a8)
+        current = (2, NEVER) if best[(2, NEVER)] < MARGIN * best[(4, NEVER)] else (4, NEVER)
+        timings = list(best.items())
+        for n in sorted({_row_bytes(q) for q in timed}, reverse=True):
+            trial = (current[0], n)
+            best = _time_each(kernels, [current, trial], _set_w4a8)
+            timings.append((trial, best[trial]))
+            if not best[trial] < MARGIN * best[current]:
                 break
-            seq_bytes = n
-        kept = W4A8RowOrder(seq_bytes, tuple(timings))
+            current = trial
+        kept = W4A8RowOrder(current[0], current[1], tuple(timings))
         _KEPT[key] = kept
-        logger.info("W4A8 one-token rows: %s (%s)", "four a pass" if seq_bytes == NEVER else
-                    f"one by one from {seq_bytes} bytes", ", ".join(
-                        f"{n} B rows: one by one {s * 1e3:.1f} ms, four a pass {i * 1e3:.1f} ms"
-                        for n, i, s in timings))
-    set_w4a8_seq_bytes(kept.seq_bytes)
+        logger.info("W4A8 one-token rows: %d a pass%s (%s, over %d layers)", kept.pass_rows,
+                    "" if kept.seq_bytes == NEVER else f", one by one from {kept.seq_bytes} bytes",
+                    ", ".join(f"{r} a pass{'' if b == NEVER else f' + one by one from {b} B'} {s * 1e3:.1f} ms"
+                              for (r, b), s in timings), len(timed))
+    set_w4a8_rows(kept.pass_rows, kept.seq_bytes)
     return kept

@@ -29,7 +29,7 @@
  * Each thread walks its share of N one weight row at a time, with two accumulators per row of x so the FMA
  * chains overlap; at one token the float formats take four or eight weight rows per pass instead (each load of
  * x serving them all: 1.2-1.5x the one-row pass on an AVX2 EPYC, see dense_rows_m1; rows one by one where
- * start-up timing finds that faster: gemv_m1_sequential), and the one-token paths
+ * or two a pass, where start-up timing finds that faster: gemv_m1_order), and the one-token paths
  * share rows out as csrc/gemv_rows.h's queue does (rq_take). Rows of x come in chunks of up to MB, each
  * chunk size compiled on its own so the accumulators live in registers. GCC vector extensions:
  * AVX-512 where the CPU has it, narrower registers elsewhere; only the byte-widening loads use
@@ -135,9 +135,12 @@ typedef struct {
     int sym;          /* no mins stored: each is -8 scale (codes centred on 8: GGUF's Q4_0, symmetric GPTQ) */
 } Layer;
 
-int gemv_m1_sequential = 0; /* see gemv_m1.h; the interleaved passes until set_gemv_m1_sequential says otherwise */
+int gemv_m1_order = 0; /* M1_PASS (see gemv_m1.h) until set_gemv_m1_order says otherwise */
 
-void set_gemv_m1_sequential(int on) { gemv_m1_sequential = on != 0; }
+void set_gemv_m1_order(int order) { __atomic_store_n(&gemv_m1_order, order, __ATOMIC_RELAXED); }
+
+/* The order the one-token rows take now (M1_PASS and M1_PAIRS give the same bits: tests read it here). */
+int gemv_m1_order_now(void) { return __atomic_load_n(&gemv_m1_order, __ATOMIC_RELAXED); }
 
 #include "gemv_m1.h"
 #include "gemv_bf16dot.h"
@@ -260,7 +263,7 @@ INLINE void dense_rows_store(float *out, int64_t ldo, const float *x, int M, int
 #include "gemv_avx2.h"
 #include "gemv_avx512.h"
 
-/* Whether W8A8's one-token rows follow gemv_m1_sequential here (the AVX-512 VNNI path; the others read theirs one
+/* Whether W8A8's one-token rows follow gemv_m1_order here (the AVX-512 VNNI path; the others read theirs one
  * by one or in a fixed order): where not, timing its layers both ways would only measure noise. */
 int gemv_w8a8_rows_ordered(void) {
 #ifdef GEMV_W8A8_M1_VNNI
@@ -457,9 +460,9 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
                 for (int64_t k = 0; k < K; k++) xsum += xq[k];
                 row_queue_t q;
                 rq_init(&q, N, num_threads, 4, K);
-                const int seq = gemv_m1_sequential;
+                const int order = __atomic_load_n(&gemv_m1_order, __ATOMIC_RELAXED);
 #pragma omp parallel num_threads(num_threads)
-                w8a8_m1_vnni(o, xq, xs[0], xsum, &L, &q, seq);
+                w8a8_m1_vnni(o, xq, xs[0], xsum, &L, &q, order);
                 continue;
             }
 #endif
@@ -486,15 +489,15 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
             else if (bf16) bf16_split_x(scratch, xm, K);
             row_queue_t q;
             rq_init(&q, N, num_threads, M1_ROWS, K * (bf16 ? 2 : 4));
-            const int seq = gemv_m1_sequential;
+            const int order = __atomic_load_n(&gemv_m1_order, __ATOMIC_RELAXED);
 #pragma omp parallel num_threads(num_threads)
             {
                 int64_t n, end;
                 while (rq_take(&q, &n, &end)) {
                     for (; n + M1_ROWS <= end; n += M1_ROWS) {
-                        if (dot) bf16dot_rows(o, (const uint16_t *)scratch, &L, n, seq);
-                        else if (bf16) bf16_rows_m1(o, xm, scratch, &L, n, seq);
-                        else dense_rows_m1(o, xm, &L, n, seq);
+                        if (dot) bf16dot_rows(o, (const uint16_t *)scratch, &L, n, order);
+                        else if (bf16) bf16_rows_m1(o, xm, scratch, &L, n, order);
+                        else dense_rows_m1(o, xm, &L, n, order);
                     }
                     for (; n < end; n++) {
                         if (dot) bf16dot_row(o, (const uint16_t *)scratch, &L, n);
@@ -548,7 +551,7 @@ static int dense_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, i
     const int64_t Np = (N + M1_ROWS - 1) / M1_ROWS * M1_ROWS;
     row_queue_t q;
     rq_init(&q, Np * k, num_threads, M1_ROWS, K * 4);
-    const int seq = gemv_m1_sequential;
+    const int order = __atomic_load_n(&gemv_m1_order, __ATOMIC_RELAXED);
 #pragma omp parallel num_threads(num_threads)
     {
         int64_t at, c_end, n, end;
@@ -557,7 +560,7 @@ static int dense_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, i
         while (rq_span(&at, c_end, Np, N, &j, &n, &end)) { /* (a piece may run from one projection into the next) */
             const float *xj = x + j * ldx;
             float *o = out + j * ldo;
-            for (; n + M1_ROWS <= end; n += M1_ROWS) dense_rows_m1(o, xj, &L[j], n, seq);
+            for (; n + M1_ROWS <= end; n += M1_ROWS) dense_rows_m1(o, xj, &L[j], n, order);
             for (; n < end; n++) dense_row_m1(o, xj, &L[j], n);
         }
     }

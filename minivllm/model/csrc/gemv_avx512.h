@@ -228,7 +228,7 @@ INLINE void int4_row_m1_avx512(float *out, const float *xp, const float *xg, con
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-/* W8A8 at one token, R (1 or 4) weight rows from n: vpdpbusd takes one unsigned operand, so each weight byte is
+/* W8A8 at one token, R (1, 2 or 4) weight rows from n: vpdpbusd takes one unsigned operand, so each weight byte is
  * flipped to w + 128 (one xor) and 128 * sum(x), summed once per call, comes off the total: exact. One vpdpbusd per
  * 64 weights of a row where the 256-bit rows (w8a8_row_avx2) take two sign moves and a vpdpbusd per 32; the x load
  * serves the R rows. Past K, masked loads give zero x (and 128 for w: products of zero). */
@@ -260,16 +260,18 @@ INLINE void w8a8_rows_m1_vnni(float *out, const int8_t *xq, float xs, int32_t xs
     }
 }
 
-/* This thread's rows at one token, four a pass (inside an omp parallel region; as the queue q hands them out), or
- * one by one where start-up timing chose that for the float rows (gemv_m1_sequential, csrc/gemv_m1.h): the same
- * interleaved short streams, and on the Zen 4 EPYC that chose it the W8A8 decode stack ran 1.71x (135M, 576-byte
- * rows) and 1.33x (1B) as fast row by row. */
+/* This thread's rows at one token (inside an omp parallel region; as the queue q hands them out) in the order the
+ * float rows take (gemv_m1_order, csrc/gemv_m1.h): four a pass, one by one, or two a pass, their loads alternating
+ * line by line (w8a8_rows_m1_vnni with R = 2). The same interleaved short streams: on the Zen 4 EPYC that chose one
+ * by one the W8A8 decode stack ran 1.71x (135M, 576-byte rows) and 1.33x (1B) as fast as four a pass. */
 INLINE void w8a8_m1_vnni(float *out, const int8_t *xq, float xs, int32_t xsum, const Layer *L, row_queue_t *q,
-                         int seq) {
+                         int order) {
     int64_t n, end;
     while (rq_take(q, &n, &end)) {
-        if (!seq)
+        if (order == M1_PASS)
             for (; n + 4 <= end; n += 4) w8a8_rows_m1_vnni(out, xq, xs, xsum, L, n, 4);
+        else if (order == M1_PAIRS)
+            for (; n + 2 <= end; n += 2) w8a8_rows_m1_vnni(out, xq, xs, xsum, L, n, 2);
         for (; n < end; n++) w8a8_rows_m1_vnni(out, xq, xs, xsum, L, n, 1);
     }
 }

@@ -51,19 +51,25 @@ INLINE void bf16dot_row(float *out, const uint16_t *xb, const Layer *L, int64_t 
              (L->bias ? L->bias[n] : 0.f);
 }
 
-/* M1_ROWS rows: one by one (seq, see gemv_m1.h), or a pass over them all, each load of xb serving them. */
-INLINE void bf16dot_rows(float *out, const uint16_t *xb, const Layer *L, int64_t n, int seq) {
-    if (seq) {
-        for (int r = 0; r < M1_ROWS; r++) bf16dot_row(out, xb, L, n + r);
-        return;
-    }
+/* R consecutive rows a pass (M1_ROWS, or 2 for M1_PAIRS), each load of xb serving them. */
+INLINE void bf16dot_pass(float *out, const uint16_t *xb, const Layer *L, int64_t n, const int R) {
     const int64_t K = L->K;
     const uint16_t *w = (const uint16_t *)L->w + n * K;
     __m512 a[M1_ROWS];
-    for (int r = 0; r < M1_ROWS; r++) a[r] = _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) a[r] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 32)
-        for (int r = 0; r < M1_ROWS; r++) a[r] = dot32(a[r], w + r * K, xb, k, K);
-    for (int r = 0; r < M1_ROWS; r++) out[n + r] = _mm512_reduce_add_ps(a[r]) + (L->bias ? L->bias[n + r] : 0.f);
+        for (int r = 0; r < R; r++) a[r] = dot32(a[r], w + r * K, xb, k, K);
+    for (int r = 0; r < R; r++) out[n + r] = _mm512_reduce_add_ps(a[r]) + (L->bias ? L->bias[n + r] : 0.f);
+}
+
+/* M1_ROWS rows from n in the order `order` (gemv_m1.h's M1_PASS, M1_ONE, M1_PAIRS). */
+INLINE void bf16dot_rows(float *out, const uint16_t *xb, const Layer *L, int64_t n, int order) {
+    if (order == M1_ONE)
+        for (int r = 0; r < M1_ROWS; r++) bf16dot_row(out, xb, L, n + r);
+    else if (order == M1_PAIRS)
+        for (int r = 0; r < M1_ROWS; r += 2) bf16dot_pass(out, xb, L, n + r, 2);
+    else
+        bf16dot_pass(out, xb, L, n, M1_ROWS);
 }
 #else /* no AVX512-BF16: never taken (bf16_exact says no), so the caller needs no #ifdef */
 INLINE int bf16_exact(const float *x, int64_t K) { return (void)x, (void)K, 0; }
@@ -71,8 +77,8 @@ INLINE void bf16_pack_x(uint16_t *xb, const float *x, int64_t K) { (void)xb, (vo
 INLINE void bf16dot_row(float *out, const uint16_t *xb, const Layer *L, int64_t n) {
     (void)out, (void)xb, (void)L, (void)n;
 }
-INLINE void bf16dot_rows(float *out, const uint16_t *xb, const Layer *L, int64_t n, int seq) {
-    (void)out, (void)xb, (void)L, (void)n, (void)seq;
+INLINE void bf16dot_rows(float *out, const uint16_t *xb, const Layer *L, int64_t n, int order) {
+    (void)out, (void)xb, (void)L, (void)n, (void)order;
 }
 #endif
 

@@ -17,44 +17,54 @@ INLINE float hsumv(vf v) {
  * on AVX2's 16. */
 #define M1_ROWS (VL == 16 ? 8 : 4)
 
-/* How the one-token float rows (f32 and bf16; W8A8's too, csrc/gemv_avx512.h) stream; gemv.c holds the flag,
- * model/row_order.py sets it at start-up by timing both on the model's own weights. 1 = each row whole before the
- * next (dense_row_m1, bf16_row_m1), one sequential stream per thread; 0 = M1_ROWS rows a pass, each load of x
- * serving them all. On a 2-vCPU Zen 4 EPYC the passes' M1_ROWS interleaved streams of short rows starved the
- * hardware prefetcher: a 135M model's one-token decode stack (576-float rows) took 1.34-1.40x as long as row by row
- * (2 rows interleaved: 1.09x), a 1B model's 1.19x (same process, alternating); bf16 rows streamed 16 -> 29 GB/s
- * (576 wide), 24 -> 28 (2048 wide). On an AVX2 EPYC four rows a pass had streamed 1.2x one row. */
-extern int gemv_m1_sequential;
+/* How the one-token float rows (f32 and bf16; W8A8's too, csrc/gemv_avx512.h) stream; gemv.c holds the order,
+ * model/row_order.py sets it at start-up by timing each on the model's own weights:
+ * - M1_PASS: M1_ROWS rows a pass, each load of x serving them all;
+ * - M1_ONE: each row whole before the next (dense_row_m1, bf16_row_m1), one sequential stream per thread;
+ * - M1_PAIRS: two rows a pass, their loads alternating cache line by cache line, two streams per thread.
+ * Which streams fastest is the memory system's business. On a 2-vCPU Zen 4 EPYC the passes' M1_ROWS interleaved
+ * streams of short rows starved the hardware prefetcher: a 135M model's one-token decode stack (576-float rows) took
+ * 1.34-1.40x as long as row by row (2 rows interleaved, one row's two lines then the other's: 1.09x), a 1B model's
+ * 1.19x; bf16 rows streamed 16 -> 29 GB/s row by row. On a 2-vCPU Sapphire Rapids-class Xeon neither differed
+ * (a 135M model's 538 MB of f32 rows 26-28 GB/s either way, while its bandwidth probe read 32-33), but two rows whose
+ * loads alternate line by line read the same rows at 32-33 GB/s (8192-wide rows 32 -> 36), a 135M F32 decode 1.125x
+ * (same process, alternating); on an AVX2 EPYC four rows a pass had streamed 1.2x one row. */
+enum { M1_PASS = 0, M1_ONE = 1, M1_PAIRS = 2 };
+extern int gemv_m1_order;
 
-/* One token against M1_ROWS consecutive f32 weight rows, each load of x serving all of them: one row per pass
- * streamed 16-18 GB/s (21-26 with 32-byte vectors) on a 2-core AVX2 EPYC, four rows 27-32, oneDNN's plain-weight
- * GEMM 19-25 (same probe: 24 distinct 512x2048 .. 2048x8192 weights, one token). Fewer loads per FMA, and more
- * streams in flight per core: on an AVX-512 Xeon eight rows streamed 1.05-1.08x four (same process, alternating). */
+/* One token against one f32 weight row (a share's last rows). */
 INLINE void dense_row_m1(float *out, const float *x, const Layer *L, int64_t n);
 
-/* seq: gemv_m1_sequential as the caller read it once before its parallel region (a matmul's rows in one order). */
-INLINE void dense_rows_m1(float *out, const float *x, const Layer *L, int64_t n, int seq) {
-    if (seq) {
-        for (int r = 0; r < M1_ROWS; r++) dense_row_m1(out, x, L, n + r);
-        return;
-    }
+/* One token against R consecutive f32 weight rows (M1_ROWS, or 2 for M1_PAIRS), each load of x serving them all,
+ * the rows' loads at each offset one after another: one row a pass streamed 16-18 GB/s (21-26 with 32-byte
+ * vectors) on a 2-core AVX2 EPYC, four rows 27-32, oneDNN's plain-weight GEMM 19-25 (same probe: 24 distinct
+ * 512x2048 .. 2048x8192 weights, one token); on an AVX-512 Xeon eight rows streamed 1.05-1.08x four. */
+INLINE void dense_pass_m1(float *out, const float *x, const Layer *L, int64_t n, const int R) {
     const int64_t K = L->K;
-    enum { R = M1_ROWS };
-    vf a[R][2] = {{{0}}};
+    vf a[M1_ROWS][2] = {{{0}}};
     const float *wf = (const float *)L->w + n * K;
     int64_t k = 0;
-    for (; k + 2 * VL <= K; k += 2 * VL) {
-        const vf x0 = ldv(x + k), x1 = ldv(x + k + VL);
-        for (int r = 0; r < R; r++) {
-            a[r][0] += x0 * ldv(wf + r * K + k);
-            a[r][1] += x1 * ldv(wf + r * K + k + VL);
+    for (; k + 2 * VL <= K; k += 2 * VL)
+        for (int i = 0; i < 2; i++) {
+            const vf xi = ldv(x + k + i * VL);
+            for (int r = 0; r < R; r++) a[r][i] += xi * ldv(wf + r * K + k + i * VL);
         }
-    }
     for (int r = 0; r < R; r++) {
         float s = hsumv(a[r][0] + a[r][1]);
         for (int64_t j = k; j < K; j++) s += x[j] * wf[r * K + j];
         out[n + r] = s + (L->bias ? L->bias[n + r] : 0.f);
     }
+}
+
+/* M1_ROWS rows from n in the order `order` (gemv_m1_order as the caller read it once before its parallel region: a
+ * matmul's rows in one order). */
+INLINE void dense_rows_m1(float *out, const float *x, const Layer *L, int64_t n, int order) {
+    if (order == M1_ONE)
+        for (int r = 0; r < M1_ROWS; r++) dense_row_m1(out, x, L, n + r);
+    else if (order == M1_PAIRS)
+        for (int r = 0; r < M1_ROWS; r += 2) dense_pass_m1(out, x, L, n + r, 2);
+    else
+        dense_pass_m1(out, x, L, n, M1_ROWS);
 }
 
 /* One token against one f32 weight row (a share's last rows): four accumulators held in registers. */
@@ -94,18 +104,15 @@ INLINE void ld_bf16_pair(const uint16_t *p, vf *even, vf *odd) {
     memcpy(odd, &o, sizeof o);
 }
 
-/* M1_ROWS bf16 rows against x split by bf16_split_x (xs; x itself for the tail past the last 2*VL chunk). */
+/* One bf16 row against x split by bf16_split_x (xs; x itself for the tail past the last 2*VL chunk). */
 INLINE void bf16_row_m1(float *out, const float *x, const float *xs, const Layer *L, int64_t n);
 
-INLINE void bf16_rows_m1(float *out, const float *x, const float *xs, const Layer *L, int64_t n, int seq) {
-    if (seq) {
-        for (int r = 0; r < M1_ROWS; r++) bf16_row_m1(out, x, xs, L, n + r);
-        return;
-    }
+/* R consecutive bf16 rows (M1_ROWS, or 2 for M1_PAIRS) a pass, each load of xs serving them, one 2*VL chunk of each
+ * row after another. */
+INLINE void bf16_pass_m1(float *out, const float *x, const float *xs, const Layer *L, int64_t n, const int R) {
     const int64_t K = L->K;
-    enum { R = M1_ROWS };
     const uint16_t *wh = (const uint16_t *)L->w + n * K;
-    vf a[R][2] = {{{0}}};
+    vf a[M1_ROWS][2] = {{{0}}};
     int64_t k = 0;
     for (; k + 2 * VL <= K; k += 2 * VL) {
         const vf xe = ldv(xs + k), xo = ldv(xs + k + VL);
@@ -121,6 +128,16 @@ INLINE void bf16_rows_m1(float *out, const float *x, const float *xs, const Laye
         for (int64_t j = k; j < K; j++) s += x[j] * bf16_to_f32(wh[r * K + j]);
         out[n + r] = s + (L->bias ? L->bias[n + r] : 0.f);
     }
+}
+
+/* M1_ROWS bf16 rows from n in the order `order` (as dense_rows_m1). */
+INLINE void bf16_rows_m1(float *out, const float *x, const float *xs, const Layer *L, int64_t n, int order) {
+    if (order == M1_ONE)
+        for (int r = 0; r < M1_ROWS; r++) bf16_row_m1(out, x, xs, L, n + r);
+    else if (order == M1_PAIRS)
+        for (int r = 0; r < M1_ROWS; r += 2) bf16_pass_m1(out, x, xs, L, n + r, 2);
+    else
+        bf16_pass_m1(out, x, xs, L, n, M1_ROWS);
 }
 
 INLINE void bf16_row_m1(float *out, const float *x, const float *xs, const Layer *L, int64_t n) {

@@ -161,13 +161,11 @@ static inline __attribute__((always_inline)) void row_vnni(float *out, int64_t l
     for (int m = 0; m < M; m++) out[m * ldo + n] = _mm512_reduce_add_ps(acc[m]) * xs[m] + (L->bias ? L->bias[n] : 0.f);
 }
 
-/* One 128-weight chunk of four weight rows (nbytes apart) against one token's staged x, loaded once for them. */
-static inline __attribute__((always_inline)) void chunk4_vnni(__m512 acc[4], const uint8_t *wc, int64_t nbytes,
-                                                              const int8_t *xc, __m512 s0, __m512 s1, __m512 s2,
-                                                              __m512 s3) {
+/* One 128-weight chunk of R weight rows (nbytes apart) against one token's staged x, loaded once for them. */
+static inline __attribute__((always_inline)) void chunk_rows_vnni(__m512 *acc, const uint8_t *wc, int64_t nbytes,
+                                                                  const int8_t *xc, const __m512 *s, const int R) {
     const __m512i xl = _mm512_loadu_si512((const void *)xc), xh = _mm512_loadu_si512((const void *)(xc + 64));
-    const __m512 s[4] = {s0, s1, s2, s3};
-    for (int r = 0; r < 4; r++) {
+    for (int r = 0; r < R; r++) {
         const __m512i wv = _mm512_loadu_si512((const void *)(wc + r * nbytes));
         __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(wv, _mm512_set1_epi8(0x0F)), xl);
         d = _mm512_dpbusd_epi32(d, high_nibbles(wv), xh);
@@ -175,16 +173,17 @@ static inline __attribute__((always_inline)) void chunk4_vnni(__m512 acc[4], con
     }
 }
 
-/* One token, four weight rows (n .. n+3) a pass, none of them among the last rows (unmasked loads): each chunk's x
- * loaded once for the four rows, the window indices shared, the four sums reduced at the end. One row a pass spent
- * as much on its per-row work (the window, the partial chunk, the min term, the reduction) as on its 4.5 chunks
- * for the 576-wide rows of a 135M model; at one token the x loads were as many as the weight loads. `ahead`: rows
- * of 0.3-4 KiB end before the hardware prefetcher ramps up, so the rows two passes on are prefetched (a 2-thread
- * chain of 1B-shaped weights, 304 MB: 13.7-15.5 -> 17.2-18.4 GB/s; the same for W8A8's 2 KiB rows and the float rows
- * measured no gain or a loss). */
-static inline __attribute__((always_inline)) void rows4_m1_vnni(float *out, const int8_t *xq, float xs,
-                                                                const float *xg, const float *xb,
-                                                                const W4A8Layer *L, int64_t n, int ahead) {
+/* One token, R (4, or 2) weight rows (n .. n+R-1) a pass, none of them among the last rows (unmasked loads): each
+ * chunk's x loaded once for the R rows, the window indices shared, the R sums reduced at the end. One row a pass
+ * spent as much on its per-row work (the window, the partial chunk, the min term, the reduction) as on its 4.5
+ * chunks for the 576-wide rows of a 135M model; at one token the x loads were as many as the weight loads. `ahead`:
+ * rows of 0.3-4 KiB end before the hardware prefetcher ramps up, so the rows two passes on are prefetched (a
+ * 2-thread chain of 1B-shaped weights, 304 MB: 13.7-15.5 -> 17.2-18.4 GB/s with four rows; the same for W8A8's
+ * 2 KiB rows and the float rows measured no gain or a loss). */
+static inline __attribute__((always_inline)) void rows_m1_vnni(float *out, const int8_t *xq, float xs,
+                                                               const float *xg, const float *xb,
+                                                               const W4A8Layer *L, int64_t n, int ahead,
+                                                               const int R) {
     const int last = 0;
     const int64_t ng = L->ng, nbytes = L->Kp / 2, nchunks = (L->Kp + 127) / 128;
     const int shift = __builtin_ctzll((uint64_t)(L->G / 32));
@@ -193,28 +192,28 @@ static inline __attribute__((always_inline)) void rows4_m1_vnni(float *out, cons
     const uint8_t *w = L->w + n * nbytes;
     const uint16_t *sc = L->scale + n * ng;
     __m512 acc[4];
-    for (int r = 0; r < 4; r++) acc[r] = _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     const int64_t full = nbytes / 64 / 4;
     int64_t c = 0;
     for (int64_t sb = 0; sb <= full && c < nchunks; sb++) {
         const int64_t g0 = (16 * sb) >> shift, cnt = ng - g0 < 16 ? ng - g0 : 16;
         __m512 win[4];
-        for (int r = 0; r < 4; r++) win[r] = half16(LOAD_H((__mmask16)((1u << cnt) - 1), sc + r * ng + g0), L->f16);
-        if (xb) { /* x's 16 block scales, once for the four rows (xb is zero-padded to ngp) */
+        for (int r = 0; r < R; r++) win[r] = half16(LOAD_H((__mmask16)((1u << cnt) - 1), sc + r * ng + g0), L->f16);
+        if (xb) { /* x's 16 block scales, once for the R rows (xb is zero-padded to ngp) */
             const __m512 xw = _mm512_loadu_ps(xb + g0);
-            for (int r = 0; r < 4; r++) win[r] = _mm512_mul_ps(win[r], xw);
+            for (int r = 0; r < R; r++) win[r] = _mm512_mul_ps(win[r], xw);
         }
         for (int u = 0; u < 4 && c < nchunks; u++, c++) { /* (bytes past a row meet zero x) */
             if (ahead) /* the pass after next: as many bytes as this pass reads, two passes ahead */
-                for (int r = 0; r < 4; r++) __builtin_prefetch(w + 8 * nbytes + c * 256 + r * 64);
-            chunk4_vnni(acc, w + c * 64, nbytes, xq + c * 128, _mm512_permutexvar_ps(idx[u], win[0]),
-                        _mm512_permutexvar_ps(idx[u], win[1]), _mm512_permutexvar_ps(idx[u], win[2]),
-                        _mm512_permutexvar_ps(idx[u], win[3]));
+                for (int r = 0; r < R; r++) __builtin_prefetch(w + 2 * R * nbytes + c * 64 * R + r * 64);
+            __m512 s[4];
+            for (int r = 0; r < R; r++) s[r] = _mm512_permutexvar_ps(idx[u], win[r]);
+            chunk_rows_vnni(acc, w + c * 64, nbytes, xq + c * 128, s, R);
         }
     }
     for (int64_t g0 = 0; g0 < ng; g0 += 16) {
         const __m512 xgv = _mm512_loadu_ps(xg + g0);
-        for (int r = 0; r < 4; r++) {
+        for (int r = 0; r < R; r++) {
             __m512 mv = L->f32mins ? _mm512_loadu_ps((const float *)L->mins + (n + r) * ng + g0)
                       : L->sym     ? half16(LOAD_H(0, sc + r * ng + g0), L->f16)
                                    : half16(LOAD_H(0, (const uint16_t *)L->mins + (n + r) * ng + g0), L->f16);
@@ -222,7 +221,7 @@ static inline __attribute__((always_inline)) void rows4_m1_vnni(float *out, cons
             acc[r] = _mm512_fmadd_ps(mv, xgv, acc[r]); /* (xg is zero past ng) */
         }
     }
-    for (int r = 0; r < 4; r++) out[n + r] = _mm512_reduce_add_ps(acc[r]) * xs + (L->bias ? L->bias[n + r] : 0.f);
+    for (int r = 0; r < R; r++) out[n + r] = _mm512_reduce_add_ps(acc[r]) * xs + (L->bias ? L->bias[n + r] : 0.f);
 }
 #endif
 
@@ -341,7 +340,7 @@ void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int6
                const void *scale, const void *mins, int64_t G, int halves, const float *bias, float *scratch,
                int num_threads) {
 #ifdef W4A8_VNNI
-    if (M == 1) { /* one token: one projection of gemv_w4a8_m1_many's (four rows a pass, chunks to whichever thread) */
+    if (M == 1) { /* one token: one projection of gemv_w4a8_m1_many's (rows in passes, shared by the queue) */
         gemv_w4a8_m1_many(out, ldo, x, 0, 1, K, N, &w, &scale, &mins, G, halves, &bias, scratch, num_threads);
         return;
     }
@@ -421,21 +420,27 @@ void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int6
     }
 }
 
-/* One-token rows of at least this many weight bytes (Kp / 2) go one by one (row_vnni), the rest four a pass
- * (rows4_m1_vnni); never (INT64_MAX) until set_gemv_w4a8_seq_bytes says otherwise (model/row_order.py times both at
- * start-up). Four interleaved rows a pass stream short rows well with their prefetch two passes ahead, but long rows
- * poorly: on a 2-vCPU Zen 4 (2 threads, 250 MB of weights) one row at a time read 8192-wide rows (4 KiB) 1.4-1.6x
- * as fast and 4096-wide 1.4x, tied at 2048, and lost at 1024 and 576 (0.8-0.9x). */
-static int64_t gemv_w4a8_seq_bytes = INT64_MAX; /* (atomic: one engine's start-up may set it while another runs) */
+/* One-token rows of at least this many weight bytes (Kp / 2) go one by one (row_vnni), the rest gemv_w4a8_pass_rows
+ * (4 or 2) a pass (rows_m1_vnni); never (INT64_MAX) and four until set_gemv_w4a8_seq_bytes and
+ * set_gemv_w4a8_pass_rows say otherwise (model/row_order.py times them at start-up). Four interleaved rows a pass
+ * stream short rows well with their prefetch two passes ahead, but long rows poorly: on a 2-vCPU Zen 4 (2 threads,
+ * 250 MB of weights) one row at a time read 8192-wide rows (4 KiB) 1.4-1.6x as fast and 4096-wide 1.4x, tied at 2048,
+ * and lost at 1024 and 576 (0.8-0.9x). On a 2-vCPU Sapphire Rapids-class Xeon two rows a pass, their loads
+ * alternating line by line, decoded a 1B model 1.19x as fast as four, one by one 1.18x. (Atomic, both: one engine's
+ * start-up may set them while another runs; any mix of them is a valid order, of the same bits.) */
+static int64_t gemv_w4a8_seq_bytes = INT64_MAX;
+static int gemv_w4a8_pass_rows = 4;
 
 void set_gemv_w4a8_seq_bytes(int64_t bytes) { __atomic_store_n(&gemv_w4a8_seq_bytes, bytes, __ATOMIC_RELAXED); }
+
+void set_gemv_w4a8_pass_rows(int rows) { __atomic_store_n(&gemv_w4a8_pass_rows, rows == 2 ? 2 : 4, __ATOMIC_RELAXED); }
 
 /* Whether a one-token call's rows of row_bytes weight bytes go one by one (the kernel's own test, exported). */
 int gemv_w4a8_one_by_one(int64_t row_bytes) {
     return row_bytes >= __atomic_load_n(&gemv_w4a8_seq_bytes, __ATOMIC_RELAXED);
 }
 
-/* Whether W4A8's one-token rows follow gemv_w4a8_seq_bytes here (the AVX-512 VNNI path): where not, timing its
+/* Whether W4A8's one-token rows follow gemv_w4a8_seq_bytes and gemv_w4a8_pass_rows here (the AVX-512 VNNI path): where not, timing its
  * layers both ways would only measure noise. */
 int gemv_w4a8_rows_ordered(void) {
 #ifdef W4A8_VNNI
@@ -474,9 +479,10 @@ int gemv_w4a8_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, int 
                            .Kx = Kx};
     const int64_t tail_rows = tail_rows_vnni(Kp, ng, ngp, Kx);
     /* The k projections' rows as one range, each projection's padded to whole passes of four (Np rows, those past
-     * N skipped) so its rows fall into passes as one projection's do. */
+     * N skipped) so its rows fall into passes as one projection's do (a pass of two: two of them). */
     const int64_t Np = (N + 3) / 4 * 4;
     const int one_by_one = gemv_w4a8_one_by_one(Kp / 2); /* (read once: a call's rows in one order) */
+    const int pass_rows = __atomic_load_n(&gemv_w4a8_pass_rows, __ATOMIC_RELAXED);
     row_queue_t q;
     rq_init(&q, Np * k, num_threads, 4, Kp / 2);
 #pragma omp parallel num_threads(num_threads)
@@ -490,8 +496,12 @@ int gemv_w4a8_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, int 
             const int8_t *xqj = xq + x_at * Kx;
             const float *xgj = xg + x_at * ngp, *xbj = xb ? xb + x_at * ngp : NULL;
             float *o = out + j * ldo;
-            for (; !one_by_one && n + 4 <= end && n + 4 <= lim; n += 4)
-                rows4_m1_vnni(o, xqj, xs[x_at], xgj, xbj, &L[j], n, n + 12 <= lim);
+            if (pass_rows == 2)
+                for (; !one_by_one && n + 2 <= end && n + 2 <= lim; n += 2)
+                    rows_m1_vnni(o, xqj, xs[x_at], xgj, xbj, &L[j], n, n + 6 <= lim, 2);
+            else
+                for (; !one_by_one && n + 4 <= end && n + 4 <= lim; n += 4)
+                    rows_m1_vnni(o, xqj, xs[x_at], xgj, xbj, &L[j], n, n + 12 <= lim, 4);
             for (; n < end; n++) row_vnni(o, ldo, xqj, xs + x_at, xgj, xbj, 1, &L[j], n, n >= lim);
         }
     }
