@@ -103,6 +103,44 @@ def test_w8a8_rows_in_every_order_equal_the_reference_and_each_other(threads):
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
+def _gguf_block_layers(k: int, n: int) -> list[torch.nn.Module]:
+    """GGUF's Q4_K and Q6_K superblocks and Q8_0 blocks against x in blocks of 32 (the files' default math)."""
+    from test_superblocks import _rows
+
+    from minivllm.model.q4k_linear import Q4KLinear
+    from minivllm.model.q6k_linear import Q6KLinear
+
+    q8 = QuantizedLinear(k, n, True, QuantConfig("w8a8", int8_blocks=True, act_blocks=True))
+    q8.quantize_from(torch.randn(n, k) * 0.05, torch.randn(n))
+    layers: list[torch.nn.Module] = [q8]
+    if k % 256 == 0:
+        layers += [cls.from_blocks(_rows(cls, n, k, k + n), k, True) for cls in (Q4KLinear, Q6KLinear)]
+    return layers
+
+
+@pytest.mark.parametrize("k,n", [(800, 37), (512, 301), (1024, 2)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_gguf_block_rows_in_pairs_give_the_bits_of_one_by_one(k, n, threads):
+    """Q8_0, Q4_K and Q6_K rows at one token against x in blocks (AVX-512 VNNI's rows; elsewhere one order): two a
+    pass in pairs, one by one otherwise, the same sums for each row (the same bits), equal to the float64 reference
+    of the weights as stored; N odd leaves a last row alone, K = 800 a Q8_0 row's last superblock partial."""
+    torch.manual_seed(k + n)
+    x = torch.randn(1, k) * torch.linspace(0.1, 3.0, k)
+    for layer in _gguf_block_layers(k, n):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            outs = {}
+            for order in row_order.ORDERS:
+                row_order.set_order(order)
+                outs[order] = layer.forward_native(x)
+            ref = layer.forward_reference(x).double()
+        finally:
+            torch.set_num_threads(before)
+        assert (outs[row_order.PAIRS].double() - ref).abs().max().item() <= 2e-5 * ref.abs().max().item(), layer
+        assert all(torch.equal(outs[row_order.ONE], o) for o in outs.values()), layer
+
+
 def _layers(n: int = 3) -> list[Linear]:
     torch.manual_seed(0)
     layers = [Linear(256, 512, bias=False) for _ in range(n)]

@@ -2,7 +2,8 @@
 
 Float (f32, bf16) and W8A8 rows (csrc/gemv_m1.h, gemv_m1_order): M1_ROWS rows a pass share each load of x but read as
 many interleaved streams; row by row reads one sequential stream per thread; pairs read two rows a pass, their loads
-alternating cache line by cache line. Which streams fastest is the memory system's business, not the ISA's: on a
+alternating cache line by cache line. GGUF's Q8_0, Q4_K and Q6_K rows against x in blocks go two a pass in pairs, one
+by one otherwise. Which streams fastest is the memory system's business, not the ISA's: on a
 2-vCPU AVX2 EPYC four rows a pass streamed 1.2x one row; on a 2-vCPU Zen 4 EPYC (AVX-512) row by row decoded a 135M
 model's layers 1.34-1.40x as fast and a 1B model's 1.19x, bf16 rows streamed 1.2-1.8x as fast, and W8A8's decode
 stacks ran 1.71x (135M) and 1.33x (1B); on a 2-vCPU Sapphire Rapids-class Xeon those two tied and pairs decoded a
@@ -162,14 +163,15 @@ def timed_layers(layers: Sequence[PlannedLinear]) -> list[PlannedLinear]:
 
 
 def _streams_rows(q: PlannedLinear) -> bool:
-    """Whether q's native one-token kernel reads the rows the flag orders: float weights, or W8A8's per-channel
-    int8 where its AVX-512 VNNI rows run (not GGUF's Q8_0 blocks, read row by row always)."""
+    """Whether q's native one-token kernel reads its rows in the order set here: float weights, or int8 codes against
+    int8 x where AVX-512 VNNI's rows run (W8A8's per-channel rows in every order; GGUF's Q8_0, Q4_K and Q6_K blocks
+    against x in blocks, two a pass in pairs and one by one otherwise)."""
     if "native" not in q.candidates():
         return False
     w = getattr(q, "weight", None)
     if isinstance(w, torch.Tensor):
         return w.dtype in FLOATS
-    return getattr(q, "method", None) == "w8a8" and not getattr(q, "blocked", True) and w8a8_ordered()
+    return getattr(q, "method", None) == "w8a8" and w8a8_ordered()
 
 
 def _time_each(kernels: Sequence[tuple[Kernel, torch.Tensor]], configs: Sequence[T],

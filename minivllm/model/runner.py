@@ -103,11 +103,15 @@ class ModelRunner:
                 m.pack(keep_weight=ms.linear_backend == "auto")
         quantized = [m for m in self.model.modules() if isinstance(m, QuantizedLinear | SuperblockLinear)]
         # Before the plans time the native kernels: how their one-token rows stream here (model/row_order.py), timed
-        # on the layers a plan may run natively.
+        # on the decoder's layers a plan may run natively, in the model's order; not on the head, which may still
+        # change (a GGUF file's is converted after this: a 1B model's float32 head, 1 GB, was all a timing read).
         native = ("auto", "native")
-        self.row_order = choose_row_order([*(linears if ms.linear_backend in native else []),
-                                           *(quantized if ms.quantization_kernel in native else [])], dtype)
-        self.w4a8_rows = choose_w4a8_rows(quantized if ms.quantization_kernel in native else [])
+        head = getattr(self.model, "lm_head", None)
+        ordered = [m for m in self.model.modules() if m is not head and (
+            (isinstance(m, Linear) and ms.linear_backend in native)
+            or (isinstance(m, QuantizedLinear | SuperblockLinear) and ms.quantization_kernel in native))]
+        self.row_order = choose_row_order(ordered, dtype)
+        self.w4a8_rows = choose_w4a8_rows(ordered)
         self.linear_plan = plan_kernels(linears, ms.linear_backend, "linear_backend", dtype)
         self.linear_kernels = self.linear_plan.names
         for m in linears:

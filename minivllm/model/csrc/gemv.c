@@ -263,8 +263,9 @@ INLINE void dense_rows_store(float *out, int64_t ldo, const float *x, int M, int
 #include "gemv_avx2.h"
 #include "gemv_avx512.h"
 
-/* Whether W8A8's one-token rows follow gemv_m1_order here (the AVX-512 VNNI path; the others read theirs one
- * by one or in a fixed order): where not, timing its layers both ways would only measure noise. */
+/* Whether the one-token int8 rows follow gemv_m1_order here (AVX-512 VNNI's: W8A8's per-channel rows, and GGUF's
+ * Q8_0 / Q4_K / Q6_K rows against x in blocks, csrc/gemv_q8.c, gemv_q4k.c, gemv_q6k.c, built on the same condition):
+ * where not, timing their layers each way would only measure noise. */
 int gemv_w8a8_rows_ordered(void) {
 #ifdef GEMV_W8A8_M1_VNNI
     return 1;

@@ -28,9 +28,9 @@ INLINE float hsumv(vf v) {
  * 1.19x; bf16 rows streamed 16 -> 29 GB/s row by row. On a 2-vCPU Sapphire Rapids-class Xeon neither differed
  * (a 135M model's 538 MB of f32 rows 26-28 GB/s either way, while its bandwidth probe read 32-33), but two rows whose
  * loads alternate line by line read the same rows at 32-33 GB/s (8192-wide rows 32 -> 36), a 135M F32 decode 1.125x
- * (same process, alternating); on an AVX2 EPYC four rows a pass had streamed 1.2x one row. */
-enum { M1_PASS = 0, M1_ONE = 1, M1_PAIRS = 2 };
-extern int gemv_m1_order;
+ * (same process, alternating); on an AVX2 EPYC four rows a pass had streamed 1.2x one row.
+ * (The orders' values and the setting itself: csrc/gemv_rows.h, which the GGUF block kernels share: their one-token
+ * rows go two a pass where the order is M1_PAIRS, else one by one.) */
 
 /* One token against one f32 weight row (a share's last rows). */
 INLINE void dense_row_m1(float *out, const float *x, const Layer *L, int64_t n);

@@ -66,47 +66,80 @@ static inline __attribute__((always_inline)) void q4k_row(float *out, int64_t ld
 }
 
 #ifdef Q4_VNNI
+/* A superblock's codes (shuffled as the header says: q[0..3]) and its lane scales ws ([d sc_j, dmin m_j]). */
+static inline __attribute__((always_inline)) void q4k_sb_codes(const uint8_t *blk, __m512i *q, __m512 *ws) {
+    const __m512i dsel = _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           3); /* lanes 0-7: d, 8-15: dmin */
+    const __m512i m4 = _mm512_set1_epi8(15);
+    const __m128i head = _mm_loadu_si128((const __m128i *)blk); /* dwords: d and dmin, u0, u1, u2 */
+    *ws = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q4k_scales128(head))),
+                        _mm512_permutexvar_ps(dsel, _mm512_castps128_ps512(_mm_cvtph_ps(head))));
+    const __m512i h0 = _mm512_loadu_si512((const void *)(blk + 16));
+    const __m512i h1 = _mm512_loadu_si512((const void *)(blk + 80));
+    const __m512i a = _mm512_shuffle_i32x4(h0, h1, 0x88), b = _mm512_shuffle_i32x4(h0, h1, 0xDD);
+    q[0] = _mm512_and_si512(a, m4), q[1] = _mm512_and_si512(b, m4);
+    q[2] = _mm512_and_si512(_mm512_srli_epi16(a, 4), m4);
+    q[3] = _mm512_and_si512(_mm512_srli_epi16(b, 4), m4);
+}
+
+/* One superblock's codes q against one row of x's staged codes (xr) and its [xb_j, xg_j] (xw), into acc. */
+static inline __attribute__((always_inline)) __m512 q4k_sb_dot(__m512 acc, const __m512i *q, __m512 ws,
+                                                              const int8_t *xr, __m512 xw) {
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i even = _mm512_slli_epi32(_mm512_srli_epi32(lanes, 2), 1); /* lane l: sub-block 2 (l / 4) */
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    const __m512 win = _mm512_mul_ps(ws, xw);
+    const __m512i pe = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0],
+                                                               _mm512_loadu_si512((const void *)xr)),
+                                           q[1], _mm512_loadu_si512((const void *)(xr + 64)));
+    const __m512i po = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q[2],
+                                                               _mm512_loadu_si512((const void *)(xr + 128))),
+                                           q[3], _mm512_loadu_si512((const void *)(xr + 192)));
+    __m512 t = _mm512_mask_sub_ps(acc, 0xFF00, acc, win);
+    t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pe), _mm512_permutexvar_ps(even, win), t);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(po), _mm512_permutexvar_ps(odd, win), t);
+}
+
 /* x in blocks: the codes shuffled as the header says, four vpdpbusd, two conversions and FMAs a superblock and row
  * of x; xv: per superblock [xb_j, xg_j] (16 floats). */
 static inline __attribute__((always_inline)) void q4ka8_row(float *out, int64_t ldo, const int8_t *xq,
                                                             const float *xv, int M, const Q4Layer *L, int64_t n) {
     const uint8_t *w = L->w + n * L->row_bytes;
-    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512i even = _mm512_slli_epi32(_mm512_srli_epi32(lanes, 2), 1); /* lane l: sub-block 2 (l / 4) */
-    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-    const __m512i dsel = _mm512_srli_epi32(lanes, 3); /* lanes 0-7: d, 8-15: dmin */
-    const __m512i m4 = _mm512_set1_epi8(15);
     __m512 acc[MB];
     for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
     for (int64_t sb = 0; sb < L->nsb; sb++) {
         const uint8_t *blk = w + Q4K_BYTES * sb;
         const int64_t ahead = M > 1 ? 2 * L->row_bytes : 512;
         for (int c = 0; c < Q4K_BYTES; c += 64) __builtin_prefetch(blk + c + ahead);
-        const __m128i head = _mm_loadu_si128((const __m128i *)blk); /* dwords: d and dmin, u0, u1, u2 */
-        const __m512 ws = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q4k_scales128(head))),
-                                        _mm512_permutexvar_ps(dsel, _mm512_castps128_ps512(_mm_cvtph_ps(head))));
-        const __m512i h0 = _mm512_loadu_si512((const void *)(blk + 16));
-        const __m512i h1 = _mm512_loadu_si512((const void *)(blk + 80));
-        const __m512i a = _mm512_shuffle_i32x4(h0, h1, 0x88), b = _mm512_shuffle_i32x4(h0, h1, 0xDD);
-        const __m512i q0 = _mm512_and_si512(a, m4), q1 = _mm512_and_si512(b, m4);
-        const __m512i q2 = _mm512_and_si512(_mm512_srli_epi16(a, 4), m4);
-        const __m512i q3 = _mm512_and_si512(_mm512_srli_epi16(b, 4), m4);
-        for (int m = 0; m < M; m++) {
-            const int8_t *xr = xq + m * L->Kx + 256 * sb;
-            const __m512 win = _mm512_mul_ps(ws, _mm512_loadu_ps(xv + m * L->K16 + 16 * sb));
-            const __m512i pe = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q0,
-                                                                       _mm512_loadu_si512((const void *)xr)),
-                                                   q1, _mm512_loadu_si512((const void *)(xr + 64)));
-            const __m512i po = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q2,
-                                                                       _mm512_loadu_si512((const void *)(xr + 128))),
-                                                   q3, _mm512_loadu_si512((const void *)(xr + 192)));
-            __m512 t = _mm512_mask_sub_ps(acc[m], 0xFF00, acc[m], win);
-            t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pe), _mm512_permutexvar_ps(even, win), t);
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(po), _mm512_permutexvar_ps(odd, win), t);
-        }
+        __m512i q[4];
+        __m512 ws;
+        q4k_sb_codes(blk, q, &ws);
+        for (int m = 0; m < M; m++)
+            acc[m] = q4k_sb_dot(acc[m], q, ws, xq + m * L->Kx + 256 * sb, _mm512_loadu_ps(xv + m * L->K16 + 16 * sb));
     }
     for (int m = 0; m < M; m++) out[m * ldo + n] = _mm512_reduce_add_ps(acc[m]) + (L->bias ? L->bias[n] : 0.f);
 }
+
+/* One token against weight rows n and n + 1 a pass, their superblocks read in turn (gemv_m1_order's pairs, csrc/
+ * gemv_m1.h: two streams a thread), x's loads shared: each row's sums are q4ka8_row's. */
+static inline __attribute__((always_inline)) void q4ka8_pair_m1(float *out, const int8_t *xq, const float *xv,
+                                                                const Q4Layer *L, int64_t n) {
+    const uint8_t *w = L->w + n * L->row_bytes;
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t sb = 0; sb < L->nsb; sb++) {
+        const __m512 xw = _mm512_loadu_ps(xv + 16 * sb);
+        for (int r = 0; r < 2; r++) {
+            const uint8_t *blk = w + r * L->row_bytes + Q4K_BYTES * sb;
+            for (int c = 0; c < Q4K_BYTES; c += 64) __builtin_prefetch(blk + c + 512);
+            __m512i q[4];
+            __m512 ws;
+            q4k_sb_codes(blk, q, &ws);
+            acc[r] = q4k_sb_dot(acc[r], q, ws, xq + 256 * sb, xw);
+        }
+    }
+    for (int r = 0; r < 2; r++) out[n + r] = _mm512_reduce_add_ps(acc[r]) + (L->bias ? L->bias[n + r] : 0.f);
+}
+#define Q4K_PAIRS 1
 #elif defined(__AVX2__) && defined(__FMA__)
 static inline __attribute__((always_inline)) void q4ka8_row(float *out, int64_t ldo, const int8_t *xq,
                                                             const float *xv, int M, const Q4Layer *L, int64_t n) {
@@ -206,6 +239,20 @@ void gemv_q4k(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64
             memcpy(xv + m * L.K16 + 16 * sb + 8, xg + 8 * sb, 8 * sizeof(float));
         }
     }
+#ifdef Q4K_PAIRS
+    if (M == 1 && __atomic_load_n(&gemv_m1_order, __ATOMIC_RELAXED) == M1_PAIRS) {
+        rq_init(&q, N, num_threads, 2, L.row_bytes);
+#pragma omp parallel num_threads(num_threads)
+        {
+            int64_t n, end;
+            while (rq_take(&q, &n, &end)) {
+                for (; n + 2 <= end; n += 2) q4ka8_pair_m1(out, xq, xv, &L, n);
+                if (n < end) q4ka8_row(out, ldo, xq, xv, 1, &L, n);
+            }
+        }
+        return;
+    }
+#endif
 #define R4A(c) q4ka8_row(out + j * ldo, ldo, xq + j * K, xv + j * L.K16, c, &L, n)
 #pragma omp parallel num_threads(num_threads)
     FOR_ROW_CHUNKS(M, R4A, &q);

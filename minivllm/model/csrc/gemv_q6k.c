@@ -81,44 +81,70 @@ static inline __attribute__((always_inline)) void q6k_codes512(const uint8_t *b,
     }
 }
 
-/* x in blocks: one vpdpbusd per 64 codes and row of x, its lanes scaled in one FMA. */
+/* A superblock's codes (q6k_codes512) and its 16 scales d sc_j (ws), prefetching `ahead` bytes on. */
+static inline __attribute__((always_inline)) void q6k_sb_codes(const uint8_t *blk, int64_t ahead, __m512i *q,
+                                                              __m512 *ws) {
+    for (int c = 0; c < SB_BYTES; c += 64) __builtin_prefetch(blk + c + ahead);
+    q6k_codes512(blk, q);
+    *ws = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))),
+                        _mm512_set1_ps(q6_half(blk + 208)));
+}
+
+/* One superblock's codes against one row of x: its staged codes xr, its 8 block scales xb8 and xo16 (-32 xb sum xq
+ * per 16), into acc. */
+static inline __attribute__((always_inline)) __m512 q6k_sb_dot(__m512 acc, const __m512i *q, __m512 ws,
+                                                              const int8_t *xr, const float *xb8, const float *xo16) {
+    const __m512i lane = _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2);
+    const __m512i pair = _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 1);
+    /* lane j: d sc_j xb[j / 2] (the superblock's 8 blocks of x, each two sub-blocks) */
+    const __m512 win = _mm512_mul_ps(ws, _mm512_permutexvar_ps(pair, _mm512_maskz_loadu_ps(0xFF, xb8)));
+    __m512 a = acc;
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) {
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[c], _mm512_loadu_si512((const void *)(xr + 64 * c)));
+        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(_mm512_add_epi32(lane, _mm512_set1_epi32(4 * c)),
+                                                                        win), a);
+    }
+    return _mm512_fmadd_ps(ws, _mm512_loadu_ps(xo16), a);
+}
+
+/* x in blocks: one vpdpbusd per 64 codes and row of x, its lanes scaled in one FMA. Two rows on at several rows of x
+ * (as csrc/gemv_q8.c's rows); at one, 512 bytes on: same-process A/B on the 1B head (Zen 4 EPYC, 2 threads, 12
+ * interleaved rounds) 8.30 ms without, 7.71 / 7.75 / 7.88 with 512 / 1024 / 2048 bytes (a pass that only loads the
+ * same bytes: 7.4): the unpacking left the prefetcher behind. */
 static inline __attribute__((always_inline)) void q6ka8_row(float *out, int64_t ldo, const int8_t *xq,
                                                             const float *xb, const float *xo, int M, const Q6Layer *L,
                                                             int64_t n) {
     const uint8_t *w = L->w + n * L->row_bytes;
-    const __m512i lane = _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2);
-    const __m512i pair = _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 1);
     __m512 acc[MB];
     for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
     for (int64_t sb = 0; sb < L->nsb; sb++) {
-        const uint8_t *blk = w + SB_BYTES * sb;
-        /* Two rows on at several rows of x (as csrc/gemv_q8.c's rows); at one, 512 bytes on: same-process A/B on the
-         * 1B head (Zen 4 EPYC, 2 threads, 12 interleaved rounds) 8.30 ms without, 7.71 / 7.75 / 7.88 with 512 /
-         * 1024 / 2048 bytes (a pass that only loads the same bytes: 7.4): the unpacking left the prefetcher behind. */
-        const int64_t ahead = M > 1 ? 2 * L->row_bytes : 512;
-        for (int c = 0; c < SB_BYTES; c += 64) __builtin_prefetch(blk + c + ahead);
         __m512i q[4];
-        q6k_codes512(blk, q);
-        const __m512 ws = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(
-                                            blk + 192)))), _mm512_set1_ps(q6_half(blk + 208)));
-        for (int m = 0; m < M; m++) {
-            /* lane j: d sc_j xb[j / 2] (the superblock's 8 blocks of x, each two sub-blocks) */
-            const __m512 win = _mm512_mul_ps(ws, _mm512_permutexvar_ps(pair, _mm512_maskz_loadu_ps(
-                                                     0xFF, xb + m * L->nbp + 8 * sb)));
-            const int8_t *xr = xq + m * L->Kx + 256 * sb;
-            __m512 a = acc[m];
-#pragma GCC unroll 4
-            for (int c = 0; c < 4; c++) {
-                const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[c],
-                                                      _mm512_loadu_si512((const void *)(xr + 64 * c)));
-                a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p),
-                                    _mm512_permutexvar_ps(_mm512_add_epi32(lane, _mm512_set1_epi32(4 * c)), win), a);
-            }
-            acc[m] = _mm512_fmadd_ps(ws, _mm512_loadu_ps(xo + m * L->K16 + 16 * sb), a);
-        }
+        __m512 ws;
+        q6k_sb_codes(w + SB_BYTES * sb, M > 1 ? 2 * L->row_bytes : 512, q, &ws);
+        for (int m = 0; m < M; m++)
+            acc[m] = q6k_sb_dot(acc[m], q, ws, xq + m * L->Kx + 256 * sb, xb + m * L->nbp + 8 * sb,
+                                xo + m * L->K16 + 16 * sb);
     }
     for (int m = 0; m < M; m++) out[m * ldo + n] = _mm512_reduce_add_ps(acc[m]) + (L->bias ? L->bias[n] : 0.f);
 }
+
+/* One token against weight rows n and n + 1 a pass, their superblocks read in turn (gemv_m1_order's pairs, csrc/
+ * gemv_m1.h), x's loads shared: each row's sums are q6ka8_row's. */
+static inline __attribute__((always_inline)) void q6ka8_pair_m1(float *out, const int8_t *xq, const float *xb,
+                                                                const float *xo, const Q6Layer *L, int64_t n) {
+    const uint8_t *w = L->w + n * L->row_bytes;
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t sb = 0; sb < L->nsb; sb++)
+        for (int r = 0; r < 2; r++) {
+            __m512i q[4];
+            __m512 ws;
+            q6k_sb_codes(w + r * L->row_bytes + SB_BYTES * sb, 512, q, &ws);
+            acc[r] = q6k_sb_dot(acc[r], q, ws, xq + 256 * sb, xb + 8 * sb, xo + 16 * sb);
+        }
+    for (int r = 0; r < 2; r++) out[n + r] = _mm512_reduce_add_ps(acc[r]) + (L->bias ? L->bias[n + r] : 0.f);
+}
+#define Q6K_PAIRS 1
 #elif defined(__AVX2__) && defined(__FMA__)
 static inline __attribute__((always_inline)) void q6ka8_row(float *out, int64_t ldo, const int8_t *xq,
                                                             const float *xb, const float *xo, int M, const Q6Layer *L,
@@ -207,6 +233,20 @@ void gemv_q6k(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64
             xom[j] = -32.f * (float)t * xbm[j / 2];
         }
     }
+#ifdef Q6K_PAIRS
+    if (M == 1 && __atomic_load_n(&gemv_m1_order, __ATOMIC_RELAXED) == M1_PAIRS) {
+        rq_init(&q, N, num_threads, 2, L.row_bytes);
+#pragma omp parallel num_threads(num_threads)
+        {
+            int64_t n, end;
+            while (rq_take(&q, &n, &end)) {
+                for (; n + 2 <= end; n += 2) q6ka8_pair_m1(out, xq, xb, xo, &L, n);
+                if (n < end) q6ka8_row(out, ldo, xq, xb, xo, 1, &L, n);
+            }
+        }
+        return;
+    }
+#endif
 #define R6A(c) q6ka8_row(out + j * ldo, ldo, xq + j * K, xb + j * nbp, xo + j * L.K16, c, &L, n)
 #pragma omp parallel num_threads(num_threads)
     FOR_ROW_CHUNKS(M, R6A, &q);

@@ -102,6 +102,31 @@ static inline __attribute__((always_inline)) void q8_windows(__m512 *win, __m512
         for (int m = 0; m < M; m++) win[m] = _mm512_mul_ps(w, _mm512_loadu_ps(xb + m * nbp + b0));
 }
 
+/* A row's last, partial superblock (cnt < 16 blocks from block 16 full), masked, against M rows of x. */
+static inline __attribute__((always_inline)) void q8a8_tail(__m512 *acc, const int8_t *w, const uint16_t *sc,
+                                                            const int8_t *xq, const float *xg, const float *xb, int M,
+                                                            const Q8Layer *L, const __m512i *idx) {
+    const int64_t full = L->nb / 16, cnt = L->nb - 16 * full;
+    if (!cnt) return;
+    __m512 wins[MB];
+    const __m512 win = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << cnt) - 1), sc + 16 * full));
+    q8_windows(wins, win, xb, L->nbp, 16 * full, M);
+    for (int u = 0; 2 * u < cnt; u++) {
+        const int8_t *wc = w + (16 * full + 2 * u) * 32;
+        const __mmask64 mk = 2 * u + 1 < cnt ? ~(__mmask64)0 : (__mmask64)0xFFFFFFFFu;
+        chunk_q8(acc, _mm512_maskz_loadu_epi8(mk, wc), wins, idx[u], xb != NULL, xq + (16 * full + 2 * u) * 32, L->Kx,
+                 M);
+    }
+    const __m512 mv = _mm512_mul_ps(win, _mm512_set1_ps(-128.f));
+    for (int m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(xg + m * L->nbp + 16 * full), acc[m]);
+}
+
+/* The chunks' window indices: block 2u + lane / 8 of the superblock. */
+static inline __attribute__((always_inline)) void q8_index(__m512i *idx) {
+    const __m512i half = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int u = 0; u < 8; u++) idx[u] = _mm512_add_epi32(half, _mm512_set1_epi32(2 * u));
+}
+
 /* A superblock is 16 blocks (8 chunks): its scales are one window of 16, loaded once; chunk u's lanes take
  * theirs with a constant index (block 2u + lane / 8), and the min term (-128 scale, times the blocks' sums of
  * xq) joins the same accumulators once per superblock. A row's last, partial superblock loads masked. */
@@ -111,9 +136,8 @@ static inline __attribute__((always_inline)) void q8a8_row(float *out, int64_t l
     const int8_t *w = L->w + n * L->Kp;
     const uint16_t *sc = L->scale + n * L->nb;
     const __m512 neg128 = _mm512_set1_ps(-128.f);
-    const __m512i half = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     __m512i idx[8];
-    for (int u = 0; u < 8; u++) idx[u] = _mm512_add_epi32(half, _mm512_set1_epi32(2 * u));
+    q8_index(idx);
     __m512 acc[MB], wins[MB];
     for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
     const int64_t full = L->nb / 16;
@@ -131,22 +155,46 @@ static inline __attribute__((always_inline)) void q8a8_row(float *out, int64_t l
         const __m512 mv = _mm512_mul_ps(win, neg128);
         for (int m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(xg + m * L->nbp + 16 * sb), acc[m]);
     }
-    const int64_t cnt = L->nb - 16 * full;
-    if (cnt) {
-        const __m512 win = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << cnt) - 1), sc + 16 * full));
-        q8_windows(wins, win, xb, L->nbp, 16 * full, M);
-        for (int u = 0; 2 * u < cnt; u++) {
-            const int8_t *wc = w + (16 * full + 2 * u) * 32;
-            const __mmask64 mk = 2 * u + 1 < cnt ? ~(__mmask64)0 : (__mmask64)0xFFFFFFFFu;
-            chunk_q8(acc, _mm512_maskz_loadu_epi8(mk, wc), wins, idx[u], per_row, xq + (16 * full + 2 * u) * 32,
-                     L->Kx, M);
-        }
-        const __m512 mv = _mm512_mul_ps(win, neg128);
-        for (int m = 0; m < M; m++)
-            acc[m] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(xg + m * L->nbp + 16 * full), acc[m]);
-    }
+    q8a8_tail(acc, w, sc, xq, xg, xb, M, L, idx);
     for (int m = 0; m < M; m++) out[m * ldo + n] = _mm512_reduce_add_ps(acc[m]) * xs[m] + (L->bias ? L->bias[n] : 0.f);
 }
+
+/* One token against weight rows n and n + 1 a pass, their chunks' loads alternating line by line (gemv_m1_order's
+ * pairs, csrc/gemv_m1.h), each load of x serving both: each row's sums are q8a8_row's. */
+static inline __attribute__((always_inline)) void q8a8_pair_m1(float *out, const int8_t *xq, float xs,
+                                                               const float *xg, const float *xb, const Q8Layer *L,
+                                                               int64_t n) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512i idx[8];
+    q8_index(idx);
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    const int64_t full = L->nb / 16;
+    for (int64_t sb = 0; sb < full; sb++) {
+        __m512 win[2], s[2];
+        for (int r = 0; r < 2; r++) {
+            win[r] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(L->scale + (n + r) * L->nb + 16 * sb)));
+            s[r] = xb ? _mm512_mul_ps(win[r], _mm512_loadu_ps(xb + 16 * sb)) : win[r];
+        }
+#pragma GCC unroll 8
+        for (int u = 0; u < 8; u++) {
+            const __m512i xv = _mm512_loadu_si512((const void *)(xq + sb * 512 + 64 * u));
+            for (int r = 0; r < 2; r++) {
+                const __m512i wu = _mm512_xor_si512(
+                    _mm512_loadu_si512((const void *)(L->w + (n + r) * L->Kp + sb * 512 + 64 * u)), flip);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, xv)),
+                                         _mm512_permutexvar_ps(idx[u], s[r]), acc[r]);
+            }
+        }
+        for (int r = 0; r < 2; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(win[r], _mm512_set1_ps(-128.f)), _mm512_loadu_ps(xg + 16 * sb),
+                                     acc[r]);
+    }
+    for (int r = 0; r < 2; r++) {
+        q8a8_tail(acc + r, L->w + (n + r) * L->Kp, L->scale + (n + r) * L->nb, xq, xg, xb, 1, L, idx);
+        out[n + r] = _mm512_reduce_add_ps(acc[r]) * xs + (L->bias ? L->bias[n + r] : 0.f);
+    }
+}
+#define Q8_PAIRS 1
 #elif defined(__AVX2__) && defined(__FMA__)
 /* AVX2 without VNNI: vpmaddubsw takes an unsigned operand, so each block multiplies |w| by x with w's sign moved
  * onto x (vpsignb; x is within +-127, so negating it cannot overflow), pairs summed in int16 (at most 2 * 128 *
@@ -228,6 +276,20 @@ void gemv_q8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_
      * 1.17x / 1.29x / 1.22x, 1B-shaped projections at 1 / 4 / 16 rows 1.30x / 1.45x / 1.40x against fixed halves
      * without prefetch; at one row the prefetch was mixed (head 1.05x more, projections 0.82x): not taken there. */
     row_queue_t q;
+#ifdef Q8_PAIRS
+    if (M == 1 && __atomic_load_n(&gemv_m1_order, __ATOMIC_RELAXED) == M1_PAIRS) {
+        rq_init(&q, N, num_threads, 2, Kp);
+#pragma omp parallel num_threads(num_threads)
+        {
+            int64_t n, end;
+            while (rq_take(&q, &n, &end)) {
+                for (; n + 2 <= end; n += 2) q8a8_pair_m1(out, xq, xs[0], xg, xb, &L, n);
+                if (n < end) q8a8_row(out, ldo, xq, xs, xg, xb, 1, &L, n);
+            }
+        }
+        return;
+    }
+#endif
     rq_init(&q, N, num_threads, 1, Kp);
 #pragma omp parallel num_threads(num_threads)
     FOR_ROW_CHUNKS(M, RA, &q);

@@ -4,6 +4,12 @@
 #ifndef MINIVLLM_GEMV_ROWS_H
 #define MINIVLLM_GEMV_ROWS_H
 
+/* How the one-token rows stream (csrc/gemv_m1.h): M1_ROWS rows a pass, one by one, or two a pass whose loads
+ * alternate line by line; csrc/gemv.c holds the setting (model/row_order.py sets it at start-up), which the float,
+ * W8A8 and GGUF block kernels read once a call. */
+enum { M1_PASS = 0, M1_ONE = 1, M1_PAIRS = 2 };
+extern int gemv_m1_order;
+
 /* Weight row n against the rows of x in chunks of up to MB; ROW(c) is called with c a literal so each chunk size
  * gets its own register-resident code. */
 #define ROW_AGAINST_X(mm, ROW)                                                        \
