@@ -1,5 +1,6 @@
 """Weights in transparent huge pages (model/hugepages.py): moved without changing a value, tied weights stay tied,
-views keep sharing their storage, a released weight frees its mapping, and the engine's output is unchanged."""
+views keep sharing their storage, a released weight frees its mapping, small tensors share one mapping as storages
+of their own, and the engine's output is unchanged."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def test_large_tensors_move_into_huge_pages_with_their_values_and_ties():
     before = {k: v.clone() for k, v in m.state_dict().items()}
     small_ptr = m.small.data_ptr()
     moved = hugepages.place_in_hugepages(m)
-    assert moved == 4096 * 128 * 4 + 1024 * 1024 * 4 + 2 * 512 * 256 * 4  # the small bias and vector stay
+    # the bias (4 KiB) into the shared mapping; the 64-byte vector stays
+    assert moved == 4096 * 128 * 4 + 1024 * 1024 * 4 + 2 * 512 * 256 * 4 + 1024 * 4
     assert m.head.weight is m.embed.weight and m.small.data_ptr() == small_ptr
     for k, v in m.state_dict().items():
         assert torch.equal(v, before[k]), k
@@ -46,7 +48,7 @@ def test_large_tensors_move_into_huge_pages_with_their_values_and_ties():
 @pytest.mark.skipif(not hugepages.enabled(), reason="transparent huge pages are off (or not Linux)")
 def test_what_is_placed_stays_and_empty_tensors_move_without_a_copy():
     m = _Tied()
-    big = [m.embed.weight, m.other.weight, m.table]
+    big = [m.embed.weight, m.other.weight, m.table, m.other.bias]
     assert hugepages.placed_bytes(m) == 0
     moved = hugepages.place_in_hugepages(m, copy=False)  # the loader's first call, on tensors about to be filled
     assert moved == hugepages.placed_bytes(m) == sum(t.nbytes for t in big)
@@ -83,6 +85,47 @@ def test_the_loader_reads_a_float_checkpoint_straight_into_huge_pages(model_fact
         assert calls[1][1] > 0  # the int8 weights and scales
     for p in llm.llm_engine.runner.model.parameters():
         assert hugepages.in_hugepage_mapping(p)
+
+
+class _Small(nn.Module):
+    """A quantized layer's shape: a large weight with small scales, norms and a bias beside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("qweight", torch.randint(0, 255, (2048, 1024), dtype=torch.uint8))
+        self.register_buffer("scales", torch.randn(2048, 64).half())  # 256 KiB
+        self.norm = nn.Parameter(torch.randn(2048))  # 8 KiB
+        self.bias = nn.Parameter(torch.randn(1030))  # 4120 B: not a whole number of cache lines
+        self.register_buffer("counts", torch.zeros(16, dtype=torch.int64))  # 128 B: stays
+        self.scales_t = self.scales.t()  # a view of the scales (not a buffer)
+
+
+@pytest.mark.skipif(not hugepages.enabled(), reason="transparent huge pages are off (or not Linux)")
+def test_small_tensors_share_one_mapping_each_its_own_storage_on_a_cache_line():
+    torch.manual_seed(1)
+    m = _Small()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    counts_ptr = m.counts.data_ptr()
+    moved = hugepages.place_in_hugepages(m)
+    small = [m.norm, m.bias, m.scales]  # as the module lists them: parameters, then buffers
+    assert moved == m.qweight.nbytes + sum(t.nbytes for t in small) == hugepages.placed_bytes(m)
+    assert m.counts.data_ptr() == counts_ptr and not hugepages.in_hugepage_mapping(m.counts)
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert m.qweight.data_ptr() % hugepages.HUGE_PAGE == 0
+    ptrs = [t.data_ptr() for t in small]
+    assert ptrs[0] % hugepages.HUGE_PAGE == 0 and all(p % hugepages.ALIGN == 0 for p in ptrs)
+    assert ptrs == sorted(ptrs) and ptrs[2] - ptrs[0] < hugepages.HUGE_PAGE  # packed, in the model's order
+    assert len({t.untyped_storage().data_ptr() for t in small}) == 3  # each its own storage
+    assert hugepages.huge_page_bytes(m.scales) > 0 and ptrs[1] - ptrs[0] == m.norm.nbytes
+    assert ptrs[2] - ptrs[1] == -(-m.bias.nbytes // hugepages.ALIGN) * hugepages.ALIGN
+    assert m.scales_t.data_ptr() != m.scales.data_ptr()  # (a non-buffer view keeps its old storage, as before)
+    # as the quantized checkpoint's writer saves them (model/quantized_checkpoint.py)
+    from safetensors.torch import save
+
+    assert save({"scales": m.scales, "norm": m.norm.detach(), "bias": m.bias.detach()})
+    del m.norm  # the others stay readable while the mapping lives
+    assert torch.equal(m.bias, before["bias"]) and hugepages.place_in_hugepages(m) == 0
 
 
 def test_nothing_moves_when_turned_off(monkeypatch):
