@@ -241,15 +241,11 @@ void gemv_q4k(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64
     }
 #ifdef Q4K_PAIRS
     if (M == 1 && __atomic_load_n(&gemv_m1_order, __ATOMIC_RELAXED) == M1_PAIRS) {
+#define P4(n) q4ka8_pair_m1(out, xq, xv, &L, n)
+#define O4(n) q4ka8_row(out, ldo, xq, xv, 1, &L, n)
         rq_init(&q, N, num_threads, 2, L.row_bytes);
 #pragma omp parallel num_threads(num_threads)
-        {
-            int64_t n, end;
-            while (rq_take(&q, &n, &end)) {
-                for (; n + 2 <= end; n += 2) q4ka8_pair_m1(out, xq, xv, &L, n);
-                if (n < end) q4ka8_row(out, ldo, xq, xv, 1, &L, n);
-            }
-        }
+        FOR_ROW_PAIRS(P4, O4, &q);
         return;
     }
 #endif

@@ -235,15 +235,11 @@ void gemv_q6k(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64
     }
 #ifdef Q6K_PAIRS
     if (M == 1 && __atomic_load_n(&gemv_m1_order, __ATOMIC_RELAXED) == M1_PAIRS) {
+#define P6(n) q6ka8_pair_m1(out, xq, xb, xo, &L, n)
+#define O6(n) q6ka8_row(out, ldo, xq, xb, xo, 1, &L, n)
         rq_init(&q, N, num_threads, 2, L.row_bytes);
 #pragma omp parallel num_threads(num_threads)
-        {
-            int64_t n, end;
-            while (rq_take(&q, &n, &end)) {
-                for (; n + 2 <= end; n += 2) q6ka8_pair_m1(out, xq, xb, xo, &L, n);
-                if (n < end) q6ka8_row(out, ldo, xq, xb, xo, 1, &L, n);
-            }
-        }
+        FOR_ROW_PAIRS(P6, O6, &q);
         return;
     }
 #endif

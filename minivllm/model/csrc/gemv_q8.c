@@ -278,15 +278,11 @@ void gemv_q8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_
     row_queue_t q;
 #ifdef Q8_PAIRS
     if (M == 1 && __atomic_load_n(&gemv_m1_order, __ATOMIC_RELAXED) == M1_PAIRS) {
+#define P8(n) q8a8_pair_m1(out, xq, xs[0], xg, xb, &L, n)
+#define O8(n) q8a8_row(out, ldo, xq, xs, xg, xb, 1, &L, n)
         rq_init(&q, N, num_threads, 2, Kp);
 #pragma omp parallel num_threads(num_threads)
-        {
-            int64_t n, end;
-            while (rq_take(&q, &n, &end)) {
-                for (; n + 2 <= end; n += 2) q8a8_pair_m1(out, xq, xs[0], xg, xb, &L, n);
-                if (n < end) q8a8_row(out, ldo, xq, xs, xg, xb, 1, &L, n);
-            }
-        }
+        FOR_ROW_PAIRS(P8, O8, &q);
         return;
     }
 #endif

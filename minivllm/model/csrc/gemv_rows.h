@@ -41,6 +41,17 @@ extern int gemv_m1_order;
                 ROW_AGAINST_X(mm, ROW);                                               \
     } while (0)
 
+/* One token's rows two a pass as the queue q hands them out (rq_init with unit 2 before the region): PAIR(n) for
+ * rows n and n + 1, ONE(n) for a piece's odd last row (the GGUF block kernels' pairs, gemv_m1_order M1_PAIRS). */
+#define FOR_ROW_PAIRS(PAIR, ONE, q)                                                   \
+    do {                                                                              \
+        int64_t n_, e_;                                                               \
+        while (rq_take((q), &n_, &e_)) {                                              \
+            for (; n_ + 2 <= e_; n_ += 2) PAIR(n_);                                   \
+            if (n_ < e_) ONE(n_);                                                     \
+        }                                                                             \
+    } while (0)
+
 /* ROW(c) for a block of mt (1..8) tokens, c the literal mt: each size its own register-resident code (the AVX2
  * rows that take 8 tokens a pass). */
 #define SWITCH_M8(mt, ROW)                                                            \
