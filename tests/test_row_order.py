@@ -23,8 +23,7 @@ NEVER = row_order.NEVER
 @pytest.fixture(autouse=True)
 def _restore_order():
     yield
-    row_order.set_order(row_order.PASS)
-    row_order.set_w4a8_rows(4, NEVER)
+    row_order.restore((row_order.PASS, (4, NEVER), 0, False))
     row_order._KEPT.clear()  # (the next engine times afresh and sets its own)
 
 
@@ -170,7 +169,7 @@ def test_the_fastest_order_as_timed_is_set_and_kept_for_the_same_layers(monkeypa
     def fake_best_time(fn, reps=3):
         fn()
         state["timed"] += 1
-        return cost[state["order"]]
+        return cost[state["order"]]  # (every prefetch distance alike: none is kept)
 
     monkeypatch.setattr(row_order, "set_order", track)
     monkeypatch.setattr(row_order, "best_time", fake_best_time)
@@ -178,7 +177,9 @@ def test_the_fastest_order_as_timed_is_set_and_kept_for_the_same_layers(monkeypa
     chosen = row_order.choose_row_order(layers, torch.float32)
     assert chosen is not None and chosen.order == want
     assert chosen.seconds == tuple(cost[o] for o in row_order.ORDERS)
-    assert state["timed"] == 3 * row_order.ROUNDS and state["order"] == want == _library_order()
+    timings = (3 + len(row_order.PREFETCH_BYTES)) * row_order.ROUNDS  # the orders, then the distances in the chosen
+    assert state["timed"] == timings and state["order"] == want == _library_order()
+    assert chosen.prefetch == 0 and chosen.prefetch_seconds == (cost[want],) * len(row_order.PREFETCH_BYTES)
     g = layers[0].gemv_weights()
     x = torch.randn(1, 256)
     assert torch.equal(g(x), _one_token(g, x, want, torch.get_num_threads()))
@@ -189,7 +190,70 @@ def test_the_fastest_order_as_timed_is_set_and_kept_for_the_same_layers(monkeypa
     assert row_order.choose_row_order(_layers(), torch.float16) is None  # (no float16 rows natively)
     state["timed"] = 0
     assert row_order.choose_row_order([q.to(torch.bfloat16) for q in _layers()], torch.bfloat16) == chosen
-    assert state["timed"] == 3 * row_order.ROUNDS  # bf16 layers: other layers, timed afresh
+    assert state["timed"] == timings  # bf16 layers: other layers, timed afresh
+
+
+def _w8a8_gemv(k: int, n: int) -> cpu_kernels.GemvWeights:
+    q, s = quantize_int8(torch.randn(n, k) * 0.05)
+    return cpu_kernels.GemvWeights("w8a8", q, k, s, None, 0)
+
+
+@pytest.mark.parametrize("kind", ["f32", "bf16", "bf16 x", "w8a8"])
+@pytest.mark.parametrize("k,n", [(576, 1030), (100, 37), (2048, 9)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_prefetch_distance_gives_the_bits_of_none_in_every_order(kind, k, n, threads):
+    """The one-token float rows (f32; bf16 against a float x and against a bf16 x, the dot-product rows) and W8A8's
+    rows with each line some bytes ahead on its way to L2 (a prefetch past a row's or the matrix's end included):
+    the same bits as without, in every order."""
+    torch.manual_seed(k + n)
+    x = torch.randn(1, k)
+    if kind == "w8a8":
+        g = _w8a8_gemv(k, n)
+    else:
+        w = torch.randn(n, k) * 0.05
+        g = cpu_kernels.GemvWeights.dense(w if kind == "f32" else w.bfloat16(), k, torch.randn(n))
+        if kind == "bf16 x":
+            x = x.bfloat16().float()
+    for order in row_order.ORDERS:
+        outs = {}
+        for ahead in (0, 64, *row_order.PREFETCH_BYTES[1:], 1 << 20):
+            row_order.set_prefetch(ahead)
+            outs[ahead] = _one_token(g, x, order, threads)
+        assert all(torch.equal(outs[0], o) for o in outs.values()), order
+
+
+@pytest.mark.parametrize("winner", [0, 4096, 8192, "tie"])
+def test_a_prefetch_is_kept_where_it_beats_none_by_the_margin(monkeypatch, winner):
+    """After the order, each of PREFETCH_BYTES is timed in it: the fastest kept where it beats none by MARGIN, else
+    none (a tie); the library and state() follow, the choice is kept for the same layers and set again from it; a
+    draft's restore() puts every setting back."""
+    now = {"ahead": 0}
+    real = row_order.set_prefetch
+
+    def track(nbytes: int) -> None:
+        now["ahead"] = nbytes
+        real(nbytes)
+
+    def fake_time_each(kernels, configs, set_config):  # type: ignore[no-untyped-def]
+        for c in configs:
+            set_config(c)
+        if configs == row_order.ORDERS:
+            return {row_order.PASS: 2.0, row_order.ONE: 3.0, row_order.PAIRS: 1.0}
+        return {b: (1.0 if b == winner else 1.99 if winner == "tie" and b else 2.0) for b in configs}
+
+    monkeypatch.setattr(row_order, "set_prefetch", track)
+    monkeypatch.setattr(row_order, "_time_each", fake_time_each)
+    chosen = row_order.choose_row_order(_layers(), torch.float32)
+    want = 0 if winner == "tie" else winner
+    assert chosen is not None and chosen.order == row_order.PAIRS and chosen.prefetch == want
+    assert len(chosen.prefetch_seconds) == len(row_order.PREFETCH_BYTES)
+    assert now["ahead"] == want and row_order.state()[2] == want
+    saved = row_order.state()
+    real(12345)
+    assert row_order.choose_row_order(_layers(), torch.float32) == chosen and now["ahead"] == want  # (kept)
+    real(777)
+    row_order.restore(saved)
+    assert row_order.state() == saved
 
 
 def test_the_timing_reads_past_the_last_level_cache_in_the_models_order(monkeypatch):
@@ -272,6 +336,9 @@ def test_w4a8_rows_in_passes_of_four_or_two_and_one_by_one_give_the_same_bits(k,
     kp = -(-k // 32) * 32
     configs = [(r, b) for r in (4, 2) for b in (NEVER, 1, kp // 2, kp // 2 + 1)]
     outs = [_w4a8_one_token(g, x, c, threads) for c in configs]
+    row_order.set_w4a8_prefetch_l2(True)  # (the passes' prefetch into L2 rather than L1: the same bits)
+    outs += [_w4a8_one_token(g, x, c, threads) for c in configs]
+    row_order.set_w4a8_prefetch_l2(False)
     assert (outs[0].double() - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     # (the same bits either way: the library's own test says which order these rows took)
@@ -290,15 +357,17 @@ def _w4a8_layers(widths: tuple[int, ...]) -> list[QuantizedLinear]:
     return layers
 
 
+@pytest.mark.parametrize("l2", [False, True])
 @pytest.mark.parametrize("pairs", [False, True])
 @pytest.mark.parametrize("wins,expected", [((True, True), 128), ((True, False), 512), ((False, True), None),
                                            ((False, False), None)])
-def test_w4a8_rows_two_or_four_a_pass_then_one_by_one_from_the_shortest_length_that_wins(monkeypatch, pairs, wins,
+def test_w4a8_rows_two_or_four_a_pass_then_one_by_one_from_the_shortest_length_that_wins(monkeypatch, l2, pairs, wins,
                                                                                          expected):
     """First four against two rows a pass (two where they win by the margin), then one by one from each row length,
     longest first (1024-wide rows: 512 bytes, then 256-wide: 128), stopping at the first that does not win by the
     margin; every configuration timed over all the W4A8 layers; the length set is the last that won (NEVER where
-    the longest lost); the library follows; kept for the same layers; no W4A8 layer, no choice."""
+    the longest lost); then the passes' prefetch into L1 against L2 in that configuration (L2 where it wins by the
+    margin); the library follows; kept for the same layers; no W4A8 layer, no choice."""
     if not row_order.w4a8_ordered():
         pytest.skip("W4A8's one-token rows have one order here (no AVX-512 VNNI)")
     now = {"config": (4, NEVER), "timed": []}
@@ -315,6 +384,8 @@ def test_w4a8_rows_two_or_four_a_pass_then_one_by_one_from_the_shortest_length_t
             set_config(c)
             for kernel, x in kernels:
                 kernel(x)
+        if configs == (False, True):  # (the prefetch's level, last)
+            return {False: 2.0, True: 1.0 if l2 else 1.99}
         if len(now["timed"]) == 1:
             return {(4, NEVER): 2.0, (2, NEVER): 1.0 if pairs else 1.99}
         win = wins[len(now["timed"]) - 2]
@@ -330,7 +401,8 @@ def test_w4a8_rows_two_or_four_a_pass_then_one_by_one_from_the_shortest_length_t
     assert (chosen.pass_rows, chosen.seq_bytes) == (rows, NEVER if expected is None else expected)
     trials = [(rows, 512), (rows, 128)] if wins[0] else [(rows, 512)]
     assert [c for c, _ in chosen.timings] == [(4, NEVER), (2, NEVER), *trials]  # (a tie within the margin: lost)
-    assert len(now["timed"]) == 1 + len(trials)
+    assert len(now["timed"]) == 1 + len(trials) + 1 and now["timed"][-1] == (False, True)
+    assert chosen.l2 == l2 == row_order.state()[3] and len(chosen.l2_seconds) == 2
     assert now["config"] == (chosen.pass_rows, chosen.seq_bytes) and row_order.state()[1] == now["config"]
     for length in (128, 512):  # rows of 128 and 512 bytes (256 and 1024 wide) as the kernel will read them
         assert row_order.one_by_one(length) == (expected is not None and length >= expected)
@@ -353,7 +425,7 @@ def test_a_w4a8_engine_times_its_rows_and_greedy_output_does_not_depend_on_them(
     _greedy_forced_each_way(path, monkeypatch, {"quantization": "w4a8"}, [(4, NEVER), (2, NEVER)], check)
     # one by one: every length wins against the passes
     def one(kernels, configs, set_config):  # type: ignore[no-untyped-def]
-        return {c: 1.0 if c[1] != NEVER else 2.0 for c in configs}
+        return {c: 1.0 if isinstance(c, tuple) and c[1] != NEVER else 2.0 for c in configs}
 
     row_order._KEPT.clear()
     monkeypatch.setattr(row_order, "_time_each", one)

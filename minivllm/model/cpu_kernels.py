@@ -121,12 +121,16 @@ def load_library() -> ctypes.CDLL | None:
     lib.set_gemv_m1_order.restype = None
     lib.gemv_m1_order_now.argtypes = []
     lib.gemv_m1_order_now.restype = c_int
+    lib.set_gemv_m1_prefetch.argtypes = [i64]
+    lib.set_gemv_m1_prefetch.restype = None
     lib.gemv_w8a8_rows_ordered.argtypes = []
     lib.gemv_w8a8_rows_ordered.restype = c_int
     lib.set_gemv_w4a8_seq_bytes.argtypes = [i64]
     lib.set_gemv_w4a8_seq_bytes.restype = None
     lib.set_gemv_w4a8_pass_rows.argtypes = [c_int]
     lib.set_gemv_w4a8_pass_rows.restype = None
+    lib.set_gemv_w4a8_prefetch_l2.argtypes = [c_int]
+    lib.set_gemv_w4a8_prefetch_l2.restype = None
     lib.gemv_w4a8_one_by_one.argtypes = [i64]
     lib.gemv_w4a8_one_by_one.restype = c_int
     lib.gemv_w4a8_rows_ordered.argtypes = []

@@ -18,6 +18,11 @@ lost below; on that Xeon two rows a pass decoded a 1B model 1.19x as fast as fou
 the rows a pass (gemv_w4a8_pass_rows), then a length (gemv_w4a8_seq_bytes: rows at least that long go one by one),
 from the longest of the model's lengths down as long as one by one keeps winning.
 
+Then, for the chosen order, a prefetch into L2 some bytes ahead of each load (none, PREFETCH_BYTES; W4A8: its prefetch
+two passes ahead into L2 rather than L1): on that Xeon the hardware prefetcher alone left the rows' loads waiting (a
+1B model's W8A8 decode 1.12x as fast with 8 KiB ahead, bf16 1.04x with 4 KiB, W4A8 1.04x into L2), while f32 lost
+0.97-0.99x, so it is timed like the order and kept only where it beats none by MARGIN.
+
 The timings read at least TIMED_LLC times the last-level cache's bytes of weights in the model's order (all of a
 smaller model), as a decode step streams them: on that Xeon (480 MiB of L3) the first 64M weights of a W4A8 model
 (32 MB) ran from the cache, where four rows a pass and one by one tied, while the decode from memory ran 1.18x as fast
@@ -50,30 +55,38 @@ PASS, ONE, PAIRS = 0, 1, 2
 ORDERS = (PASS, ONE, PAIRS)
 ORDER_NAMES = {PASS: "interleaved passes", ONE: "row by row", PAIRS: "pairs"}
 NEVER = (1 << 63) - 1  # csrc/gemv_w4a8.c's INT64_MAX: no W4A8 row one by one
+PREFETCH_BYTES = (0, 4096, 8192)  # the float and W8A8 rows' prefetch distances timed (0: none, the default)
 
 
 @dataclass(frozen=True, slots=True)
 class RowOrder:
-    """The chosen order and the seconds each order took over the timed layers (best round), in ORDERS' order."""
+    """The chosen order and the seconds each order took over the timed layers (best round), in ORDERS' order; then
+    the chosen prefetch distance and the seconds each of PREFETCH_BYTES took in that order."""
 
     order: int
     seconds: tuple[float, ...]
+    prefetch: int = 0
+    prefetch_seconds: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class W4A8RowOrder:
     """W4A8's one-token rows: pass_rows (4, or 2) a pass where shorter than seq_bytes weight bytes, one by one from
     there (NEVER: none); and each configuration timed, in the order timed, with its best round's seconds:
-    ((pass_rows, seq_bytes), seconds)."""
+    ((pass_rows, seq_bytes), seconds); then whether the passes prefetch into L2 (else L1) and the seconds of each
+    (L1, L2) in the chosen configuration."""
 
     pass_rows: int
     seq_bytes: int
     timings: tuple[tuple[tuple[int, int], float], ...]
+    l2: bool = False
+    l2_seconds: tuple[float, ...] = ()
 
 
 _KEPT: dict[tuple[object, ...], RowOrder | W4A8RowOrder] = {}
 _ORDER = [PASS]  # the library's order as last set here (it starts at M1_PASS)
 _W4A8 = [(4, NEVER)]  # gemv_w4a8_pass_rows and gemv_w4a8_seq_bytes as last set here
+_PREFETCH = [0, False]  # gemv_m1_prefetch and gemv_w4a8_prefetch_l2 as last set here
 
 
 def set_order(order: int) -> None:
@@ -95,14 +108,37 @@ def set_w4a8_rows(pass_rows: int, seq_bytes: int) -> None:
     _W4A8[0] = (pass_rows, seq_bytes)
 
 
-def state() -> tuple[int, tuple[int, int]]:
-    """Both choices as last set here (what native timings were made under; what a draft model restores)."""
-    return _ORDER[0], _W4A8[0]
+def set_prefetch(nbytes: int) -> None:
+    """Bytes ahead of each load the one-token float and W8A8 rows prefetch into L2 (0: none); the same bits."""
+    assert nbytes >= 0, nbytes
+    lib = cpu_kernels.load_library()
+    assert lib is not None
+    lib.set_gemv_m1_prefetch(nbytes)
+    _PREFETCH[0] = nbytes
 
 
-def restore(saved: tuple[int, tuple[int, int]]) -> None:
+def set_w4a8_prefetch_l2(l2: bool) -> None:
+    """Whether W4A8's one-token passes prefetch two passes ahead into L2 (else L1); the same bits."""
+    lib = cpu_kernels.load_library()
+    assert lib is not None
+    lib.set_gemv_w4a8_prefetch_l2(int(l2))
+    _PREFETCH[1] = bool(l2)
+
+
+State = tuple[int, tuple[int, int], int, bool]
+
+
+def state() -> State:
+    """Every choice as last set here (what native timings were made under; what a draft model restores): the order,
+    W4A8's (pass_rows, seq_bytes), the prefetch distance, W4A8's prefetch into L2."""
+    return _ORDER[0], _W4A8[0], int(_PREFETCH[0]), bool(_PREFETCH[1])
+
+
+def restore(saved: State) -> None:
     set_order(saved[0])
     set_w4a8_rows(*saved[1])
+    set_prefetch(saved[2])
+    set_w4a8_prefetch_l2(saved[3])
 
 
 def w8a8_ordered() -> bool:
@@ -203,13 +239,22 @@ def choose_row_order(layers: Sequence[PlannedLinear], dtype: torch.dtype) -> Row
     kept = _KEPT.get(key)
     if not isinstance(kept, RowOrder):
         kernels = [(q.candidates()["native"], torch.randn(1, q.in_features, dtype=dtype)) for q in timed]
+        set_prefetch(0)
         best = _time_each(kernels, ORDERS, set_order)
         fastest = min(ORDERS, key=lambda o: best[o])
-        kept = RowOrder(fastest if best[fastest] < MARGIN * best[PASS] else PASS, tuple(best[o] for o in ORDERS))
+        order = fastest if best[fastest] < MARGIN * best[PASS] else PASS
+        set_order(order)
+        ahead = _time_each(kernels, PREFETCH_BYTES, set_prefetch)
+        nearest = min(PREFETCH_BYTES, key=lambda b: ahead[b])
+        kept = RowOrder(order, tuple(best[o] for o in ORDERS), nearest if ahead[nearest] < MARGIN * ahead[0] else 0,
+                        tuple(ahead[b] for b in PREFETCH_BYTES))
         _KEPT[key] = kept
-        logger.info("one-token GEMV rows: %s (%s, over %d layers)", ORDER_NAMES[kept.order],
-                    ", ".join(f"{ORDER_NAMES[o]} {best[o] * 1e3:.1f} ms" for o in ORDERS), len(timed))
+        logger.info("one-token GEMV rows: %s, prefetch %s (%s; %s, over %d layers)", ORDER_NAMES[kept.order],
+                    f"{kept.prefetch} B ahead" if kept.prefetch else "none",
+                    ", ".join(f"{ORDER_NAMES[o]} {best[o] * 1e3:.1f} ms" for o in ORDERS),
+                    ", ".join(f"{b} B {ahead[b] * 1e3:.1f} ms" for b in PREFETCH_BYTES), len(timed))
     set_order(kept.order)
+    set_prefetch(kept.prefetch)
     return kept
 
 
@@ -243,6 +288,7 @@ def choose_w4a8_rows(layers: Sequence[PlannedLinear]) -> W4A8RowOrder | None:
     kept = _KEPT.get(key)
     if not isinstance(kept, W4A8RowOrder):
         kernels = [(k, torch.randn(1, q.in_features)) for q in timed if (k := _w4a8_kernel(q)) is not None]
+        set_w4a8_prefetch_l2(False)
         best = _time_each(kernels, [(4, NEVER), (2, NEVER)], _set_w4a8)
         current = (2, NEVER) if best[(2, NEVER)] < MARGIN * best[(4, NEVER)] else (4, NEVER)
         timings = list(best.items())
@@ -253,11 +299,16 @@ def choose_w4a8_rows(layers: Sequence[PlannedLinear]) -> W4A8RowOrder | None:
             if not best[trial] < MARGIN * best[current]:
                 break
             current = trial
-        kept = W4A8RowOrder(current[0], current[1], tuple(timings))
+        set_w4a8_rows(*current)
+        into = _time_each(kernels, (False, True), set_w4a8_prefetch_l2)
+        kept = W4A8RowOrder(current[0], current[1], tuple(timings), into[True] < MARGIN * into[False],
+                            (into[False], into[True]))
         _KEPT[key] = kept
-        logger.info("W4A8 one-token rows: %d a pass%s (%s, over %d layers)", kept.pass_rows,
-                    "" if kept.seq_bytes == NEVER else f", one by one from {kept.seq_bytes} bytes",
+        logger.info("W4A8 one-token rows: %d a pass%s, prefetch into %s (%s; L1 %.1f ms, L2 %.1f ms, over %d layers)",
+                    kept.pass_rows, "" if kept.seq_bytes == NEVER else f", one by one from {kept.seq_bytes} bytes",
+                    "L2" if kept.l2 else "L1",
                     ", ".join(f"{r} a pass{'' if b == NEVER else f' + one by one from {b} B'} {s * 1e3:.1f} ms"
-                              for (r, b), s in timings), len(timed))
+                              for (r, b), s in timings), into[False] * 1e3, into[True] * 1e3, len(timed))
     set_w4a8_rows(kept.pass_rows, kept.seq_bytes)
+    set_w4a8_prefetch_l2(kept.l2)
     return kept

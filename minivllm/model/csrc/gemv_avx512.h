@@ -242,6 +242,7 @@ INLINE void w8a8_rows_m1_vnni(float *out, const int8_t *xq, float xs, int32_t xs
     int64_t k = 0;
     for (; k + 64 <= K; k += 64) {
         const __m512i xv = _mm512_loadu_si512((const void *)(xq + k));
+        for (int r = 0; r < R; r++) PREFETCH_L2(w + r * K + k, L->pf);
         for (int r = 0; r < R; r++)
             acc[r] = _mm512_dpbusd_epi32(
                 acc[r], _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + r * K + k)), flip), xv);

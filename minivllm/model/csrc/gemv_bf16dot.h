@@ -45,7 +45,10 @@ INLINE void bf16dot_row(float *out, const uint16_t *xb, const Layer *L, int64_t 
     __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     int64_t k = 0;
     for (; k + 128 <= K; k += 128)
-        for (int i = 0; i < 4; i++) a[i] = dot32(a[i], w, xb, k + 32 * i, K);
+        for (int i = 0; i < 4; i++) {
+            PREFETCH_L2(w + k + 32 * i, L->pf);
+            a[i] = dot32(a[i], w, xb, k + 32 * i, K);
+        }
     for (int i = 0; k < K; k += 32, i++) a[i] = dot32(a[i], w, xb, k, K);
     out[n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]))) +
              (L->bias ? L->bias[n] : 0.f);
@@ -58,7 +61,10 @@ INLINE void bf16dot_pass(float *out, const uint16_t *xb, const Layer *L, int64_t
     __m512 a[M1_ROWS];
     for (int r = 0; r < R; r++) a[r] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 32)
-        for (int r = 0; r < R; r++) a[r] = dot32(a[r], w + r * K, xb, k, K);
+        for (int r = 0; r < R; r++) {
+            PREFETCH_L2(w + r * K + k, L->pf);
+            a[r] = dot32(a[r], w + r * K, xb, k, K);
+        }
     for (int r = 0; r < R; r++) out[n + r] = _mm512_reduce_add_ps(a[r]) + (L->bias ? L->bias[n + r] : 0.f);
 }
 

@@ -47,6 +47,8 @@ INLINE void dense_pass_m1(float *out, const float *x, const Layer *L, int64_t n,
     for (; k + 2 * VL <= K; k += 2 * VL)
         for (int i = 0; i < 2; i++) {
             const vf xi = ldv(x + k + i * VL);
+            if (VL == 16 || i == 0) /* (each 64-byte line once) */
+                for (int r = 0; r < R; r++) PREFETCH_L2(wf + r * K + k + i * VL, L->pf);
             for (int r = 0; r < R; r++) a[r][i] += xi * ldv(wf + r * K + k + i * VL);
         }
     for (int r = 0; r < R; r++) {
@@ -74,7 +76,10 @@ INLINE void dense_row_m1(float *out, const float *x, const Layer *L, int64_t n) 
     vf a[4] = {{0}};
     int64_t k = 0;
     for (; k + 4 * VL <= K; k += 4 * VL)
-        for (int i = 0; i < 4; i++) a[i] += ldv(x + k + i * VL) * ldv(wf + k + i * VL);
+        for (int i = 0; i < 4; i++) {
+            if (VL == 16 || i % 2 == 0) PREFETCH_L2(wf + k + i * VL, L->pf);
+            a[i] += ldv(x + k + i * VL) * ldv(wf + k + i * VL);
+        }
     for (; k + VL <= K; k += VL) a[0] += ldv(x + k) * ldv(wf + k);
     float s = hsumv((a[0] + a[1]) + (a[2] + a[3]));
     for (int64_t j = k; j < K; j++) s += x[j] * wf[j];
@@ -116,6 +121,8 @@ INLINE void bf16_pass_m1(float *out, const float *x, const float *xs, const Laye
     int64_t k = 0;
     for (; k + 2 * VL <= K; k += 2 * VL) {
         const vf xe = ldv(xs + k), xo = ldv(xs + k + VL);
+        if (VL == 16 || k % (4 * VL) == 0) /* (2 * VL bf16: a 64-byte line, or half of one) */
+            for (int r = 0; r < R; r++) PREFETCH_L2(wh + r * K + k, L->pf);
         for (int r = 0; r < R; r++) {
             vf we, wo;
             ld_bf16_pair(wh + r * K + k, &we, &wo);
@@ -148,6 +155,7 @@ INLINE void bf16_row_m1(float *out, const float *x, const float *xs, const Layer
     for (; k + 4 * VL <= K; k += 4 * VL)
         for (int i = 0; i < 2; i++) {
             vf we, wo;
+            if (VL == 16 || i == 0) PREFETCH_L2(wh + k + 2 * i * VL, L->pf);
             ld_bf16_pair(wh + k + 2 * i * VL, &we, &wo);
             a[2 * i] += ldv(xs + k + 2 * i * VL) * we;
             a[2 * i + 1] += ldv(xs + k + 2 * i * VL + VL) * wo;

@@ -10,6 +10,16 @@
 enum { M1_PASS = 0, M1_ONE = 1, M1_PAIRS = 2 };
 extern int gemv_m1_order;
 
+/* Bytes ahead of each load the one-token float and W8A8 rows prefetch into L2 (0: none; csrc/gemv.c holds it,
+ * model/row_order.py times it at start-up with the order). */
+extern int64_t gemv_m1_prefetch;
+
+/* The line at p + ahead on its way to L2 (prefetcht1 on x86), where ahead > 0. */
+#define PREFETCH_L2(p, ahead)                                                         \
+    do {                                                                              \
+        if (ahead) __builtin_prefetch((const char *)(p) + (ahead), 0, 2);             \
+    } while (0)
+
 /* Weight row n against the rows of x in chunks of up to MB; ROW(c) is called with c a literal so each chunk size
  * gets its own register-resident code. */
 #define ROW_AGAINST_X(mm, ROW)                                                        \

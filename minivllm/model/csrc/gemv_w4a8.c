@@ -42,6 +42,7 @@ typedef struct {
     int f16, f32mins, sym;      /* scales (and mins) are float16, else bfloat16; mins are float32; no mins (sym):
                                  * each is -8 scale */
     int ablk;                   /* x quantized per 32-weight block (G 32): block scales xb beside xg */
+    int l2;                     /* one-token rows' prefetch two passes ahead into L2, else into L1 */
     int64_t Kp, G, ng, ngp, Kx; /* ngp: floats between rows of xg (ng rounded up to 16, zero-padded); Kx: bytes
                                  * between staged rows of xq (Kp rounded up to 128) */
 } W4A8Layer;
@@ -205,7 +206,11 @@ static inline __attribute__((always_inline)) void rows_m1_vnni(float *out, const
         }
         for (int u = 0; u < 4 && c < nchunks; u++, c++) { /* (bytes past a row meet zero x) */
             if (ahead) /* the pass after next: as many bytes as this pass reads, two passes ahead */
-                for (int r = 0; r < R; r++) __builtin_prefetch(w + 2 * R * nbytes + c * 64 * R + r * 64);
+                for (int r = 0; r < R; r++) {
+                    const uint8_t *p = w + 2 * R * nbytes + c * 64 * R + r * 64;
+                    if (L->l2) __builtin_prefetch(p, 0, 2);
+                    else __builtin_prefetch(p);
+                }
             __m512 s[4];
             for (int r = 0; r < R; r++) s[r] = _mm512_permutexvar_ps(idx[u], win[r]);
             chunk_rows_vnni(acc, w + c * 64, nbytes, xq + c * 128, s, R);
@@ -431,6 +436,13 @@ void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int6
 static int64_t gemv_w4a8_seq_bytes = INT64_MAX;
 static int gemv_w4a8_pass_rows = 4;
 
+/* Where the passes' prefetch two passes ahead brings its lines: L1 (0, until set_gemv_w4a8_prefetch_l2 says 1) or
+ * L2. On a 2-vCPU Sapphire Rapids-class Xeon into L2 decoded a 1B model 1.035-1.04x as fast (same process,
+ * alternating; the same into L1 one pass ahead 1.01x, three or more 0.91-0.96x); model/row_order.py times both. */
+static int gemv_w4a8_prefetch_l2 = 0;
+
+void set_gemv_w4a8_prefetch_l2(int l2) { __atomic_store_n(&gemv_w4a8_prefetch_l2, l2 != 0, __ATOMIC_RELAXED); }
+
 void set_gemv_w4a8_seq_bytes(int64_t bytes) { __atomic_store_n(&gemv_w4a8_seq_bytes, bytes, __ATOMIC_RELAXED); }
 
 void set_gemv_w4a8_pass_rows(int rows) { __atomic_store_n(&gemv_w4a8_pass_rows, rows == 2 ? 2 : 4, __ATOMIC_RELAXED); }
@@ -483,6 +495,8 @@ int gemv_w4a8_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, int 
     const int64_t Np = (N + 3) / 4 * 4;
     const int one_by_one = gemv_w4a8_one_by_one(Kp / 2); /* (read once: a call's rows in one order) */
     const int pass_rows = __atomic_load_n(&gemv_w4a8_pass_rows, __ATOMIC_RELAXED);
+    const int l2 = __atomic_load_n(&gemv_w4a8_prefetch_l2, __ATOMIC_RELAXED);
+    for (int j = 0; j < k; j++) L[j].l2 = l2;
     row_queue_t q;
     rq_init(&q, Np * k, num_threads, 4, Kp / 2);
 #pragma omp parallel num_threads(num_threads)
