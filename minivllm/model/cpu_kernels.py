@@ -117,24 +117,14 @@ def load_library() -> ctypes.CDLL | None:
     lib.greedy_round_f32.restype = None
     lib.apply_token_bitmask_f32.argtypes = [p, i64, p, i64, p, i64, i64]
     lib.apply_token_bitmask_f32.restype = None
-    lib.set_gemv_m1_order.argtypes = [c_int]
-    lib.set_gemv_m1_order.restype = None
-    lib.gemv_m1_order_now.argtypes = []
-    lib.gemv_m1_order_now.restype = c_int
-    lib.set_gemv_m1_prefetch.argtypes = [i64]
-    lib.set_gemv_m1_prefetch.restype = None
-    lib.gemv_w8a8_rows_ordered.argtypes = []
-    lib.gemv_w8a8_rows_ordered.restype = c_int
-    lib.set_gemv_w4a8_seq_bytes.argtypes = [i64]
-    lib.set_gemv_w4a8_seq_bytes.restype = None
-    lib.set_gemv_w4a8_pass_rows.argtypes = [c_int]
-    lib.set_gemv_w4a8_pass_rows.restype = None
-    lib.set_gemv_w4a8_prefetch_l2.argtypes = [c_int]
-    lib.set_gemv_w4a8_prefetch_l2.restype = None
-    lib.gemv_w4a8_one_by_one.argtypes = [i64]
-    lib.gemv_w4a8_one_by_one.restype = c_int
-    lib.gemv_w4a8_rows_ordered.argtypes = []
-    lib.gemv_w4a8_rows_ordered.restype = c_int
+    # the one-token rows' settings (model/row_order.py): (argument types, result type)
+    for name, (args, res) in {"set_gemv_m1_order": ([c_int], None), "gemv_m1_order_now": ([], c_int),
+                              "set_gemv_m1_prefetch": ([i64], None), "gemv_w8a8_rows_ordered": ([], c_int),
+                              "set_gemv_w4a8_seq_bytes": ([i64], None), "set_gemv_w4a8_pass_rows": ([c_int], None),
+                              "set_gemv_w4a8_prefetch_l2": ([c_int], None), "gemv_w4a8_one_by_one": ([i64], c_int),
+                              "gemv_w4a8_rows_ordered": ([], c_int)}.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
     lib.stream_read_f32.argtypes = [p, i64, c_int, c_int]
     lib.stream_read_f32.restype = ctypes.c_double
     return lib
