@@ -226,6 +226,22 @@ def test_proposer_cost_model_recovers_the_fixed_per_forward_and_per_row_cost():
     assert same.fit() == pytest.approx((0.002, 0.0, 0.0))  # one kind of round: its cost as the fixed part
 
 
+def test_one_stalled_round_does_not_price_every_round_after_it():
+    """A round 4000x its usual cost (a one-off stall) is counted at OUTLIER x the estimate, so the estimate stays near
+    the usual rounds' (unclipped, one in the window of 128 priced every round at ~30x); a sustained slowdown still
+    moves the estimate to the new cost."""
+    cost = ProposerCostModel()
+    for _ in range(20):
+        cost.observe(4, 4, 0.001)
+    cost.observe(4, 4, 4.0)
+    for _ in range(20):
+        cost.observe(4, 4, 0.001)
+    assert cost.estimate(4, 4) < 0.0012
+    for _ in range(200):
+        cost.observe(4, 4, 0.002)  # every round twice as slow from here
+    assert cost.estimate(4, 4) == pytest.approx(0.002)
+
+
 def test_step_cost_table_interpolates_between_kernel_shapes():
     table = StepCostTable()
     assert table.estimate(1) is None

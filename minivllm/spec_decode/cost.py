@@ -19,6 +19,12 @@ class ProposerCostModel:
     # Refit after this many new rounds: a fit costs tens of microseconds, and estimates are read several times
     # a step (refitting every step cost 10-20% of a small model's decode throughput).
     REFIT_EVERY = 16
+    # Once fitted, a round is counted at most this many times its estimate. A one-off stall (a collection, a
+    # neighbour's burst) is one sample of the window, but least squares spreads it over every estimate: on a
+    # Sapphire Rapids-class Xeon a draft whose rounds took ~0.9 ms was priced at 30.7 ms, so its proposals were
+    # withheld, few new rounds came to push the stall out of the window, and k=4 drafting ran 0.94-1.06x where the
+    # same engine alone ran 1.7-1.9x. A sustained slowdown still raises the estimate (each round up to this much).
+    OUTLIER = 3.0
 
     def __init__(self, window: int = 128) -> None:
         self.samples: deque[tuple[int, int, float]] = deque(maxlen=window)
@@ -26,7 +32,10 @@ class ProposerCostModel:
         self._since = 0  # rounds observed since the last fit
 
     def observe(self, forwards: int, rows: int, seconds: float) -> None:
-        """One round: forwards run, rows computed over them (proposals of every sequence), seconds taken."""
+        """One round: forwards run, rows computed over them (proposals of every sequence), seconds taken (at most
+        OUTLIER x the current estimate for such a round)."""
+        if self.fit() is not None:
+            seconds = min(seconds, self.OUTLIER * max(self.estimate(forwards, rows), 1e-6))
         self.samples.append((forwards, rows, seconds))
         self._since += 1
 
