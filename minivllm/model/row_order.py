@@ -245,8 +245,8 @@ def choose_row_order(layers: Sequence[PlannedLinear], dtype: torch.dtype) -> Row
         order = fastest if best[fastest] < MARGIN * best[PASS] else PASS
         set_order(order)
         ahead = _time_each(kernels, PREFETCH_BYTES, set_prefetch)
-        nearest = min(PREFETCH_BYTES, key=lambda b: ahead[b])
-        kept = RowOrder(order, tuple(best[o] for o in ORDERS), nearest if ahead[nearest] < MARGIN * ahead[0] else 0,
+        quickest = min(PREFETCH_BYTES, key=lambda b: ahead[b])
+        kept = RowOrder(order, tuple(best[o] for o in ORDERS), quickest if ahead[quickest] < MARGIN * ahead[0] else 0,
                         tuple(ahead[b] for b in PREFETCH_BYTES))
         _KEPT[key] = kept
         logger.info("one-token GEMV rows: %s, prefetch %s (%s; %s, over %d layers)", ORDER_NAMES[kept.order],
