@@ -23,7 +23,7 @@ NEVER = row_order.NEVER
 @pytest.fixture(autouse=True)
 def _restore_order():
     yield
-    row_order.restore((row_order.PASS, (4, NEVER), 0, False))
+    row_order.restore((row_order.PASS, (4, NEVER), 0, False, 0))
     row_order._KEPT.clear()  # (the next engine times afresh and sets its own)
 
 

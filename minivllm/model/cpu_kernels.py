@@ -119,7 +119,8 @@ def load_library() -> ctypes.CDLL | None:
     lib.apply_token_bitmask_f32.restype = None
     # the one-token rows' settings (model/row_order.py): (argument types, result type)
     for name, (args, res) in {"set_gemv_m1_order": ([c_int], None), "gemv_m1_order_now": ([], c_int),
-                              "set_gemv_m1_prefetch": ([i64], None), "gemv_w8a8_rows_ordered": ([], c_int),
+                              "set_gemv_m1_prefetch": ([i64], None), "set_gemv_few_rows_k": ([i64], None),
+                              "gemv_few_rows_ordered": ([], c_int), "gemv_w8a8_rows_ordered": ([], c_int),
                               "set_gemv_w4a8_seq_bytes": ([i64], None), "set_gemv_w4a8_pass_rows": ([c_int], None),
                               "set_gemv_w4a8_prefetch_l2": ([c_int], None), "gemv_w4a8_one_by_one": ([i64], c_int),
                               "gemv_w4a8_rows_ordered": ([], c_int)}.items():

@@ -23,6 +23,11 @@ two passes ahead into L2 rather than L1): on that Xeon the hardware prefetcher a
 1B model's W8A8 decode 1.12x as fast with 8 KiB ahead, bf16 1.04x with 4 KiB, W4A8 1.04x into L2), while f32 lost
 0.97-0.99x, so it is timed like the order and kept only where it beats none by MARGIN.
 
+Float rows at a few tokens (2..FEW_TOKENS_MAX, csrc/gemv_avx512.h: a verification's rows, a few sequences' decode)
+read 8, 5 or 4 rows a pass; short rows read one by one instead streamed 1.24-1.35x as fast at 384 floats on that
+Zen 4, tied at 1024 and lost from 1536 (gemv_few_rows_k: rows of at most that many weights go one by one). Timed
+like W4A8's length: from the model's shortest row length up, as long as one by one keeps winning.
+
 The timings read at least TIMED_LLC times the last-level cache's bytes of weights in the model's order (all of a
 smaller model), as a decode step streams them: on that Xeon (480 MiB of L3) the first 64M weights of a W4A8 model
 (32 MB) ran from the cache, where four rows a pass and one by one tied, while the decode from memory ran 1.18x as fast
@@ -56,6 +61,7 @@ ORDERS = (PASS, ONE, PAIRS)
 ORDER_NAMES = {PASS: "interleaved passes", ONE: "row by row", PAIRS: "pairs"}
 NEVER = (1 << 63) - 1  # csrc/gemv_w4a8.c's INT64_MAX: no W4A8 row one by one
 PREFETCH_BYTES = (0, 4096, 8192)  # the float and W8A8 rows' prefetch distances timed (0: none, the default)
+FEW_TOKENS = 3  # tokens the few-token rows are timed at (csrc/gemv_avx512.h's FEW_ROWS_MAX_M: 2..4 take the setting)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,10 +89,20 @@ class W4A8RowOrder:
     l2_seconds: tuple[float, ...] = ()
 
 
-_KEPT: dict[tuple[object, ...], RowOrder | W4A8RowOrder] = {}
+@dataclass(frozen=True, slots=True)
+class FewRows:
+    """Float rows of at most `k` weights go one by one at a few tokens (0: none); each length timed, in the order
+    timed, with its best round's seconds (the first: none one by one)."""
+
+    k: int
+    timings: tuple[tuple[int, float], ...]
+
+
+_KEPT: dict[tuple[object, ...], RowOrder | W4A8RowOrder | FewRows] = {}
 _ORDER = [PASS]  # the library's order as last set here (it starts at M1_PASS)
 _W4A8 = [(4, NEVER)]  # gemv_w4a8_pass_rows and gemv_w4a8_seq_bytes as last set here
 _PREFETCH = [0, False]  # gemv_m1_prefetch and gemv_w4a8_prefetch_l2 as last set here
+_FEW = [0]  # gemv_few_rows_k as last set here
 
 
 def set_order(order: int) -> None:
@@ -125,13 +141,22 @@ def set_w4a8_prefetch_l2(l2: bool) -> None:
     _PREFETCH[1] = bool(l2)
 
 
-State = tuple[int, tuple[int, int], int, bool]
+def set_few_rows_k(k: int) -> None:
+    """Float rows of at most k weights streamed one by one at a few tokens (0: none); the same sums, another order."""
+    assert k >= 0, k
+    lib = cpu_kernels.load_library()
+    assert lib is not None
+    lib.set_gemv_few_rows_k(k)
+    _FEW[0] = k
+
+
+State = tuple[int, tuple[int, int], int, bool, int]
 
 
 def state() -> State:
     """Every choice as last set here (what native timings were made under; what a draft model restores): the order,
-    W4A8's (pass_rows, seq_bytes), the prefetch distance, W4A8's prefetch into L2."""
-    return _ORDER[0], _W4A8[0], int(_PREFETCH[0]), bool(_PREFETCH[1])
+    W4A8's (pass_rows, seq_bytes), the prefetch distance, W4A8's prefetch into L2, the few-token rows' length."""
+    return _ORDER[0], _W4A8[0], int(_PREFETCH[0]), bool(_PREFETCH[1]), _FEW[0]
 
 
 def restore(saved: State) -> None:
@@ -139,6 +164,7 @@ def restore(saved: State) -> None:
     set_w4a8_rows(*saved[1])
     set_prefetch(saved[2])
     set_w4a8_prefetch_l2(saved[3])
+    set_few_rows_k(saved[4])
 
 
 def w8a8_ordered() -> bool:
@@ -151,6 +177,12 @@ def w4a8_ordered() -> bool:
     """Whether W4A8's one-token rows follow the choice made here (the AVX-512 VNNI path)."""
     lib = cpu_kernels.load_library()
     return lib is not None and bool(lib.gemv_w4a8_rows_ordered())
+
+
+def few_rows_ordered() -> bool:
+    """Whether the few-token float rows follow gemv_few_rows_k on this CPU (the AVX-512 rows)."""
+    lib = cpu_kernels.load_library()
+    return lib is not None and bool(lib.gemv_few_rows_ordered())
 
 
 def one_by_one(row_bytes: int) -> bool:
@@ -311,4 +343,37 @@ def choose_w4a8_rows(layers: Sequence[PlannedLinear]) -> W4A8RowOrder | None:
                               for (r, b), s in timings), into[False] * 1e3, into[True] * 1e3, len(timed))
     set_w4a8_rows(kept.pass_rows, kept.seq_bytes)
     set_w4a8_prefetch_l2(kept.l2)
+    return kept
+
+
+def choose_few_rows(layers: Sequence[PlannedLinear], dtype: torch.dtype) -> FewRows | None:
+    """Time the native kernel at FEW_TOKENS tokens over the first float layers (activations of `dtype`): one by one up
+    to each of their row lengths, shortest first, while it beats the passes; set the longest that did. None where no
+    float layer's few-token rows run natively here."""
+    if dtype not in FLOATS or not few_rows_ordered():
+        return None
+    timed = timed_layers([q for q in layers if "native" in q.candidates()
+                          and getattr(getattr(q, "weight", None), "dtype", None) in FLOATS])
+    if not timed:
+        return None
+    key = ("few", dtype, *(q.timing_key() for q in timed))
+    kept = _KEPT.get(key)
+    if not isinstance(kept, FewRows):
+        kernels = [(q.candidates()["native"], torch.randn(FEW_TOKENS, q.in_features, dtype=dtype)) for q in timed]
+        current, timings = 0, list[tuple[int, float]]()
+        for k in sorted({q.in_features for q in timed}):
+            best = _time_each(kernels, [current, k], set_few_rows_k)
+            if not timings:
+                timings.append((current, best[current]))
+            timings.append((k, best[k]))
+            if not best[k] < MARGIN * best[current]:
+                break
+            current = k
+        kept = FewRows(current, tuple(timings))
+        _KEPT[key] = kept
+        logger.info("%d-token float rows: %s (%s; over %d layers)", FEW_TOKENS,
+                    f"one by one up to {current} weights" if current else "several a pass",
+                    ", ".join(f"one by one up to {k}: {t * 1e3:.1f} ms" if k else f"passes {t * 1e3:.1f} ms"
+                              for k, t in timings), len(timed))
+    set_few_rows_k(kept.k)
     return kept

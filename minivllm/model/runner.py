@@ -34,7 +34,7 @@ from minivllm.model.loader import load_model
 from minivllm.model.lora import LoRAModelManager, build_mapping
 from minivllm.model.models import get_model_class, kv_windows
 from minivllm.model.quantization import QuantizedLinear, check_device
-from minivllm.model.row_order import choose_row_order, choose_w4a8_rows
+from minivllm.model.row_order import choose_few_rows, choose_row_order, choose_w4a8_rows
 from minivllm.model.stack_plan import StackCheck, plan_classes_with_stack
 from minivllm.model.step_sampling import RunnerOutput, SamplingRequest, StepSampler
 from minivllm.model.superblock_linear import SuperblockLinear
@@ -112,6 +112,7 @@ class ModelRunner:
             or (isinstance(m, QuantizedLinear | SuperblockLinear) and ms.quantization_kernel in native))]
         self.row_order = choose_row_order(ordered, dtype)
         self.w4a8_rows = choose_w4a8_rows(ordered)
+        self.few_rows = choose_few_rows(ordered, dtype)
         self.linear_plan = plan_kernels(linears, ms.linear_backend, "linear_backend", dtype)
         self.linear_kernels = self.linear_plan.names
         for m in linears:

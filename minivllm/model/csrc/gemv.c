@@ -152,6 +152,13 @@ int64_t gemv_m1_prefetch = 0;
 
 void set_gemv_m1_prefetch(int64_t bytes) { __atomic_store_n(&gemv_m1_prefetch, bytes, __ATOMIC_RELAXED); }
 
+/* Float rows of at most this many weights (K) go one by one at 2..FEW_ROWS_MAX_M tokens (csrc/gemv_avx512.h's
+ * dense_row1_avx512) rather than several a pass; 0 (never) until set_gemv_few_rows_k says otherwise
+ * (model/row_order.py times it per row length at start-up). */
+int64_t gemv_few_rows_k = 0;
+
+void set_gemv_few_rows_k(int64_t k) { __atomic_store_n(&gemv_few_rows_k, k, __ATOMIC_RELAXED); }
+
 #include "gemv_m1.h"
 #include "gemv_bf16dot.h"
 
@@ -278,6 +285,15 @@ INLINE void dense_rows_store(float *out, int64_t ldo, const float *x, int M, int
  * where not, timing their layers each way would only measure noise. */
 int gemv_w8a8_rows_ordered(void) {
 #ifdef GEMV_W8A8_M1_VNNI
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Whether the few-token float rows follow gemv_few_rows_k here (AVX-512's rows; AVX2's and the generic ones do not). */
+int gemv_few_rows_ordered(void) {
+#ifdef GEMV_DENSE_AVX512
     return 1;
 #else
     return 0;
@@ -522,8 +538,9 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
 #if defined(GEMV_DENSE_AVX512)
             row_queue_t q;
             rq_init(&q, N, num_threads, 8, K * 2);
+            const int one = mm <= FEW_ROWS_MAX_M && K <= __atomic_load_n(&gemv_few_rows_k, __ATOMIC_RELAXED);
 #pragma omp parallel num_threads(num_threads)
-            dense_all_avx512(o, ldo, xm, mm, &L, 1, &q);
+            dense_all_avx512(o, ldo, xm, mm, &L, 1, &q, one);
 #elif defined(GEMV_AVX2)
 #pragma omp parallel num_threads(num_threads)
             dense_all_avx2(o, ldo, xm, mm, &L, 1, N);
@@ -536,8 +553,9 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
 #if defined(GEMV_DENSE_AVX512)
             row_queue_t q;
             rq_init(&q, N, num_threads, 8, K * 4);
+            const int one = mm <= FEW_ROWS_MAX_M && K <= __atomic_load_n(&gemv_few_rows_k, __ATOMIC_RELAXED);
 #pragma omp parallel num_threads(num_threads)
-            dense_all_avx512(o, ldo, xm, mm, &L, 0, &q);
+            dense_all_avx512(o, ldo, xm, mm, &L, 0, &q, one);
 #elif defined(GEMV_AVX2)
 #pragma omp parallel num_threads(num_threads)
             dense_all_avx2(o, ldo, xm, mm, &L, 0, N);

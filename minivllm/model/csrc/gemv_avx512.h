@@ -51,6 +51,42 @@ INLINE void dense_rows_avx512(float *out, int64_t ldo, const float *x, const int
     dense_rows_store(out, ldo, x, M, R, L, bf16, n, k, s);
 }
 
+/* One float weight row against M (1..FEW_ROWS_MAX_M) tokens, the row whole before the next: one sequential weight
+ * stream per thread, K unrolled by 4 so that 2 tokens still have 8 independent FMA chains. The passes below read 8
+ * (2 tokens), 5 (3) or 4 (4) rows a pass, that many interleaved streams, which on a 2-vCPU Zen 4 EPYC starved the
+ * hardware prefetcher for short rows as they did at one token: a verification of 2 rows of the 12M model (384-
+ * and 1024-float rows) cost 1.8x its one-row step. Over distinct 384-float rows from memory (2 threads, medians of
+ * 7 alternating rounds) one by one read 1.24-1.35x as fast at 2-4 tokens, 576-float rows 1.05-1.2x, 1024 tied,
+ * 1536 and 2048 lost (0.6-0.9x: each x load serves one row, not R, and x no longer sits in L1 beside the stream);
+ * at 5-8 tokens neither order won throughout. So which rows go this way is a length (gemv_few_rows_k, gemv.c),
+ * timed at start-up (model/row_order.py). */
+#define FEW_ROWS_MAX_M 4
+INLINE void dense_row1_avx512(float *out, int64_t ldo, const float *x, const int M, const Layer *L, int bf16,
+                              int64_t n) {
+    const int64_t K = L->K;
+    enum { U = 4 };
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 * U <= K; k += 16 * U)
+        for (int u = 0; u < U; u++) {
+            const __m512 w = dense16(L, bf16, n, k + 16 * u);
+            for (int m = 0; m < M; m++)
+                acc[u * M + m] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + m * L->Kv + k + 16 * u), acc[u * M + m]);
+        }
+    for (; k + 16 <= K; k += 16) {
+        const __m512 w = dense16(L, bf16, n, k);
+        for (int m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + m * L->Kv + k), acc[m]);
+    }
+    float s[FEW_ROWS_MAX_M];
+    for (int m = 0; m < M; m++) {
+        __m512 t = acc[m];
+        for (int u = 1; u < U; u++) t = _mm512_add_ps(t, acc[u * M + m]);
+        s[m] = _mm512_reduce_add_ps(t);
+    }
+    dense_rows_store(out, ldo, x, M, 1, L, bf16, n, k, s);
+}
+
 /* Weight rows a pass at mt tokens: as many as keep R * mt <= 16 sums, 8 at most (at least 8 independent FMA
  * chains from 3 tokens up; 5 tokens 3 rows a pass, not 2: 8 loads per 15 FMAs, not 7 per 10). */
 #define ROWS_FOR(mt) ((mt) <= 2 ? 8 : 16 / (mt))
@@ -61,7 +97,15 @@ INLINE void dense_rows_avx512(float *out, int64_t ldo, const float *x, const int
  * passes over distinct weights, 2 threads, an Intel Xeon): 1.18-1.34x at 9-16 tokens on 1B-shaped projections
  * (3072x2048 ... 2048x8192), 1.05-1.15x on a mixture's experts (1536x1024, 1024x768). */
 INLINE void dense_span_avx512(float *out, int64_t ldo, const float *x, int M, const Layer *L, int bf16, int64_t n0,
-                              int64_t end) {
+                              int64_t end, int one) {
+    if (one) { /* (M <= FEW_ROWS_MAX_M: the caller's test) */
+        for (int64_t n = n0; n < end; n++) {
+            if (M == 2) dense_row1_avx512(out, ldo, x, 2, L, bf16, n);
+            else if (M == 3) dense_row1_avx512(out, ldo, x, 3, L, bf16, n);
+            else dense_row1_avx512(out, ldo, x, 4, L, bf16, n);
+        }
+        return;
+    }
     if (M > 8) {
         const int rest = M - 8;
         float *o2 = out + 8 * ldo;
@@ -106,9 +150,9 @@ INLINE void dense_span_avx512(float *out, int64_t ldo, const float *x, int M, co
 /* All rows against M (2..16) tokens, as the queue q hands them to the threads of the enclosing region
  * (csrc/gemv_rows.h's rq_take): fixed halves left the faster vCPU waiting (1.0-1.12x at 4-12 tokens here). */
 INLINE void dense_all_avx512(float *out, int64_t ldo, const float *x, int M, const Layer *L, int bf16,
-                             row_queue_t *q) {
+                             row_queue_t *q, int one) {
     int64_t n0, end;
-    while (rq_take(q, &n0, &end)) dense_span_avx512(out, ldo, x, M, L, bf16, n0, end);
+    while (rq_take(q, &n0, &end)) dense_span_avx512(out, ldo, x, M, L, bf16, n0, end, one);
 }
 
 #define GEMV_DENSE_AVX512 1
