@@ -254,6 +254,12 @@ def test_bench_peers_smoke_and_its_verdicts(tmp_path):
     assert "| 1.30x |" in text and ">= 1.4x: NOT MET" in text and "0.90x" in text and ">= 1.1x: NOT MET" in text
     assert "| ours | w4a8 | 770 MB | 39.0 | 30.0 GB/s | 100% | >= 85%: met |" in text
     assert "below a peer's decode: the probe measures the wrong thing" in text  # llama.cpp streams 33 GB/s
+    assert "below one of ours" not in text  # (30.03 GB/s: above the median, within the probe's passes)
+    # Ours above the probe's fastest pass: the fraction is no measure, and the check says so.
+    fake["presets"]["big"]["ours|w4a8"]["1"]["median"] = 45.0  # 34.6 GB/s against a 30 GB/s probe (31 its fastest pass)
+    text = report(fake)
+    assert "| 116% | >= 85%: not measured (above the probe) |" in text
+    assert "its fastest pass is below one of ours (34.6 GB/s)" in text
 
 
 def test_bench_peers_paired_bursts_beside_llama_cpp(tmp_path):

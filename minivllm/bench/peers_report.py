@@ -104,7 +104,7 @@ def roofline_lines(results: dict[str, Any], runs: dict[str, Any], params: float)
              f"median {bw / 1e9:.1f} GB/s, passes {lo / 1e9:.1f}-{hi / 1e9:.1f} GB/s.", "",
              "| engine | weights | bytes per step | b=1 tok/s | streams | of the probe | target |",
              "|---|---|---|---|---|---|---|"]
-    fastest = 0.0
+    fastest = ours_fastest = 0.0
     for key in sorted(k for k in runs if "|" in k):
         engine, mode = key.split("|")
         tok_s, nbytes = _median(runs, key, "1"), _median(runs, key, "bytes")
@@ -113,13 +113,22 @@ def roofline_lines(results: dict[str, Any], runs: dict[str, Any], params: float)
         stream = tok_s * nbytes
         if engine != "ours":
             fastest = max(fastest, stream)
+        else:
+            ours_fastest = max(ours_fastest, stream)
         goal = "-"
         if engine == "ours" and mode in ROOFLINE_MODES and params >= LARGE_PARAMS:
-            goal = f">= {ROOFLINE_TARGET:.0%}: " + ("met" if stream / bw >= ROOFLINE_TARGET else "NOT MET")
+            # A decode above the probe's fastest pass means the probe read the machine in a slower phase than the
+            # decode ran in (the two are minutes apart; this machine drifts by a third): no fraction of it is a measure.
+            goal = f">= {ROOFLINE_TARGET:.0%}: " + ("not measured (above the probe)" if stream > hi else
+                                                    "met" if stream / bw >= ROOFLINE_TARGET else "NOT MET")
         lines.append(f"| {engine} | {mode} | {nbytes / 1e6:.0f} MB | {tok_s:.1f} | {stream / 1e9:.1f} GB/s | "
                      f"{stream / bw:.0%} | {goal} |")
     check = "below a peer's decode: the probe measures the wrong thing" if fastest > bw else \
         f"above every peer's decode ({fastest / 1e9:.1f} GB/s at most)"
+    if ours_fastest > hi:
+        check += (f"; its fastest pass is below one of ours ({ours_fastest / 1e9:.1f} GB/s): the machine ran faster "
+                  "during that decode than during the probe, so fractions above the probe are not measures (the "
+                  "paired ratios are)")
     return [*lines, "", f"Probe check: the probe's median is {check}."]
 
 
