@@ -358,3 +358,20 @@ print(before, denied, errno, after, len(os.listdir(".")) > 0)
     before, denied_rc, denied_errno, after, listed = out.stdout.split()
     assert (int(denied_rc), int(denied_errno)) == (-1, 1)  # EPERM
     assert after == before and listed == "True"
+
+
+def test_bench_speculative_compares_each_engine_with_itself_detached(tmp_path):
+    """`bench speculative` on the embedded model (n-gram and suffix, one k, 1 and 2 streams, a 4-sequence batch):
+    every ratio is the engine's tok/s over its own runs with the speculator detached (engines' plain decodes differ by
+    their memory placement), both measured every round; every greedy output equals the one without speculation."""
+    out = tmp_path / "spec.json"
+    rc = main(["bench", "speculative", "--draft", "none", "--ks", "2", "--streams", "1,2", "--output-len", "8",
+               "--prompt-len", "16", "--rounds", "2", "--large-batch", "4", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert rc == 0 and all(r["lossless"].values()) and set(r["ratio"]) == {"ngram k=2", "suffix k=2"}
+    for name, cols in r["ratio"].items():
+        assert set(cols) == set(r["mean_tok_s"]["off"]), name  # (every column: streams and the large batch)
+        for col, ratio in cols.items():
+            on, off = r["tok_s"][name][col], r["detached_tok_s"][name][col]
+            assert len(on) == len(off) >= 2  # measured beside each other, every round
+            assert ratio == pytest.approx((sum(on) / len(on)) / (sum(off) / len(off)))

@@ -226,6 +226,18 @@ def test_proposer_cost_model_recovers_the_fixed_per_forward_and_per_row_cost():
     assert same.fit() == pytest.approx((0.002, 0.0, 0.0))  # one kind of round: its cost as the fixed part
 
 
+def test_before_a_fit_a_round_is_priced_by_its_rows_at_the_cheapest_rows_seen():
+    """Until the model is fitted (8 rounds), each row costs the lowest price per row a round has had: not nothing (a
+    fresh engine's first rounds at 8 streams proposed everywhere), not a stall's price."""
+    cost = ProposerCostModel()
+    assert cost.estimate(4, 32) == 0.0  # nothing measured: try
+    cost.observe(4, 4, 0.004)  # a batch-1 round of 4 forwards: 1 ms a row
+    assert cost.estimate(4, 4) == pytest.approx(0.004) and cost.estimate(4, 32) == pytest.approx(0.032)
+    cost.observe(2, 2, 0.5)  # a stall among the first rounds does not raise the price
+    cost.observe(2, 2, 0.0016)  # a cheaper round lowers it
+    assert cost.fit() is None and cost.estimate(1, 8) == pytest.approx(0.0064)
+
+
 def test_one_stalled_round_does_not_price_every_round_after_it():
     """A round 4000x its usual cost (a one-off stall) is counted at OUTLIER x the estimate, so the estimate stays near
     the usual rounds' (unclipped, one in the window of 128 priced every round at ~30x); a sustained slowdown still

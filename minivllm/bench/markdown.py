@@ -96,9 +96,9 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
                             _beam(r)]),
         ("speculative", lambda r: ["## Speculative decoding (`bench speculative`)", "",
                                    f"Greedy decoding of `{os.path.basename(r['model'].rstrip('/'))}`, "
-                                   f"{r['output_len']} new tokens per request, output tok/s (ratio to no "
-                                   "speculation in the same run; n streams = the same 8 prompts n at a time; 64 "
-                                   "sequences = each proposer's engine against itself with speculation detached); "
+                                   f"{r['output_len']} new tokens per request, output tok/s (ratio to the same "
+                                   "engine with its speculator detached, measured beside it in the same run; n "
+                                   "streams = the same 8 prompts n at a time; 64 sequences the same way); "
                                    "n-gram (prompt lookup), suffix decoding and draft-model "
                                    f"(`{os.path.basename(str(r.get('draft')).rstrip('/'))}`) proposers with adaptive "
                                    "speculation (the default); code = held-out standard-library code, repetitive "

@@ -7,7 +7,9 @@ earlier outputs recur). For each of 1 and 8 streams (the same 8 prompts, one at 
 decode without speculation, then with the n-gram proposer, the suffix proposer (its cache of finished outputs
 emptied before each measurement, so only the repeated-requests task sees earlier outputs) and the draft model
 (default: the embedded pair's trained draft) for each k, in ABBA order across rounds; output tok/s, the ratio
-to no speculation, acceptance per position, and whether every greedy output equals the one without speculation.
+to the same engine with its speculator detached (measured beside each run, in alternating order: engines' plain
+decodes differ by their memory placement), acceptance per position, and whether every greedy output equals the one
+without speculation.
 With the adaptive rule off, the draft's own acceptance by position and the best ratio it could give at this
 run's measured step costs
 (what bounds it). A 64-sequence run (each proposer's engine against itself with speculation detached)
@@ -107,10 +109,12 @@ def run_speculative(ns: argparse.Namespace) -> int:
     for eng in engines.values():  # warm-up: kernel plans and first-call costs out of the timings
         _run(eng, tasks["code"][:2], 8)
     tok_s: dict[str, dict[str, list[float]]] = {name: {} for name in engines}
+    detached: dict[str, dict[str, list[float]]] = {name: {} for name in engines}  # each engine without its speculator
     outputs: dict[str, dict[str, list[list[int]]]] = {name: {} for name in engines}
     order = list(engines)
 
-    def measure(name: str, col: str, prompts: list[list[int]], output_len: int, streams: int = 0) -> None:
+    def measure(name: str, col: str, prompts: list[list[int]], output_len: int, streams: int = 0,
+                into: dict[str, dict[str, list[float]]] = tok_s) -> None:
         """prompts in groups of `streams` at once (0: all at once); output tok/s over all of them."""
         groups = [prompts[i:i + streams] for i in range(0, len(prompts), streams)] if streams else [prompts]
         _forget_outputs(engines[name])
@@ -120,17 +124,29 @@ def run_speculative(ns: argparse.Namespace) -> int:
         t, toks = time.perf_counter(), []
         for g in groups:
             toks += _run(engines[name], g, output_len)[1]
-        tok_s[name].setdefault(col, []).append(len(prompts) * output_len / (time.perf_counter() - t))
-        outputs[name][col] = toks
+        into[name].setdefault(col, []).append(len(prompts) * output_len / (time.perf_counter() - t))
+        if into is tok_s:
+            outputs[name][col] = toks
 
     for rnd in range(ns.rounds):
         for name in order if rnd % 2 == 0 else order[::-1]:
+            eng = engines[name]
+            sp = eng.speculator
             for task, prompts in tasks.items():
                 for s in streams:
                     # The same max(streams) prompts for every stream count: one prompt alone would measure
                     # how well the proposer guesses that one text (a draft's acceptance varies 50-95%).
-                    measure(name, f"{task}, {s} stream(s)", prompts[:max(streams)], ns.output_len, s)
-    big_ratio: dict[str, float] = {}
+                    col = f"{task}, {s} stream(s)"
+                    if sp is None:
+                        measure(name, col, prompts[:max(streams)], ns.output_len, s)
+                        continue
+                    # Each proposer's engine against itself with its speculator detached, in alternating order:
+                    # engines' plain decodes differ by their memory placement (8 streams: up to a tenth), which
+                    # against the one engine without speculation read as speculation's loss or gain.
+                    for attached in (True, False) if rnd % 2 == 0 else (False, True):
+                        eng.set_speculator(sp if attached else None)
+                        measure(name, col, prompts[:max(streams)], ns.output_len, s, tok_s if attached else detached)
+                    eng.set_speculator(sp)
     if ns.large_batch:
         # Step times spread by a tenth from run to run here and a large batch runs few steps, so each
         # proposer's engine is compared with itself, its speculator detached (no other engine's memory
@@ -149,16 +165,16 @@ def run_speculative(ns: argparse.Namespace) -> int:
             eng.set_speculator(sp)
             tok_s[best][col] = runs[True]
             tok_s["off"].setdefault(col, []).extend(runs[False])
-            big_ratio[best] = sum(runs[True]) / sum(runs[False])
+            detached[best][col] = runs[False]
     mean = {name: {c: sum(v) / len(v) for c, v in cols.items()} for name, cols in tok_s.items()}
+    plain = {name: {c: sum(v) / len(v) for c, v in cols.items()} for name, cols in detached.items()}
     # Greedy speculation is lossless: every output must equal the one without speculation.
     lossless = {name: all(outs[c] == outputs["off"][c] for c in outs) for name, outs in outputs.items()}
     result: dict[str, Any] = {"model": model, "draft": proposers.get("draft"), "ks": ks, "streams": streams,
                               "output_len": ns.output_len, "lossless": lossless,
-                              "tok_s": tok_s, "mean_tok_s": mean,
-                              "ratio": {name: {c: big_ratio[name] if c.endswith("sequences") and name in big_ratio
-                                               else v / mean["off"][c] for c, v in cols.items()}
-                                        for name, cols in mean.items()},
+                              "tok_s": tok_s, "mean_tok_s": mean, "detached_tok_s": detached,
+                              "ratio": {name: {c: v / plain[name][c] for c, v in cols.items()}
+                                        for name, cols in mean.items() if name != "off"},
                               "acceptance": {}}
     for name, eng in engines.items():
         sp = eng.speculator
