@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ from minivllm.config import ModelConfig
 from minivllm.engine_config import EngineConfig
 from minivllm.model.runner import ModelRunner
 from minivllm.modelgen.make_model import make_model
+
+T = TypeVar("T")
 
 TINY_FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gpt2"]
 
@@ -210,3 +213,13 @@ def write_experts_apart(merged: str, out: str, mixtral: bool) -> None:
         else:
             tensors[block if ".mlp.gate." in name else name] = t
     save_file(tensors, f"{out}/model.safetensors", metadata={"format": "pt"})
+
+
+def with_threads(fn: Callable[[], T], threads: int) -> T:
+    """fn() with torch's thread count set to threads (put back after)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)

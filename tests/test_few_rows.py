@@ -7,31 +7,25 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import PROMPTS
+from conftest import PROMPTS, with_threads
 
 from minivllm import LLM, SamplingParams
 from minivllm.model import cpu_kernels, row_order
 from minivllm.model.layers import Linear
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="native kernels did not build here")
-NEVER = row_order.NEVER
 
 
 @pytest.fixture(autouse=True)
 def _restore():
     yield
-    row_order.restore((row_order.PASS, (4, NEVER), 0, False, 0))
+    row_order.restore(row_order.DEFAULT)
     row_order._KEPT.clear()
 
 
 def _run(g: cpu_kernels.GemvWeights, x: torch.Tensor, few_k: int, threads: int) -> torch.Tensor:
     row_order.set_few_rows_k(few_k)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return g(x)
-    finally:
-        torch.set_num_threads(before)
+    return with_threads(lambda: g(x), threads)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import PROMPTS
+from conftest import PROMPTS, with_threads
 
 from minivllm import LLM, SamplingParams
 from minivllm.model import cpu_kernels, row_order
@@ -23,17 +23,12 @@ NEVER = row_order.NEVER
 @pytest.fixture(autouse=True)
 def _restore_order():
     yield
-    row_order.restore((row_order.PASS, (4, NEVER), 0, False, 0))
+    row_order.restore(row_order.DEFAULT)
     row_order._KEPT.clear()  # (the next engine times afresh and sets its own)
 
 
 def _threaded(g: cpu_kernels.GemvWeights, x: torch.Tensor, threads: int) -> torch.Tensor:
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return g(x)
-    finally:
-        torch.set_num_threads(before)
+    return with_threads(lambda: g(x), threads)
 
 
 def _one_token(g: cpu_kernels.GemvWeights, x: torch.Tensor, order: int, threads: int) -> torch.Tensor:

@@ -153,6 +153,11 @@ def set_few_rows_k(k: int) -> None:
 State = tuple[int, tuple[int, int], int, bool, int]
 
 
+# The library's settings before anything is set (and what tests put back): the passes, W4A8's four a pass and never one
+# by one, no prefetch, W4A8's prefetch into L1, no few-token rows one by one.
+DEFAULT: State = (PASS, (4, NEVER), 0, False, 0)
+
+
 def state() -> State:
     """Every choice as last set here (what native timings were made under; what a draft model restores): the order,
     W4A8's (pass_rows, seq_bytes), the prefetch distance, W4A8's prefetch into L2, the few-token rows' length."""
