@@ -23,7 +23,7 @@ two passes ahead into L2 rather than L1): on that Xeon the hardware prefetcher a
 1B model's W8A8 decode 1.12x as fast with 8 KiB ahead, bf16 1.04x with 4 KiB, W4A8 1.04x into L2), while f32 lost
 0.97-0.99x, so it is timed like the order and kept only where it beats none by MARGIN.
 
-Float rows at a few tokens (2..FEW_TOKENS_MAX, csrc/gemv_avx512.h: a verification's rows, a few sequences' decode)
+Float rows at a few tokens (2..4, csrc/gemv_avx512.h's FEW_ROWS_MAX_M: a verification's rows, a few sequences' decode)
 read 8, 5 or 4 rows a pass; short rows read one by one instead streamed 1.24-1.35x as fast at 384 floats on that
 Zen 4, tied at 1024 and lost from 1536 (gemv_few_rows_k: rows of at most that many weights go one by one). Timed
 like W4A8's length: from the model's shortest row length up, as long as one by one keeps winning.
@@ -241,10 +241,15 @@ def _streams_rows(q: PlannedLinear) -> bool:
     against x in blocks, two a pass in pairs and one by one otherwise)."""
     if "native" not in q.candidates():
         return False
-    w = getattr(q, "weight", None)
-    if isinstance(w, torch.Tensor):
-        return w.dtype in FLOATS
+    if isinstance(getattr(q, "weight", None), torch.Tensor):
+        return _float_rows(q)
     return getattr(q, "method", None) == "w8a8" and w8a8_ordered()
+
+
+def _float_rows(q: PlannedLinear) -> bool:
+    """Whether q's native kernel reads float (f32, bf16) weight rows."""
+    w = getattr(q, "weight", None)
+    return isinstance(w, torch.Tensor) and w.dtype in FLOATS and "native" in q.candidates()
 
 
 def _time_each(kernels: Sequence[tuple[Kernel, torch.Tensor]], configs: Sequence[T],
@@ -357,8 +362,7 @@ def choose_few_rows(layers: Sequence[PlannedLinear], dtype: torch.dtype) -> FewR
     float layer's few-token rows run natively here."""
     if dtype not in FLOATS or not few_rows_ordered():
         return None
-    timed = timed_layers([q for q in layers if "native" in q.candidates()
-                          and getattr(getattr(q, "weight", None), "dtype", None) in FLOATS])
+    timed = timed_layers([q for q in layers if _float_rows(q)])
     if not timed:
         return None
     key = ("few", dtype, *(q.timing_key() for q in timed))
