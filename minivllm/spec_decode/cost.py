@@ -85,7 +85,7 @@ class StepCostTable:
     outlier against which proposals look free, or a fast one against which they look hopeless. A step's
     cost is not one line in its rows: kernels change with the shape (one row streams each weight once with
     a GEMV, a handful more still does, many take a GEMM), so a size never measured is priced at the next
-    measured size above it, or past the largest along the line from the smallest to it (see estimate)."""
+    measured size above it, or past the largest along the line from the smallest to it."""
 
     def __init__(self, keep: int = 5) -> None:
         self.samples: dict[int, deque[float]] = {}
@@ -127,11 +127,7 @@ class StepCostTable:
         price far too low. Past the largest size, along the line from the smallest measured size to the
         largest: each row adds the average a row added so far (at batch 1, with 1 and 2 rows measured, 6
         rows come out near their measured cost, where pricing in proportion to 2 rows' cost would price
-        them at 3x theirs and keep longer proposals from ever being tried). Where the sizes seen span less than half
-        the largest (a large batch: 60-64 rows), that line's slope is step-to-step noise, and extra rows came out
-        nearly free against a measured ~0.46 ms a row (64 sequences, suffix k=4: 0.96x plain); there a row costs no
-        less than the largest size's cost per row, which bounds a row's marginal cost whenever a step is a fixed
-        part plus a part per row."""
+        them at 3x theirs and keep longer proposals from ever being tried)."""
         fit = self._fitted()
         if rows in fit:
             return fit[rows]
@@ -142,10 +138,7 @@ class StepCostTable:
         if i < len(sizes):
             return fit[sizes[i]]
         lo, hi = sizes[0], sizes[-1]
-        slope = (fit[hi] - fit[lo]) / (hi - lo)
-        if 2 * lo > hi:
-            slope = max(slope, fit[hi] / hi)
-        return fit[hi] + slope * (rows - hi)
+        return fit[hi] + (fit[hi] - fit[lo]) / (hi - lo) * (rows - hi)
 
     def measured(self, rows: int) -> float | None:
         """A plain step of `rows` rows on the fitted curve, None if no step of exactly that size was seen."""
