@@ -364,6 +364,8 @@ def test_bench_speculative_compares_each_engine_with_itself_detached(tmp_path):
     """`bench speculative` on the embedded model (n-gram and suffix, one k, 1 and 2 streams, a 4-sequence batch):
     every ratio is the engine's tok/s over its own runs with the speculator detached (engines' plain decodes differ by
     their memory placement), both measured every round; every greedy output equals the one without speculation."""
+    from minivllm.bench.speculative import verdict
+
     out = tmp_path / "spec.json"
     rc = main(["bench", "speculative", "--draft", "none", "--ks", "2", "--streams", "1,2", "--output-len", "8",
                "--prompt-len", "16", "--rounds", "2", "--large-batch", "4", "--out", str(out)])
@@ -375,3 +377,11 @@ def test_bench_speculative_compares_each_engine_with_itself_detached(tmp_path):
             on, off = r["tok_s"][name][col], r["detached_tok_s"][name][col]
             assert len(on) == len(off) >= 2  # measured beside each other, every round
             assert ratio == pytest.approx((sum(on) / len(on)) / (sum(off) / len(off)))
+    # The plain engine twice per column and round, side by side: the A/A ratio, the floor the verdict judges against.
+    streams = [c for c in r["mean_tok_s"]["off"] if "stream" in c]
+    assert set(r["aa_ratio"]) == set(streams) and all(len(r["aa_tok_s"][c]) == 2 for c in streams)
+    for col in streams:
+        assert r["aa_ratio"][col] == pytest.approx(sum(r["tok_s"]["off"][col]) / sum(r["aa_tok_s"][col]))
+    floor = {s: min(min(a, 1 / a) for c, a in r["aa_ratio"].items() if c.endswith(f", {s} stream(s)")) for s in (1, 2)}
+    assert "never below the A/A spread (the lowest of the plain engine against itself, per stream count: " \
+        f"1 {floor[1]:.2f}x, 2 {floor[2]:.2f}x)" in verdict(r)

@@ -9,7 +9,8 @@ emptied before each measurement, so only the repeated-requests task sees earlier
 (default: the embedded pair's trained draft) for each k, in ABBA order across rounds; output tok/s, the ratio
 to the same engine with its speculator detached (measured beside each run, in alternating order: engines' plain
 decodes differ by their memory placement), acceptance per position, and whether every greedy output equals the one
-without speculation.
+without speculation. The plain engine runs twice per column and round, side by side: that A/A ratio is the run's
+noise floor, against which a proposer's ratio below 1.0 is judged.
 With the adaptive rule off, the draft's own acceptance by position and the best ratio it could give at this
 run's measured step costs
 (what bounds it). A 64-sequence run (each proposer's engine against itself with speculation detached)
@@ -110,6 +111,7 @@ def run_speculative(ns: argparse.Namespace) -> int:
         _run(eng, tasks["code"][:2], 8)
     tok_s: dict[str, dict[str, list[float]]] = {name: {} for name in engines}
     detached: dict[str, dict[str, list[float]]] = {name: {} for name in engines}  # each engine without its speculator
+    aa_runs: dict[str, dict[str, list[float]]] = {"off": {}}  # the plain engine a second time (the A/A runs)
     outputs: dict[str, dict[str, list[list[int]]]] = {name: {} for name in engines}
     order = list(engines)
 
@@ -138,7 +140,10 @@ def run_speculative(ns: argparse.Namespace) -> int:
                     # how well the proposer guesses that one text (a draft's acceptance varies 50-95%).
                     col = f"{task}, {s} stream(s)"
                     if sp is None:
-                        measure(name, col, prompts[:max(streams)], ns.output_len, s)
+                        # Twice, in alternating order: the A/A ratio is how far two identical runs side by side
+                        # differ here, the floor under which a proposer's ratio reads as a loss (see verdict).
+                        for first in (True, False) if rnd % 2 == 0 else (False, True):
+                            measure(name, col, prompts[:max(streams)], ns.output_len, s, tok_s if first else aa_runs)
                         continue
                     # Each proposer's engine against itself with its speculator detached, in alternating order:
                     # engines' plain decodes differ by their memory placement (8 streams: up to a tenth), which
@@ -175,6 +180,9 @@ def run_speculative(ns: argparse.Namespace) -> int:
                               "tok_s": tok_s, "mean_tok_s": mean, "detached_tok_s": detached,
                               "ratio": {name: {c: v / plain[name][c] for c, v in cols.items()}
                                         for name, cols in mean.items() if name != "off"},
+                              "aa_tok_s": aa_runs["off"],
+                              "aa_ratio": {c: sum(v) / sum(aa_runs["off"][c]) for c, v in tok_s["off"].items()
+                                           if c in aa_runs["off"]},
                               "acceptance": {}}
     for name, eng in engines.items():
         sp = eng.speculator
@@ -267,6 +275,10 @@ def report(r: dict[str, Any]) -> str:
         cells = [f"{vals[c]:.1f}" + (f" (**{r['ratio'][name][c]:.2f}x**)" if name != "off" else "") if c in vals
                  else "" for c in cols]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    aa = r.get("aa_ratio", {})
+    if aa:
+        lines.append("| off again (A/A: the same runs side by side) | "
+                     + " | ".join(f"({aa[c]:.2f}x)" if c in aa else "" for c in cols) + " |")
     lines += ["", "| proposer | accepted / proposed | acceptance by position (of the proposals there) | "
               "proposal tokens withheld (adaptive) | tokens per verification | propose ms per k-token round | "
               "outputs equal to no speculation |",
@@ -301,6 +313,12 @@ def verdict(r: dict[str, Any]) -> str:
                ", ".join(f"{n}: {x:.2f}x" for x, n in big)),
               ("never slower than no speculation", bool(low) and min(low)[0] >= 1.0,
                "lowest {:.2f}x ({})".format(*min(low)) if low else "-")]
+    floor = _aa_floor(r)
+    if floor:
+        below = [(x, where) for x, where in low if "stream" in where and x < floor[_streams(where)]]
+        checks.append(("never below the A/A spread (the lowest of the plain engine against itself, per stream count: "
+                       + ", ".join(f"{s} {f:.2f}x" for s, f in sorted(floor.items())) + ")", not below,
+                       ", ".join(f"{n}: {x:.2f}x" for x, n in sorted(below)) if below else "every cell above it"))
     parts = [f"{what} ({fig}): **{'met' if ok else 'not met'}**" for what, ok, fig in checks]
     eight_s = f" 8 streams: {min(eight):.2f}-{max(eight):.2f}x." if eight else ""
     same = r.get("lossless", {})
@@ -308,6 +326,22 @@ def verdict(r: dict[str, Any]) -> str:
         "yes." if same and all(same.values()) else "**no**.")
     return ("Targets (issue 34): " + "; ".join(parts) + "." + eight_s + _suffix_text(r) + lossless
             + _ceiling_text(r))
+
+
+def _streams(col: str) -> int:
+    """The stream count of a column named "<task>, <n> stream(s)"."""
+    return int(col.rsplit(", ", 1)[1].split()[0])
+
+
+def _aa_floor(r: dict[str, Any]) -> dict[int, float]:
+    """Per stream count, the lowest A/A ratio either way round (min(a, 1/a) over its columns): how far below 1.0 two
+    identical runs measured side by side fell here. At 8 streams step times drift by a tenth from one run to the
+    next (a kernel plan re-checked, the machine's phase), so a proposer's 0.95x there may be no loss at all."""
+    floor: dict[int, float] = {}
+    for col, a in r.get("aa_ratio", {}).items():
+        s = _streams(col)
+        floor[s] = min(floor.get(s, 1.0), a, 1 / a)
+    return floor
 
 
 def _suffix_text(r: dict[str, Any]) -> str:
