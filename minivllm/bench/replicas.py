@@ -70,7 +70,7 @@ def _serve_ns(argv: list[str]) -> argparse.Namespace:
 
 def run_replicas(ns: argparse.Namespace) -> int:
     """`minivllm bench replicas`."""
-    from minivllm.bench.serve import run_serve
+    from minivllm.bench.serve import _start_server, _stop_servers, _variants, run_serve
     from minivllm.bench.throughput import resolve_model
 
     chosen = [n.strip() for n in ns.variants.split(",") if n.strip()]
@@ -103,24 +103,35 @@ def run_replicas(ns: argparse.Namespace) -> int:
 
     result: dict[str, Any] = {"model": path, "variants": {n: VARIANTS[n] for n in chosen},
                               "base": BASE if BASE in chosen else LATENCY_PAIR[0], "latency_pair": list(LATENCY_PAIR)}
+    procs: list[Any] = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            codes = []
-            codes.append(run_serve(_serve_ns([
+            throughput = _serve_ns([
                 *common, *variants(chosen), "--concurrency", str(ns.concurrency), "--num-requests",
                 str(ns.num_requests), "--input-len-min", str(ns.input_len_min), "--input-len-max",
                 str(ns.input_len_max), "--output-len", str(ns.output_len), "--rounds", str(ns.rounds),
-                "--out", os.path.join(tmp, "throughput.json")])))
-            codes.append(run_serve(_serve_ns([
+                "--out", os.path.join(tmp, "throughput.json")])
+            latency = _serve_ns([
                 *common, *variants(list(LATENCY_PAIR)), "--concurrency", "1", "--num-requests",
                 str(ns.latency_requests), "--input-len-min", "8", "--input-len-max", "16", "--output-len",
-                str(ns.latency_output_len), "--rounds", str(ns.rounds), "--out", os.path.join(tmp, "latency.json")])))
+                str(ns.latency_output_len), "--rounds", str(ns.rounds), "--out", os.path.join(tmp, "latency.json")])
+            # Every variant's server started once for both workloads (a deployment's start is ~30 s of Ray's), its
+            # queue sized for the larger one.
+            sizing = argparse.Namespace(**{**vars(throughput), "num_requests": max(ns.num_requests,
+                                                                                   ns.latency_requests)})
+            servers: dict[str, tuple[str, str | None]] = {}
+            for name, flags in _variants(variants(chosen)[1::2]).items():
+                port = free_port()
+                _start_server(path, port, None, sizing, flags, procs)
+                servers[name] = (f"http://127.0.0.1:{port}", None)
+            codes = [run_serve(throughput, servers), run_serve(latency, servers)]
             import json
 
             for name in ("throughput", "latency"):
                 with open(os.path.join(tmp, f"{name}.json")) as f:
                     result[name] = json.load(f)
     finally:
+        _stop_servers(procs)
         subprocess.run([*_ray_cli(), "stop", "--force"], env=env, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL)
     print(report(result))

@@ -191,8 +191,9 @@ def _variants(specs: list[str]) -> dict[str, list[str]]:
     return out or {"": []}
 
 
-def run_serve(ns: argparse.Namespace) -> int:
-    """`minivllm bench serve`."""
+def run_serve(ns: argparse.Namespace, servers: dict[str, tuple[str, str | None]] | None = None) -> int:
+    """`minivllm bench serve`. servers: each variant's (URL, gRPC target), started by the caller and left running
+    (`bench replicas` runs two workloads on the same servers: a Ray deployment takes ~30 s to start)."""
     from minivllm.bench.throughput import resolve_model
     from minivllm.engine.tokenizer import get_tokenizer
 
@@ -251,6 +252,9 @@ def run_serve(ns: argparse.Namespace) -> int:
         for v, flags in variants.items():
             if ns.base_url:
                 addrs[v] = (ns.base_url.rstrip("/"), ns.grpc_target)
+                continue
+            if servers is not None:
+                addrs[v] = servers[v]
                 continue
             port, grpc_port = free_port(), (free_port() if "grpc" in endpoints else None)
             _start_server(path, port, grpc_port, ns, flags, procs)
