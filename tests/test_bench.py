@@ -107,7 +107,7 @@ def test_bench_serve_smoke_over_grpc_and_http(model_factory, tmp_path):
     rc = main(["bench", "serve", "--model", model_factory("tiny-llama"), "--transport", "grpc,http",
                "--concurrency", "3", "--num-requests", "6", "--input-len-min", "8", "--input-len-max", "16",
                "--output-len", "4", "--output-len-max", "6", "--server-threads", "1", "--threads", "1",
-               "--kv-cache-memory", "64MiB", "--roofline", "--out", str(out)])
+               "--kv-cache-memory", "64MiB", "--roofline", "--probe-mib", "64", "--out", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["order"] == ["grpc", "http", "http", "grpc"]
@@ -135,16 +135,22 @@ def test_bench_serve_smoke_over_grpc_and_http(model_factory, tmp_path):
     assert (tmp_path / "serve.png").stat().st_size > 0
 
 
-def test_bench_serve_variants_static_batching_served_the_same_way(model_factory, tmp_path):
-    """Two real servers, continuous and static batching, on the same requests in ABBA order, with rooflines."""
-    out = tmp_path / "seed.json"
-    rc = main(["bench", "serve", "--model", model_factory("tiny-llama"), "--transport", "http",
-               "--variant", "continuous=", "--variant", "static=--batching static --max-num-seqs 2 --batch-wait-ms 20",
-               "--concurrency", "4", "--num-requests", "8", "--input-len-min", "8", "--input-len-max", "16",
-               "--output-len", "5", "--server-threads", "1", "--kv-cache-memory", "64MiB", "--no-offline",
-               "--roofline", "--out", str(out)])
+@pytest.fixture(scope="module")
+def bench_all_quick(model_factory, tmp_path_factory):
+    """`bench all --quick` once (~3 min here): (its markdown, its results directory), for the tests below, which
+    read the runs they check from it rather than running the same benches again."""
+    d = tmp_path_factory.mktemp("bench-all")
+    md, results = d / "BENCHMARKS.md", d / "results"
+    rc = main(["bench", "all", "--quick", "--model", model_factory("tiny-llama"), "--out-dir", str(results),
+               "--markdown", str(md)])
     assert rc == 0
-    r = json.loads(out.read_text())
+    return md.read_text(), results
+
+
+def test_bench_serve_variants_static_batching_served_the_same_way(bench_all_quick):
+    """Two real servers, continuous and static batching, on the same requests in ABBA order, with rooflines (the
+    seed's workload in `bench all --quick`: 4 clients, 8 requests, 5 tokens, static batches of 2)."""
+    r = json.loads((bench_all_quick[1] / "seed.json").read_text())
     assert r["order"] == ["continuous/http", "static/http", "static/http", "continuous/http"]
     for k in ("continuous/http", "static/http"):
         assert r["server"][k]["successes"] == 16 and r["server"][k]["failures"] == 0
@@ -158,13 +164,10 @@ def test_bench_serve_variants_static_batching_served_the_same_way(model_factory,
     assert rf["continuous/http"]["output_tok_s"] >= rf["static/http"]["output_tok_s"] > 0
 
 
-def test_bench_all_quick_regenerates_the_markdown(model_factory, tmp_path):
+def test_bench_all_quick_regenerates_the_markdown(bench_all_quick, tmp_path):
     """Every bench runs (tiny sizes) and the markdown gets each section, rendered from the JSON alone."""
-    md, results = tmp_path / "BENCHMARKS.md", tmp_path / "results"
-    rc = main(["bench", "all", "--quick", "--model", model_factory("tiny-llama"), "--out-dir", str(results),
-               "--markdown", str(md)])
-    assert rc == 0
-    text = md.read_text()
+    text, results = bench_all_quick
+    md = tmp_path / "BENCHMARKS.md"
     for heading in ("The seed's serving workload", "Offline throughput", "Step-time split at", "Throughput vs "
                     "concurrency", "Ablations", "Single-request latency", "Transports",
                     "default model's quality", "Engine overhead: a decode step with mixed sampling",
@@ -180,19 +183,15 @@ def test_bench_all_quick_regenerates_the_markdown(model_factory, tmp_path):
     assert "zero errors: **met**" in text and "p95 latency below the static-batching p50" in text
     for name in ("seed", "throughput", "latency", "transports", "perplexity", "quantization"):
         assert (results / f"{name}.json").is_file() and (results / f"{name}.png").stat().st_size > 0
-    md.unlink()
     assert main(["bench", "all", "--render-only", "--out-dir", str(results), "--markdown", str(md)]) == 0
     assert md.read_text() == text  # the same, from the files alone
 
 
-def test_bench_quantization_smoke(model_factory, tmp_path):
-    """Every mode runs on one model, the figures are consistent with each other and the targets are judged."""
-    out = tmp_path / "q.json"
-    path = model_factory("tiny-llama")
-    rc = main(["bench", "quantization", "--model", path, "--quality-model", path, "--output-len", "4",
-               "--repeats", "1", "--batches", "2", "--batch-output-len", "2", "--perplexity-tokens", "600",
-               "--kl-tokens", "256", "--no-hf", "--out", str(out)])
-    assert rc == 0 and (tmp_path / "q.png").stat().st_size > 0
+def test_bench_quantization_smoke(bench_all_quick):
+    """Every mode runs on one model, the figures are consistent with each other and the targets are judged (the
+    run of `bench all --quick`: tiny-llama as its own quality model, 4 tokens, batch 2, 600 perplexity tokens)."""
+    out = bench_all_quick[1] / "quantization.json"
+    assert out.with_suffix(".png").stat().st_size > 0
     r = json.loads(out.read_text())
     size = {row["mode"]: row["weight_bytes"] for row in r["speed"]}
     assert size["int4"] == size["w4a8"] < size["int8"] == size["w8a8"] < size["bf16"] < size["fp32"]

@@ -45,7 +45,7 @@ from schemathesis.checks import (
 )
 from schemathesis.core.failures import FailureGroup
 
-EXAMPLES = {"positive": 150, "negative": 150, "near-valid": 200}  # per operation with a request body
+EXAMPLES = {"positive": 90, "negative": 90, "near-valid": 120}  # per operation with a request body
 ADMIN_EXAMPLES = {"positive": 40, "negative": 40}
 MIN_CASES = 1000
 VOCAB = 1024  # tiny-llama's vocabulary (make_model's preset)

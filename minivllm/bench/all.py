@@ -37,9 +37,10 @@ def _argv(quick: bool, model: str | None) -> dict[str, list[str]]:
         m = ["--model", model or ""]
         return {
             "seed": ["serve", *m, "--transport", "http", "--no-stream", "--variant", "continuous=", "--variant",
-                     "static=--batching static --max-num-seqs 2 --batch-wait-ms 20", "--concurrency", "5",
-                     "--num-requests", "10", "--input-len-min", "8", "--input-len-max", "16", "--output-len", "3",
-                     "--kv-cache-memory", "64MiB", "--roofline", "--no-offline", "--server-threads", "1"],
+                     "static=--batching static --max-num-seqs 2 --batch-wait-ms 20", "--concurrency", "4",
+                     "--num-requests", "8", "--input-len-min", "8", "--input-len-max", "16", "--output-len", "5",
+                     "--kv-cache-memory", "64MiB", "--roofline", "--probe-mib", "64", "--no-offline",
+                     "--server-threads", "1"],
             "throughput": ["throughput", *m, "--num-requests", "4", "--input-len-min", "20", "--input-len-max", "40",
                            "--output-len", "6", "--batch1-output-len", "4", "--kv-cache-memory", "8MiB",
                            "--ablation-requests", "4", "--concurrency-levels", "1,4", "--no-hf", "--no-portable"],

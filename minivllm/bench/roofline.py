@@ -30,9 +30,10 @@ class MachineCeilings:
         return asdict(self)
 
 
-def measure_ceilings(hidden: int = 576, intermediate: int = 1536, dtype: torch.dtype = torch.float32
-                     ) -> MachineCeilings:
-    """Best-of-N matmul throughput and memory bandwidth on this machine, with the current thread count."""
+def measure_ceilings(hidden: int = 576, intermediate: int = 1536, dtype: torch.dtype = torch.float32,
+                     probe_mib: int | None = None) -> MachineCeilings:
+    """Best-of-N matmul throughput and memory bandwidth on this machine, with the current thread count (the
+    bandwidth probe's buffer: probe_mib(), unless a smoke run asks for less)."""
     n = 2048
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     mkl = 2 * n**3 / best_time(lambda: a @ b, 5)
@@ -53,7 +54,7 @@ def measure_ceilings(hidden: int = 576, intermediate: int = 1536, dtype: torch.d
         linear = lambda x_, _w: small(x_)  # noqa: E731
     reps = 50
     model_gemm = 2 * 64 * hidden * intermediate * reps / best_time(lambda: [linear(x, w) for _ in range(reps)], 5)
-    median, lo, hi = measure_bandwidth()
+    median, lo, hi = measure_bandwidth(probe_mib)
     return MachineCeilings(torch.get_num_threads(), peak, mkl, model_gemm, median, lo, hi)
 
 
@@ -121,9 +122,11 @@ def bandwidth_passes(mib: int | None = None, passes: int = 9, threads: int | Non
     return rates
 
 
-def measure_ceilings_for(mc: ModelConfig, dtype: torch.dtype = torch.float32) -> MachineCeilings:
+def measure_ceilings_for(mc: ModelConfig, dtype: torch.dtype = torch.float32, probe_mib: int | None = None
+                         ) -> MachineCeilings:
     """measure_ceilings with the model's own projection shape (hidden x intermediate)."""
-    return measure_ceilings(mc.hidden_size, mc.hf_config.get("intermediate_size") or 4 * mc.hidden_size, dtype)
+    return measure_ceilings(mc.hidden_size, mc.hf_config.get("intermediate_size") or 4 * mc.hidden_size, dtype,
+                            probe_mib)
 
 
 @dataclass

@@ -101,7 +101,7 @@ def roofline(path: str, requests: list[RequestSpec], tokenizer: Any, ns: argpars
     saved = torch.get_num_threads()
     torch.set_num_threads(ns.server_threads or cpu_count())
     try:
-        ceil = measure_ceilings_for(mc)
+        ceil = measure_ceilings_for(mc, probe_mib=ns.probe_mib)
     finally:
         torch.set_num_threads(saved)
     measured = [ceil.as_dict()]

@@ -4,14 +4,7 @@ from __future__ import annotations
 
 import os
 
-import torch._dynamo  # noqa: F401
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
-
-# torch._dynamo imported here, at module import, rather than lazily by the first AutoTokenizer load (via
-# transformers' torch.compiler.disable): its import runs torch.fx.wrap, whose frame holds itself, so every
-# frame on the stack at that moment stays alive in a reference cycle. Reached lazily, those frames
-# included LLMEngine.__init__'s, and the first engine of a process (weights, KV pool) outlived `del` until
-# the cyclic collector happened to run.
 
 
 def get_tokenizer(path: str) -> PreTrainedTokenizerBase:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import json
@@ -26,6 +27,26 @@ from minivllm.prequant_config import PrequantScheme, parse_prequantized
 from minivllm.quant_config import QuantConfig
 
 logger = logging.getLogger(__name__)
+
+# torch.nn.init's in-place initialisers, no-ops while a model is built on the meta device (_no_init).
+_INITIALISERS = tuple(n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_"))
+
+
+@contextlib.contextmanager
+def _no_init() -> Iterator[None]:
+    """Modules built in here skip their random init (nn.Embedding's normal_, nn.Linear's kaiming_uniform_, ...): on
+    the meta device there is nothing to initialise (the checkpoint fills every tensor), and torch runs those calls
+    on meta tensors through its reference implementations, whose first use imports torch._dynamo: 1.4 s of every
+    process's start here (a server, a tensor-parallel rank, a bench worker), for nothing. transformers builds its
+    models the same way (no_init_weights)."""
+    saved = {name: getattr(nn.init, name) for name in _INITIALISERS}
+    for name in _INITIALISERS:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
 
 
 def weight_files(path: str) -> list[str]:
@@ -94,7 +115,7 @@ def load_model(mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_mo
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), _no_init():
             # load_weights (and its modules' reset_buffers) are the registry class's own, not nn.Module's
             model: Any = cls(mc, max_model_len)
             scheme = prequantized_scheme(mc)

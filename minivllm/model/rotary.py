@@ -59,7 +59,7 @@ def compute_inv_freq(cfg: dict[str, Any], head_dim: int, layer_type: str | None 
 def _inv_freq(p: dict[str, Any], dim: int, cfg: dict[str, Any], long: bool) -> tuple[torch.Tensor, float]:
     base = float(p["rope_theta"])
     rope_type = p["rope_type"]
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     if rope_type == "default":
         return inv_freq, 1.0
     if rope_type == "linear":
@@ -89,11 +89,11 @@ def _longrope_inv_freq(p: dict[str, Any], dim: int, base: float, cfg: dict[str, 
     if attention_factor is None:
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
     key = "long_factor" if long else "short_factor"
-    ext = torch.tensor(p[key], dtype=torch.float32)
+    ext = torch.tensor(p[key], dtype=torch.float32, device="cpu")
     if ext.shape != (dim // 2,):
         raise ValueError(f"rope_scaling: longrope {key} has {ext.numel()} entries; the {dim} rotary dimensions "
                          f"need {dim // 2}")
-    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    shape = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
     return 1.0 / (ext * base**shape), float(attention_factor)
 
 
@@ -120,8 +120,8 @@ def _yarn_inv_freq(p: dict[str, Any], dim: int, base: float, cfg: dict[str, Any]
     lo, hi = max(lo, 0), min(hi, dim - 1)
     if lo == hi:
         hi += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
-    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - lo) / (hi - lo)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
     extrapolation = 1 - ramp
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     return inv_freq, float(attn_factor)
