@@ -210,10 +210,10 @@ def test_killed_replica_fails_only_its_requests_and_is_replaced(replicated):
                                             extra_body={"ignore_eos": True})
         return r.choices[0].finish_reason
 
-    whole_on_victim = 0
+    whole_on_victim = whole_unrouted = 0
 
     async def run():
-        nonlocal whole_on_victim
+        nonlocal whole_on_victim, whole_unrouted
         tasks = [asyncio.ensure_future(streamed(i)) for i in range(16)]
         await asyncio.wait_for(started.wait(), 120)
         # The whole answers go in once the streams have output, 0.1 s before the kill: routed (~11 ms) but far from
@@ -225,6 +225,7 @@ def test_killed_replica_fails_only_its_requests_and_is_replaced(replicated):
         at_kill = await asyncio.to_thread(metrics, url)
         os.kill(victim, signal.SIGKILL)
         whole_on_victim = _routed(at_kill).get(victim_id, 0) - _routed(at_whole).get(victim_id, 0)
+        whole_unrouted = 8 - (sum(_routed(at_kill).values()) - sum(_routed(at_whole).values()))
         try:  # none hangs: every request ends, one way or the other
             return await asyncio.wait_for(asyncio.gather(*tasks), 180)
         finally:
@@ -245,10 +246,13 @@ def test_killed_replica_fails_only_its_requests_and_is_replaced(replicated):
     # Whole answers had nothing sent yet: the router routed them again instead of failing them.
     assert whole_res == ["length"] * 8
     # The whole answers the victim held were routed once more (streams with output failed instead; one it had
-    # already finished needs no retry).
+    # already finished needs no retry). A whole answer not yet routed at the kill may be sent to the dead replica before
+    # Ray knows it is gone: that retry has no route counted (the replica never accepted it), so each of those may add
+    # one (seen under the full suite's load: 7 retries for the victim's 10 routes less 6 failed streams).
     retries = mid['minivllm:router_retries_total{reason="replica_died"}'] - before.get(
         'minivllm:router_retries_total{reason="replica_died"}', 0)
-    assert whole_on_victim <= retries <= routed_to_victim - len(failed), (whole_on_victim, retries, routed_to_victim)
+    assert whole_on_victim <= retries <= routed_to_victim - len(failed) + whole_unrouted, (
+        whole_on_victim, retries, routed_to_victim, whole_unrouted)
     # Ray replaces the replica; the deployment is back to 2 healthy replicas, and the new one serves.
     new_pids = _wait_replicas(url, 2, exclude_pids={victim})
     assert victim_id not in new_pids

@@ -17,7 +17,7 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "..", "tools", "train_tiny.py")
 
 def test_train_tiny_smoke(tmp_path):
     r = subprocess.run([sys.executable, SCRIPT, "--out", str(tmp_path), "--main-steps", "2", "--draft-steps", "2",
-                        "--vocab", "512", "--eval-tokens", "2048", "--threads", "1", "--distill-steps", "2",
+                        "--vocab", "512", "--eval-tokens", "2048", "--threads", "2", "--distill-steps", "2",
                         "--distill-continuations", "4"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -30,7 +30,7 @@ def test_train_tiny_smoke(tmp_path):
     assert d["agreement_after"]["next_4"] <= d["agreement_after"]["next_1"]
     assert "held_out_ppl_before_distill" in m["draft"] and "Draft distillation" in (tmp_path / DRAFT_NAME /
                                                                                   "README.md").read_text()
-    assert m["eval_tokens"] == 2048 and m["held_out"] and m["software"]["threads"] == 1
+    assert m["eval_tokens"] == 2048 and m["held_out"] and m["software"]["threads"] == 2
     ids, counts = load_held_out(str(tmp_path / "held_out.safetensors"))
     assert len(ids) == 2048 and len(counts) == 512 and counts.sum() == m["train_tokens"]
     assert len((tmp_path / "train_log.jsonl").read_text().splitlines()) == 0  # logged every 10 steps
