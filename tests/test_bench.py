@@ -361,26 +361,38 @@ print(before, denied, errno, after, len(os.listdir(".")) > 0)
 
 def test_bench_speculative_compares_each_engine_with_itself_detached(tmp_path):
     """`bench speculative` on the embedded model (n-gram and suffix, one k, 1 and 2 streams, a 4-sequence batch):
-    every ratio is the engine's tok/s over its own runs with the speculator detached (engines' plain decodes differ by
-    their memory placement), both measured every round; every greedy output equals the one without speculation."""
-    from minivllm.bench.speculative import verdict
+    every ratio is the median over pairs of runs side by side of the engine's tok/s over its own with the speculator
+    detached (engines' plain decodes differ by their memory placement), --pairs pairs a round at more than one stream,
+    one at one; every greedy output equals the one without speculation."""
+    from minivllm.bench.speculative import report, verdict
 
     out = tmp_path / "spec.json"
     rc = main(["bench", "speculative", "--draft", "none", "--ks", "2", "--streams", "1,2", "--output-len", "8",
-               "--prompt-len", "16", "--rounds", "2", "--large-batch", "4", "--out", str(out)])
+               "--prompt-len", "16", "--rounds", "2", "--pairs", "2", "--large-batch", "4", "--out", str(out)])
     r = json.loads(out.read_text())
     assert rc == 0 and all(r["lossless"].values()) and set(r["ratio"]) == {"ngram k=2", "suffix k=2"}
+    def pairs(col: str) -> int:  # rounds x pairs at 2 streams, rounds at 1; ABBA x 3 at the large batch
+        return 6 if col.endswith("sequences") else 4 if col.endswith("2 stream(s)") else 2
+
     for name, cols in r["ratio"].items():
         assert set(cols) == set(r["mean_tok_s"]["off"]), name  # (every column: streams and the large batch)
         for col, ratio in cols.items():
             on, off = r["tok_s"][name][col], r["detached_tok_s"][name][col]
-            assert len(on) == len(off) >= 2  # measured beside each other, every round
-            assert ratio == pytest.approx((sum(on) / len(on)) / (sum(off) / len(off)))
-    # The plain engine twice per column and round, side by side: the A/A ratio, the floor the verdict judges against.
+            assert len(on) == len(off) == pairs(col)  # measured beside each other, every round
+            each = r["pair_ratios"][name][col]
+            assert each == pytest.approx([a / b for a, b in zip(on, off, strict=True)])
+            assert ratio == pytest.approx(statistics.median(each))
+    # The plain engine twice per pair, side by side: the A/A ratio, the floor the verdict judges against.
     streams = [c for c in r["mean_tok_s"]["off"] if "stream" in c]
-    assert set(r["aa_ratio"]) == set(streams) and all(len(r["aa_tok_s"][c]) == 2 for c in streams)
+    assert set(r["aa_ratio"]) == set(streams)
     for col in streams:
-        assert r["aa_ratio"][col] == pytest.approx(sum(r["tok_s"]["off"][col]) / sum(r["aa_tok_s"][col]))
+        assert len(r["aa_tok_s"][col]) == pairs(col)
+        each = [a / b for a, b in zip(r["tok_s"]["off"][col], r["aa_tok_s"][col], strict=True)]
+        assert r["aa_ratio"][col] == pytest.approx(statistics.median(each))
+    text = report(r)
+    each = r["pair_ratios"]["ngram k=2"]["code, 2 stream(s)"]
+    lo, hi = min(each), max(each)
+    assert f" [{lo:.2f}-{hi:.2f}])" in text and "median of its cell's pairs" in text
     floor = {s: min(min(a, 1 / a) for c, a in r["aa_ratio"].items() if c.endswith(f", {s} stream(s)")) for s in (1, 2)}
     assert "never below the A/A spread (the lowest of the plain engine against itself, per stream count: " \
         f"1 {floor[1]:.2f}x, 2 {floor[2]:.2f}x)" in verdict(r)

@@ -8,9 +8,10 @@ decode without speculation, then with the n-gram proposer, the suffix proposer (
 emptied before each measurement, so only the repeated-requests task sees earlier outputs) and the draft model
 (default: the embedded pair's trained draft) for each k, in ABBA order across rounds; output tok/s, the ratio
 to the same engine with its speculator detached (measured beside each run, in alternating order: engines' plain
-decodes differ by their memory placement), acceptance per position, and whether every greedy output equals the one
-without speculation. The plain engine runs twice per column and round, side by side: that A/A ratio is the run's
-noise floor, against which a proposer's ratio below 1.0 is judged.
+decodes differ by their memory placement; at more than one stream --pairs such pairs per round, the cell's ratio the
+median of its pairs'), acceptance per position, and whether every greedy output equals the one without speculation.
+The plain engine runs twice per pair, side by side: that A/A ratio is the run's noise floor, against which a
+proposer's ratio below 1.0 is judged.
 With the adaptive rule off, the draft's own acceptance by position and the best ratio it could give at this
 run's measured step costs
 (what bounds it). A 64-sequence run (each proposer's engine against itself with speculation detached)
@@ -21,6 +22,7 @@ k, per proposer and task.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from typing import Any
 
@@ -51,6 +53,10 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=96)
     p.add_argument("--large-batch", type=int, default=64, help="sequences of the large-batch check (0: skip)")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--pairs", type=int, default=3,
+                   help="attached/detached runs side by side per cell and round at more than one stream (a run of 8 "
+                        "streams is ~1 s here, and two such runs differ by up to a sixth); each cell's ratio is the "
+                        "median of its pairs' ratios")
     p.add_argument("--out", default=None, help="write the figures to this JSON file")
 
 
@@ -110,6 +116,7 @@ def run_speculative(ns: argparse.Namespace) -> int:
     for eng in engines.values():  # warm-up: kernel plans and first-call costs out of the timings
         _run(eng, tasks["code"][:2], 8)
     tok_s: dict[str, dict[str, list[float]]] = {name: {} for name in engines}
+    pair_ratios: dict[str, dict[str, list[float]]] = {name: {} for name in engines}  # attached / detached, per pair
     detached: dict[str, dict[str, list[float]]] = {name: {} for name in engines}  # each engine without its speculator
     aa_runs: dict[str, dict[str, list[float]]] = {"off": {}}  # the plain engine a second time (the A/A runs)
     outputs: dict[str, dict[str, list[list[int]]]] = {name: {} for name in engines}
@@ -139,19 +146,27 @@ def run_speculative(ns: argparse.Namespace) -> int:
                     # The same max(streams) prompts for every stream count: one prompt alone would measure
                     # how well the proposer guesses that one text (a draft's acceptance varies 50-95%).
                     col = f"{task}, {s} stream(s)"
-                    if sp is None:
-                        # Twice, in alternating order: the A/A ratio is how far two identical runs side by side
-                        # differ here, the floor under which a proposer's ratio reads as a loss (see verdict).
-                        for first in (True, False) if rnd % 2 == 0 else (False, True):
-                            measure(name, col, prompts[:max(streams)], ns.output_len, s, tok_s if first else aa_runs)
-                        continue
-                    # Each proposer's engine against itself with its speculator detached, in alternating order:
-                    # engines' plain decodes differ by their memory placement (8 streams: up to a tenth), which
-                    # against the one engine without speculation read as speculation's loss or gain.
-                    for attached in (True, False) if rnd % 2 == 0 else (False, True):
-                        eng.set_speculator(sp if attached else None)
-                        measure(name, col, prompts[:max(streams)], ns.output_len, s, tok_s if attached else detached)
-                    eng.set_speculator(sp)
+                    # Pairs of runs side by side, each pair in the order opposite to the one before (ABBA): a cell's
+                    # ratio is the median of its pairs' (one slow moment moves one pair, not the cell).
+                    for pair in range(ns.pairs if s > 1 else 1):
+                        sides = (True, False) if (rnd + pair) % 2 == 0 else (False, True)
+                        if sp is None:
+                            # Twice: the A/A ratio is how far two identical runs side by side differ here, the floor
+                            # under which a proposer's ratio reads as a loss (see verdict).
+                            for first in sides:
+                                measure(name, col, prompts[:max(streams)], ns.output_len, s,
+                                        tok_s if first else aa_runs)
+                            pair_ratios[name].setdefault(col, []).append(tok_s[name][col][-1] / aa_runs[name][col][-1])
+                            continue
+                        # Each proposer's engine against itself with its speculator detached: engines' plain decodes
+                        # differ by their memory placement (8 streams: up to a tenth), which against the one engine
+                        # without speculation read as speculation's loss or gain.
+                        for attached in sides:
+                            eng.set_speculator(sp if attached else None)
+                            measure(name, col, prompts[:max(streams)], ns.output_len, s,
+                                    tok_s if attached else detached)
+                        eng.set_speculator(sp)
+                        pair_ratios[name].setdefault(col, []).append(tok_s[name][col][-1] / detached[name][col][-1])
     if ns.large_batch:
         # Step times spread by a tenth from run to run here and a large batch runs few steps, so each
         # proposer's engine is compared with itself, its speculator detached (no other engine's memory
@@ -171,18 +186,18 @@ def run_speculative(ns: argparse.Namespace) -> int:
             tok_s[best][col] = runs[True]
             tok_s["off"].setdefault(col, []).extend(runs[False])
             detached[best][col] = runs[False]
+            pair_ratios[best][col] = [a / b for a, b in zip(runs[True], runs[False], strict=True)]
     mean = {name: {c: sum(v) / len(v) for c, v in cols.items()} for name, cols in tok_s.items()}
-    plain = {name: {c: sum(v) / len(v) for c, v in cols.items()} for name, cols in detached.items()}
     # Greedy speculation is lossless: every output must equal the one without speculation.
     lossless = {name: all(outs[c] == outputs["off"][c] for c in outs) for name, outs in outputs.items()}
     result: dict[str, Any] = {"model": model, "draft": proposers.get("draft"), "ks": ks, "streams": streams,
                               "output_len": ns.output_len, "lossless": lossless,
                               "tok_s": tok_s, "mean_tok_s": mean, "detached_tok_s": detached,
-                              "ratio": {name: {c: v / plain[name][c] for c, v in cols.items()}
-                                        for name, cols in mean.items() if name != "off"},
+                              "ratio": {name: {c: statistics.median(v) for c, v in cols.items()}
+                                        for name, cols in pair_ratios.items() if name != "off"},
+                              "pair_ratios": pair_ratios,
                               "aa_tok_s": aa_runs["off"],
-                              "aa_ratio": {c: sum(v) / sum(aa_runs["off"][c]) for c, v in tok_s["off"].items()
-                                           if c in aa_runs["off"]},
+                              "aa_ratio": {c: statistics.median(v) for c, v in pair_ratios["off"].items()},
                               "acceptance": {}}
     for name, eng in engines.items():
         sp = eng.speculator
@@ -272,13 +287,17 @@ def report(r: dict[str, Any]) -> str:
     cols = list(r["mean_tok_s"]["off"])
     lines = ["| engine | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
     for name, vals in r["mean_tok_s"].items():
-        cells = [f"{vals[c]:.1f}" + (f" (**{r['ratio'][name][c]:.2f}x**)" if name != "off" else "") if c in vals
-                 else "" for c in cols]
+        cells = [f"{vals[c]:.1f}" + (f" (**{r['ratio'][name][c]:.2f}x**{_spread(r, name, c)})" if name != "off"
+                                       else "") if c in vals else "" for c in cols]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     aa = r.get("aa_ratio", {})
     if aa:
         lines.append("| off again (A/A: the same runs side by side) | "
-                     + " | ".join(f"({aa[c]:.2f}x)" if c in aa else "" for c in cols) + " |")
+                     + " | ".join(f"({aa[c]:.2f}x{_spread(r, 'off', c)})" if c in aa else "" for c in cols) + " |")
+    if any(len(v) > 2 for cols_ in r.get("pair_ratios", {}).values() for v in cols_.values()):
+        lines.append("")
+        lines.append("Each ratio is the median of its cell's pairs of runs side by side (in brackets: the lowest and "
+                     "highest pair, where a cell has more than two).")
     lines += ["", "| proposer | accepted / proposed | acceptance by position (of the proposals there) | "
               "proposal tokens withheld (adaptive) | tokens per verification | propose ms per k-token round | "
               "outputs equal to no speculation |",
@@ -292,6 +311,12 @@ def report(r: dict[str, Any]) -> str:
                      f"{a['proposals_withheld']} | {'-' if tpv is None else f'{tpv:.2f}'} | "
                      f"{a.get('propose_ms', 0.0):.2f} | {same} |")
     return "\n".join(lines)
+
+
+def _spread(r: dict[str, Any], name: str, col: str) -> str:
+    """' [lo-hi]' of a cell's pair ratios where it has more than two pairs, else nothing."""
+    v = r.get("pair_ratios", {}).get(name, {}).get(col, [])
+    return f" [{min(v):.2f}-{max(v):.2f}]" if len(v) > 2 else ""
 
 
 def verdict(r: dict[str, Any]) -> str:
