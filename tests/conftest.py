@@ -19,6 +19,15 @@ from minivllm.modelgen.make_model import make_model
 
 T = TypeVar("T")
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The type checker starts in the background as soon as its test is selected (tests/test_types.py)."""
+    for item in session.items:
+        module = getattr(item, "module", None)
+        if module is not None and module.__name__.rsplit(".", 1)[-1] == "test_types":
+            module.start_mypy()
+            return
+
+
 TINY_FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gpt2"]
 
 # Prompts of different lengths and content (code, prose, unicode) used across tests.
