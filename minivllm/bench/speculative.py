@@ -150,23 +150,18 @@ def run_speculative(ns: argparse.Namespace) -> int:
                     # ratio is the median of its pairs' (one slow moment moves one pair, not the cell).
                     for pair in range(ns.pairs if s > 1 else 1):
                         sides = (True, False) if (rnd + pair) % 2 == 0 else (False, True)
-                        if sp is None:
-                            # Twice: the A/A ratio is how far two identical runs side by side differ here, the floor
-                            # under which a proposer's ratio reads as a loss (see verdict).
-                            for first in sides:
-                                measure(name, col, prompts[:max(streams)], ns.output_len, s,
-                                        tok_s if first else aa_runs)
-                            pair_ratios[name].setdefault(col, []).append(tok_s[name][col][-1] / aa_runs[name][col][-1])
-                            continue
-                        # Each proposer's engine against itself with its speculator detached: engines' plain decodes
+                        # The plain engine's second run is the A/A one: how far two identical runs side by side
+                        # differ here, the floor under which a proposer's ratio reads as a loss (see verdict). A
+                        # proposer's engine runs against itself with its speculator detached: engines' plain decodes
                         # differ by their memory placement (8 streams: up to a tenth), which against the one engine
                         # without speculation read as speculation's loss or gain.
-                        for attached in sides:
-                            eng.set_speculator(sp if attached else None)
-                            measure(name, col, prompts[:max(streams)], ns.output_len, s,
-                                    tok_s if attached else detached)
+                        second = aa_runs if sp is None else detached
+                        for first in sides:
+                            if sp is not None:
+                                eng.set_speculator(sp if first else None)
+                            measure(name, col, prompts[:max(streams)], ns.output_len, s, tok_s if first else second)
                         eng.set_speculator(sp)
-                        pair_ratios[name].setdefault(col, []).append(tok_s[name][col][-1] / detached[name][col][-1])
+                        pair_ratios[name].setdefault(col, []).append(tok_s[name][col][-1] / second[name][col][-1])
     if ns.large_batch:
         # Step times spread by a tenth from run to run here and a large batch runs few steps, so each
         # proposer's engine is compared with itself, its speculator detached (no other engine's memory
