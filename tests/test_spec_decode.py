@@ -346,6 +346,53 @@ def test_proposals_stop_where_their_measured_payoff_loses():
     assert not spec.payoff.loses(1)
 
 
+def test_a_no_from_the_cheap_check_holds_until_a_step_speculates_or_a_recheck_is_due(monkeypatch):
+    """Proposals that cannot pay at a batch size are not re-priced every step (the check is 2% of an 8-stream
+    step): the "no" holds RECHECK_EVERY steps, or until some step speculated (what it weighs changed)."""
+    spec = _speculator()
+    priced = []
+    estimate = spec.steps.estimate
+    monkeypatch.setattr(spec.steps, "estimate", lambda rows: priced.append(rows) or estimate(rows))
+    assert not spec._may_pay(128, True)  # 128 tokens in 34 ms: no proposal length pays
+    first = len(priced)
+    assert first > 0
+    for _ in range(spec.RECHECK_EVERY - 1):
+        spec._step += 1
+        assert not spec._may_pay(128, True)
+    assert len(priced) == first  # held
+    assert spec._may_pay(1, True)  # another size is priced afresh (and pays at batch 1)
+    spec._step += 1
+    priced.clear()
+    assert not spec._may_pay(128, True) and priced  # RECHECK_EVERY steps later: priced again
+    priced.clear()
+    spec._version += 1  # a step speculated: the acceptance or the proposer's cost moved
+    assert not spec._may_pay(128, True) and priced
+    spec._step += spec.EXPLORE_EVERY
+    assert spec._may_pay(128, True)  # exploration is never held back
+
+
+def test_explorations_that_find_nothing_come_ever_more_rarely_until_proposals_pay_again():
+    """An exploration costs a draft a catch-up on all it skipped: where proposals keep not paying (128 sequences here)
+    the wait for the next one doubles up to EXPLORE_MAX; a step that speculates on its merits resets it."""
+    spec = _speculator()
+    many = [(_seq(), 3) for _ in range(128)]
+
+    def steps_to_next_exploration() -> int:
+        for n in range(1, 4 * spec.EXPLORE_MAX):
+            spec._step += 1
+            if spec._may_pay(128, True) and spec.worth(many, 128, True):
+                spec._speculated_at(True)
+                return n
+        raise AssertionError("never explored")
+
+    waits = [steps_to_next_exploration() for _ in range(5)]
+    assert waits == [spec.EXPLORE_EVERY, 2 * spec.EXPLORE_EVERY, 4 * spec.EXPLORE_EVERY, spec.EXPLORE_MAX,
+                     spec.EXPLORE_MAX]
+    spec._step += 1
+    spec._speculated_at(spec._explore_due())  # proposals paid at another size, right after: the wait starts over
+    assert steps_to_next_exploration() == spec.EXPLORE_EVERY
+
+
 def test_payoff_counts_whole_steps_in_the_engine(model_factory):
     """The speculator measures each pure-decode step's tokens and wall time, by kind, in a real engine."""
     path = model_factory("tiny-llama")

@@ -95,8 +95,9 @@ class Speculator:
     each sequence proposes as many tokens (up to k) as pay: at batch 1 a good proposer's whole k, a draft
     whose later guesses rarely hold one or two, in a large batch (where extra rows' FLOPs cost what they
     yield) none; a request whose proposals keep failing pauses proposing. A step with prefill chunks gets no
-    proposals. A size never measured is tried once; and every EXPLORE_EVERY steps without speculation the
-    best proposal goes through anyway, so one unlucky measurement cannot switch speculation off for good.
+    proposals. A size never measured is tried once; and every EXPLORE_EVERY steps without speculation (longer after
+    explorations that found nothing, see EXPLORE_MAX) the best proposal goes through anyway, so one unlucky
+    measurement cannot switch speculation off for good.
 
     The costs are predictions from the forward's time; what steps with proposals really yield is measured too
     (Payoff): each pure-decode step's whole wall time (rejection sampling, proposer and outputs included) and its
@@ -110,6 +111,11 @@ class Speculator:
     every step gave)."""
 
     EXPLORE_EVERY = 128
+    # An exploration that proposals do not follow (the next steps again find they would not pay) doubles the wait for
+    # the next one, up to EXPLORE_MAX; a step that speculates on its own merits resets it. An exploration costs a
+    # draft model a catch-up on everything it skipped (~220 tokens of one sequence through its prefill path, 5-8 ms:
+    # 1.5-2% of a 128-token run at 8 streams, where the draft never pays).
+    EXPLORE_MAX = 1024
     # A sequence's record weighs its recent drafts most (each older one by RECENT more): how well a text is
     # guessed changes as it goes (a proposer that failed on fresh code guesses a repeated block well). A
     # sequence withheld for its record forgets some of it each step (FORGET), so it proposes again
@@ -120,6 +126,11 @@ class Speculator:
     # A step must be expected to yield this much faster with its proposals: a smaller gain is within the
     # step-to-step spread of the measurements (contexts differ, the machine drifts), so not worth the risk.
     MARGIN = 1.05
+    # A "no" from _may_pay holds this many steps at its batch size while nothing it weighs but the plain step's cost
+    # has changed (no step has speculated since): the check costs ~65 us, 2% of an 8-stream step of the embedded
+    # model, paid on every step a draft that does not pay there sits attached (measured: the draft at 8 streams
+    # proposed in 2 of 129 steps and the rest paid the check).
+    RECHECK_EVERY = 16
 
     def __init__(self, proposer: Proposer, k: int, max_model_len: int, adaptive: bool) -> None:
         self.proposer, self.k, self.adaptive = proposer, k, adaptive
@@ -131,6 +142,7 @@ class Speculator:
         self.proposing: list[Sequence] = []  # this step's speculating sequences
         self.records: dict[int, SpecRecord] = {}  # seq_id → its record, from its first verification to its end
         self._step = self._last_spec = 0  # steps proposed for, and the last one that speculated
+        self._explore_every = self.EXPLORE_EVERY  # steps without speculation before the next exploration
         self.payoff = Payoff()
         # The step in progress, for the payoff: its start, sequences, whether it proposed, the tokens it produced
         # (None: not a pure-decode step, not measured).
@@ -138,6 +150,8 @@ class Speculator:
         self._tokens: int | None = None
         self._excess = 0.0  # seconds of the step in progress not counted in its payoff (see the class docstring)
         self._expected = 0.0  # tokens its proposals were expected to yield, plain rows included (see Payoff)
+        self._version = 0  # steps that speculated so far: what _may_pay weighs besides plain steps changed
+        self._no_pay: dict[int, tuple[int, int]] = {}  # sequences → (version, step) a "no" was found at
 
     # ---- cost model ----------------------------------------------------------------------------
     def observe(self, scheduled: list[tuple[Sequence, int]], seconds: float) -> None:
@@ -184,7 +198,7 @@ class Speculator:
         return out
 
     def _explore_due(self) -> bool:
-        return self._step - self._last_spec >= self.EXPLORE_EVERY
+        return self._step - self._last_spec >= self._explore_every
 
     def _may_pay(self, num_seqs: int, pure_decode: bool) -> bool:
         """Whether proposals at the batch's usual acceptance could pay for one sequence or for all of them, at
@@ -192,6 +206,9 @@ class Speculator:
         a cheap check before any proposing."""
         if not pure_decode:
             return False  # see worth()
+        held = self._no_pay.get(num_seqs)
+        if held is not None and held[0] == self._version and self._step - held[1] < self.RECHECK_EVERY:
+            return self._explore_due()  # (see RECHECK_EVERY)
         base = self.steps.measured(num_seqs)
         if base is None:
             return False  # measure the plain decode step first
@@ -204,6 +221,7 @@ class Speculator:
                 cost = self.steps.estimate(num_seqs + m * length)
                 if cost is None or (num_seqs + m * e) / max(cost + over(length, m * length), 1e-9) > plain_rate:
                     return True
+        self._no_pay[num_seqs] = (self._version, self._step)
         return self._explore_due()
 
     def worth(self, candidates: list[tuple[Sequence, int]], num_seqs: int, pure_decode: bool
@@ -314,13 +332,20 @@ class Speculator:
                 self.draft_probs[seq.seq_id] = dist
         self.proposing = [seq for seq, _, _ in found]
         if found:
-            self._last_spec = self._step
+            self._speculated_at(self._explore_due())
             self._speculated = True
             rates = self.position_rates()
             # (a record above the average scales a gain past certainty: at most a token each)
             self._expected = len(running) + sum(min(g, 1.0) for seq, spec, _ in found
                                                 for g in self._gains(seq, rates[:len(spec)]))
         return self.proposing
+
+    def _speculated_at(self, exploring: bool) -> None:
+        """This step speculates: an exploration lengthens the wait for the next one, any other step resets it (see
+        EXPLORE_MAX); what _may_pay weighed may have moved."""
+        self._explore_every = min(2 * self._explore_every, self.EXPLORE_MAX) if exploring else self.EXPLORE_EVERY
+        self._last_spec = self._step
+        self._version += 1
 
     def end_step(self) -> None:
         """After the step: proposals cleared, the proposer's state rolled back to what was accepted."""
