@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 
@@ -396,3 +397,11 @@ def test_bench_speculative_compares_each_engine_with_itself_detached(tmp_path):
     floor = {s: min(min(a, 1 / a) for c, a in r["aa_ratio"].items() if c.endswith(f", {s} stream(s)")) for s in (1, 2)}
     assert "never below the A/A spread (the lowest of the plain engine against itself, per stream count: " \
         f"1 {floor[1]:.2f}x, 2 {floor[2]:.2f}x)" in verdict(r)
+    # Every pair at more than one stream pooled per proposer (three tasks' cells): their geometric mean beside the A/A
+    # pairs', a loss only where it lies two standard errors of the difference below.
+    pooled = verdict(r).split("pooled")[1]
+    for name, label in (("ngram k=2", "ngram"), ("off", "off")):
+        logs = [math.log(x) for c, v in r["pair_ratios"][name].items() if c.endswith(" 2 stream(s)") for x in v]
+        assert len(logs) == 3 * 4
+        mean = math.exp(statistics.mean(logs))
+        assert f"{label} {mean:.3f}x ± {mean * statistics.stdev(logs) / math.sqrt(12):.3f} (12 pairs)" in pooled

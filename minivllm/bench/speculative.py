@@ -22,6 +22,7 @@ k, per proposer and task.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from typing import Any
@@ -339,6 +340,15 @@ def verdict(r: dict[str, Any]) -> str:
         checks.append(("never below the A/A spread (the lowest of the plain engine against itself, per stream count: "
                        + ", ".join(f"{s} {f:.2f}x" for s, f in sorted(floor.items())) + ")", not below,
                        ", ".join(f"{n}: {x:.2f}x" for x, n in sorted(below)) if below else "every cell above it"))
+    pooled = _pooled(r)
+    if "off" in pooled and len(pooled) > 1:
+        aa, aa_se, _ = pooled["off"]
+        # A loss resolvable from the spread of pairs: a proposer's pooled ratio below the A/A one by more than two
+        # standard errors of the difference (one cell's median of six pairs moves by ~0.035 here on its own).
+        lost = [f for f, (m, se, _) in pooled.items() if f != "off" and math.log(aa / m) > 2 * math.hypot(se, aa_se)]
+        checks.append(("no loss beyond the A/A at more than one stream, every cell's pairs pooled (geometric mean, "
+                       "± one standard error)", not lost,
+                       ", ".join(f"{f} {m:.3f}x ± {se * m:.3f} ({n} pairs)" for f, (m, se, n) in pooled.items())))
     parts = [f"{what} ({fig}): **{'met' if ok else 'not met'}**" for what, ok, fig in checks]
     eight_s = f" 8 streams: {min(eight):.2f}-{max(eight):.2f}x." if eight else ""
     same = r.get("lossless", {})
@@ -346,6 +356,18 @@ def verdict(r: dict[str, Any]) -> str:
         "yes." if same and all(same.values()) else "**no**.")
     return ("Targets (issue 34): " + "; ".join(parts) + "." + eight_s + _suffix_text(r) + lossless
             + _ceiling_text(r))
+
+
+def _pooled(r: dict[str, Any]) -> dict[str, tuple[float, float, int]]:
+    """Per proposer (its ks together; "off": the A/A pairs), over every pair of runs at more than one stream: the
+    geometric mean of the pair ratios, the standard error of their log, and how many pairs (two at least)."""
+    logs: dict[str, list[float]] = {}
+    for name, cols in r.get("pair_ratios", {}).items():
+        for col, ratios in cols.items():
+            if "stream" in col and _streams(col) > 1:
+                logs.setdefault(name.split(" ")[0], []).extend(math.log(x) for x in ratios)
+    return {f: (math.exp(statistics.mean(v)), statistics.stdev(v) / math.sqrt(len(v)), len(v))
+            for f, v in logs.items() if len(v) > 1}
 
 
 def _streams(col: str) -> int:
