@@ -1,4 +1,4 @@
-/* Paged attention's row items (included by csrc/paged_attention.c, which specialises them per (G, D, format)). */
+/* Paged attention's row items (included by csrc/paged_attention_items.h, whose bodies are specialised per (G, D, format)). */
 #pragma once
 #include "paged_attention.h"
 
