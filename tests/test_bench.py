@@ -365,7 +365,7 @@ def test_bench_speculative_compares_each_engine_with_itself_detached(tmp_path):
     every ratio is the median over pairs of runs side by side of the engine's tok/s over its own with the speculator
     detached (engines' plain decodes differ by their memory placement), --pairs pairs a round at more than one stream,
     one at one; every greedy output equals the one without speculation."""
-    from minivllm.bench.speculative import report, verdict
+    from minivllm.bench.speculative_report import report, verdict
 
     out = tmp_path / "spec.json"
     rc = main(["bench", "speculative", "--draft", "none", "--ks", "2", "--streams", "1,2", "--output-len", "8",

@@ -38,7 +38,7 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
         serve_report,
         slo,
         soak,
-        speculative,
+        speculative_report,
         step_overhead,
         throughput_report,
     )
@@ -105,8 +105,8 @@ def render(out_dir: str, argv: dict[str, list[str]]) -> str:
                                    "= a code excerpt then \"the same code again\", repeated requests = the code "
                                    "prompts again after a first pass (the suffix proposer's cache of finished "
                                    "outputs is emptied before every measurement, so only this task sees earlier "
-                                   "outputs).", "", speculative.report(r), "",
-                                   speculative.verdict(r)]),
+                                   "outputs).", "", speculative_report.report(r), "",
+                                   speculative_report.verdict(r)]),
         ("parallel", lambda r: ["## Tensor parallelism: a decode step, TP=2 vs one process (`bench parallel`)", "",
                                 f"`{os.path.basename(r['model'].rstrip('/'))}` in float32, ms per engine step with "
                                 "every sequence decoding (in brackets: the forward alone), the two engines "
