@@ -35,7 +35,10 @@ def busy_server(model_factory):
 
 
 async def _while_busy(url: str, work):
-    """Run work() while a long request occupies the only running seat."""
+    """Run work() while a long request occupies the only running seat (the last call's long request gone first: its
+    cancelled client is aborted a moment later, and counted running meanwhile, that one let work() in before the new
+    long request had even been sent, so work's request could take the seat)."""
+    wait_idle(url)
     async with httpx.AsyncClient(timeout=300) as http:
         first = asyncio.ensure_future(http.post(url + "/generate", json=LONG))
         while metrics(url)["minivllm:num_requests_running"] < 1:
@@ -81,22 +84,24 @@ def test_timeouts_drop_waiting_requests_before_prefill(busy_server):
     url = busy_server.url
     before = metrics(url)
 
+    # Timeouts of 0.1 s: the long request holding the seat decodes its 1000 tokens in ~0.35 s on a fast machine, and
+    # timeouts of 0.3 s sometimes outlived it (the request then ran instead of timing out).
     async def field(http: httpx.AsyncClient) -> httpx.Response:
         # The `timeout` field: 503 with Retry-After once it passes, never prefilled.
         return await http.post(url + "/generate", json={"prompt": "a b c d e f g", "max_new_tokens": 4,
-                                                        "timeout": 0.3})
+                                                        "timeout": 0.1})
 
     async def client_side(http: httpx.AsyncClient) -> None:
         # The client's own timeout: it gives up and disconnects; the server drops the waiting request.
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         with pytest.raises(openai.APITimeoutError):
-            await client.completions.create(model="tiny-llama0", prompt="h i j k", max_tokens=4, timeout=0.3)
+            await client.completions.create(model="tiny-llama0", prompt="h i j k", max_tokens=4, timeout=0.1)
 
     async def grpc_deadline(http: httpx.AsyncClient) -> grpc.aio.AioRpcError:
         async with grpc.aio.insecure_channel(busy_server.grpc_target) as channel:
             stub = pb_grpc.InferenceServiceStub(channel)
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.Generate(pb.GenerateRequest(prompt="l m n", max_new_tokens=4), timeout=0.3)
+                await stub.Generate(pb.GenerateRequest(prompt="l m n", max_new_tokens=4), timeout=0.1)
         return err.value
 
     r = asyncio.run(_while_busy(url, field))
