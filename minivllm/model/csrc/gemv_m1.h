@@ -33,7 +33,7 @@ INLINE float hsumv(vf v) {
  * rows go two a pass where the order is M1_PAIRS, else one by one.) */
 
 /* One token against one f32 weight row (a share's last rows). */
-INLINE void dense_row_m1(float *out, const float *x, const Layer *L, int64_t n);
+INLINE void dense_row_m1_body(float *out, const float *x, const Layer *L, int64_t n);
 
 /* One token against R consecutive f32 weight rows (M1_ROWS, or 2 for M1_PAIRS), each load of x serving them all,
  * the rows' loads at each offset one after another: one row a pass streamed 16-18 GB/s (21-26 with 32-byte
@@ -59,10 +59,12 @@ INLINE void dense_pass_m1(float *out, const float *x, const Layer *L, int64_t n,
 }
 
 /* M1_ROWS rows from n in the order `order` (gemv_m1_order as the caller read it once before its parallel region: a
- * matmul's rows in one order). */
-INLINE void dense_rows_m1(float *out, const float *x, const Layer *L, int64_t n, int order) {
+ * matmul's rows in one order). Not inlined, nor dense_row_m1 below: under -ffast-math each inlined copy may sum in
+ * its own order, and linear_gemv_m1_many's rows must equal linear_gemv's bit for bit (an AVX2 EPYC's build summed a
+ * share's last row differently in the two). One call per M1_ROWS rows or per tail row costs nothing measurable. */
+static __attribute__((noinline)) void dense_rows_m1(float *out, const float *x, const Layer *L, int64_t n, int order) {
     if (order == M1_ONE)
-        for (int r = 0; r < M1_ROWS; r++) dense_row_m1(out, x, L, n + r);
+        for (int r = 0; r < M1_ROWS; r++) dense_row_m1_body(out, x, L, n + r);
     else if (order == M1_PAIRS)
         for (int r = 0; r < M1_ROWS; r += 2) dense_pass_m1(out, x, L, n + r, 2);
     else
@@ -70,7 +72,7 @@ INLINE void dense_rows_m1(float *out, const float *x, const Layer *L, int64_t n,
 }
 
 /* One token against one f32 weight row (a share's last rows): four accumulators held in registers. */
-INLINE void dense_row_m1(float *out, const float *x, const Layer *L, int64_t n) {
+INLINE void dense_row_m1_body(float *out, const float *x, const Layer *L, int64_t n) {
     const int64_t K = L->K;
     const float *wf = (const float *)L->w + n * K;
     vf a[4] = {{0}};
@@ -84,6 +86,11 @@ INLINE void dense_row_m1(float *out, const float *x, const Layer *L, int64_t n) 
     float s = hsumv((a[0] + a[1]) + (a[2] + a[3]));
     for (int64_t j = k; j < K; j++) s += x[j] * wf[j];
     out[n] = s + (L->bias ? L->bias[n] : 0.f);
+}
+
+/* A share's last rows, one compiled body for every caller (see dense_rows_m1). */
+static __attribute__((noinline)) void dense_row_m1(float *out, const float *x, const Layer *L, int64_t n) {
+    dense_row_m1_body(out, x, L, n);
 }
 
 /* bf16 weights at one token without a widening shuffle: a vector of 2*VL bf16 read as VL 32-bit lanes holds the
