@@ -451,6 +451,21 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
                 }
                 continue;
             }
+#elif defined(GEMV_INT4_M1_AVX2)
+            if (mm == 1) {
+                float *xg = scratch + (Kp + 63) / 64 * 64;
+                int4_stage_m1_avx2(scratch, xg, xm, K, Kp, G);
+                L.Kv = Kp;
+                row_queue_t q;
+                rq_init(&q, N, num_threads, 1, Kp / 2);
+#pragma omp parallel num_threads(num_threads)
+                {
+                    int64_t n, end;
+                    while (rq_take(&q, &n, &end))
+                        for (; n < end; n++) int4_row_m1_avx2(o, scratch, xg, &L, n);
+                }
+                continue;
+            }
 #endif
             /* Stage x zero-padded to Kp (whatever the codes past K, a zero x makes them add nothing). */
             float *xp = scratch;
