@@ -72,7 +72,7 @@ INLINE void int4_stage_m1_avx2(float *xp, float *xg, const float *x, int64_t K, 
     const int64_t nchunks = (Kp + 63) / 64, ng = Kp / G;
     for (int64_t c = 0; c < nchunks; c++)
         for (int f = 0; f < 8; f++) {
-            const float sc = f == 7 ? 1.f : 1.f / (float)(1 << (4 * f));
+            const float sc = f % 2 && f < 7 ? 1.f / 16.f : 1.f;
             for (int j = 0; j < 8; j++) {
                 const int64_t k = 64 * c + 32 * (j / 4) + 16 * (f & 1) + 4 * (j % 4) + f / 2;
                 xp[(c * 8 + f) * 8 + j] = k < K ? x[k] * sc : 0.f;
@@ -118,6 +118,7 @@ INLINE void int4_row_m1_avx2(float *out, const float *xp, const float *xg, const
         const int a = (2 * u) >> shift, b = (2 * u + 1) >> shift;
         idx[u] = _mm256_setr_epi32(a, a, a, a, b, b, b, b);
     }
+    const __m256i m0 = _mm256_set1_epi32(0xF), m1 = _mm256_set1_epi32(0xF0);
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int64_t c = 0;
     for (int64_t sb = 0; c < nchunks; sb++) {
@@ -128,16 +129,21 @@ INLINE void int4_row_m1_avx2(float *out, const float *xp, const float *xg, const
             const __m256i wv = nbytes - c * 32 >= 32 ? _mm256_loadu_si256((const __m256i *)wc)
                                                      : _mm256_set_m128i(_mm_setzero_si128(), _mm_loadu_si128(wc));
             const float *xc = xp + c * 64;
-#define FIELD(f) _mm256_cvtepi32_ps(_mm256_and_si256(wv, _mm256_set1_epi32(0xF << (4 * (f)))))
-            __m256 t0 = _mm256_mul_ps(FIELD(0), _mm256_loadu_ps(xc));
-            __m256 t1 = _mm256_mul_ps(FIELD(1), _mm256_loadu_ps(xc + 8));
-            t0 = _mm256_fmadd_ps(FIELD(2), _mm256_loadu_ps(xc + 16), t0);
-            t1 = _mm256_fmadd_ps(FIELD(3), _mm256_loadu_ps(xc + 24), t1);
-            t0 = _mm256_fmadd_ps(FIELD(4), _mm256_loadu_ps(xc + 32), t0);
-            t1 = _mm256_fmadd_ps(FIELD(5), _mm256_loadu_ps(xc + 40), t1);
-            t0 = _mm256_fmadd_ps(FIELD(6), _mm256_loadu_ps(xc + 48), t0);
+            /* fields 2k and 2k + 1 from wv shifted down by 8k: two masks for all eight (seven masks in place
+             * were rebuilt in the loop by GCC, out of registers: three instructions each) */
+            const __m256i v1 = _mm256_srli_epi32(wv, 8), v2 = _mm256_srli_epi32(wv, 16), v3 = _mm256_srli_epi32(wv, 24);
+#define LO(v) _mm256_cvtepi32_ps(_mm256_and_si256(v, m0))
+#define HI(v) _mm256_cvtepi32_ps(_mm256_and_si256(v, m1))
+            __m256 t0 = _mm256_mul_ps(LO(wv), _mm256_loadu_ps(xc));
+            __m256 t1 = _mm256_mul_ps(HI(wv), _mm256_loadu_ps(xc + 8));
+            t0 = _mm256_fmadd_ps(LO(v1), _mm256_loadu_ps(xc + 16), t0);
+            t1 = _mm256_fmadd_ps(HI(v1), _mm256_loadu_ps(xc + 24), t1);
+            t0 = _mm256_fmadd_ps(LO(v2), _mm256_loadu_ps(xc + 32), t0);
+            t1 = _mm256_fmadd_ps(HI(v2), _mm256_loadu_ps(xc + 40), t1);
+            t0 = _mm256_fmadd_ps(LO(v3), _mm256_loadu_ps(xc + 48), t0);
             t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(wv, 28)), _mm256_loadu_ps(xc + 56), t1);
-#undef FIELD
+#undef LO
+#undef HI
             const __m256 sv = _mm256_permutevar8x32_ps(win, idx[u]);
             if (u & 1) acc1 = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), sv, acc1);
             else acc0 = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), sv, acc0);
