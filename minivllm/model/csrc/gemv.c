@@ -436,10 +436,10 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
             gemv_w4a8(o, ldo, xm, ldx, mm, K, N, w, scale, mins, G, halves, bias, scratch, num_threads);
         } else if (fmt == FMT_INT4) {
             int64_t Kp = (K + G - 1) / G * G;
-#if defined(GEMV_INT4_AVX512)
+#if defined(INT4_M1_CHUNK) /* one token: the ISA's nibble-field rows (csrc/gemv_avx512.h, csrc/gemv_avx2.h) */
             if (mm == 1) {
-                float *xg = scratch + (Kp + 127) / 128 * 128;
-                int4_stage_m1(scratch, xg, xm, K, Kp, G);
+                float *xg = scratch + (Kp + INT4_M1_CHUNK - 1) / INT4_M1_CHUNK * INT4_M1_CHUNK;
+                INT4_M1_STAGE(scratch, xg, xm, K, Kp, G);
                 L.Kv = Kp;
                 row_queue_t q;
                 rq_init(&q, N, num_threads, 1, Kp / 2);
@@ -447,22 +447,7 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
                 {
                     int64_t n, end;
                     while (rq_take(&q, &n, &end))
-                        for (; n < end; n++) int4_row_m1_avx512(o, scratch, xg, &L, n);
-                }
-                continue;
-            }
-#elif defined(GEMV_INT4_M1_AVX2)
-            if (mm == 1) {
-                float *xg = scratch + (Kp + 63) / 64 * 64;
-                int4_stage_m1_avx2(scratch, xg, xm, K, Kp, G);
-                L.Kv = Kp;
-                row_queue_t q;
-                rq_init(&q, N, num_threads, 1, Kp / 2);
-#pragma omp parallel num_threads(num_threads)
-                {
-                    int64_t n, end;
-                    while (rq_take(&q, &n, &end))
-                        for (; n < end; n++) int4_row_m1_avx2(o, scratch, xg, &L, n);
+                        for (; n < end; n++) INT4_M1_ROW(o, scratch, xg, &L, n);
                 }
                 continue;
             }

@@ -158,7 +158,10 @@ INLINE void int4_row_m1_avx2(float *out, const float *xp, const float *xg, const
     }
     out[n] = hsum256(_mm256_add_ps(acc0, acc1)) + (L->bias ? L->bias[n] : 0.f);
 }
-#define GEMV_INT4_M1_AVX2 1
+/* (gemv.c's one-token int4 dispatch: weights per chunk, the staging, the row) */
+#define INT4_M1_CHUNK 64
+#define INT4_M1_STAGE int4_stage_m1_avx2
+#define INT4_M1_ROW int4_row_m1_avx2
 
 /* int8 weight-only on AVX2: 8 codes widened and converted per vector (the 64-byte v16 path of int8_row compiled
  * to 3 tok/s on a 1B shape), each reused for the M rows of x, the row's scale applied once at the end. */

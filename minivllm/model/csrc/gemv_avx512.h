@@ -269,6 +269,10 @@ INLINE void int4_row_m1_avx512(float *out, const float *xp, const float *xg, con
     }
     out[n] = _mm512_reduce_add_ps(acc) + (L->bias ? L->bias[n] : 0.f);
 }
+/* (gemv.c's one-token int4 dispatch: weights per chunk, the staging, the row) */
+#define INT4_M1_CHUNK 128
+#define INT4_M1_STAGE int4_stage_m1
+#define INT4_M1_ROW int4_row_m1_avx512
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
