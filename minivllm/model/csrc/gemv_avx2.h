@@ -14,9 +14,9 @@ INLINE float hsum256(__m256 v) {
 }
 
 /* int4 on AVX2 for 2..MAX_M tokens (one token: int4_row_m1_avx2 below): 16-entry tables need two 8-lane permutes
- * and a blend here, and the 64-byte vectors above compile to scalar shuffles (1B shape, one token: 1.1 tok/s). Instead each group's sum of q * x is taken in float
- * (codes widened to int32 and converted: three instructions per 8 weights) and scaled once per group; the mins
- * meet the group's sum of x (xg, computed once per call). */
+ * and a blend here, and the 64-byte vectors above compile to scalar shuffles (1B shape, one token: 1.1 tok/s).
+ * Instead each group's sum of q * x is taken in float (codes widened to int32 and converted: three instructions per
+ * 8 weights) and scaled once per group; the mins meet the group's sum of x (xg, computed once per call). */
 INLINE void int4_row_avx2(float *out, int64_t ldo, const float *x, const float *xg, int M, const Layer *L,
                           int64_t n) {
     const int64_t Kp = L->Kv, G = L->G, ng = Kp / G;
@@ -60,14 +60,14 @@ INLINE void int4_row_avx2(float *out, int64_t ldo, const float *x, const float *
 }
 
 /* int4 weight-only at one token on AVX2 (csrc/gemv_avx512.h's int4_row_m1_avx512 in 8 lanes): a 32-byte chunk of a
- * row (64 weights, 2 blocks of 32) read as 8 int32 lanes holds 8 nibble fields per lane; field f masked in place is
- * q * 16^f (at most 4 significant bits: converted exactly) against x's entries for it pre-scaled by 16^-f (exact),
- * staged once per call by int4_stage_m1_avx2; field 7 is shifted down instead (the sign bit). Per 64 weights a load,
- * 7 ands, a shift, 8 conversions, 8 multiply-adds, one permute picking the lanes' group scales from a window of 8
- * groups' and one multiply-add: one shuffle where int4_row_avx2 takes 12 (its widening moves), and independent
- * chains where its group sums were one chain of four dependent FMAs per 32 weights (bound by their latency: a 1B
- * model's int4 decode streamed 6.4 GB/s on a 2-core AVX2 EPYC). The mins join once per row through the groups'
- * sums of x (xg, zero to a multiple of 8 groups). */
+ * row (64 weights, 2 blocks of 32) read as 8 int32 lanes holds 8 nibble fields per lane. Fields 2k and 2k + 1 come
+ * from the lanes shifted down by 8k against the masks 0xF and 0xF0 (q and 16 q: exact as floats; field 7 is the
+ * shift by 28 alone), against x staged once per call in the same order by int4_stage_m1_avx2, its odd fields
+ * pre-scaled by 1/16 (exact). Per 64 weights a load, 4 shifts, 7 ands, 8 conversions, 8 multiply-adds, one permute
+ * picking the lanes' group scales from a window of 8 groups' and one multiply-add: one shuffle where int4_row_avx2
+ * takes 12 (its widening moves), and independent chains where its group sums were one chain of four dependent FMAs
+ * per 32 weights (bound by their latency: a 1B model's int4 decode streamed 6.4 GB/s on a 2-core AVX2 EPYC). The
+ * mins join once per row through the groups' sums of x (xg, zero to a multiple of 8 groups). */
 INLINE void int4_stage_m1_avx2(float *xp, float *xg, const float *x, int64_t K, int64_t Kp, int64_t G) {
     const int64_t nchunks = (Kp + 63) / 64, ng = Kp / G;
     for (int64_t c = 0; c < nchunks; c++)
@@ -129,9 +129,10 @@ INLINE void int4_row_m1_avx2(float *out, const float *xp, const float *xg, const
             const __m256i wv = nbytes - c * 32 >= 32 ? _mm256_loadu_si256((const __m256i *)wc)
                                                      : _mm256_set_m128i(_mm_setzero_si128(), _mm_loadu_si128(wc));
             const float *xc = xp + c * 64;
-            /* fields 2k and 2k + 1 from wv shifted down by 8k: two masks for all eight (seven masks in place
-             * were rebuilt in the loop by GCC, out of registers: three instructions each) */
-            const __m256i v1 = _mm256_srli_epi32(wv, 8), v2 = _mm256_srli_epi32(wv, 16), v3 = _mm256_srli_epi32(wv, 24);
+            /* (two masks for all eight fields: seven masks in place ran GCC out of registers, and it rebuilt four
+             * in the loop, three instructions each) */
+            const __m256i v1 = _mm256_srli_epi32(wv, 8), v2 = _mm256_srli_epi32(wv, 16);
+            const __m256i v3 = _mm256_srli_epi32(wv, 24);
 #define LO(v) _mm256_cvtepi32_ps(_mm256_and_si256(v, m0))
 #define HI(v) _mm256_cvtepi32_ps(_mm256_and_si256(v, m1))
             __m256 t0 = _mm256_mul_ps(LO(wv), _mm256_loadu_ps(xc));
