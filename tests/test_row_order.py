@@ -364,7 +364,7 @@ def test_w4a8_rows_two_or_four_a_pass_then_one_by_one_from_the_shortest_length_t
     the longest lost); then the passes' prefetch into L1 against L2 in that configuration (L2 where it wins by the
     margin); the library follows; kept for the same layers; no W4A8 layer, no choice."""
     if not row_order.w4a8_ordered():
-        pytest.skip("W4A8's one-token rows have one order here (no AVX-512 VNNI)")
+        pytest.skip("W4A8's one-token rows have one order here (neither AVX-512 VNNI nor AVX2)")
     now = {"config": (4, NEVER), "timed": []}
     real_set = row_order.set_w4a8_rows
 
@@ -408,7 +408,7 @@ def test_w4a8_rows_two_or_four_a_pass_then_one_by_one_from_the_shortest_length_t
 
 def test_a_w4a8_engine_times_its_rows_and_greedy_output_does_not_depend_on_them(model_factory, monkeypatch):
     path = model_factory("tiny-llama")
-    if not row_order.w4a8_ordered():  # (no AVX-512 VNNI: the rows have one order, nothing is timed)
+    if not row_order.w4a8_ordered():  # (neither AVX-512 VNNI nor AVX2: one order, nothing timed)
         assert LLM(path, num_kv_blocks=64, quantization="w4a8").llm_engine.runner.w4a8_rows is None
         return
 

@@ -173,13 +173,13 @@ def restore(saved: State) -> None:
 
 
 def w8a8_ordered() -> bool:
-    """Whether W8A8's one-token rows follow the order on this CPU (the AVX-512 VNNI path)."""
+    """Whether W8A8's one-token rows follow the order on this CPU (the AVX-512 VNNI path, and AVX2's for W4A8)."""
     lib = cpu_kernels.load_library()
     return lib is not None and bool(lib.gemv_w8a8_rows_ordered())
 
 
 def w4a8_ordered() -> bool:
-    """Whether W4A8's one-token rows follow the choice made here (the AVX-512 VNNI path)."""
+    """Whether W4A8's one-token rows follow the choice made here (the AVX-512 VNNI path, and AVX2's for W4A8)."""
     lib = cpu_kernels.load_library()
     return lib is not None and bool(lib.gemv_w4a8_rows_ordered())
 

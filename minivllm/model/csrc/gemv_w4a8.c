@@ -332,6 +332,23 @@ static inline int64_t tail_rows_vnni(int64_t Kp, int64_t ng, int64_t ngp, int64_
 }
 #endif
 
+/* One-token rows of at least this many weight bytes (Kp / 2) go one by one (row_vnni; AVX2: rows_m1_avx2's one row),
+ * the rest gemv_w4a8_pass_rows (4 or 2) a pass (rows_m1_vnni, rows_m1_avx2); never (INT64_MAX) and four until set_gemv_w4a8_seq_bytes and
+ * set_gemv_w4a8_pass_rows say otherwise (model/row_order.py times them at start-up). Four interleaved rows a pass
+ * stream short rows well with their prefetch two passes ahead, but long rows poorly: on a 2-vCPU Zen 4 (2 threads,
+ * 250 MB of weights) one row at a time read 8192-wide rows (4 KiB) 1.4-1.6x as fast and 4096-wide 1.4x, tied at 2048,
+ * and lost at 1024 and 576 (0.8-0.9x). On a 2-vCPU Sapphire Rapids-class Xeon two rows a pass, their loads
+ * alternating line by line, decoded a 1B model 1.19x as fast as four, one by one 1.18x; on a 2-core AVX2 EPYC two
+ * a pass read a 1B-shaped chain 1.11-1.14x as fast as four. (Atomic, both: one engine's
+ * start-up may set them while another runs; any mix of them is a valid order, of the same bits.) */
+static int64_t gemv_w4a8_seq_bytes = INT64_MAX;
+static int gemv_w4a8_pass_rows = 4;
+
+/* Where the passes' prefetch two passes ahead (AVX2: one pass) brings its lines: L1 (0, until
+ * set_gemv_w4a8_prefetch_l2 says 1) or L2. On a 2-vCPU Sapphire Rapids-class Xeon into L2 decoded a 1B model 1.035-1.04x as fast (same process,
+ * alternating; the same into L1 one pass ahead 1.01x, three or more 0.91-0.96x); model/row_order.py times both. */
+static int gemv_w4a8_prefetch_l2 = 0;
+
 int gemv_w4a8_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, int k, int64_t K, int64_t N,
                       const void *const *w, const void *const *scale, const void *const *mins, int64_t G, int halves,
                       const float *const *bias, float *scratch, int num_threads);
@@ -366,6 +383,13 @@ void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int6
      * (row_vnni at M > 1): against 2-16 rows of x the arithmetic per weight left the hardware prefetcher behind.
      * Same-process A/B on a Zen 4 EPYC (1B-shaped projections, Q4_0's layout, 2 threads): 1.51x / 1.48x / 1.23x /
      * 1.12x at 2 / 4 / 8 / 16 rows, the prefetch alone 1.14-1.44x. */
+#ifdef W4A8_AVX2
+    /* One token: the rows a pass, or one by one from a length, and where the prefetch brings its lines, as
+     * model/row_order.py set them (read once: a call's rows in one order) */
+    const int m1_rows = Kp / 2 >= __atomic_load_n(&gemv_w4a8_seq_bytes, __ATOMIC_RELAXED)
+                            ? 1 : __atomic_load_n(&gemv_w4a8_pass_rows, __ATOMIC_RELAXED);
+    L.l2 = __atomic_load_n(&gemv_w4a8_prefetch_l2, __ATOMIC_RELAXED);
+#endif
     row_queue_t q;
     rq_init(&q, N, num_threads, 4, Kp / 2);
 #pragma omp parallel num_threads(num_threads)
@@ -400,9 +424,20 @@ void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int6
                 float *o = out + j * ldo, *xgj = xg + j * ngp, *xbj = xb ? xb + j * ngp : NULL;
                 const int8_t *xqj = xq + j * Kx;
                 const int64_t end = c1;
-                if (M == 1 && n + 4 <= end && !(Kp & 63)) { /* one token: four weight rows per pass */
-                    rows4_m1_avx2(o, xqj, xs[j], xgj, xbj, &L, n, sf, n + 8 <= end ? 4 * (Kp / 2) : 0);
-                    n += 3;
+                if (M == 1 && !(Kp & 63) && n + m1_rows <= end) { /* one token: m1_rows weight rows a pass */
+                    const int64_t ahead = n + 2 * m1_rows <= end ? m1_rows * (Kp / 2) : 0;
+#define ROWS_M1(f16, R) rows_m1_avx2(o, xqj, xs[j], xgj, xbj, &L, n, ahead, f16, R)
+                    if (L.f16) {
+                        if (m1_rows == 4) ROWS_M1(1, 4);
+                        else if (m1_rows == 2) ROWS_M1(1, 2);
+                        else ROWS_M1(1, 1);
+                    } else {
+                        if (m1_rows == 4) ROWS_M1(0, 4);
+                        else if (m1_rows == 2) ROWS_M1(0, 2);
+                        else ROWS_M1(0, 1);
+                    }
+#undef ROWS_M1
+                    n += m1_rows - 1;
                     continue;
                 }
                 if (M == 1 && n + 4 <= end) {
@@ -425,22 +460,6 @@ void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int6
     }
 }
 
-/* One-token rows of at least this many weight bytes (Kp / 2) go one by one (row_vnni), the rest gemv_w4a8_pass_rows
- * (4 or 2) a pass (rows_m1_vnni); never (INT64_MAX) and four until set_gemv_w4a8_seq_bytes and
- * set_gemv_w4a8_pass_rows say otherwise (model/row_order.py times them at start-up). Four interleaved rows a pass
- * stream short rows well with their prefetch two passes ahead, but long rows poorly: on a 2-vCPU Zen 4 (2 threads,
- * 250 MB of weights) one row at a time read 8192-wide rows (4 KiB) 1.4-1.6x as fast and 4096-wide 1.4x, tied at 2048,
- * and lost at 1024 and 576 (0.8-0.9x). On a 2-vCPU Sapphire Rapids-class Xeon two rows a pass, their loads
- * alternating line by line, decoded a 1B model 1.19x as fast as four, one by one 1.18x. (Atomic, both: one engine's
- * start-up may set them while another runs; any mix of them is a valid order, of the same bits.) */
-static int64_t gemv_w4a8_seq_bytes = INT64_MAX;
-static int gemv_w4a8_pass_rows = 4;
-
-/* Where the passes' prefetch two passes ahead brings its lines: L1 (0, until set_gemv_w4a8_prefetch_l2 says 1) or
- * L2. On a 2-vCPU Sapphire Rapids-class Xeon into L2 decoded a 1B model 1.035-1.04x as fast (same process,
- * alternating; the same into L1 one pass ahead 1.01x, three or more 0.91-0.96x); model/row_order.py times both. */
-static int gemv_w4a8_prefetch_l2 = 0;
-
 void set_gemv_w4a8_prefetch_l2(int l2) { __atomic_store_n(&gemv_w4a8_prefetch_l2, l2 != 0, __ATOMIC_RELAXED); }
 
 void set_gemv_w4a8_seq_bytes(int64_t bytes) { __atomic_store_n(&gemv_w4a8_seq_bytes, bytes, __ATOMIC_RELAXED); }
@@ -455,7 +474,7 @@ int gemv_w4a8_one_by_one(int64_t row_bytes) {
 /* Whether W4A8's one-token rows follow gemv_w4a8_seq_bytes and gemv_w4a8_pass_rows here (the AVX-512 VNNI path): where not, timing its
  * layers both ways would only measure noise. */
 int gemv_w4a8_rows_ordered(void) {
-#ifdef W4A8_VNNI
+#if defined(W4A8_VNNI) || defined(W4A8_AVX2)
     return 1;
 #else
     return 0;

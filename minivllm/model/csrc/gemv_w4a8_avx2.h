@@ -137,66 +137,110 @@ static inline __attribute__((always_inline)) void rows_avx2(float *out, int64_t 
         }
 }
 
-/* One token, four weight rows (n .. n+3) per pass, an even number of blocks: rows_avx2's pair loop with its four
- * accumulators in registers and the scale lookup chosen once (the general loop re-tested it per row and pair and
- * stored every accumulator back to the stack). `ahead` bytes on, the next pass's rows are prefetched (1-4 KiB
- * rows are short for the hardware prefetcher to learn; the prefetch was not measured apart). */
-static inline __attribute__((always_inline)) void rows4_m1_avx2(float *out, const int8_t *xq, float xs,
-                                                                const float *xg, const float *xb,
-                                                                const W4A8Layer *L, int64_t n, float *sf,
-                                                                int64_t ahead) {
+/* A pair of blocks' two scales as [s[0] x4, s[1] x4] straight from the weights' half floats (f16: float16, else
+ * bfloat16, float32's upper half): one broadcast load and a byte shuffle (and a conversion for float16). In the
+ * pair loop these replaced row_floats' pass over each row's scales, its stores and reloads: 1.13-1.15x on weights
+ * in the L3 (2 threads, 1B-shaped rows, a 2-core AVX2 EPYC). */
+static inline __attribute__((always_inline)) __m256 pair_scale_half(const uint16_t *s, const int f16) {
+    int32_t v;
+    memcpy(&v, s, sizeof v);
+    if (f16)
+        return _mm256_cvtph_ps(_mm_shuffle_epi8(_mm_cvtsi32_si128(v), _mm_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1,
+                                                                                     2, 3, 2, 3, 2, 3, 2, 3)));
+    const __m256i pick = _mm256_setr_epi8(-1, -1, 0, 1, -1, -1, 0, 1, -1, -1, 0, 1, -1, -1, 0, 1,
+                                          -1, -1, 2, 3, -1, -1, 2, 3, -1, -1, 2, 3, -1, -1, 2, 3);
+    return _mm256_castsi256_ps(_mm256_shuffle_epi8(_mm256_set1_epi32(v), pick));
+}
+
+/* One half-float scale in every lane (a 16-bit broadcast load; bfloat16: the low halves cleared). */
+static inline __attribute__((always_inline)) __m256 bcast_half(const uint16_t *s, const int f16) {
+    if (f16) return _mm256_cvtph_ps(_mm_set1_epi16((short)*s));
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_set1_epi16((short)*s), _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* row_total for half-float mins (the scales where symmetric), widened as they meet xg. */
+static inline __attribute__((always_inline)) float row_total_half(const uint16_t *mins, const float *xg, int64_t ng,
+                                                                  float mscale, __m256 acc, const int f16) {
+    __m256 t = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= ng; g += 8) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)(mins + g));
+        const __m256 m = f16 ? _mm256_cvtph_ps(h) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        t = _mm256_fmadd_ps(m, _mm256_loadu_ps(xg + g), t);
+    }
+    float rest = 0.f;
+    for (; g < ng; g++) rest += halff(mins[g], f16) * xg[g];
+    return hsum8(_mm256_fmadd_ps(t, _mm256_set1_ps(mscale), acc)) + mscale * rest;
+}
+
+/* One token, R (4, 2 or 1: constants at each call) weight rows n .. n+R-1 a pass, an even number of blocks: each
+ * load of x serves the R rows, their accumulators stay in registers, the scale lookup is chosen once (the general
+ * loop re-tested it per row and pair and stored every accumulator back to the stack). `ahead` bytes on (the next
+ * pass), the rows' weights are prefetched into L1 (L2 where L->l2), their scales and mins too: rows of 1-4 KiB are
+ * short for the hardware prefetcher to learn. Which R streams fastest is the memory system's (model/row_order.py
+ * times 4 and 2 a pass, then one by one from a length, as on AVX-512): on a 2-core AVX2 EPYC two rows a pass read a
+ * 1B-shaped chain 1.11-1.14x as fast as four; two passes ahead read 0.97x of one. f16: float16 scales, else
+ * bfloat16. */
+static inline __attribute__((always_inline)) void rows_m1_avx2(float *out, const int8_t *xq, float xs,
+                                                               const float *xg, const float *xb, const W4A8Layer *L,
+                                                               int64_t n, int64_t ahead, const int f16, const int R) {
     const int64_t npairs = L->Kp / 64, ng = L->ng, rowb = L->Kp / 2, bpg = L->G / 32;
     const int shift = __builtin_ctzll((unsigned long long)bpg); /* (G a power of two: 32 .. 256) */
-    const float *mins[4], *sc[4];
-    for (int r = 0; r < 4; r++) {
-        sc[r] = sf + r * 2 * (ng + 8);
-        mins[r] = row_floats(L, n + r, sf + r * 2 * (ng + 8));
+    const int64_t mbytes = L->f32mins ? 4 : 2;
+    const uint16_t *sc = L->scale + n * ng;
+    const char *mn = L->sym ? (const char *)sc : (const char *)L->mins + n * ng * mbytes;
+    const int l2 = L->l2;
+    if (ahead) { /* the next pass's scales and mins */
+        for (int64_t b = 0; b < 2 * R * ng; b += 64) __builtin_prefetch((const char *)(sc + R * ng) + b);
+        if (!L->sym)
+            for (int64_t b = 0; b < R * ng * mbytes; b += 64) __builtin_prefetch(mn + R * ng * mbytes + b);
     }
     const uint8_t *w = L->w + n * rowb;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-#define W4A8_ROW(r, acc, q, xl, xh, s)                                                                               \
+    __m256 acc[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+#define W4A8_ROW(r, q, xl, xh, s)                                                                                    \
     do {                                                                                                             \
         __m256i lo, hi;                                                                                              \
         nibbles(_mm256_loadu_si256((const __m256i *)(w + (r) * rowb + (q) * 32)), &lo, &hi);                        \
-        acc = _mm256_fmadd_ps(pair_dot(lo, hi, xl, xh), (s), acc);                                                  \
+        acc[r] = _mm256_fmadd_ps(pair_dot(lo, hi, xl, xh), (s), acc[r]);                                            \
     } while (0)
-#define PAIR_SCALE(r, q) (xb ? _mm256_mul_ps(pair_scale(sc[r] + 2 * (q)), xsc) : pair_scale(sc[r] + 2 * (q)))
-#define PAIR4(q, xlo, xhi)                                                                                           \
+#define PAIR_SCALE(r, q) (xb ? _mm256_mul_ps(pair_scale_half(sc + (r) * ng + 2 * (q), f16), xsc)                      \
+                             : pair_scale_half(sc + (r) * ng + 2 * (q), f16))
+#define PAIRS(q, xlo, xhi)                                                                                           \
     do {                                                                                                             \
         const __m256i xl = (xlo), xh = (xhi);                                                                        \
         if (shift == 0) { /* (x's block scales, where it has them: groups of 32) */                                  \
             const __m256 xsc = xb ? pair_scale(xb + 2 * (q)) : _mm256_setzero_ps();                                  \
-            W4A8_ROW(0, a0, q, xl, xh, PAIR_SCALE(0, q));                                                            \
-            W4A8_ROW(1, a1, q, xl, xh, PAIR_SCALE(1, q));                                                            \
-            W4A8_ROW(2, a2, q, xl, xh, PAIR_SCALE(2, q));                                                            \
-            W4A8_ROW(3, a3, q, xl, xh, PAIR_SCALE(3, q));                                                            \
+            for (int r = 0; r < R; r++) W4A8_ROW(r, q, xl, xh, PAIR_SCALE(r, q));                                    \
         } else {                                                                                                     \
             const int64_t g = (2 * (q)) >> shift;                                                                    \
-            W4A8_ROW(0, a0, q, xl, xh, _mm256_broadcast_ss(sc[0] + g));                                              \
-            W4A8_ROW(1, a1, q, xl, xh, _mm256_broadcast_ss(sc[1] + g));                                              \
-            W4A8_ROW(2, a2, q, xl, xh, _mm256_broadcast_ss(sc[2] + g));                                              \
-            W4A8_ROW(3, a3, q, xl, xh, _mm256_broadcast_ss(sc[3] + g));                                              \
+            for (int r = 0; r < R; r++) W4A8_ROW(r, q, xl, xh, bcast_half(sc + r * ng + g, f16));                    \
         }                                                                                                            \
     } while (0)
 #define LOAD_X(p) _mm256_loadu_si256((const __m256i *)(p))
     int64_t p = 0;
     for (; p + 2 <= npairs; p += 2) { /* two pairs (one 128-weight chunk of x) per iteration: 1.17x one pair */
         const int8_t *xk = xq + (p >> 1) * 128; /* the chunk's low halves; high halves 64 on */
-        if (ahead) { /* the next four rows, 4 * rowb bytes on, over this pass's pairs: two lines per pair */
-            for (int c = 0; c < 4; c++) __builtin_prefetch(w + ahead + p * 128 + 64 * c);
-        }
-        PAIR4(p, LOAD_X(xk), LOAD_X(xk + 64));
-        PAIR4(p + 1, LOAD_X(xk + 32), LOAD_X(xk + 96));
+        if (ahead) /* the next R rows over this pass's pairs: R lines an iteration */
+            for (int c = 0; c < R; c++) {
+                const uint8_t *pf = w + ahead + p * 32 * R + 64 * c;
+                if (l2) __builtin_prefetch(pf, 0, 2);
+                else __builtin_prefetch(pf);
+            }
+        PAIRS(p, LOAD_X(xk), LOAD_X(xk + 64));
+        PAIRS(p + 1, LOAD_X(xk + 32), LOAD_X(xk + 96));
     }
-    if (p < npairs) PAIR4(p, LOAD_X(xq + (p >> 1) * 128), LOAD_X(xq + (p >> 1) * 128 + 64)); /* an odd last pair */
-#undef PAIR4
+    if (p < npairs) PAIRS(p, LOAD_X(xq + (p >> 1) * 128), LOAD_X(xq + (p >> 1) * 128 + 64)); /* an odd last pair */
+#undef PAIRS
 #undef LOAD_X
 #undef W4A8_ROW
 #undef PAIR_SCALE
-    const __m256 acc[4] = {a0, a1, a2, a3};
     const float mscale = L->sym ? -8.f : 1.f;
-    for (int r = 0; r < 4; r++)
-        out[n + r] = row_total(mins[r], xg, ng, mscale, acc[r]) * xs + (L->bias ? L->bias[n + r] : 0.f);
+    for (int r = 0; r < R; r++) {
+        const float y = L->f32mins ? row_total((const float *)mn + r * ng, xg, ng, mscale, acc[r])
+                                   : row_total_half((const uint16_t *)mn + r * ng, xg, ng, mscale, acc[r], f16);
+        out[n + r] = y * xs + (L->bias ? L->bias[n + r] : 0.f);
+    }
 }
 
 /* One weight row against M (1..8) tokens, an even number of blocks: the pair's nibbles and scales are decoded
