@@ -229,7 +229,9 @@ def test_bandwidth_probe_streams_beyond_the_last_level_cache():
 def test_bench_peers_smoke_and_its_verdicts(tmp_path):
     """`bench peers` measures every engine in its own process (HF here; llama.cpp is an optional extra) and the
     report marks each target met, not met or not measured, and checks the probe against the peers' decode."""
+    from minivllm.bench.peers import peer_type, valid_mode
     from minivllm.bench.peers_report import report
+    from minivllm.bench.quant_quality import mode_engine_kwargs
 
     out = tmp_path / "peers.json"
     rc = main(["bench", "peers", "--presets", "tiny-llama", "--modes", "fp32,w4a8", "--batches", "1,4",
@@ -260,6 +262,15 @@ def test_bench_peers_smoke_and_its_verdicts(tmp_path):
     text = report(fake)
     assert "| 116% | >= 85%: not measured (above the probe) |" in text
     assert "its fastest pass is below one of ours (34.6 GB/s)" in text
+    # int4 under a bfloat16 model (w4a16, asked for by name) meets int4's target against Q4_0 on its own row.
+    assert valid_mode("w4a16") and peer_type("w4a16") == "Q4_0" and not valid_mode("w4a4")
+    assert mode_engine_kwargs("w4a16") == {"dtype": "bfloat16", "quantization": "int4", "quantization_group_size": 32}
+    big = fake["presets"]["big"]
+    big["ours|w4a16"], big["ours|int4"] = {"1": {"median": 33.0}}, {"1": {"median": 25.0}}
+    fake["modes"] = ["w4a16", "int4"]
+    text = report(fake)
+    assert "| w4a16 | b=1 tok/s | 33.0 | Q4_0 30.0 | 1.10x | - | - | >= 1.0x: met |" in text
+    assert "| int4 | b=1 tok/s | 25.0 | Q4_0 30.0 | 0.83x | - | - | >= 1.0x: NOT MET |" in text
 
 
 def test_bench_peers_paired_bursts_beside_llama_cpp(tmp_path):

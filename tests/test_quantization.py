@@ -139,6 +139,23 @@ def test_w4a8_kernel_superblocks_and_tails_every_group_size(group, k, m, scale_d
         ref = ((xq.double() * xs.double()[:, None]) if a8 else x.double()) @ q4.dequantize().double().t()
         ref = ref + q4.bias.double()
         assert (kernel(x).double() - ref).abs().max().item() <= 2e-6 * ref.abs().max().item(), name
+    if m == 1:  # a bfloat16 model's x: AVX512-BF16's dot product where the CPU has it (csrc/gemv_int4_bf16dot.h)
+        xb = x.bfloat16().float()
+        ref = xb.double() @ q4.dequantize().double().t() + q4.bias.double()
+        got = q4.forward_native(xb)
+        assert (got.double() - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
+        assert torch.equal(got, q4.forward_native(xb))
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no cc")
+def test_int4_rows_take_a_bf16_x_by_the_dot_product_where_the_cpu_has_it():
+    """The build picks csrc/gemv_int4_bf16dot.h's rows wherever the CPU has AVX512-BF16 (and AVX512-BW): a header
+    order or guard that lost them would leave a bfloat16 model's int4 decode on the float rows, correct but slower."""
+    lib = cpu_kernels.load_library()
+    assert lib is not None
+    with open("/proc/cpuinfo") as f:
+        flags = next((line for line in f if line.startswith("flags")), "").split()
+    assert lib.gemv_int4_bf16dot() == int("avx512_bf16" in flags and "avx512bw" in flags)
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no cc")

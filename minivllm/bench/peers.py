@@ -33,7 +33,8 @@ from minivllm.bench.results import run_worker, save
 from minivllm.config import cpu_count
 
 MODES = ("fp32", "bf16", "int8", "w8a8", "int4", "w4a8")
-PEER_TYPE = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "w8a8": "Q8_0", "int4": "Q4_0", "w4a8": "Q4_0"}
+PEER_TYPE = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "w8a8": "Q8_0", "int4": "Q4_0", "w4a8": "Q4_0",
+             "w4a16": "Q4_0"}  # (w4a16: int4 under a bfloat16 model, quant_quality.W4A16; by name only)
 # Same-file modes (issue 35): "gguf:TYPE" serves llama.cpp's own file of that type as it loads by default,
 # "gguf:TYPE+METHOD" with --quantization METHOD on top (Q4_0+w4a8: int8 activations, as llama.cpp computes).
 GGUF_TYPES = ("F32", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K_M", "Q5_K_M", "Q6_K")
@@ -51,7 +52,7 @@ def valid_mode(mode: str) -> bool:
         native = {"Q4_0": ("int4", "w4a8"), "Q4_1": ("int4", "w4a8"), "Q8_0": int8, "Q4_K_M": int8, "Q5_K_M": int8,
                   "Q6_K": int8}
         return kind in GGUF_TYPES and method in ("", *native.get(kind, ("int4", "w4a8", "int8", "w8a8")))
-    return mode in MODES
+    return mode in PEER_TYPE
 HF_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 PREFILL = "prefill"
 
@@ -251,7 +252,7 @@ def run_peers(ns: argparse.Namespace) -> int:
     modes = ns.modes.split(",")
     unknown = [m for m in modes if not valid_mode(m)]
     if unknown:
-        raise SystemExit(f"bench peers: unknown mode(s) {', '.join(unknown)}; choose among {', '.join(MODES)}")
+        raise SystemExit(f"bench peers: unknown mode(s) {', '.join(unknown)}; choose among {', '.join(PEER_TYPE)}")
     skip = "--no-llama-cpp" if ns.no_llama_cpp else llamacpp.available()
     if skip:
         print(skip)

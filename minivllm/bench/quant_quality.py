@@ -13,12 +13,17 @@ from minivllm.engine_config import EngineConfig
 from minivllm.model.runner import ModelRunner, SequenceInput
 
 MODES = ("fp32", "bf16", "int8", "int4", "w8a8", "w4a8")
+# int4 weights under a bfloat16 model (vLLM's W4A16: how GPTQ and AWQ checkpoints run as they ship); asked for by
+# name, not in the default lists
+W4A16 = "w4a16"
 
 
 def mode_engine_kwargs(mode: str, group_size: int = 32) -> dict[str, Any]:
     """EngineArgs fields for a mode name: a dtype, or float32 activations with quantized weights."""
-    if mode not in MODES:
-        raise ValueError(f"--modes: unknown mode {mode!r}; choose among {', '.join(MODES)}")
+    if mode not in (*MODES, W4A16):
+        raise ValueError(f"--modes: unknown mode {mode!r}; choose among {', '.join((*MODES, W4A16))}")
+    if mode == W4A16:
+        return {"dtype": "bfloat16", "quantization": "int4", "quantization_group_size": group_size}
     if mode == "bf16":
         return {"dtype": "bfloat16"}
     if mode == "fp32":

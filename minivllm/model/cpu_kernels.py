@@ -52,8 +52,9 @@ _SOURCES = ("paged_attention_wide.c", "paged_attention.c", "gemv.c", "gemm_a8.c"
             "quantize_rows.c", "greedy_loop.c", "membw.c")
 # included by the sources: copied and hashed with them
 _HEADERS = ("paged_attention.h", "paged_attention_items.h", "paged_attention_rows.h", "gemv_rows.h", "gemv_m1.h",
-            "gemv_avx2.h", "gemv_w4a8_avx2.h", "gemv_bf16dot.h", "gemv_avx512.h", "hsum_avx2.h", "simd_width.h",
-            "decode_stack.h", "group_window.h", "stage_rows.h", "q6k_unpack.h", "q4k_unpack.h", "superblock_rows.h")
+            "gemv_avx2.h", "gemv_w4a8_avx2.h", "gemv_bf16dot.h", "gemv_avx512.h", "gemv_int4_bf16dot.h", "hsum_avx2.h",
+            "simd_width.h", "decode_stack.h", "group_window.h", "stage_rows.h", "q6k_unpack.h", "q4k_unpack.h",
+            "superblock_rows.h")
 
 
 @functools.cache
@@ -126,6 +127,7 @@ def load_library() -> ctypes.CDLL | None:
     for name, (args, res) in {"set_gemv_m1_order": ([c_int], None), "gemv_m1_order_now": ([], c_int),
                               "set_gemv_m1_prefetch": ([i64], None), "set_gemv_few_rows_k": ([i64], None),
                               "gemv_few_rows_ordered": ([], c_int), "gemv_w8a8_rows_ordered": ([], c_int),
+                              "gemv_int4_bf16dot": ([], c_int),
                               "set_gemv_w4a8_seq_bytes": ([i64], None), "set_gemv_w4a8_pass_rows": ([c_int], None),
                               "set_gemv_w4a8_prefetch_l2": ([c_int], None), "gemv_w4a8_one_by_one": ([i64], c_int),
                               "gemv_w4a8_rows_ordered": ([], c_int)}.items():

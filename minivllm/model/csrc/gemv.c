@@ -279,12 +279,22 @@ INLINE void dense_rows_store(float *out, int64_t ldo, const float *x, int M, int
 
 #include "gemv_avx2.h"
 #include "gemv_avx512.h"
+#include "gemv_int4_bf16dot.h"
 
 /* Whether the one-token int8 rows follow gemv_m1_order here (AVX-512 VNNI's: W8A8's per-channel rows, and GGUF's
  * Q8_0 / Q4_K / Q6_K rows against x in blocks, csrc/gemv_q8.c, gemv_q4k.c, gemv_q6k.c, built on the same condition):
  * where not, timing their layers each way would only measure noise. */
 int gemv_w8a8_rows_ordered(void) {
 #ifdef GEMV_W8A8_M1_VNNI
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Whether int4's one-token rows take a bf16 x by AVX512-BF16's dot product here (csrc/gemv_int4_bf16dot.h). */
+int gemv_int4_bf16dot(void) {
+#ifdef GEMV_INT4_BF16DOT
     return 1;
 #else
     return 0;
@@ -439,7 +449,13 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
 #if defined(INT4_M1_CHUNK) /* one token: the ISA's nibble-field rows (csrc/gemv_avx512.h, csrc/gemv_avx2.h) */
             if (mm == 1) {
                 float *xg = scratch + (Kp + INT4_M1_CHUNK - 1) / INT4_M1_CHUNK * INT4_M1_CHUNK;
-                INT4_M1_STAGE(scratch, xg, xm, K, Kp, G);
+#if defined(GEMV_INT4_BF16DOT)
+                const int dot = bf16_exact(xm, K); /* (x a bf16 model's: vdpbf16ps, gemv_int4_bf16dot.h) */
+#else
+                const int dot = 0;
+#endif
+                if (dot) int4_stage_m1_bf16((uint16_t *)scratch, xg, xm, K, Kp, G);
+                else INT4_M1_STAGE(scratch, xg, xm, K, Kp, G);
                 L.Kv = Kp;
                 row_queue_t q;
                 rq_init(&q, N, num_threads, 1, Kp / 2);
@@ -447,7 +463,10 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
                 {
                     int64_t n, end;
                     while (rq_take(&q, &n, &end))
-                        for (; n < end; n++) INT4_M1_ROW(o, scratch, xg, &L, n);
+                        for (; n < end; n++) {
+                            if (dot) int4_row_m1_bf16dot(o, (const uint16_t *)scratch, xg, &L, n);
+                            else INT4_M1_ROW(o, scratch, xg, &L, n);
+                        }
                 }
                 continue;
             }
