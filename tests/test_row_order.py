@@ -430,3 +430,45 @@ def test_a_w4a8_engine_times_its_rows_and_greedy_output_does_not_depend_on_them(
     forced = _greedy_forced_each_way(path, monkeypatch, {"quantization": "w4a8"}, [(4, NEVER)], check)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)] == forced
     assert LLM(path, num_kv_blocks=64).llm_engine.runner.w4a8_rows is None  # (float layers: nothing to time)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_int4_rows_against_a_bf16_x_follow_w4a8s_order_with_the_same_bits_every_way(threads):
+    """int4's one-token rows against a bfloat16 model's x (AVX512-BF16's dot product, csrc/gemv_int4_bf16dot.h) go
+    four or two a pass or one by one as W4A8's choice says: every way the same bits, within float32 rounding of the
+    float64 reference, N = 1030 leaving tails past whole passes, K = 1000 a masked last chunk; so the start-up timing
+    times them in a bfloat16 model and not in a float32 one, whose x takes the float rows."""
+    torch.manual_seed(5)
+    k, n = 1000, 1030
+    q = QuantizedLinear(k, n, True, QuantConfig("int4", 32))
+    q.quantize_from(torch.randn(n, k) * 0.05, torch.randn(n))
+    if not row_order.int4_bf16dot():
+        assert row_order.choose_w4a8_rows([q], torch.bfloat16) is None
+        pytest.skip("no AVX512-BF16 here: a bf16 x takes int4's float rows")
+    x = torch.randn(1, k).bfloat16().float()
+    expected = x.double() @ q.dequantize().double().t() + q.bias.double()
+    outs = []
+    for rows, seq_bytes, l2 in [(4, NEVER, False), (2, NEVER, True), (4, 1, False), (2, 4096, False)]:
+        row_order.set_w4a8_rows(rows, seq_bytes)
+        row_order.set_w4a8_prefetch_l2(l2)
+        outs.append(with_threads(lambda: q.forward_native(x), threads))
+        assert (outs[-1].double() - expected).abs().max().item() <= 2e-6 * expected.abs().max().item()
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    assert row_order.choose_w4a8_rows([q], torch.float32) is None
+    assert row_order.choose_w4a8_rows([q], torch.bfloat16) is not None
+
+
+def test_a_bf16_int4_engine_times_w4a8s_order_and_greedy_output_does_not_depend_on_it(model_factory, monkeypatch):
+    path = model_factory("tiny-llama")
+    kwargs = {"quantization": "int4", "dtype": "bfloat16"}
+    if not row_order.int4_bf16dot():
+        assert LLM(path, num_kv_blocks=64, **kwargs).llm_engine.runner.w4a8_rows is None
+        return
+
+    def check(llm, winner):  # type: ignore[no-untyped-def]
+        chosen = llm.llm_engine.runner.w4a8_rows
+        assert chosen is not None and (chosen.pass_rows, chosen.seq_bytes) == row_order.state()[1]
+        assert chosen.pass_rows == winner[0]
+
+    _greedy_forced_each_way(path, monkeypatch, kwargs, [(4, NEVER), (2, NEVER)], check)
+    assert LLM(path, num_kv_blocks=64, quantization="int4").llm_engine.runner.w4a8_rows is None  # (float32 x)

@@ -16,7 +16,9 @@ W4A8's one-token rows (csrc/gemv_w4a8.c: four or two rows a pass with a prefetch
 depend on the row's length as well: on that Zen 4 one by one read 4-8 KiB rows 1.4-1.6x as fast, tied at 1 KiB and
 lost below; on that Xeon two rows a pass decoded a 1B model 1.19x as fast as four, at every length. So its choice is
 the rows a pass (gemv_w4a8_pass_rows), then a length (gemv_w4a8_seq_bytes: rows at least that long go one by one),
-from the longest of the model's lengths down as long as one by one keeps winning.
+from the longest of the model's lengths down as long as one by one keeps winning. int4's rows against a bfloat16
+model's x (AVX512-BF16's dot product, csrc/gemv_int4_bf16dot.h) read the same layout the same way and follow the same
+choice, timed on them in such a model.
 
 Then, for the chosen order, a prefetch into L2 some bytes ahead of each load (none, PREFETCH_BYTES; W4A8: its prefetch
 two passes ahead into L2 rather than L1): on that Xeon the hardware prefetcher alone left the rows' loads waiting (a
@@ -300,11 +302,22 @@ def choose_row_order(layers: Sequence[PlannedLinear], dtype: torch.dtype) -> Row
     return kept
 
 
-def _w4a8_kernel(q: PlannedLinear) -> Kernel | None:
+def int4_bf16dot() -> bool:
+    """Whether int4's one-token rows take a bf16 x by AVX512-BF16's dot product here (csrc/gemv_int4_bf16dot.h),
+    in W4A8's order."""
+    lib = cpu_kernels.load_library()
+    return lib is not None and bool(lib.gemv_int4_bf16dot())
+
+
+def _w4a8_kernel(q: PlannedLinear, dtype: torch.dtype) -> Kernel | None:
     """q's one-token kernel where it is csrc/gemv_w4a8.c's rows and they follow the choice here: a W4A8 layer's
-    native one (GGUF's Q4_0 / Q4_1 files by default too); None for any other layer (int4's native_a8 never runs a
-    single token: QuantizedLinear.eligible)."""
-    if getattr(q, "method", None) != "w4a8" or not w4a8_ordered():
+    native one (GGUF's Q4_0 / Q4_1 files by default too), or an int4 layer's in a bfloat16 model where its rows
+    take the bf16 x by the dot product (they follow W4A8's order); None for any other layer (int4's native_a8
+    never runs a single token: QuantizedLinear.eligible)."""
+    method = getattr(q, "method", None)
+    if method == "int4" and dtype == torch.bfloat16 and int4_bf16dot():
+        return q.candidates().get("native")
+    if method != "w4a8" or not w4a8_ordered():
         return None
     return q.candidates().get("native")
 
@@ -319,17 +332,19 @@ def _set_w4a8(config: tuple[int, int]) -> None:
     set_w4a8_rows(*config)
 
 
-def choose_w4a8_rows(layers: Sequence[PlannedLinear]) -> W4A8RowOrder | None:
-    """Time W4A8's one-token rows over the model's W4A8 layers: four against two rows a pass, then one by one from
+def choose_w4a8_rows(layers: Sequence[PlannedLinear], dtype: torch.dtype = torch.float32) -> W4A8RowOrder | None:
+    """Time W4A8's one-token rows over the model's W4A8 layers (or a bfloat16 model's int4 layers where their rows
+    follow W4A8's order), x as the model's activations round it: four against two rows a pass, then one by one from
     each of their row lengths, longest first, while it wins; set the fastest. None where no layer runs them here."""
-    w4 = [q for q in layers if _w4a8_kernel(q) is not None]
+    w4 = [q for q in layers if _w4a8_kernel(q, dtype) is not None]
     if not w4 or not cpu_kernels.available():
         return None
     timed = timed_layers(w4)
-    key = ("w4a8", *(q.timing_key() for q in timed))
+    key = ("w4a8", dtype, *(q.timing_key() for q in timed))
     kept = _KEPT.get(key)
     if not isinstance(kept, W4A8RowOrder):
-        kernels = [(k, torch.randn(1, q.in_features)) for q in timed if (k := _w4a8_kernel(q)) is not None]
+        kernels = [(k, torch.randn(1, q.in_features).to(dtype).float()) for q in timed
+                   if (k := _w4a8_kernel(q, dtype)) is not None]
         set_w4a8_prefetch_l2(False)
         best = _time_each(kernels, [(4, NEVER), (2, NEVER)], _set_w4a8)
         current = (2, NEVER) if best[(2, NEVER)] < MARGIN * best[(4, NEVER)] else (4, NEVER)

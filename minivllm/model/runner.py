@@ -111,7 +111,7 @@ class ModelRunner:
             (isinstance(m, Linear) and ms.linear_backend in native)
             or (isinstance(m, QuantizedLinear | SuperblockLinear) and ms.quantization_kernel in native))]
         self.row_order = choose_row_order(ordered, dtype)
-        self.w4a8_rows = choose_w4a8_rows(ordered)
+        self.w4a8_rows = choose_w4a8_rows(ordered, dtype)
         self.few_rows = choose_few_rows(ordered, dtype)
         self.linear_plan = plan_kernels(linears, ms.linear_backend, "linear_backend", dtype)
         self.linear_kernels = self.linear_plan.names

@@ -367,6 +367,8 @@ enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_INT8 = 2, FMT_INT4 = 3, FMT_W8A8 = 4, FMT_
        FMT_F16_SCALES = 16, FMT_F32_MINS = 32, FMT_SYM_MINS = 64, FMT_ACT_BLOCKS = 128 };
 
 /* csrc/gemv_w4a8.c */
+/* W4A8's one-token order for rows of row_bytes (csrc/gemv_w4a8.c): rows a pass (4, 2 or 1), *l2 its prefetch's level. */
+int gemv_w4a8_m1_order(int64_t row_bytes, int *l2);
 void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, const void *w,
                const void *scale, const void *mins, int64_t G, int halves, const float *bias, float *scratch,
                int num_threads);
@@ -457,16 +459,24 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
                 if (dot) int4_stage_m1_bf16((uint16_t *)scratch, xg, xm, K, Kp, G);
                 else INT4_M1_STAGE(scratch, xg, xm, K, Kp, G);
                 L.Kv = Kp;
+                int l2 = 0; /* (the bf16 rows: a pass's rows and the prefetch's level as W4A8's, read once) */
+                const int rows = dot ? gemv_w4a8_m1_order(Kp / 2, &l2) : 1;
+                const uint16_t *xb = (const uint16_t *)scratch;
                 row_queue_t q;
-                rq_init(&q, N, num_threads, 1, Kp / 2);
+                rq_init(&q, N, num_threads, rows, Kp / 2);
 #pragma omp parallel num_threads(num_threads)
                 {
                     int64_t n, end;
-                    while (rq_take(&q, &n, &end))
+                    while (rq_take(&q, &n, &end)) {
+                        if (rows == 4)
+                            for (; n + 4 <= end; n += 4) int4_rows_m1_bf16dot(o, xb, xg, &L, n, 4, n + 12 <= N, l2);
+                        else if (rows == 2)
+                            for (; n + 2 <= end; n += 2) int4_rows_m1_bf16dot(o, xb, xg, &L, n, 2, n + 6 <= N, l2);
                         for (; n < end; n++) {
-                            if (dot) int4_row_m1_bf16dot(o, (const uint16_t *)scratch, xg, &L, n);
+                            if (dot) int4_rows_m1_bf16dot(o, xb, xg, &L, n, 1, 0, l2);
                             else INT4_M1_ROW(o, scratch, xg, &L, n);
                         }
+                    }
                 }
                 continue;
             }

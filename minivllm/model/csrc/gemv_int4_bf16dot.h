@@ -37,9 +37,15 @@ INLINE void int4_stage_m1_bf16(uint16_t *xb, float *xg, const float *x, int64_t 
     }
 }
 
-/* Row n: per 128 weights one load, four shifts and four vpternlogd (the 16-bit lanes' nibbles p and p + 4 at once),
- * four vdpbf16ps, and one multiply-add by the lanes' group scales (the window of csrc/group_window.h). */
-INLINE void int4_row_m1_bf16dot(float *out, const uint16_t *xb, const float *xg, const Layer *L, int64_t n) {
+/* R (1, 2 or 4) rows from n a pass: per 128 weights of a row one load, four shifts and four vpternlogd (the 16-bit
+ * lanes' nibbles p and p + 4 at once), four vdpbf16ps and one multiply-add by the lanes' group scales (the window of
+ * csrc/group_window.h); the four loads of x serve the R rows. Rows a pass and the prefetch two passes ahead (into L1,
+ * or L2 with l2) follow W4A8's start-up choice (gemv_w4a8_m1_order): the same layout, read the same way. On a
+ * 2-vCPU Zen 4 a chunk costs ~11 cycles from L1, four of them the vdpbf16ps (two cycles each at 512 bits, as two
+ * FMAs): as many products a cycle as float FMAs, but no int-to-float conversion. `ahead`: the rows two passes on
+ * exist. */
+INLINE void int4_rows_m1_bf16dot(float *out, const uint16_t *xb, const float *xg, const Layer *L, int64_t n,
+                                 const int R, int ahead, int l2) {
     const int64_t Kp = L->Kv, G = L->G, ng = Kp / G, nbytes = Kp / 2, nchunks = (Kp + 127) / 128;
     const uint8_t *w = (const uint8_t *)L->w + n * nbytes;
     const uint16_t *scale = (const uint16_t *)L->scale + n * ng;
@@ -47,46 +53,64 @@ INLINE void int4_row_m1_bf16dot(float *out, const uint16_t *xb, const float *xg,
     const __m512i field = _mm512_set1_epi16(0x78), sixteen = _mm512_set1_epi16(0x4180); /* bf16 16.0 */
     __m512i idx[4];
     window_index(idx, shift);
-    __m512 acc = _mm512_setzero_ps();
+    __m512 acc[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     int64_t c = 0;
     for (int64_t sb = 0; c < nchunks; sb++) {
         const int64_t g0 = (16 * sb) >> shift;
         const int cnt = ng - g0 < 16 ? (int)(ng - g0) : 16;
-        const __m512 win = int4_halves16(scale + g0, L->f16, (__mmask16)((1u << cnt) - 1));
+        __m512 win[4];
+        for (int r = 0; r < R; r++)
+            win[r] = int4_halves16(scale + r * ng + g0, L->f16, (__mmask16)((1u << cnt) - 1));
         for (int u = 0; u < 4 && c < nchunks; u++, c++) {
+            if (ahead) /* the pass after next: as many bytes as this pass reads, two passes ahead */
+                for (int r = 0; r < R; r++) {
+                    const uint8_t *p = w + 2 * R * nbytes + c * 64 * R + r * 64;
+                    if (l2) __builtin_prefetch(p, 0, 2);
+                    else __builtin_prefetch(p);
+                }
             const int64_t left = nbytes - c * 64;
-            const __m512i wv = left >= 64 ? _mm512_loadu_si512((const void *)(w + c * 64))
-                                          : _mm512_maskz_loadu_epi32((__mmask16)((1u << (left / 4)) - 1), w + c * 64);
             const uint16_t *xc = xb + c * 128;
+            const __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)xc),
+                           x1 = (__m512bh)_mm512_loadu_si512((const void *)(xc + 32)),
+                           x2 = (__m512bh)_mm512_loadu_si512((const void *)(xc + 64)),
+                           x3 = (__m512bh)_mm512_loadu_si512((const void *)(xc + 96));
+            for (int r = 0; r < R; r++) {
+                const uint8_t *wr = w + r * nbytes + c * 64;
+                const __m512i wv = left >= 64 ? _mm512_loadu_si512((const void *)wr)
+                                              : _mm512_maskz_loadu_epi32((__mmask16)((1u << (left / 4)) - 1), wr);
 /* nibbles p of each 16-bit lane as 16 + q: (the shifted lane & 0x78) | 0x4180 */
 #define PART(v) ((__m512bh)_mm512_ternarylogic_epi32((v), field, sixteen, 0xEA))
-#define XB(i) ((__m512bh)_mm512_loadu_si512((const void *)(xc + 32 * (i))))
-            __m512 t0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), PART(_mm512_slli_epi16(wv, 3)), XB(0));
-            __m512 t1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), PART(_mm512_srli_epi16(wv, 1)), XB(1));
-            t0 = _mm512_dpbf16_ps(t0, PART(_mm512_srli_epi16(wv, 5)), XB(2));
-            t1 = _mm512_dpbf16_ps(t1, PART(_mm512_srli_epi16(wv, 9)), XB(3));
+                __m512 t0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), PART(_mm512_slli_epi16(wv, 3)), x0);
+                __m512 t1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), PART(_mm512_srli_epi16(wv, 1)), x1);
+                t0 = _mm512_dpbf16_ps(t0, PART(_mm512_srli_epi16(wv, 5)), x2);
+                t1 = _mm512_dpbf16_ps(t1, PART(_mm512_srli_epi16(wv, 9)), x3);
 #undef PART
-#undef XB
-            acc = _mm512_fmadd_ps(_mm512_add_ps(t0, t1), _mm512_permutexvar_ps(idx[u], win), acc);
+                acc[r] = _mm512_fmadd_ps(_mm512_add_ps(t0, t1), _mm512_permutexvar_ps(idx[u], win[r]), acc[r]);
+            }
         }
     }
     for (int64_t g0 = 0; g0 < ng; g0 += 16) { /* + (min - 16 scale) * sum(x) per group */
         const int cnt = ng - g0 < 16 ? (int)(ng - g0) : 16;
         const __mmask16 mk = (__mmask16)((1u << cnt) - 1);
-        const __m512 sv = int4_halves16(scale + g0, L->f16, mk);
-        const __m512 mv = L->sym       ? _mm512_mul_ps(sv, _mm512_set1_ps(-8.f))
-                        : L->f32mins ? _mm512_maskz_loadu_ps(mk, (const float *)L->mins + n * ng + g0)
-                                     : int4_halves16((const uint16_t *)L->mins + n * ng + g0, L->f16, mk);
-        acc = _mm512_fmadd_ps(_mm512_fmadd_ps(sv, _mm512_set1_ps(-16.f), mv), _mm512_loadu_ps(xg + g0), acc);
+        const __m512 xgv = _mm512_loadu_ps(xg + g0); /* (zero past ng) */
+        for (int r = 0; r < R; r++) {
+            const __m512 sv = int4_halves16(scale + r * ng + g0, L->f16, mk);
+            const __m512 mv = L->sym       ? _mm512_mul_ps(sv, _mm512_set1_ps(-8.f))
+                            : L->f32mins ? _mm512_maskz_loadu_ps(mk, (const float *)L->mins + (n + r) * ng + g0)
+                                         : int4_halves16((const uint16_t *)L->mins + (n + r) * ng + g0, L->f16, mk);
+            acc[r] = _mm512_fmadd_ps(_mm512_fmadd_ps(sv, _mm512_set1_ps(-16.f), mv), xgv, acc[r]);
+        }
     }
-    out[n] = _mm512_reduce_add_ps(acc) + (L->bias ? L->bias[n] : 0.f);
+    for (int r = 0; r < R; r++) out[n + r] = _mm512_reduce_add_ps(acc[r]) + (L->bias ? L->bias[n + r] : 0.f);
 }
 #elif defined(INT4_M1_CHUNK) /* no AVX512-BF16: never taken (the caller's dot is 0), so it needs no #ifdef */
 INLINE void int4_stage_m1_bf16(uint16_t *xb, float *xg, const float *x, int64_t K, int64_t Kp, int64_t G) {
     (void)xb, (void)xg, (void)x, (void)K, (void)Kp, (void)G;
 }
-INLINE void int4_row_m1_bf16dot(float *out, const uint16_t *xb, const float *xg, const Layer *L, int64_t n) {
-    (void)out, (void)xb, (void)xg, (void)L, (void)n;
+INLINE void int4_rows_m1_bf16dot(float *out, const uint16_t *xb, const float *xg, const Layer *L, int64_t n,
+                                 const int R, int ahead, int l2) {
+    (void)out, (void)xb, (void)xg, (void)L, (void)n, (void)R, (void)ahead, (void)l2;
 }
 #endif
 

@@ -471,6 +471,15 @@ int gemv_w4a8_one_by_one(int64_t row_bytes) {
     return row_bytes >= __atomic_load_n(&gemv_w4a8_seq_bytes, __ATOMIC_RELAXED);
 }
 
+/* The one-token order W4A8's rows of row_bytes weight bytes take now: rows a pass (gemv_w4a8_pass_rows, or 1 from
+ * gemv_w4a8_seq_bytes on), and in *l2 the level their prefetch brings lines to. int4's rows against a bf16 x
+ * (csrc/gemv_int4_bf16dot.h) read the same layout the same way, and follow it. */
+int gemv_w4a8_m1_order(int64_t row_bytes, int *l2) {
+    *l2 = __atomic_load_n(&gemv_w4a8_prefetch_l2, __ATOMIC_RELAXED);
+    return row_bytes >= __atomic_load_n(&gemv_w4a8_seq_bytes, __ATOMIC_RELAXED)
+               ? 1 : __atomic_load_n(&gemv_w4a8_pass_rows, __ATOMIC_RELAXED);
+}
+
 /* Whether W4A8's one-token rows follow gemv_w4a8_seq_bytes and gemv_w4a8_pass_rows here (the AVX-512 VNNI path): where not, timing its
  * layers both ways would only measure noise. */
 int gemv_w4a8_rows_ordered(void) {
