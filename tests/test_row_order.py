@@ -11,7 +11,7 @@ import torch
 from conftest import PROMPTS, with_threads
 
 from minivllm import LLM, SamplingParams
-from minivllm.model import cpu_kernels, row_order
+from minivllm.model import cpu_kernels, row_order, timed_layers
 from minivllm.model.layers import Linear
 from minivllm.model.quantization import QuantizedLinear, quantize_int4, quantize_int8, quantize_rows_int8
 from minivllm.quant_config import QuantConfig
@@ -255,18 +255,18 @@ def test_the_timing_reads_past_the_last_level_cache_in_the_models_order(monkeypa
     """The layers timed: the first ones until they hold TIMED_WEIGHTS weights and TIMED_LLC times the last-level
     cache's bytes (on a 480 MiB L3 the first 64M weights of a W4A8 model, 32 MB, ran from the cache); all of a
     smaller model; bytes as stored (float weights by their dtype, quantized ones' codes and scales)."""
-    real_llc = row_order.llc_bytes()  # (sysfs's: 0 where it names no cache)
+    real_llc = timed_layers.llc_bytes()  # (sysfs's: 0 where it names no cache)
     assert real_llc >= 0 and (real_llc > 0 or not os.path.isdir("/sys/devices/system/cpu/cpu0/cache/index0"))
     layers = [Linear(256, 512, bias=False) for _ in range(6)]  # 512 KiB of float32 each
-    monkeypatch.setattr(row_order, "TIMED_WEIGHTS", 1)
+    monkeypatch.setattr(timed_layers, "TIMED_WEIGHTS", 1)
     for llc, n in ((0, 1), (256 << 10, 1), (512 << 10, 2), (1 << 20, 4), (1 << 30, 6)):
-        monkeypatch.setattr(row_order, "llc_bytes", lambda llc=llc: llc)
-        assert row_order.timed_layers(layers) == layers[:n], llc
-    assert row_order.weight_bytes(layers[0]) == 512 << 10
-    assert row_order.weight_bytes(layers[0].to(torch.bfloat16)) == 256 << 10
+        monkeypatch.setattr(timed_layers, "llc_bytes", lambda llc=llc: llc)
+        assert timed_layers.timed_layers(layers) == layers[:n], llc
+    assert timed_layers.weight_bytes(layers[0]) == 512 << 10
+    assert timed_layers.weight_bytes(layers[0].to(torch.bfloat16)) == 256 << 10
     q = QuantizedLinear(256, 64, True, QuantConfig("w4a8", 32))
     q.quantize_from(torch.randn(64, 256), torch.randn(64))
-    assert row_order.weight_bytes(q) == 64 * 128 + 2 * (64 * 8 * 2)  # codes, bf16 scales and mins (no bias)
+    assert timed_layers.weight_bytes(q) == 64 * 128 + 2 * (64 * 8 * 2)  # codes, bf16 scales and mins (no bias)
 
 
 def _forced(monkeypatch, winner) -> None:  # type: ignore[no-untyped-def]
@@ -460,7 +460,8 @@ def test_int4_rows_against_a_bf16_x_follow_w4a8s_order_with_the_same_bits_every_
 
 def test_a_bf16_int4_engine_times_w4a8s_order_and_greedy_output_does_not_depend_on_it(model_factory, monkeypatch):
     path = model_factory("tiny-llama")
-    kwargs = {"quantization": "int4", "dtype": "bfloat16"}
+    # (native kernels at every shape: the plan's timing would pick bf16 rounding of its own per engine)
+    kwargs = {"quantization": "int4", "dtype": "bfloat16", "quantization_kernel": "native"}
     if not row_order.int4_bf16dot():
         assert LLM(path, num_kv_blocks=64, **kwargs).llm_engine.runner.w4a8_rows is None
         return

@@ -1,5 +1,5 @@
 """Native CPU kernels: C sources shipped in the package, compiled once per machine with the system
-C compiler and loaded with ctypes.
+C compiler (model/kernel_build.py) and loaded with ctypes.
 
 The library links the same OpenMP runtime torch loaded (same soname, so the dynamic linker reuses
 torch's), and every call passes torch's thread count, so the kernels use exactly the threads the
@@ -10,89 +10,20 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from importlib import resources
 
 import torch
 
-logger = logging.getLogger(__name__)
-
-_COMPILE = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11", "-c"]
-# Linked without -ffast-math: with it GCC adds crtfastmath.o, whose constructor turns on flush-to-zero
-# for the whole process (torch's denormals included) the moment the library is loaded.
-_LINK = ["-shared", "-fopenmp"]
-
-
-def _cache_dir() -> str:
-    root = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
-    return os.path.join(root, "minivllm", "kernels")
-
-
-def _cpu_signature() -> str:
-    """-march=native code must not be reused on a different CPU: key the cache by its flags."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return platform.machine() + flags
-
-
-# Longest compiles first (paged attention's two units, then gemv.c): the build runs one compiler per core.
-_SOURCES = ("paged_attention_wide.c", "paged_attention.c", "gemv.c", "gemm_a8.c", "gemv_w4a8.c", "gemv_q8.c",
-            "gemv_q6k.c", "gemv_q4k.c", "fused_ops.c", "sampling.c", "decode_stack.c", "moe_decode.c",
-            "quantize_rows.c", "greedy_loop.c", "membw.c")
-# included by the sources: copied and hashed with them
-_HEADERS = ("paged_attention.h", "paged_attention_items.h", "paged_attention_rows.h", "gemv_rows.h", "gemv_m1.h",
-            "gemv_avx2.h", "gemv_w4a8_avx2.h", "gemv_bf16dot.h", "gemv_avx512.h", "gemv_int4_bf16dot.h", "hsum_avx2.h",
-            "simd_width.h", "decode_stack.h", "group_window.h", "stage_rows.h", "q6k_unpack.h", "q4k_unpack.h",
-            "superblock_rows.h")
+from minivllm.model.kernel_build import build_library
 
 
 @functools.cache
 def load_library() -> ctypes.CDLL | None:
-    """Compile (once, cached on disk) and load the native kernels; None if that is impossible here."""
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        logger.warning("native CPU kernels: no C compiler found; using the portable torch paths")
+    """Compile (once, cached on disk: model/kernel_build.py) and load the native kernels; None if that is
+    impossible here."""
+    lib_path = build_library()
+    if lib_path is None:
         return None
-    csrc = resources.files("minivllm.model").joinpath("csrc")
-    sources = {name: csrc.joinpath(name).read_text() for name in _SOURCES}
-    headers = {name: csrc.joinpath(name).read_text() for name in _HEADERS}
-    parts = [*sources.values(), *headers.values(), cc, *_COMPILE, *_LINK, _cpu_signature()]
-    key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
-    out_dir = _cache_dir()
-    lib_path = os.path.join(out_dir, f"minivllm_kernels-{key}.so")
-    if not os.path.isfile(lib_path):
-        os.makedirs(out_dir, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-            for name, text in headers.items():
-                with open(os.path.join(tmp, name), "w") as f:
-                    f.write(text)
-            objects = []
-            for name, text in sources.items():
-                src = os.path.join(tmp, name)
-                with open(src, "w") as f:
-                    f.write(text)
-                objects.append(src[:-2] + ".o")
-            # One compiler per core: the sources are independent (27 s of -O3 on one core, a first start's
-            # longest wait); threads suffice, each only waits on its gcc.
-            with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-                built = list(pool.map(lambda o: _run(cc, [*_COMPILE, o[:-2] + ".c", "-o", o]), objects))
-            if not all(built):
-                return None
-            tmp_lib = os.path.join(tmp, "lib.so")
-            if not _run(cc, [*_LINK, *objects, "-o", tmp_lib, "-lm"]):
-                return None
-            os.replace(tmp_lib, lib_path)  # atomic: concurrent builders never see a partial file
     lib = ctypes.CDLL(lib_path)
     i64, p, c_int, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.paged_attention_f32.argtypes = [p, p, i64, p, p, c_int, p, p, p, i64, p, i64, c_int, c_int, c_int, c_int,
@@ -136,14 +67,6 @@ def load_library() -> ctypes.CDLL | None:
     lib.stream_read_f32.argtypes = [p, i64, c_int, c_int]
     lib.stream_read_f32.restype = ctypes.c_double
     return lib
-
-
-def _run(cc: str, args: list[str]) -> bool:
-    proc = subprocess.run([cc, *args], capture_output=True, text=True)
-    if proc.returncode != 0:
-        logger.warning("native CPU kernels: build failed (%s); using the portable torch paths",
-                       proc.stderr.strip()[-500:])
-    return proc.returncode == 0
 
 
 def available() -> bool:

@@ -31,16 +31,12 @@ Zen 4, tied at 1024 and lost from 1536 (gemv_few_rows_k: rows of at most that ma
 like W4A8's length: from the model's shortest row length up, as long as one by one keeps winning.
 
 The timings read at least TIMED_LLC times the last-level cache's bytes of weights in the model's order (all of a
-smaller model), as a decode step streams them: on that Xeon (480 MiB of L3) the first 64M weights of a W4A8 model
-(32 MB) ran from the cache, where four rows a pass and one by one tied, while the decode from memory ran 1.18x as fast
-one by one.
+smaller model), as a decode step streams them (model/timed_layers.py says why).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -48,14 +44,14 @@ from typing import TypeVar
 import torch
 
 from minivllm.model import cpu_kernels
-from minivllm.model.kernel_plan import TIMED_WEIGHTS, Kernel, PlannedLinear, best_time
+from minivllm.model.kernel_plan import Kernel, PlannedLinear, best_time
+from minivllm.model.timed_layers import timed_layers
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 ROUNDS = 3  # alternating rounds per order; each order's best round counts
 MARGIN = 0.97  # another order must be this much faster than the passes to be chosen (the passes stay where they tie)
-TIMED_LLC = 2  # weights timed: at least this many times the last-level cache's bytes (and TIMED_WEIGHTS weights)
 FLOATS = (torch.float32, torch.bfloat16)  # the weights (and activations) csrc/gemv_m1.h's rows take
 # csrc/gemv_m1.h's orders, by their values there (M1_PASS, M1_ONE, M1_PAIRS)
 PASS, ONE, PAIRS = 0, 1, 2
@@ -196,45 +192,6 @@ def one_by_one(row_bytes: int) -> bool:
     """Whether the library streams one-token W4A8 rows of row_bytes weight bytes one by one (its own test)."""
     lib = cpu_kernels.load_library()
     return lib is not None and bool(lib.gemv_w4a8_one_by_one(row_bytes))
-
-
-@functools.cache
-def llc_bytes() -> int:
-    """The last-level cache's size in bytes as sysfs gives it for cpu0 (0 where unknown)."""
-    root = "/sys/devices/system/cpu/cpu0/cache"
-    best = (0, 0)
-    try:
-        for index in (d for d in os.listdir(root) if d.startswith("index")):
-            with open(os.path.join(root, index, "level")) as f:
-                level = int(f.read())
-            with open(os.path.join(root, index, "size")) as f:
-                size = f.read().strip()
-            unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
-            best = max(best, (level, int(size.rstrip("KMG")) * unit))
-    except (OSError, ValueError):
-        return 0
-    return best[1]
-
-
-def weight_bytes(q: torch.nn.Module) -> int:
-    """Bytes of q's weights (and their scales and mins) a one-token matmul streams."""
-    w = getattr(q, "weight", None)
-    if isinstance(w, torch.Tensor):
-        return w.numel() * w.element_size()
-    return sum(b.numel() * b.element_size() for name, b in q.named_buffers(recurse=False) if name != "bias")
-
-
-def timed_layers(layers: Sequence[PlannedLinear]) -> list[PlannedLinear]:
-    """The layers a row-order timing runs over, in the model's order: the first ones until they hold TIMED_WEIGHTS
-    weights and TIMED_LLC times the last-level cache's bytes (all of a smaller model)."""
-    timed, weights, nbytes, want = [], 0, 0, TIMED_LLC * llc_bytes()
-    for q in layers:
-        timed.append(q)
-        weights += q.in_features * q.out_features
-        nbytes += weight_bytes(q)
-        if weights >= TIMED_WEIGHTS and nbytes >= want:
-            break
-    return timed
 
 
 def _streams_rows(q: PlannedLinear) -> bool:
