@@ -272,9 +272,8 @@ def _w4a8_kernel(q: PlannedLinear, dtype: torch.dtype) -> Kernel | None:
     take the bf16 x by the dot product (they follow W4A8's order); None for any other layer (int4's native_a8
     never runs a single token: QuantizedLinear.eligible)."""
     method = getattr(q, "method", None)
-    if method == "int4" and dtype == torch.bfloat16 and int4_bf16dot():
-        return q.candidates().get("native")
-    if method != "w4a8" or not w4a8_ordered():
+    bf16_int4 = method == "int4" and dtype == torch.bfloat16 and int4_bf16dot()
+    if not bf16_int4 and (method != "w4a8" or not w4a8_ordered()):
         return None
     return q.candidates().get("native")
 
