@@ -73,6 +73,16 @@ class SpecDecodeStats:
 
 
 @dataclass(slots=True)
+class ExploreClock:
+    """One batch size's exploration clock: the steps of that size seen, the count at its last step that speculated,
+    and how many steps of that size without speculation it waits before the next exploration."""
+
+    wait: int
+    steps: int = 0
+    last: int = 0
+
+
+@dataclass(slots=True)
 class SpecRecord:
     """One sequence's speculation record: proposals verified so far, and (recent ones weighing most) the tokens
     they yielded against what all drafts' acceptance expected of them."""
@@ -95,9 +105,9 @@ class Speculator:
     each sequence proposes as many tokens (up to k) as pay: at batch 1 a good proposer's whole k, a draft
     whose later guesses rarely hold one or two, in a large batch (where extra rows' FLOPs cost what they
     yield) none; a request whose proposals keep failing pauses proposing. A step with prefill chunks gets no
-    proposals. A size never measured is tried once; and every EXPLORE_EVERY steps without speculation (longer after
-    explorations that found nothing, see EXPLORE_MAX) the best proposal goes through anyway, so one unlucky
-    measurement cannot switch speculation off for good.
+    proposals. A size never measured is tried once; and every EXPLORE_EVERY steps of a batch size without
+    speculation (longer after explorations that found nothing, see EXPLORE_MAX) the best proposal goes through
+    anyway, so one unlucky measurement cannot switch speculation off for good.
 
     The costs are predictions from the forward's time; what steps with proposals really yield is measured too
     (Payoff): each pure-decode step's whole wall time (rejection sampling, proposer and outputs included) and its
@@ -114,7 +124,10 @@ class Speculator:
     # An exploration that proposals do not follow (the next steps again find they would not pay) doubles the wait for
     # the next one, up to EXPLORE_MAX; a step that speculates on its own merits resets it. An exploration costs a
     # draft model a catch-up on everything it skipped (~220 tokens of one sequence through its prefill path, 5-8 ms:
-    # 1.5-2% of a 128-token run at 8 streams, where the draft never pays).
+    # 1.5-2% of a 128-token run at 8 streams, where the draft never pays). Each batch size keeps its own clock
+    # (steps of that size; ExploreClock): with one clock for all, a request alone, where the draft pays every step,
+    # started the wait at 8 streams over at 128, so every 8-stream run of the speculation bench (a 1-stream run
+    # between each) paid an exploration and lost 2-2.5% to its attached draft (2026-12-05).
     EXPLORE_MAX = 1024
     # A sequence's record weighs its recent drafts most (each older one by RECENT more): how well a text is
     # guessed changes as it goes (a proposer that failed on fresh code guesses a repeated block well). A
@@ -142,7 +155,7 @@ class Speculator:
         self.proposing: list[Sequence] = []  # this step's speculating sequences
         self.records: dict[int, SpecRecord] = {}  # seq_id → its record, from its first verification to its end
         self._step = self._last_spec = 0  # steps proposed for, and the last one that speculated
-        self._explore_every = self.EXPLORE_EVERY  # steps without speculation before the next exploration
+        self._clocks: dict[int, ExploreClock] = {}  # batch size → its exploration clock (see EXPLORE_MAX)
         self.payoff = Payoff()
         # The step in progress, for the payoff: its start, sequences, whether it proposed, the tokens it produced
         # (None: not a pure-decode step, not measured).
@@ -197,8 +210,16 @@ class Speculator:
             out.append(g)
         return out
 
-    def _explore_due(self) -> bool:
-        return self._step - self._last_spec >= self._explore_every
+    def _clock(self, num_seqs: int) -> ExploreClock:
+        c = self._clocks.get(num_seqs)
+        if c is None:
+            c = self._clocks[num_seqs] = ExploreClock(wait=self.EXPLORE_EVERY)
+        return c
+
+    def _explore_due(self, num_seqs: int) -> bool:
+        """Whether steps of num_seqs sequences have gone without speculation long enough to try proposals anyway."""
+        c = self._clocks.get(num_seqs)
+        return c is not None and c.steps - c.last >= c.wait
 
     def _may_pay(self, num_seqs: int, pure_decode: bool) -> bool:
         """Whether proposals at the batch's usual acceptance could pay for one sequence or for all of them, at
@@ -208,7 +229,7 @@ class Speculator:
             return False  # see worth()
         held = self._no_pay.get(num_seqs)
         if held is not None and held[0] == self._version and self._step - held[1] < self.RECHECK_EVERY:
-            return self._explore_due()  # (see RECHECK_EVERY)
+            return self._explore_due(num_seqs)  # (see RECHECK_EVERY)
         base = self.steps.measured(num_seqs)
         if base is None:
             return False  # measure the plain decode step first
@@ -222,7 +243,7 @@ class Speculator:
                 if cost is None or (num_seqs + m * e) / max(cost + over(length, m * length), 1e-9) > plain_rate:
                     return True
         self._no_pay[num_seqs] = (self._version, self._step)
-        return self._explore_due()
+        return self._explore_due(num_seqs)
 
     def worth(self, candidates: list[tuple[Sequence, int]], num_seqs: int, pure_decode: bool
               ) -> list[tuple[Sequence, int]]:
@@ -240,7 +261,7 @@ class Speculator:
         base = self.steps.measured(num_seqs)
         if base is None:
             return []  # measure the plain decode step first
-        if self.payoff.loses(num_seqs) and not self._explore_due():
+        if self.payoff.loses(num_seqs) and not self._explore_due(num_seqs):
             return []  # steps of this size with proposals have yielded less than without
         rates = self.position_rates()
         units: list[tuple[float, int]] = []  # (expected gain, candidate index), positions in order per candidate
@@ -260,7 +281,7 @@ class Speculator:
             rate = (num_seqs + gained) / max(cost + over(longest, i), 1e-9)
             if rate > best_rate:
                 best_rate, best = rate, i
-        if not best and units and self._explore_due():
+        if not best and units and self._explore_due(num_seqs):
             best = 1
         lengths = [0] * len(candidates)
         for _, j in units[:best]:
@@ -297,6 +318,7 @@ class Speculator:
         self._close_step(now)
         if not running:
             return []
+        self._clock(len(running)).steps += 1
         lacking = [s.num_tokens - s.num_computed_tokens for s in running]
         pure_decode = not waiting and all(n <= 1 for n in lacking)  # waiting requests: prefill chunks join
         self._began, self._seqs, self._speculated, self._excess = now, len(running), False, 0.0
@@ -332,7 +354,7 @@ class Speculator:
                 self.draft_probs[seq.seq_id] = dist
         self.proposing = [seq for seq, _, _ in found]
         if found:
-            self._speculated_at(self._explore_due())
+            self._speculated_at(len(running), self._explore_due(len(running)))
             self._speculated = True
             rates = self.position_rates()
             # (a record above the average scales a gain past certainty: at most a token each)
@@ -340,10 +362,12 @@ class Speculator:
                                                 for g in self._gains(seq, rates[:len(spec)]))
         return self.proposing
 
-    def _speculated_at(self, exploring: bool) -> None:
-        """This step speculates: an exploration lengthens the wait for the next one, any other step resets it (see
-        EXPLORE_MAX); what _may_pay weighed may have moved."""
-        self._explore_every = min(2 * self._explore_every, self.EXPLORE_MAX) if exploring else self.EXPLORE_EVERY
+    def _speculated_at(self, num_seqs: int, exploring: bool) -> None:
+        """This step of num_seqs sequences speculates: an exploration lengthens that size's wait for the next one, any
+        other step resets it (see EXPLORE_MAX); what _may_pay weighed may have moved."""
+        c = self._clock(num_seqs)
+        c.wait = min(2 * c.wait, self.EXPLORE_MAX) if exploring else self.EXPLORE_EVERY
+        c.last = c.steps
         self._last_spec = self._step
         self._version += 1
 
