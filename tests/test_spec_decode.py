@@ -11,9 +11,10 @@ from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.sequence import Sequence
 from minivllm.sampling_params import SamplingParams
 from minivllm.spec_decode.cost import ProposerCostModel, StepCostTable
+from minivllm.spec_decode.draft_proposer import DraftModelProposer
 from minivllm.spec_decode.ngram_proposer import NgramProposer, ngram_propose
 from minivllm.spec_decode.speculator import SpecRecord, Speculator
-from tests.conftest import corpus_token_ids, noisy_copy
+from tests.conftest import PROMPTS, corpus_token_ids, noisy_copy
 
 
 def test_ngram_proposes_what_followed_the_latest_match():
@@ -450,3 +451,39 @@ def test_adaptive_speculation_stays_lossless_in_the_engine(model_factory):
     greedy = [str(i) for i in range(12) if _params(i).greedy]
     assert {r: got[r] for r in greedy} == {r: want[r] for r in greedy}
     assert len(engine.speculator.steps.samples) >= 2  # it measured steps and decided from them
+
+
+def test_a_catch_up_is_priced_over_the_steps_a_sequence_has_left(monkeypatch):
+    """A draft that has not seen a sequence catches up on its prompt and output so far before proposing: a one-off
+    that pays over the steps the sequence has left, not near its end (at the tail of a 64-sequence batch, rounds for
+    28-49 such sequences cost 25-53 ms each of a 1.3 s run)."""
+    spec = _speculator()
+    fresh = Sequence("r", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=200), 0)
+    ending = Sequence("r", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=3), 0)
+    assert spec.worth([(fresh, 3)], 1, True) == [(fresh, 3)]
+    assert spec.worth([(ending, 2)], 1, True) == [(ending, 2)]  # n-gram: nothing to catch up on
+    monkeypatch.setattr(spec.proposer, "catch_up_cost", lambda seq: 0.020)  # a prompt through a draft: 20 ms
+    assert spec.worth([(fresh, 3)], 1, True) == [(fresh, 3)]  # 20 ms over its ~80 steps: 0.25 ms a step
+    assert spec.worth([(ending, 2)], 1, True) == []  # 20 ms over 1.5 steps for ~1 token of 3 ms
+    assert spec.worth([(ending, 2), (fresh, 3)], 2, True) == [(fresh, 3)]  # each candidate priced on its own
+
+
+def test_the_draft_prices_a_catch_up_by_its_tokens():
+    """The draft measures what a token of a long catch-up costs (rounds with a prompt in them), and prices a sequence it
+    has not seen at its tokens; one it keeps up with costs nothing to catch up."""
+    eng = LLMEngine(EngineArgs(num_kv_blocks=256, speculative_model="default-draft", num_speculative_tokens=3))
+    spec = eng.speculator
+    assert spec is not None
+    draft = spec.proposer
+    assert isinstance(draft, DraftModelProposer)
+    assert draft.catch_up_cost(Sequence("x", list(range(40)), SamplingParams(), 0)) == 0.0  # nothing measured yet
+    eng.add_request("r", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    seen = []
+    while eng.has_unfinished_requests():
+        eng.step()
+        seen += [draft.catch_up_cost(s) for s in eng.scheduler.running]
+    assert draft.catch_up_price > 0
+    assert seen and min(seen) == 0.0  # the running request, caught up round by round
+    unseen = Sequence("x", list(range(40)), SamplingParams(), 0)
+    assert draft.catch_up_cost(unseen) == pytest.approx(40 * draft.catch_up_price)
+    assert draft.catch_up_cost(Sequence("y", [1, 2], SamplingParams(), 0)) == 0.0  # a round's usual catch-up

@@ -53,6 +53,10 @@ class NgramProposer:
         (lookups: negligible)."""
         return 0.0
 
+    def catch_up_cost(self, seq: Sequence) -> float:
+        """Seconds proposing for seq would first spend catching up: none (no model to catch up)."""
+        return 0.0
+
     def settle(self) -> None:
         """After a step: nothing to roll back."""
 

@@ -221,6 +221,10 @@ class SuffixProposer:
         measures whole steps anyway)."""
         return 0.0
 
+    def catch_up_cost(self, seq: Sequence) -> float:
+        """Seconds proposing for seq would first spend catching up: none (no model to catch up)."""
+        return 0.0
+
     def settle(self) -> None:
         """After a step: nothing to roll back (each step re-reads the sequence's tokens)."""
 
