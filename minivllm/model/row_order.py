@@ -20,10 +20,13 @@ from the longest of the model's lengths down as long as one by one keeps winning
 model's x (AVX512-BF16's dot product, csrc/gemv_int4_bf16dot.h) read the same layout the same way and follow the same
 choice, timed on them in such a model.
 
-Then, for the chosen order, a prefetch into L2 some bytes ahead of each load (none, PREFETCH_BYTES; W4A8: its prefetch
-two passes ahead into L2 rather than L1): on that Xeon the hardware prefetcher alone left the rows' loads waiting (a
-1B model's W8A8 decode 1.12x as fast with 8 KiB ahead, bf16 1.04x with 4 KiB, W4A8 1.04x into L2), while f32 lost
-0.97-0.99x, so it is timed like the order and kept only where it beats none by MARGIN.
+With the order, a prefetch into L2 some bytes ahead of each load (none, PREFETCH_BYTES; W4A8: its prefetch two passes
+ahead into L2 rather than L1): on that Xeon the hardware prefetcher alone left the rows' loads waiting (a 1B model's
+W8A8 decode 1.12x as fast with 8 KiB ahead, bf16 1.04x with 4 KiB, W4A8 1.04x into L2), while f32 lost 0.97-0.99x.
+Each order is timed at each distance, the pair kept only where it beats the passes without one by MARGIN: timed the
+order first (without a prefetch), then the distance in it, a 1B bf16 model on another Xeon (family 6 model 207) kept
+the passes without one (23.6 ms over its timed layers), where rows read one by one, slowest alone (27.2 ms), were
+fastest prefetched 4-8 KiB ahead (20.7 ms; its decode 1.13x as fast).
 
 Float rows at a few tokens (2..4, csrc/gemv_avx512.h's FEW_ROWS_MAX_M: a verification's rows, a few sequences' decode)
 read 8, 5 or 4 rows a pass; short rows read one by one instead streamed 1.24-1.35x as fast at 384 floats on that
@@ -64,13 +67,12 @@ FEW_TOKENS = 3  # tokens the few-token rows are timed at (csrc/gemv_avx512.h's F
 
 @dataclass(frozen=True, slots=True)
 class RowOrder:
-    """The chosen order and the seconds each order took over the timed layers (best round), in ORDERS' order; then
-    the chosen prefetch distance and the seconds each of PREFETCH_BYTES took in that order."""
+    """The chosen order and prefetch distance, and the seconds each (order, distance) took over the timed layers (best
+    round), every order at each of PREFETCH_BYTES in turn."""
 
     order: int
-    seconds: tuple[float, ...]
-    prefetch: int = 0
-    prefetch_seconds: tuple[float, ...] = ()
+    prefetch: int
+    timings: tuple[tuple[tuple[int, int], float], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +230,11 @@ def _time_each(kernels: Sequence[tuple[Kernel, torch.Tensor]], configs: Sequence
     return best
 
 
+def _set_order_prefetch(config: tuple[int, int]) -> None:
+    set_order(config[0])
+    set_prefetch(config[1])
+
+
 def choose_row_order(layers: Sequence[PlannedLinear], dtype: torch.dtype) -> RowOrder | None:
     """Time the native one-token kernel over the first float layers in each order (activations of `dtype`) and set
     the fastest; None where no float32, bfloat16 or W8A8 layer runs natively here (nothing to choose)."""
@@ -240,20 +247,16 @@ def choose_row_order(layers: Sequence[PlannedLinear], dtype: torch.dtype) -> Row
     kept = _KEPT.get(key)
     if not isinstance(kept, RowOrder):
         kernels = [(q.candidates()["native"], torch.randn(1, q.in_features, dtype=dtype)) for q in timed]
-        set_prefetch(0)
-        best = _time_each(kernels, ORDERS, set_order)
-        fastest = min(ORDERS, key=lambda o: best[o])
-        order = fastest if best[fastest] < MARGIN * best[PASS] else PASS
-        set_order(order)
-        ahead = _time_each(kernels, PREFETCH_BYTES, set_prefetch)
-        quickest = min(PREFETCH_BYTES, key=lambda b: ahead[b])
-        kept = RowOrder(order, tuple(best[o] for o in ORDERS), quickest if ahead[quickest] < MARGIN * ahead[0] else 0,
-                        tuple(ahead[b] for b in PREFETCH_BYTES))
+        configs = [(o, b) for o in ORDERS for b in PREFETCH_BYTES]
+        best = _time_each(kernels, configs, _set_order_prefetch)
+        fastest = min(configs, key=lambda c: best[c])
+        order, ahead = fastest if best[fastest] < MARGIN * best[(PASS, 0)] else (PASS, 0)
+        kept = RowOrder(order, ahead, tuple((c, best[c]) for c in configs))
         _KEPT[key] = kept
-        logger.info("one-token GEMV rows: %s, prefetch %s (%s; %s, over %d layers)", ORDER_NAMES[kept.order],
-                    f"{kept.prefetch} B ahead" if kept.prefetch else "none",
-                    ", ".join(f"{ORDER_NAMES[o]} {best[o] * 1e3:.1f} ms" for o in ORDERS),
-                    ", ".join(f"{b} B {ahead[b] * 1e3:.1f} ms" for b in PREFETCH_BYTES), len(timed))
+        logger.info("one-token GEMV rows: %s, prefetch %s (%s ms at %s B ahead; over %d layers)",
+                    ORDER_NAMES[kept.order], f"{kept.prefetch} B ahead" if kept.prefetch else "none",
+                    ", ".join(f"{ORDER_NAMES[o]} " + "/".join(f"{best[(o, b)] * 1e3:.1f}" for b in PREFETCH_BYTES)
+                              for o in ORDERS), "/".join(map(str, PREFETCH_BYTES)), len(timed))
     set_order(kept.order)
     set_prefetch(kept.prefetch)
     return kept
