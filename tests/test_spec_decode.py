@@ -12,6 +12,7 @@ from minivllm.engine.sequence import Sequence
 from minivllm.sampling_params import SamplingParams
 from minivllm.spec_decode.cost import ProposerCostModel, StepCostTable
 from minivllm.spec_decode.draft_proposer import DraftModelProposer
+from minivllm.spec_decode.exploration import Exploration
 from minivllm.spec_decode.ngram_proposer import NgramProposer, ngram_propose
 from minivllm.spec_decode.speculator import SpecRecord, Speculator
 from tests.conftest import PROMPTS, corpus_token_ids, noisy_copy
@@ -321,7 +322,7 @@ def test_adaptive_speculation_pays_at_batch_one_not_in_a_large_batch_nor_for_a_f
     assert _speculator(handful_ms=12.0).worth([(_seq(), 1)], 1, True) == []  # 1 token in 3 ms beats 1.5 in 12
     # Withheld long enough (at that batch size), the best proposal's first token goes through once: a bad measurement
     # cannot stick forever.
-    spec._clock(128).steps = spec.EXPLORE_EVERY
+    spec.exploration.clock(128).steps = Exploration.EXPLORE_EVERY
     assert spec.worth(many, 128, True) == [(many[0][0], 1)]
 
 
@@ -340,7 +341,7 @@ def test_proposals_stop_where_their_measured_payoff_loses():
     spec.payoff.observe(1, False, 1, 0.004)
     assert spec.payoff.loses(1) and spec.worth(one, 1, True) == []
     assert not spec.payoff.loses(2) and spec.worth([(_seq(), 3)] * 2, 2, True)  # another size is unaffected
-    spec._clock(1).steps = spec.EXPLORE_EVERY  # withheld long enough: exploration measures proposals again
+    spec.exploration.clock(1).steps = Exploration.EXPLORE_EVERY  # withheld long enough: exploration re-measures
     assert spec.worth(one, 1, True)
     for _ in range(spec.payoff.WINDOW):
         spec.payoff.observe(1, True, 3, 0.008)  # 375 tokens/s: now they pay
@@ -368,7 +369,7 @@ def test_a_no_from_the_cheap_check_holds_until_a_step_speculates_or_a_recheck_is
     priced.clear()
     spec._version += 1  # a step speculated: the acceptance or the proposer's cost moved
     assert not spec._may_pay(128, True) and priced
-    spec._clock(128).steps += spec.EXPLORE_EVERY
+    spec.exploration.clock(128).steps += Exploration.EXPLORE_EVERY
     assert spec._may_pay(128, True)  # exploration is never held back
 
 
@@ -381,26 +382,26 @@ def test_explorations_that_find_nothing_come_ever_more_rarely_until_proposals_pa
     many = [(_seq(), 3) for _ in range(128)]
 
     def steps_to_next_exploration() -> int:
-        for n in range(1, 4 * spec.EXPLORE_MAX):
+        for n in range(1, 4 * Exploration.EXPLORE_MAX):
             spec._step += 1
-            spec._clock(128).steps += 1
+            spec.exploration.tick(128)
             if spec._may_pay(128, True) and spec.worth(many, 128, True):
-                spec._speculated_at(128, spec._explore_due(128))
+                spec._speculated_at(128, spec.exploration.due(128))
                 return n
         raise AssertionError("never explored")
 
+    every, most = Exploration.EXPLORE_EVERY, Exploration.EXPLORE_MAX
     waits = [steps_to_next_exploration() for _ in range(5)]
-    assert waits == [spec.EXPLORE_EVERY, 2 * spec.EXPLORE_EVERY, 4 * spec.EXPLORE_EVERY, spec.EXPLORE_MAX,
-                     spec.EXPLORE_MAX]
+    assert waits == [every, 2 * every, 4 * every, most, most]
     for _ in range(3):  # proposals that pay at batch 1, between: the wait at 128 holds
         spec._step += 1
-        spec._clock(1).steps += 1
-        spec._speculated_at(1, spec._explore_due(1))
-    assert steps_to_next_exploration() == spec.EXPLORE_MAX
+        spec.exploration.tick(1)
+        spec._speculated_at(1, spec.exploration.due(1))
+    assert steps_to_next_exploration() == most
     spec._step += 1
-    spec._clock(128).steps += 1
+    spec.exploration.tick(128)
     spec._speculated_at(128, False)  # a step of 128 that speculated on its merits: the wait starts over
-    assert steps_to_next_exploration() == spec.EXPLORE_EVERY
+    assert steps_to_next_exploration() == every
 
 
 def test_payoff_counts_whole_steps_in_the_engine(model_factory):

@@ -24,7 +24,7 @@ import torch
 from minivllm.engine.async_stream import failure_text
 from minivllm.engine.hooks import Entry, Forward
 from minivllm.model.runner import SequenceInput
-from minivllm.spec_decode.speculator import verify_rows
+from minivllm.spec_decode.proposer import verify_rows
 
 logger = logging.getLogger(__name__)
 

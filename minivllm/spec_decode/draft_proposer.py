@@ -56,7 +56,7 @@ def load_draft_config(path: str, target: ModelConfig, target_tokenizer: object) 
 
 
 # A catch-up this short (the usual one: the token the target's last step added, or that and the last
-# accepted proposal) goes in as single-token rows, as a verification does (spec_decode.verify_rows): a
+# accepted proposal) goes in as single-token rows, as a verification does (spec_decode.proposer.verify_rows): a
 # 2-token chunk would take the module path, 0.66 ms for this draft against 0.15 ms for a decode step.
 SHORT_CATCH_UP = 4
 

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 
 from minivllm.spec_decode.draft_proposer import DraftModelProposer
 from minivllm.spec_decode.ngram_proposer import NgramProposer
-from minivllm.spec_decode.speculator import Proposer, Speculator
+from minivllm.spec_decode.proposer import Proposer
+from minivllm.spec_decode.speculator import Speculator
 from minivllm.spec_decode.suffix_proposer import SuffixProposer
 
 if TYPE_CHECKING:

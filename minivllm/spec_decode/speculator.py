@@ -18,50 +18,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
 from minivllm.engine.sequence import Sequence
-from minivllm.model.runner import SequenceInput
 from minivllm.model.step_sampling import Verification
 from minivllm.spec_decode.cost import Payoff, StepCostTable
-
-
-def verify_rows(seq: Sequence, n: int) -> list[SequenceInput]:
-    """The runner inputs of a speculating sequence's n scheduled tokens (its last token, then proposals):
-    one single-token row each, at consecutive positions over the same block table. A step's rows write
-    their K/V before any row attends, and each attends up to its own position, so this is the chunk's
-    causal attention, and a verification step stays an all-decode step (on CPU, the native decode stack
-    rather than the module path that multi-token chunks take)."""
-    start = seq.num_computed_tokens
-    toks = (seq.token_ids[start:] + seq.spec_token_ids)[:n]
-    lora = seq.group.lora.slot if seq.group is not None and seq.group.lora is not None else -1
-    tables = tuple(v.block_table for v in seq.kv_views)
-    return [SequenceInput([t], start + i, seq.block_table, True, lora=lora, group_tables=tables)
-            for i, t in enumerate(toks)]
-
-
-class Proposer(Protocol):
-    """What the speculator needs of a proposer (NgramProposer, DraftModelProposer)."""
-
-    def propose(self, batch: list[tuple[Sequence, int]]) -> list[tuple[Sequence, list[int], torch.Tensor | None]]:
-        ...
-
-    def overhead(self, longest: int, tokens: int) -> float:
-        ...
-
-    def catch_up_cost(self, seq: Sequence) -> float:
-        ...
-
-    def settle(self) -> None:
-        ...
-
-    def release(self, seq: Sequence) -> None:
-        ...
-
-    def check_invariants(self) -> None:
-        ...
+from minivllm.spec_decode.exploration import Exploration
+from minivllm.spec_decode.proposer import Proposer
 
 
 @dataclass
@@ -73,16 +37,6 @@ class SpecDecodeStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts whose proposal i was accepted
     proposed_per_position: list[int] = field(default_factory=list)  # [i]: drafts that had a proposal i
-
-
-@dataclass(slots=True)
-class ExploreClock:
-    """One batch size's exploration clock: the steps of that size seen, the count at its last step that speculated,
-    and how many steps of that size without speculation it waits before the next exploration."""
-
-    wait: int
-    steps: int = 0
-    last: int = 0
 
 
 @dataclass(slots=True)
@@ -108,9 +62,8 @@ class Speculator:
     each sequence proposes as many tokens (up to k) as pay: at batch 1 a good proposer's whole k, a draft
     whose later guesses rarely hold one or two, in a large batch (where extra rows' FLOPs cost what they
     yield) none; a request whose proposals keep failing pauses proposing. A step with prefill chunks gets no
-    proposals. A size never measured is tried once; and every EXPLORE_EVERY steps of a batch size without
-    speculation (longer after explorations that found nothing, see EXPLORE_MAX) the best proposal goes through
-    anyway, so one unlucky measurement cannot switch speculation off for good.
+    proposals. A size never measured is tried once; and now and then a batch size that has gone without speculation
+    lets the best proposal through anyway (Exploration), so one unlucky measurement cannot switch it off for good.
 
     The costs are predictions from the forward's time; what steps with proposals really yield is measured too
     (Payoff): each pure-decode step's whole wall time (rejection sampling, proposer and outputs included) and its
@@ -123,15 +76,6 @@ class Speculator:
     an exploration from ever finding that proposals pay again (a batch-1 draft stopped at 0.8x of what speculating
     every step gave)."""
 
-    EXPLORE_EVERY = 128
-    # An exploration that proposals do not follow (the next steps again find they would not pay) doubles the wait for
-    # the next one, up to EXPLORE_MAX; a step that speculates on its own merits resets it. An exploration costs a
-    # draft model a catch-up on everything it skipped (~220 tokens of one sequence through its prefill path, 5-8 ms:
-    # 1.5-2% of a 128-token run at 8 streams, where the draft never pays). Each batch size keeps its own clock
-    # (steps of that size; ExploreClock): with one clock for all, a request alone, where the draft pays every step,
-    # started the wait at 8 streams over at 128, so every 8-stream run of the speculation bench (a 1-stream run
-    # between each) paid an exploration and lost 2-2.5% to its attached draft (2026-12-05).
-    EXPLORE_MAX = 1024
     # A sequence's record weighs its recent drafts most (each older one by RECENT more): how well a text is
     # guessed changes as it goes (a proposer that failed on fresh code guesses a repeated block well). A
     # sequence withheld for its record forgets some of it each step (FORGET), so it proposes again
@@ -158,7 +102,7 @@ class Speculator:
         self.proposing: list[Sequence] = []  # this step's speculating sequences
         self.records: dict[int, SpecRecord] = {}  # seq_id → its record, from its first verification to its end
         self._step = self._last_spec = 0  # steps proposed for, and the last one that speculated
-        self._clocks: dict[int, ExploreClock] = {}  # batch size → its exploration clock (see EXPLORE_MAX)
+        self.exploration = Exploration()
         self.payoff = Payoff()
         # The step in progress, for the payoff: its start, sequences, whether it proposed, the tokens it produced
         # (None: not a pure-decode step, not measured).
@@ -213,17 +157,6 @@ class Speculator:
             out.append(g)
         return out
 
-    def _clock(self, num_seqs: int) -> ExploreClock:
-        c = self._clocks.get(num_seqs)
-        if c is None:
-            c = self._clocks[num_seqs] = ExploreClock(wait=self.EXPLORE_EVERY)
-        return c
-
-    def _explore_due(self, num_seqs: int) -> bool:
-        """Whether steps of num_seqs sequences have gone without speculation long enough to try proposals anyway."""
-        c = self._clocks.get(num_seqs)
-        return c is not None and c.steps - c.last >= c.wait
-
     def _may_pay(self, num_seqs: int, pure_decode: bool) -> bool:
         """Whether proposals at the batch's usual acceptance could pay for one sequence or for all of them, at
         some proposal length (the yield per second is monotone in how many speculate, so the ends decide);
@@ -232,7 +165,7 @@ class Speculator:
             return False  # see worth()
         held = self._no_pay.get(num_seqs)
         if held is not None and held[0] == self._version and self._step - held[1] < self.RECHECK_EVERY:
-            return self._explore_due(num_seqs)  # (see RECHECK_EVERY)
+            return self.exploration.due(num_seqs)  # (see RECHECK_EVERY)
         base = self.steps.measured(num_seqs)
         if base is None:
             return False  # measure the plain decode step first
@@ -246,7 +179,7 @@ class Speculator:
                 if cost is None or (num_seqs + m * e) / max(cost + over(length, m * length), 1e-9) > plain_rate:
                     return True
         self._no_pay[num_seqs] = (self._version, self._step)
-        return self._explore_due(num_seqs)
+        return self.exploration.due(num_seqs)
 
     def worth(self, candidates: list[tuple[Sequence, int]], num_seqs: int, pure_decode: bool
               ) -> list[tuple[Sequence, int]]:
@@ -264,7 +197,7 @@ class Speculator:
         base = self.steps.measured(num_seqs)
         if base is None:
             return []  # measure the plain decode step first
-        if self.payoff.loses(num_seqs) and not self._explore_due(num_seqs):
+        if self.payoff.loses(num_seqs) and not self.exploration.due(num_seqs):
             return []  # steps of this size with proposals have yielded less than without
         rates = self.position_rates()
         units: list[tuple[float, int]] = []  # (expected gain, candidate index), positions in order per candidate
@@ -290,7 +223,7 @@ class Speculator:
             rate = (num_seqs + gained) / max(cost + over(longest, i) + extra, 1e-9)
             if rate > best_rate:
                 best_rate, best = rate, i
-        if not best and units and self._explore_due(num_seqs):
+        if not best and units and self.exploration.due(num_seqs):
             best = 1
         lengths = [0] * len(candidates)
         for _, j in units[:best]:
@@ -344,7 +277,7 @@ class Speculator:
         self._close_step(now)
         if not running:
             return []
-        self._clock(len(running)).steps += 1
+        self.exploration.tick(len(running))
         lacking = [s.num_tokens - s.num_computed_tokens for s in running]
         pure_decode = not waiting and all(n <= 1 for n in lacking)  # waiting requests: prefill chunks join
         self._began, self._seqs, self._speculated, self._excess = now, len(running), False, 0.0
@@ -380,7 +313,7 @@ class Speculator:
                 self.draft_probs[seq.seq_id] = dist
         self.proposing = [seq for seq, _, _ in found]
         if found:
-            self._speculated_at(len(running), self._explore_due(len(running)))
+            self._speculated_at(len(running), self.exploration.due(len(running)))
             self._speculated = True
             rates = self.position_rates()
             # (a record above the average scales a gain past certainty: at most a token each)
@@ -389,11 +322,9 @@ class Speculator:
         return self.proposing
 
     def _speculated_at(self, num_seqs: int, exploring: bool) -> None:
-        """This step of num_seqs sequences speculates: an exploration lengthens that size's wait for the next one, any
-        other step resets it (see EXPLORE_MAX); what _may_pay weighed may have moved."""
-        c = self._clock(num_seqs)
-        c.wait = min(2 * c.wait, self.EXPLORE_MAX) if exploring else self.EXPLORE_EVERY
-        c.last = c.steps
+        """This step of num_seqs sequences speculates (exploring: only because an exploration was due); what _may_pay
+        weighed may have moved."""
+        self.exploration.speculated(num_seqs, exploring)
         self._last_spec = self._step
         self._version += 1
 
