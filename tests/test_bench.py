@@ -380,11 +380,12 @@ def test_bench_speculative_compares_each_engine_with_itself_detached(tmp_path):
 
     out = tmp_path / "spec.json"
     rc = main(["bench", "speculative", "--draft", "none", "--ks", "2", "--streams", "1,2", "--output-len", "8",
-               "--prompt-len", "16", "--rounds", "2", "--pairs", "2", "--large-batch", "4", "--out", str(out)])
+               "--prompt-len", "16", "--rounds", "2", "--pairs", "2", "--large-batch", "4", "--large-pairs", "3",
+               "--out", str(out)])
     r = json.loads(out.read_text())
     assert rc == 0 and all(r["lossless"].values()) and set(r["ratio"]) == {"ngram k=2", "suffix k=2"}
-    def pairs(col: str) -> int:  # rounds x pairs at 2 streams, rounds at 1; ABBA x 3 at the large batch
-        return 6 if col.endswith("sequences") else 4 if col.endswith("2 stream(s)") else 2
+    def pairs(col: str) -> int:  # rounds x pairs at 2 streams, rounds at 1; --large-pairs at the large batch
+        return 3 if col.endswith("sequences") else 4 if col.endswith("2 stream(s)") else 2
 
     for name, cols in r["ratio"].items():
         assert set(cols) == set(r["mean_tok_s"]["off"]), name  # (every column: streams and the large batch)
@@ -394,10 +395,11 @@ def test_bench_speculative_compares_each_engine_with_itself_detached(tmp_path):
             each = r["pair_ratios"][name][col]
             assert each == pytest.approx([a / b for a, b in zip(on, off, strict=True)])
             assert ratio == pytest.approx(statistics.median(each))
-    # The plain engine twice per pair, side by side: the A/A ratio, the floor the verdict judges against.
-    streams = [c for c in r["mean_tok_s"]["off"] if "stream" in c]
-    assert set(r["aa_ratio"]) == set(streams)
-    for col in streams:
+    # The plain engine twice per pair, side by side: the A/A ratio, the floor the verdict judges against (the large
+    # batch's too).
+    cols = list(r["mean_tok_s"]["off"])
+    assert set(r["aa_ratio"]) == set(cols) and "code, 4 sequences" in cols
+    for col in cols:
         assert len(r["aa_tok_s"][col]) == pairs(col)
         each = [a / b for a, b in zip(r["tok_s"]["off"][col], r["aa_tok_s"][col], strict=True)]
         assert r["aa_ratio"][col] == pytest.approx(statistics.median(each))
@@ -410,7 +412,13 @@ def test_bench_speculative_compares_each_engine_with_itself_detached(tmp_path):
         f"1 {floor[1]:.2f}x, 2 {floor[2]:.2f}x)" in verdict(r)
     # Every pair at more than one stream pooled per proposer (three tasks' cells): their geometric mean beside the A/A
     # pairs', a loss only where it lies two standard errors of the difference below.
-    pooled = verdict(r).split("pooled")[1]
+    # At the large batch each engine's pairs pooled the same way, the plain engine's A/A beside them.
+    large = verdict(r).split("at the large batch")[1]
+    for name in ("ngram k=2", "suffix k=2", "off"):
+        logs = [math.log(x) for x in r["pair_ratios"][name]["code, 4 sequences"]]
+        mean = math.exp(statistics.mean(logs))
+        assert f"{name} {mean:.3f}x ± {mean * statistics.stdev(logs) / math.sqrt(3):.3f} (3 pairs)" in large
+    pooled = verdict(r).split("pooled (geometric mean, ± one")[1]
     for name, label in (("ngram k=2", "ngram"), ("off", "off")):
         logs = [math.log(x) for c, v in r["pair_ratios"][name].items() if c.endswith(" 2 stream(s)") for x in v]
         assert len(logs) == 3 * 4
