@@ -79,10 +79,12 @@ def check_accounting(summary: dict, streamed: bool) -> None:
     assert summary["output_tokens"] == (N - failures) * MAX_TOKENS  # only what succeeded, as the server counted
     assert summary["output_tok_per_s"] == pytest.approx(summary["output_tokens"] / summary["elapsed_s"])
     assert summary["req_per_s"] == pytest.approx((N - failures) / summary["elapsed_s"])
-    # Failures took ≥ 1 s; successes ~0.02 s. With failures mixed in, p95 and p99 would be ≥ 1 s.
-    assert summary["e2e_ms"]["p99"] < 1000 * FAIL_DELAY * 0.8, summary["e2e_ms"]
+    # Every failure takes at least FAIL_DELAY by construction, so one mixed into the latencies would put p99 at or
+    # past it; a success takes OK_DELAY plus whatever a busy 2-core machine adds (CI saw 0.81 s once), so the bound
+    # is the failures' own floor, not a margin under it.
+    assert summary["e2e_ms"]["p99"] < 1000 * FAIL_DELAY, summary["e2e_ms"]
     if streamed:
-        assert 0 < summary["ttft_ms"]["p99"] < 1000 * FAIL_DELAY * 0.8
+        assert 0 < summary["ttft_ms"]["p99"] < 1000 * FAIL_DELAY
         assert summary["tpot_ms"]["p50"] > 0
 
 
