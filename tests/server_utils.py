@@ -47,15 +47,18 @@ class ServerProcess:
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      preexec_fn=_die_with_parent)
         deadline = time.time() + 120
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_text()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        # One client for the polls (each bare httpx.get builds an SSL context: ~20 ms of a core the starting server
+        # wants), polled often: the suite starts dozens of servers.
+        with httpx.Client(timeout=1) as poll:
+            while time.time() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_text()}")
+                try:
+                    if poll.get(self.url + "/health").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"server did not become healthy:\n{self.log_text()}")
 
