@@ -236,7 +236,7 @@ def test_bench_peers_smoke_and_its_verdicts(tmp_path):
     out = tmp_path / "peers.json"
     rc = main(["bench", "peers", "--presets", "tiny-llama", "--modes", "fp32,w4a8", "--batches", "1,4",
                "--steps", "2", "--batch-steps", "1", "--prefill-len", "16", "--rounds", "1", "--no-llama-cpp",
-               "--work-dir", str(tmp_path / "w"), "--out", str(out)])
+               "--probe-mib", "64", "--work-dir", str(tmp_path / "w"), "--out", str(out)])
     assert rc == 0 and (tmp_path / "peers.png").stat().st_size > 0
     r = json.loads(out.read_text())
     runs = r["presets"]["tiny-llama"]

@@ -67,7 +67,7 @@ def _argv(quick: bool, model: str | None) -> dict[str, list[str]]:
                      "--rounds", "1", "--kv-cache-memory", "8MiB"],
             "quantization": ["quantization", *m, "--quality-model", model or "", "--output-len", "4", "--repeats", "1",
                              "--batches", "2", "--batch-output-len", "2", "--perplexity-tokens", "600",
-                             "--kl-tokens", "256", "--no-hf"],
+                             "--kl-tokens", "256", "--no-hf", "--probe-mib", "64"],
             "kvcache": ["kvcache", *m, "--kv-cache-memory", "1MiB", "--num-requests", "4", "--prompt-len", "24",
                         "--output-len", "4", "--rounds", "1", "--quality-windows", "2", "--quality-len", "48",
                         "--windows", "16"],

@@ -70,6 +70,9 @@ def add_peers_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-steps", type=int, default=8, help="decode steps timed at the larger batches")
     p.add_argument("--rounds", type=int, default=2, help="rounds, each in the reverse order of the one before")
     p.add_argument("--threads", type=int, default=None, help="threads for every engine (default: all cores)")
+    p.add_argument("--probe-mib", type=int, default=None,
+                   help="the bandwidth probe's buffer in MiB (default: 1 GiB or 8x the last-level cache; a smaller "
+                        "one reads from cache, for smoke runs only)")
     p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
     p.add_argument("--no-hf", action="store_true", help="skip HF transformers")
     p.add_argument("--work-dir", default=None, help="where checkpoints and GGUF files go (deleted after each preset)")
@@ -204,8 +207,9 @@ def _hf(spec: dict[str, Any]) -> dict[str, Any]:
 def _probe(spec: dict[str, Any]) -> dict[str, Any]:
     from minivllm.bench.roofline import measure_bandwidth, probe_mib
 
-    median, lo, hi = measure_bandwidth(threads=spec["threads"])
-    return {"median": median, "min": lo, "max": hi, "mib": probe_mib()}
+    mib = spec.get("mib") or probe_mib()
+    median, lo, hi = measure_bandwidth(mib, threads=spec["threads"])
+    return {"median": median, "min": lo, "max": hi, "mib": mib}
 
 
 WORKERS = {"ours": _ours, "llama.cpp": _llama_cpp, "hf": _hf, "probe": _probe}
@@ -269,7 +273,7 @@ def run_peers(ns: argparse.Namespace) -> int:
         configs = configurations(modes, paths, not ns.no_hf)
         runs: dict[str, list[dict[str, Any]]] = {}
         for r in range(ns.rounds):
-            probe = run_worker("peers", {"engine": "probe", "threads": threads}, "probe")
+            probe = run_worker("peers", {"engine": "probe", "threads": threads, "mib": ns.probe_mib}, "probe")
             if probe:
                 runs.setdefault("probe", []).append(probe)
                 print(f"  round {r} probe: {probe['median'] / 1e9:.1f} GB/s", flush=True)

@@ -54,6 +54,9 @@ def add_quantization_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--perplexity-tokens", type=int, default=16384, help="held-out tokens scored per mode")
     p.add_argument("--kl-tokens", type=int, default=2048, help="tokens compared on the speed model")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--probe-mib", type=int, default=None,
+                   help="the bandwidth probe's buffer in MiB (default: 1 GiB or 8x the last-level cache; a smaller "
+                        "one reads from cache, for smoke runs only)")
     p.add_argument("--no-hf", action="store_true", help="skip HF transformers (speed and perplexity)")
     p.add_argument("--out", default=None, help="write the results as JSON here (and a PNG plot next to it)")
 
@@ -159,9 +162,9 @@ def run_quantization(ns: argparse.Namespace) -> int:
     batches = [int(b) for b in ns.batches.split(",") if b]
     batch_prompts = {b: [[rng.randrange(16, vocab) for _ in range(ns.prompt_len)] for _ in range(b)] for b in batches}
 
-    rates = bandwidth_passes(threads=threads)
+    rates = bandwidth_passes(ns.probe_mib, threads=threads)
     rows = measure_speed(path, modes, ns, prompt, batch_prompts,
-                         lambda: rates.extend(bandwidth_passes(passes=3, threads=threads)))
+                         lambda: rates.extend(bandwidth_passes(ns.probe_mib, passes=3, threads=threads)))
     bw_median, bw_min, bw_max = bandwidth_stats(rates)
     for r in rows:
         r["b1_roofline_tok_s"] = bw_median / r["weight_bytes"]
