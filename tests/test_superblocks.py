@@ -157,21 +157,31 @@ def test_other_instruction_sets_compute_the_same(tmp_path, march, cls):
             assert (out.double() - expected).abs().max().item() <= 2e-5 * expected.abs().max().item(), (act_blocks, m)
 
 
-def _file_with_a_q6_k_head(hf_dir: str, out: str, ftype: str) -> None:
-    """llama.cpp's own Q4_0 (Q4_K_M) file of the model: its quantizer writes the head (the tied embedding where the
-    model has no head of its own) in Q6_K where rows are whole superblocks."""
+@pytest.fixture(scope="module")
+def llama_cpp_file(tmp_path_factory):
+    """make(hf_dir, ftype) → llama.cpp's own Q4_0 (Q4_K_M) file of the model, made once per module (its converter is a
+    4 s subprocess; tests that differ only in how they load a file read the same one): its quantizer writes the head
+    (the tied embedding where the model has no head of its own) in Q6_K where rows are whole superblocks."""
     from minivllm.bench import llamacpp
 
-    f32 = out + ".f32.gguf"
-    llamacpp.convert(hf_dir, f32, "f32")
-    llamacpp.quantize(f32, out, ftype)
-    os.remove(f32)
+    made: dict[tuple[str, str], str] = {}
+
+    def make(hf_dir: str, ftype: str) -> str:
+        if (hf_dir, ftype) not in made:
+            out = str(tmp_path_factory.mktemp("llama-cpp-file") / f"{ftype}.gguf")
+            f32 = out + ".f32.gguf"
+            llamacpp.quantize(llamacpp.convert(hf_dir, f32, "f32"), out, ftype)
+            os.remove(f32)
+            made[hf_dir, ftype] = out
+        return made[hf_dir, ftype]
+
+    return make
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no native kernels")
 @pytest.mark.parametrize("ftype,tied", [("Q4_0", False), ("Q4_0", True), ("Q4_K_M", True)])
 @pytest.mark.parametrize("weight_only", [False, True])  # by default x in blocks of 32 (w4a8, w8a8)
-def test_a_gguf_files_q6_k_head_runs_as_its_own_superblocks(model_factory, tmp_path, caplog, monkeypatch, tied,
+def test_a_gguf_files_q6_k_head_runs_as_its_own_superblocks(model_factory, llama_cpp_file, caplog, monkeypatch, tied,
                                                              ftype, weight_only):
     """The head of a Q4_0 file (or its tied embedding) in Q6_K runs from the file's own rows: its bytes equal the
     file's, weight-only it adds no error (logged KL ~0, logits and greedy text as transformers reads the file),
@@ -190,8 +200,7 @@ def test_a_gguf_files_q6_k_head_runs_as_its_own_superblocks(model_factory, tmp_p
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by the test extra")
     wide = (("intermediate_size", 512),) if ftype == "Q4_K_M" else ()  # (K-quant rows: whole superblocks)
     hf_dir = model_factory("tiny-llama", overrides=(("hidden_size", 256), *wide, ("tie_word_embeddings", tied)))
-    path = str(tmp_path / f"{ftype}-q6_k-head.gguf")
-    _file_with_a_q6_k_head(hf_dir, path, ftype)
+    path = llama_cpp_file(hf_dir, ftype)
     method = ("int4" if ftype == "Q4_0" else "int8") if weight_only else None
     kw = {"quantization": method} if method else {}
     from minivllm.model import gguf_conversion, hugepages
@@ -227,7 +236,8 @@ def test_a_gguf_files_q6_k_head_runs_as_its_own_superblocks(model_factory, tmp_p
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no native kernels")
 @pytest.mark.parametrize("method", [None, "int8"])  # by default x in blocks of 32 (w8a8); int8: weight-only
-def test_llama_cpps_q4_k_m_file_runs_its_q4_k_modules_as_the_file_holds_them(model_factory, tmp_path, caplog, method):
+def test_llama_cpps_q4_k_m_file_runs_its_q4_k_modules_as_the_file_holds_them(model_factory, llama_cpp_file, caplog,
+                                                                             method):
     """llama.cpp's own Q4_K_M file: every module whose parts are all Q4_K holds the file's rows (4.5 bits, nothing
     re-quantized), those all Q6_K too, and the attention whose v is Q6_K beside Q4_K q and k holds them in two parts
     (model/split_linear.py): nothing is converted; weight-only, the logits stay within 0.5% of transformers' reading
@@ -244,12 +254,9 @@ def test_llama_cpps_q4_k_m_file_runs_its_q4_k_modules_as_the_file_holds_them(mod
     from tests.conftest import PROMPTS, hf_greedy, last_logits_and_hf, make_runner
 
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by the test extra")
-    from minivllm.bench import llamacpp
-
     hf_dir = model_factory("tiny-llama", overrides=(("hidden_size", 256), ("intermediate_size", 512),
                                                     ("tie_word_embeddings", False)))
-    f32, path = str(tmp_path / "f32.gguf"), str(tmp_path / "q4_k_m.gguf")
-    llamacpp.quantize(llamacpp.convert(hf_dir, f32, "f32"), path, "Q4_K_M")
+    path = llama_cpp_file(hf_dir, "Q4_K_M")
     tensors = {t.name: t for t in GGUFReader(path).tensors}
     kw = {"quantization": method} if method else {}
     with caplog.at_level(logging.INFO, logger="minivllm.model"):
