@@ -41,11 +41,17 @@ def test_a_speculating_engine_measures_its_plain_rate_too():
     assert spec is not None
     code = PROMPTS[1] + "    def size(self):\n        return len(self.x)\n"
     prompt = code + "\n\n# The same code again, unchanged:\n" + code[:30]  # (the embedded model copies it)
-    eng.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True))
-    while eng.has_unfinished_requests():
-        eng.step()
     rates = spec.payoff.rates
-    assert len(rates[(1, True)]) >= 2 and len(rates[(1, False)]) >= spec.payoff.MIN_SAMPLES
+    # Whether the draft's proposals are predicted to pay comes from measured times: on a busy machine a first round
+    # can be measured slow enough that one request speculates once (CI, once). The premise is the engine speculating
+    # step after step, so the same request goes again (the engine keeps what it measured) until it has.
+    for i in range(3):
+        eng.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True))
+        while eng.has_unfinished_requests():
+            eng.step()
+        if len(rates.get((1, True), ())) >= 8:
+            break
+    assert len(rates[(1, True)]) >= 8 and len(rates[(1, False)]) >= spec.payoff.MIN_SAMPLES
 
 
 def test_payoff_counts_the_tokens_proposals_were_expected_to_yield(model_factory):
