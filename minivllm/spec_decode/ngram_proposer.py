@@ -18,14 +18,20 @@ def ngram_propose(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[
     if length < n_min + 1:
         return []
     arr = np.asarray(token_ids, dtype=np.int64)
+    # A match of any length ends at an earlier position holding the last token, with at least one token after it:
+    # those few candidates are checked a token further back per length, rather than every window compared whole
+    # (sliding windows cost ~60 us a sequence in an 8-stream step here, 0.5 ms of a 2.5 ms step).
+    ends = np.flatnonzero(arr[:length - 1] == arr[length - 1])
     for n in range(min(n_max, length - 1), n_min - 1, -1):
-        # Windows that start before the suffix itself and leave at least one token after them.
-        windows = np.lib.stride_tricks.sliding_window_view(arr[:length - 1], n)
-        hits = np.flatnonzero((windows == arr[length - n:]).all(axis=1))
+        cand = ends[ends >= n - 1]  # (the match's first token at cand - n + 1 >= 0)
+        ok = np.ones(cand.size, dtype=bool)
+        for j in range(1, n):
+            ok &= arr[cand - j] == arr[length - 1 - j]
+        hits = cand[ok]
         if hits.size:
             # What followed the match, continued through the proposals themselves where it runs into the
             # end: a loop of period p then proposes k tokens, not just p.
-            start = int(hits[-1]) + n
+            start = int(hits[-1]) + 1
             out = token_ids[start:start + k]
             while len(out) < k:  # out holds all length - start tokens after the match: copy at that lag
                 out.append(out[len(out) - (length - start)])
