@@ -43,8 +43,9 @@ def test_a_speculating_engine_measures_its_plain_rate_too():
     prompt = code + "\n\n# The same code again, unchanged:\n" + code[:30]  # (the embedded model copies it)
     rates = spec.payoff.rates
     # Whether the draft's proposals are predicted to pay comes from measured times: on a busy machine a first round
-    # can be measured slow enough that one request speculates once (CI, once). The premise is the engine speculating
-    # step after step, so the same request goes again (the engine keeps what it measured) until it has.
+    # can be measured slow enough that one request speculates once (a full suite run, once). The premise is the
+    # engine speculating step after step, so the same request goes again (the engine keeps what it measured) until
+    # it has.
     for i in range(3):
         eng.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True))
         while eng.has_unfinished_requests():

@@ -113,7 +113,7 @@ def test_tp2_quantizes_each_shard_about_as_well_as_one_process(model_factory, me
     probe = [SequenceInput(list(range(5, 45)), 0, [1, 2, 3], True, all_logits=True)]
     ref = LLMEngine(EngineArgs(model=path, num_kv_blocks=64)).runner.execute(probe)
     # The same kernels on both sides: left to start-up's timings, int8 weight-only may take x in int8 for this
-    # 40-token prefill in one process and not in the other (CI saw 0.156 against 0.092 once).
+    # 40-token prefill in one process and not in the other (a full suite run saw 0.156 against 0.092 once).
     kw = {"quantization": method, "quantization_kernel": "native"}
     one = LLMEngine(EngineArgs(model=path, num_kv_blocks=64, **kw)).runner.execute(probe)
     two = LLMEngine(EngineArgs(model=path, num_kv_blocks=64, tensor_parallel_size=2, **kw))

@@ -30,6 +30,7 @@ from typing import Any
 
 from minivllm.bench import llamacpp
 from minivllm.bench.results import run_worker, save
+from minivllm.bench.roofline import add_probe_mib_arg
 from minivllm.config import cpu_count
 
 MODES = ("fp32", "bf16", "int8", "w8a8", "int4", "w4a8")
@@ -70,9 +71,7 @@ def add_peers_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-steps", type=int, default=8, help="decode steps timed at the larger batches")
     p.add_argument("--rounds", type=int, default=2, help="rounds, each in the reverse order of the one before")
     p.add_argument("--threads", type=int, default=None, help="threads for every engine (default: all cores)")
-    p.add_argument("--probe-mib", type=int, default=None,
-                   help="the bandwidth probe's buffer in MiB (default: 1 GiB or 8x the last-level cache; a smaller "
-                        "one reads from cache, for smoke runs only)")
+    add_probe_mib_arg(p)
     p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
     p.add_argument("--no-hf", action="store_true", help="skip HF transformers")
     p.add_argument("--work-dir", default=None, help="where checkpoints and GGUF files go (deleted after each preset)")

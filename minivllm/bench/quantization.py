@@ -29,7 +29,7 @@ from minivllm.bench.latency import one_request
 from minivllm.bench.quant_quality import MODES, measure_quality, mode_engine_kwargs
 from minivllm.bench.quantization_report import plot, report, targets
 from minivllm.bench.results import save
-from minivllm.bench.roofline import bandwidth_passes, bandwidth_stats
+from minivllm.bench.roofline import add_probe_mib_arg, bandwidth_passes, bandwidth_stats
 from minivllm.bench.throughput import greedy, hf_batch1, resolve_model, run_engine
 from minivllm.config import EngineArgs, ModelConfig, cpu_count
 from minivllm.engine.llm_engine import LLMEngine
@@ -54,9 +54,7 @@ def add_quantization_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--perplexity-tokens", type=int, default=16384, help="held-out tokens scored per mode")
     p.add_argument("--kl-tokens", type=int, default=2048, help="tokens compared on the speed model")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    p.add_argument("--probe-mib", type=int, default=None,
-                   help="the bandwidth probe's buffer in MiB (default: 1 GiB or 8x the last-level cache; a smaller "
-                        "one reads from cache, for smoke runs only)")
+    add_probe_mib_arg(p)
     p.add_argument("--no-hf", action="store_true", help="skip HF transformers (speed and perplexity)")
     p.add_argument("--out", default=None, help="write the results as JSON here (and a PNG plot next to it)")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import functools
 import time
 from collections.abc import Callable
@@ -68,6 +69,13 @@ def last_level_cache_bytes() -> int:
         unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
         llc = max(llc, int(text.rstrip("KMG")) * unit)
     return llc
+
+
+def add_probe_mib_arg(p: argparse.ArgumentParser, when: str = "") -> None:
+    """The benches' --probe-mib flag (when: what it depends on, e.g. "with --roofline: ")."""
+    p.add_argument("--probe-mib", type=int, default=None,
+                   help=f"{when}the bandwidth probe's buffer in MiB (default: 1 GiB or 8x the last-level cache; a "
+                        "smaller one reads from cache, for smoke runs only: 1 GiB at 1 thread is ~4 s here)")
 
 
 def probe_mib() -> int:

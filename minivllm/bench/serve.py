@@ -27,6 +27,7 @@ import httpx
 from minivllm.bench import serve_baseline as baseline
 from minivllm.bench.loadgen import ENDPOINT_NAMES, ENDPOINTS, RequestSpec, make_client, make_workload, run_load
 from minivllm.bench.results import save
+from minivllm.bench.roofline import add_probe_mib_arg
 from minivllm.bench.serve_report import plot, report
 from minivllm.config import cpu_count
 from minivllm.utils import free_port
@@ -71,9 +72,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "variants, every (variant, endpoint) pair is a column, run in ABBA order")
     p.add_argument("--roofline", action="store_true",
                    help="measure the machine's ceilings here and report each column's roofline throughput")
-    p.add_argument("--probe-mib", type=int, default=None,
-                   help="with --roofline: the bandwidth probe's buffer in MiB (default: 1 GiB or 8x the last-level "
-                        "cache; a smaller one reads from cache, for smoke runs only: 1 GiB at 1 thread is ~4 s here)")
+    add_probe_mib_arg(p, "with --roofline: ")
     p.add_argument("--no-offline", action="store_true", help="skip the offline engine baseline")
     p.add_argument("--out", default=None, help="write the results as JSON here (and a PNG plot next to it)")
 
