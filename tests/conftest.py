@@ -232,3 +232,22 @@ def with_threads(fn: Callable[[], T], threads: int) -> T:
         return fn()
     finally:
         torch.set_num_threads(before)
+
+
+def int4_m1_x(x: torch.Tensor) -> torch.Tensor:
+    """The x int4's one-token native rows compute with, in float64: x itself, or where they take it as int16 in
+    blocks of 32 (csrc/gemv_avx2.h: AVX2 without VNNI) that image (each block's amax / 32767 a step, rounded to
+    nearest even, in float32 as the staging does), checked here to stay within half a step of x."""
+    from minivllm.model import cpu_kernels
+
+    if x.shape[0] != 1 or not cpu_kernels.int4_x_int16():
+        return x.double()
+    k = x.shape[1]
+    xb = torch.nn.functional.pad(x.float(), (0, -k % 32)).view(x.shape[0], -1, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(32767.0) / amax, torch.zeros_like(amax))
+    image = (torch.round(xb * inv) * (amax / 32767.0)).view(x.shape[0], -1)[:, :k]
+    step = (amax / 32767.0).expand_as(xb).reshape(x.shape[0], -1)[:, :k]
+    # the rounding bound, 2^-16 of the block's amax, plus the float32 products' few ulps of x
+    assert ((image - x).abs() <= step * 0.5 + 4 * 2.0**-24 * x.abs() + 1e-30).all()
+    return image.double()

@@ -301,6 +301,15 @@ int gemv_int4_bf16dot(void) {
 #endif
 }
 
+/* Whether int4's one-token rows take x as int16 in blocks of 32 here (csrc/gemv_avx2.h: AVX2 without VNNI). */
+int gemv_int4_x_int16(void) {
+#ifdef INT4_M1_X_INT16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Whether the few-token float rows follow gemv_few_rows_k here (AVX-512's rows; AVX2's and the generic ones do not). */
 int gemv_few_rows_ordered(void) {
 #ifdef GEMV_DENSE_AVX512

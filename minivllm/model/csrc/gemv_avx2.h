@@ -59,30 +59,38 @@ INLINE void int4_row_avx2(float *out, int64_t ldo, const float *x, const float *
     }
 }
 
-/* int4 weight-only at one token on AVX2 (csrc/gemv_avx512.h's int4_row_m1_avx512 in 8 lanes): a 32-byte chunk of a
- * row (64 weights, 2 blocks of 32) read as 8 int32 lanes holds 8 nibble fields per lane. Fields 2k and 2k + 1 come
- * from the lanes shifted down by 8k against the masks 0xF and 0xF0 (q and 16 q: exact as floats; field 7 is the
- * shift by 28 alone), against x staged once per call in the same order by int4_stage_m1_avx2, its odd fields
- * pre-scaled by 1/16 (exact). Per 64 weights a load, 4 shifts, 7 ands, 8 conversions, 8 multiply-adds, one permute
- * picking the lanes' group scales from a window of 8 groups' and one multiply-add: one shuffle where int4_row_avx2
- * takes 12 (its widening moves), and independent chains where its group sums were one chain of four dependent FMAs
- * per 32 weights (bound by their latency: a 1B model's int4 decode streamed 6.4 GB/s on a 2-core AVX2 EPYC). The
- * mins join once per row through the groups' sums of x (xg, zero to a multiple of 8 groups). */
+/* int4 weight-only at one token on AVX2: x in int16, one scale per 32-weight block. Without VNNI, float x against
+ * nibbles costs a conversion per 8 weights (the nibble-field rows this replaced: ~30 vector instructions per 64
+ * weights, 4-7.6 GB/s a core from the L3 on the AVX2 EPYC). With x as int16, `vpmaddwd` takes 16 code * x products
+ * an instruction into int32: per 64 weights (a 32-byte chunk, two blocks of 32: byte i of a block holds its weights
+ * i and i + 16) a load, a shift, two ands, four byte unpacks against zero, four multiply-adds, three adds, one
+ * conversion, a permute picking the two blocks' group scales from a window of 8 groups', a multiply by x's two
+ * block scales and one multiply-add: 19. x's rounding: at most 2^-16 of its block's largest magnitude per element,
+ * 128x finer than a bfloat16 model's activations (2^-9 relative); the groups' sums of x that meet the mins are
+ * taken from the same rounded x, so the row is exactly x's int16 image against the dequantized weights.
+ * Staged per chunk c at xp + 64 c (floats): 64 int16 in the unpacks' order (vector t, lane p: block p / 8,
+ * weight 8 t + p % 8), then 8 floats: block A's scale in lanes 0-3, block B's in 4-7 (vpmaddwd's int32 lanes
+ * 0-3 sum block A's products, 4-7 block B's). xg: the groups' sums, zero to a multiple of 8 groups. */
 INLINE void int4_stage_m1_avx2(float *xp, float *xg, const float *x, int64_t K, int64_t Kp, int64_t G) {
     const int64_t nchunks = (Kp + 63) / 64, ng = Kp / G;
-    for (int64_t c = 0; c < nchunks; c++)
-        for (int f = 0; f < 8; f++) {
-            const float sc = f % 2 && f < 7 ? 1.f / 16.f : 1.f;
-            for (int j = 0; j < 8; j++) {
-                const int64_t k = 64 * c + 32 * (j / 4) + 16 * (f & 1) + 4 * (j % 4) + f / 2;
-                xp[(c * 8 + f) * 8 + j] = k < K ? x[k] * sc : 0.f;
+    for (int64_t g = 0; g < (ng + 7) / 8 * 8; g++) xg[g] = 0.f;
+    for (int64_t c = 0; c < nchunks; c++) {
+        int16_t *q = (int16_t *)(xp + c * 64);
+        float *sc = xp + c * 64 + 32;
+        for (int b = 0; b < 2; b++) {
+            const int64_t k0 = 64 * c + 32 * b, nk = K - k0 < 32 ? (K - k0 > 0 ? K - k0 : 0) : 32;
+            float amax = 0.f;
+            for (int64_t i = 0; i < nk; i++) amax = fmaxf(amax, fabsf(x[k0 + i]));
+            const float s = amax / 32767.f, inv = amax > 0.f ? 32767.f / amax : 0.f;
+            int32_t sum = 0;
+            for (int i = 0; i < 32; i++) {
+                const int32_t v = i < nk ? (int32_t)nearbyintf(x[k0 + i] * inv) : 0;
+                q[(i / 8) * 16 + 8 * b + i % 8] = (int16_t)v;
+                sum += v;
             }
+            for (int j = 0; j < 4; j++) sc[4 * b + j] = s;
+            if (k0 < Kp) xg[k0 / G] += (float)sum * s;
         }
-    for (int64_t g = 0; g < (ng + 7) / 8 * 8; g++) {
-        float t = 0.f;
-        if (g < ng)
-            for (int64_t k = g * G; k < (g + 1) * G && k < K; k++) t += x[k];
-        xg[g] = t;
     }
 }
 
@@ -107,7 +115,7 @@ INLINE __m256 floats8(const float *p, int cnt) {
 }
 
 /* One row (two rows a pass, each x load serving both, ran 1.1-1.2x faster on weights in the L3 but 0.7x from
- * memory on the AVX2 EPYC: two streams a thread, as its float rows found). */
+ * memory on the AVX2 EPYC with the nibble-field rows: two streams a thread, as its float rows found). */
 INLINE void int4_row_m1_avx2(float *out, const float *xp, const float *xg, const Layer *L, int64_t n) {
     const int64_t Kp = L->Kv, G = L->G, ng = Kp / G, nbytes = Kp / 2, nchunks = (nbytes + 31) / 32;
     const uint8_t *w = (const uint8_t *)L->w + n * nbytes;
@@ -118,7 +126,7 @@ INLINE void int4_row_m1_avx2(float *out, const float *xp, const float *xg, const
         const int a = (2 * u) >> shift, b = (2 * u + 1) >> shift;
         idx[u] = _mm256_setr_epi32(a, a, a, a, b, b, b, b);
     }
-    const __m256i m0 = _mm256_set1_epi32(0xF), m1 = _mm256_set1_epi32(0xF0);
+    const __m256i nib = _mm256_set1_epi8(0x0F), z = _mm256_setzero_si256();
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int64_t c = 0;
     for (int64_t sb = 0; c < nchunks; sb++) {
@@ -128,26 +136,16 @@ INLINE void int4_row_m1_avx2(float *out, const float *xp, const float *xg, const
             const __m128i *wc = (const __m128i *)(w + c * 32); /* (a last half chunk: its upper lanes' codes 0) */
             const __m256i wv = nbytes - c * 32 >= 32 ? _mm256_loadu_si256((const __m256i *)wc)
                                                      : _mm256_set_m128i(_mm_setzero_si128(), _mm_loadu_si128(wc));
-            const float *xc = xp + c * 64;
-            /* (two masks for all eight fields: seven masks in place ran GCC out of registers, and it rebuilt four
-             * in the loop, three instructions each) */
-            const __m256i v1 = _mm256_srli_epi32(wv, 8), v2 = _mm256_srli_epi32(wv, 16);
-            const __m256i v3 = _mm256_srli_epi32(wv, 24);
-#define LO(v) _mm256_cvtepi32_ps(_mm256_and_si256(v, m0))
-#define HI(v) _mm256_cvtepi32_ps(_mm256_and_si256(v, m1))
-            __m256 t0 = _mm256_mul_ps(LO(wv), _mm256_loadu_ps(xc));
-            __m256 t1 = _mm256_mul_ps(HI(wv), _mm256_loadu_ps(xc + 8));
-            t0 = _mm256_fmadd_ps(LO(v1), _mm256_loadu_ps(xc + 16), t0);
-            t1 = _mm256_fmadd_ps(HI(v1), _mm256_loadu_ps(xc + 24), t1);
-            t0 = _mm256_fmadd_ps(LO(v2), _mm256_loadu_ps(xc + 32), t0);
-            t1 = _mm256_fmadd_ps(HI(v2), _mm256_loadu_ps(xc + 40), t1);
-            t0 = _mm256_fmadd_ps(LO(v3), _mm256_loadu_ps(xc + 48), t0);
-            t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(wv, 28)), _mm256_loadu_ps(xc + 56), t1);
-#undef LO
-#undef HI
-            const __m256 sv = _mm256_permutevar8x32_ps(win, idx[u]);
-            if (u & 1) acc1 = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), sv, acc1);
-            else acc0 = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), sv, acc0);
+            const __m256i lo = _mm256_and_si256(wv, nib), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), nib);
+            const __m256i *xq = (const __m256i *)(xp + c * 64);
+            const __m256i p0 = _mm256_madd_epi16(_mm256_unpacklo_epi8(lo, z), _mm256_loadu_si256(xq));
+            const __m256i p1 = _mm256_madd_epi16(_mm256_unpackhi_epi8(lo, z), _mm256_loadu_si256(xq + 1));
+            const __m256i p2 = _mm256_madd_epi16(_mm256_unpacklo_epi8(hi, z), _mm256_loadu_si256(xq + 2));
+            const __m256i p3 = _mm256_madd_epi16(_mm256_unpackhi_epi8(hi, z), _mm256_loadu_si256(xq + 3));
+            const __m256 f = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)));
+            const __m256 sv = _mm256_mul_ps(_mm256_permutevar8x32_ps(win, idx[u]), _mm256_loadu_ps(xp + c * 64 + 32));
+            if (u & 1) acc1 = _mm256_fmadd_ps(f, sv, acc1);
+            else acc0 = _mm256_fmadd_ps(f, sv, acc0);
         }
     }
     for (int64_t g0 = 0; g0 < ng; g0 += 8) {
@@ -163,6 +161,7 @@ INLINE void int4_row_m1_avx2(float *out, const float *xp, const float *xg, const
 #define INT4_M1_CHUNK 64
 #define INT4_M1_STAGE int4_stage_m1_avx2
 #define INT4_M1_ROW int4_row_m1_avx2
+#define INT4_M1_X_INT16 1
 
 /* int8 weight-only on AVX2: 8 codes widened and converted per vector (the 64-byte v16 path of int8_row compiled
  * to 3 tok/s on a 1B shape), each reused for the M rows of x, the row's scale applied once at the end. */
