@@ -235,12 +235,15 @@ def with_threads(fn: Callable[[], T], threads: int) -> T:
 
 
 def int4_m1_x(x: torch.Tensor) -> torch.Tensor:
-    """The x int4's one-token native rows compute with, in float64: x itself, or where they take it as int16 in
-    blocks of 32 (csrc/gemv_avx2.h: AVX2 without VNNI) that image (each block's amax / 32767 a step, rounded to
-    nearest even, in float32 as the staging does), checked here to stay within half a step of x."""
+    """The x int4's one-token native rows compute with, in float64: x itself, or where they take a float32 x as int16
+    in blocks of 32 (csrc/gemv_avx2.h: AVX2 without VNNI; csrc/gemv_int4_int16dot.h: AVX512-VNNI) that image (each
+    block's amax / 32767 a step, rounded to nearest even, in float32 as the staging does), checked here to stay within
+    half a step of x."""
     from minivllm.model import cpu_kernels
 
-    if x.shape[0] != 1 or not cpu_kernels.int4_x_int16():
+    lib = cpu_kernels.load_library()
+    bf16dot = lib is not None and lib.gemv_int4_bf16dot() and torch.equal(x, x.bfloat16().float())
+    if x.shape[0] != 1 or not cpu_kernels.int4_x_int16() or bf16dot:  # (bf16 x: gemv_int4_bf16dot.h's exact rows)
         return x.double()
     k = x.shape[1]
     xb = torch.nn.functional.pad(x.float(), (0, -k % 32)).view(x.shape[0], -1, 32)

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import PROMPTS, with_threads
+from conftest import PROMPTS, int4_m1_x, with_threads
 
 from minivllm import LLM, SamplingParams
 from minivllm.model import cpu_kernels, row_order, timed_layers
@@ -445,21 +445,26 @@ def test_a_w4a8_engine_times_its_rows_and_greedy_output_does_not_depend_on_them(
     assert LLM(path, num_kv_blocks=64).llm_engine.runner.w4a8_rows is None  # (float layers: nothing to time)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_int4_rows_against_a_bf16_x_follow_w4a8s_order_with_the_same_bits_every_way(threads):
-    """int4's one-token rows against a bfloat16 model's x (AVX512-BF16's dot product, csrc/gemv_int4_bf16dot.h) go
-    four or two a pass or one by one as W4A8's choice says: every way the same bits, within float32 rounding of the
-    float64 reference, N = 1030 leaving tails past whole passes, K = 1000 a masked last chunk; so the start-up timing
-    times them in a bfloat16 model and not in a float32 one, whose x takes the float rows."""
+def test_int4_rows_that_follow_w4a8s_order_give_the_same_bits_every_way(dtype, threads):
+    """int4's one-token rows against a bfloat16 model's x (AVX512-BF16's dot product, csrc/gemv_int4_bf16dot.h) or a
+    float32 model's as int16 (AVX512-VNNI's, csrc/gemv_int4_int16dot.h) go four or two a pass or one by one as W4A8's
+    choice says: every way the same bits, within float32 rounding of the float64 reference of the x they take
+    (conftest.int4_m1_x), N = 1030 leaving tails past whole passes, K = 1000 a masked last chunk; so the start-up
+    timing times them in such a model, and not where the CPU has neither (the float rows, or AVX2's int16 rows, read
+    one row at a time)."""
     torch.manual_seed(5)
     k, n = 1000, 1030
     q = QuantizedLinear(k, n, True, QuantConfig("int4", 32))
     q.quantize_from(torch.randn(n, k) * 0.05, torch.randn(n))
-    if not row_order.int4_bf16dot():
-        assert row_order.choose_w4a8_rows([q], torch.bfloat16) is None
-        pytest.skip("no AVX512-BF16 here: a bf16 x takes int4's float rows")
-    x = torch.randn(1, k).bfloat16().float()
-    expected = x.double() @ q.dequantize().double().t() + q.bias.double()
+    ordered = row_order.int4_bf16dot() if dtype == torch.bfloat16 else False
+    ordered = ordered or row_order.int4_int16dot()
+    if not ordered:
+        assert row_order.choose_w4a8_rows([q], dtype) is None
+        pytest.skip(f"neither AVX512-BF16 nor AVX512-VNNI here: a {dtype} x takes int4's rows one at a time")
+    x = torch.randn(1, k).to(dtype).float()
+    expected = int4_m1_x(x) @ q.dequantize().double().t() + q.bias.double()
     outs = []
     for rows, seq_bytes, l2 in [(4, NEVER, False), (2, NEVER, True), (4, 1, False), (2, 4096, False)]:
         row_order.set_w4a8_rows(rows, seq_bytes)
@@ -467,15 +472,16 @@ def test_int4_rows_against_a_bf16_x_follow_w4a8s_order_with_the_same_bits_every_
         outs.append(with_threads(lambda: q.forward_native(x), threads))
         assert (outs[-1].double() - expected).abs().max().item() <= 2e-6 * expected.abs().max().item()
     assert all(torch.equal(outs[0], o) for o in outs[1:])
-    assert row_order.choose_w4a8_rows([q], torch.float32) is None
-    assert row_order.choose_w4a8_rows([q], torch.bfloat16) is not None
+    assert row_order.choose_w4a8_rows([q], dtype) is not None
 
 
-def test_a_bf16_int4_engine_times_w4a8s_order_and_greedy_output_does_not_depend_on_it(model_factory, monkeypatch):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_an_int4_engine_times_w4a8s_order_where_its_rows_follow_it_and_greedy_output_does_not_depend_on_it(
+        model_factory, monkeypatch, dtype):
     path = model_factory("tiny-llama")
     # (native kernels at every shape: the plan's timing would pick bf16 rounding of its own per engine)
-    kwargs = {"quantization": "int4", "dtype": "bfloat16", "quantization_kernel": "native"}
-    if not row_order.int4_bf16dot():
+    kwargs = {"quantization": "int4", "dtype": dtype, "quantization_kernel": "native"}
+    if not ((dtype == "bfloat16" and row_order.int4_bf16dot()) or row_order.int4_int16dot()):
         assert LLM(path, num_kv_blocks=64, **kwargs).llm_engine.runner.w4a8_rows is None
         return
 
@@ -485,4 +491,3 @@ def test_a_bf16_int4_engine_times_w4a8s_order_and_greedy_output_does_not_depend_
         assert chosen.pass_rows == winner[0]
 
     _greedy_forced_each_way(path, monkeypatch, kwargs, [(4, NEVER), (2, NEVER)], check)
-    assert LLM(path, num_kv_blocks=64, quantization="int4").llm_engine.runner.w4a8_rows is None  # (float32 x)

@@ -59,6 +59,7 @@ def load_library() -> ctypes.CDLL | None:
                               "set_gemv_m1_prefetch": ([i64], None), "set_gemv_few_rows_k": ([i64], None),
                               "gemv_few_rows_ordered": ([], c_int), "gemv_w8a8_rows_ordered": ([], c_int),
                               "gemv_int4_bf16dot": ([], c_int), "gemv_int4_x_int16": ([], c_int),
+                              "gemv_int4_int16dot": ([], c_int),
                               "set_gemv_w4a8_seq_bytes": ([i64], None), "set_gemv_w4a8_pass_rows": ([c_int], None),
                               "set_gemv_w4a8_prefetch_l2": ([c_int], None), "gemv_w4a8_one_by_one": ([i64], c_int),
                               "gemv_w4a8_rows_ordered": ([], c_int)}.items():
@@ -75,8 +76,9 @@ def available() -> bool:
 
 
 def int4_x_int16() -> bool:
-    """Whether int4's one-token native rows take x as int16 in blocks of 32 here (csrc/gemv_avx2.h: AVX2 without
-    VNNI, where float x against nibbles costs a conversion per 8 weights); elsewhere they take it as it is."""
+    """Whether int4's one-token native rows take a float32 x as int16 in blocks of 32 here (csrc/gemv_avx2.h: AVX2
+    without VNNI; csrc/gemv_int4_int16dot.h: AVX512-VNNI), where float x against nibbles costs a conversion per 8 or
+    16 weights; elsewhere they take it as it is."""
     lib = load_library()
     return lib is not None and bool(lib.gemv_int4_x_int16())
 

@@ -43,7 +43,8 @@ _SOURCES = ("paged_attention_wide.c", "paged_attention.c", "gemv.c", "gemm_a8.c"
             "quantize_rows.c", "greedy_loop.c", "membw.c")
 # included by the sources: copied and hashed with them
 _HEADERS = ("paged_attention.h", "paged_attention_items.h", "paged_attention_rows.h", "gemv_rows.h", "gemv_m1.h",
-            "gemv_avx2.h", "gemv_w4a8_avx2.h", "gemv_bf16dot.h", "gemv_avx512.h", "gemv_int4_bf16dot.h", "hsum_avx2.h",
+            "gemv_avx2.h", "gemv_w4a8_avx2.h", "gemv_bf16dot.h", "gemv_avx512.h", "gemv_int4_bf16dot.h",
+            "gemv_int4_int16dot.h", "hsum_avx2.h",
             "simd_width.h", "decode_stack.h", "group_window.h", "stage_rows.h", "q6k_unpack.h", "q4k_unpack.h",
             "superblock_rows.h")
 

@@ -17,8 +17,8 @@ depend on the row's length as well: on that Zen 4 one by one read 4-8 KiB rows 1
 lost below; on that Xeon two rows a pass decoded a 1B model 1.19x as fast as four, at every length. So its choice is
 the rows a pass (gemv_w4a8_pass_rows), then a length (gemv_w4a8_seq_bytes: rows at least that long go one by one),
 from the longest of the model's lengths down as long as one by one keeps winning. int4's rows against a bfloat16
-model's x (AVX512-BF16's dot product, csrc/gemv_int4_bf16dot.h) read the same layout the same way and follow the same
-choice, timed on them in such a model.
+model's x (AVX512-BF16's dot product, csrc/gemv_int4_bf16dot.h) or a float32 x as int16 (AVX512-VNNI's,
+csrc/gemv_int4_int16dot.h) read the same layout the same way and follow the same choice, timed on them in such a model.
 
 With the order, a prefetch into L2 some bytes ahead of each load (none, PREFETCH_BYTES; W4A8: its prefetch two passes
 ahead into L2 rather than L1): on that Xeon the hardware prefetcher alone left the rows' loads waiting (a 1B model's
@@ -269,14 +269,21 @@ def int4_bf16dot() -> bool:
     return lib is not None and bool(lib.gemv_int4_bf16dot())
 
 
+def int4_int16dot() -> bool:
+    """Whether int4's one-token rows take a float32 x as int16 by AVX512-VNNI's vpdpwssd here
+    (csrc/gemv_int4_int16dot.h), in W4A8's order."""
+    lib = cpu_kernels.load_library()
+    return lib is not None and bool(lib.gemv_int4_int16dot())
+
+
 def _w4a8_kernel(q: PlannedLinear, dtype: torch.dtype) -> Kernel | None:
     """q's one-token kernel where it is csrc/gemv_w4a8.c's rows and they follow the choice here: a W4A8 layer's
-    native one (GGUF's Q4_0 / Q4_1 files by default too), or an int4 layer's in a bfloat16 model where its rows
-    take the bf16 x by the dot product (they follow W4A8's order); None for any other layer (int4's native_a8
-    never runs a single token: QuantizedLinear.eligible)."""
+    native one (GGUF's Q4_0 / Q4_1 files by default too), or an int4 layer's where its rows follow W4A8's order (a
+    bf16 x by AVX512-BF16's dot product, any other x as int16 by AVX512-VNNI's); None for any other layer (int4's
+    native_a8 never runs a single token: QuantizedLinear.eligible)."""
     method = getattr(q, "method", None)
-    bf16_int4 = method == "int4" and dtype == torch.bfloat16 and int4_bf16dot()
-    if not bf16_int4 and (method != "w4a8" or not w4a8_ordered()):
+    ordered_int4 = method == "int4" and ((dtype == torch.bfloat16 and int4_bf16dot()) or int4_int16dot())
+    if not ordered_int4 and (method != "w4a8" or not w4a8_ordered()):
         return None
     return q.candidates().get("native")
 
@@ -292,7 +299,7 @@ def _set_w4a8(config: tuple[int, int]) -> None:
 
 
 def choose_w4a8_rows(layers: Sequence[PlannedLinear], dtype: torch.dtype = torch.float32) -> W4A8RowOrder | None:
-    """Time W4A8's one-token rows over the model's W4A8 layers (or a bfloat16 model's int4 layers where their rows
+    """Time W4A8's one-token rows over the model's W4A8 layers (or its int4 layers where their rows
     follow W4A8's order), x as the model's activations round it: four against two rows a pass, then one by one from
     each of their row lengths, longest first, while it wins; set the fastest. None where no layer runs them here."""
     w4 = [q for q in layers if _w4a8_kernel(q, dtype) is not None]

@@ -280,6 +280,7 @@ INLINE void dense_rows_store(float *out, int64_t ldo, const float *x, int M, int
 #include "gemv_avx2.h"
 #include "gemv_avx512.h"
 #include "gemv_int4_bf16dot.h"
+#include "gemv_int4_int16dot.h"
 
 /* Whether the one-token int8 rows follow gemv_m1_order here (AVX-512 VNNI's: W8A8's per-channel rows, and GGUF's
  * Q8_0 / Q4_K / Q6_K rows against x in blocks, csrc/gemv_q8.c, gemv_q4k.c, gemv_q6k.c, built on the same condition):
@@ -301,7 +302,18 @@ int gemv_int4_bf16dot(void) {
 #endif
 }
 
-/* Whether int4's one-token rows take x as int16 in blocks of 32 here (csrc/gemv_avx2.h: AVX2 without VNNI). */
+/* Whether int4's one-token rows take a float32 x as int16 by AVX512-VNNI's vpdpwssd here, in W4A8's order
+ * (csrc/gemv_int4_int16dot.h). */
+int gemv_int4_int16dot(void) {
+#ifdef GEMV_INT4_INT16DOT
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Whether int4's one-token rows take a float32 x as int16 in blocks of 32 here (csrc/gemv_avx2.h: AVX2 without VNNI;
+ * csrc/gemv_int4_int16dot.h: AVX512-VNNI). */
 int gemv_int4_x_int16(void) {
 #ifdef INT4_M1_X_INT16
     return 1;
@@ -457,7 +469,7 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
             gemv_w4a8(o, ldo, xm, ldx, mm, K, N, w, scale, mins, G, halves, bias, scratch, num_threads);
         } else if (fmt == FMT_INT4) {
             int64_t Kp = (K + G - 1) / G * G;
-#if defined(INT4_M1_CHUNK) /* one token: the ISA's nibble-field rows (csrc/gemv_avx512.h, csrc/gemv_avx2.h) */
+#if defined(INT4_M1_CHUNK) /* one token: the ISA's rows (csrc/gemv_avx512.h, csrc/gemv_avx2.h, and below) */
             if (mm == 1) {
                 float *xg = scratch + (Kp + INT4_M1_CHUNK - 1) / INT4_M1_CHUNK * INT4_M1_CHUNK;
 #if defined(GEMV_INT4_BF16DOT)
@@ -465,28 +477,41 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
 #else
                 const int dot = 0;
 #endif
+#if defined(GEMV_INT4_INT16DOT)
+                const int i16 = !dot; /* (a float32 x: int16 blocks by vpdpwssd, gemv_int4_int16dot.h) */
+                if (i16) int4_stage_m1_int16(scratch, xg, xm, K, Kp, G);
+#else
+                const int i16 = 0;
+#endif
                 if (dot) int4_stage_m1_bf16((uint16_t *)scratch, xg, xm, K, Kp, G);
-                else INT4_M1_STAGE(scratch, xg, xm, K, Kp, G);
+                else if (!i16) INT4_M1_STAGE(scratch, xg, xm, K, Kp, G);
                 L.Kv = Kp;
-                int l2 = 0; /* (the bf16 rows: a pass's rows and the prefetch's level as W4A8's, read once) */
-                const int rows = dot ? gemv_w4a8_m1_order(Kp / 2, &l2) : 1;
+                int l2 = 0; /* (the bf16 and int16 rows: a pass's rows and the prefetch's level as W4A8's, read once) */
+                const int rows = dot || i16 ? gemv_w4a8_m1_order(Kp / 2, &l2) : 1;
                 const uint16_t *xb = (const uint16_t *)scratch;
                 row_queue_t q;
                 rq_init(&q, N, num_threads, rows, Kp / 2);
+#if defined(GEMV_INT4_INT16DOT)
+#define INT4_ROWS_M1(R, ahead) \
+    (i16 ? int4_rows_m1_int16(o, scratch, xg, &L, n, R, ahead, l2) : int4_rows_m1_bf16dot(o, xb, xg, &L, n, R, ahead, l2))
+#else
+#define INT4_ROWS_M1(R, ahead) int4_rows_m1_bf16dot(o, xb, xg, &L, n, R, ahead, l2)
+#endif
 #pragma omp parallel num_threads(num_threads)
                 {
                     int64_t n, end;
                     while (rq_take(&q, &n, &end)) {
                         if (rows == 4)
-                            for (; n + 4 <= end; n += 4) int4_rows_m1_bf16dot(o, xb, xg, &L, n, 4, n + 12 <= N, l2);
+                            for (; n + 4 <= end; n += 4) INT4_ROWS_M1(4, n + 12 <= N);
                         else if (rows == 2)
-                            for (; n + 2 <= end; n += 2) int4_rows_m1_bf16dot(o, xb, xg, &L, n, 2, n + 6 <= N, l2);
+                            for (; n + 2 <= end; n += 2) INT4_ROWS_M1(2, n + 6 <= N);
                         for (; n < end; n++) {
-                            if (dot) int4_rows_m1_bf16dot(o, xb, xg, &L, n, 1, 0, l2);
+                            if (dot || i16) INT4_ROWS_M1(1, 0);
                             else INT4_M1_ROW(o, scratch, xg, &L, n);
                         }
                     }
                 }
+#undef INT4_ROWS_M1
                 continue;
             }
 #endif

@@ -1,0 +1,112 @@
+/* int4 weight-only at one token against a float32 x taken as int16 in blocks of 32, by AVX512-VNNI's vpdpwssd
+ * (32 products of int16 pairs an instruction, into int32). csrc/gemv_avx512.h's float rows (int4_row_m1_avx512)
+ * spend an int-to-float conversion and a multiply-add per 16 weights on the float pipes: ~27 instructions per 128
+ * weights, 20-25 GB/s even from the cache on a 2-vCPU Zen 4 (0.66-0.83x llama.cpp's Q4_0 at b=1). Here each
+ * 16-bit lane of a 64-byte chunk holds 4 codes; code p of every lane is one shift and one and away (the last just a
+ * shift), already an int16, so per 128 weights: a load, 7 shifts and ands on the integer side, 4 vpdpwssd, an add,
+ * one conversion and the lanes' scales (the group scale window of csrc/group_window.h times x's block scales) in a
+ * multiply and a multiply-add: 17. x's rounding: at most half of 2^-15 of its block's largest magnitude per element
+ * (as csrc/gemv_avx2.h's AVX2 rows), 128x finer than a bfloat16 model's activations; the groups' sums of x that meet
+ * the mins come from the same rounded x, so a row is exactly x's int16 image against the dequantized weights. A
+ * bfloat16 model's x (bf16-exact) keeps csrc/gemv_int4_bf16dot.h's exact rows. Included after that header. */
+#ifndef MINIVLLM_GEMV_INT4_INT16DOT_H
+#define MINIVLLM_GEMV_INT4_INT16DOT_H
+
+#if defined(INT4_M1_CHUNK) && defined(GEMV_INT4_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define GEMV_INT4_INT16DOT 1
+#define INT4_M1_X_INT16 1
+#define INT4_X16_CHUNK_FLOATS 80 /* a chunk's staged x: 128 int16 (64 floats' room), then 16 float lane scales */
+
+/* x as the rows read it, chunk c at xp + 80 c: part p (0..3) is 32 int16, lane L the weight at code p of the
+ * chunk's 16-bit lane L (byte 2L + p / 2, nibble p % 2; a block's byte i holds its weights i and i + 16); then 16
+ * floats, lane j the scale of block j / 4 (vpdpwssd's int32 lane j sums 16-bit lanes 2j and 2j + 1: bytes 4j to
+ * 4j + 3, all of block j / 4). Each block: inv = 32767 / amax, rounded to nearest even; zero past K. xg: the groups' sums
+ * of the rounded x, zero to a multiple of 16 groups. */
+INLINE void int4_stage_m1_int16(float *xp, float *xg, const float *x, int64_t K, int64_t Kp, int64_t G) {
+    const int64_t nchunks = (Kp + 127) / 128, ng = Kp / G;
+    for (int64_t g = 0; g < (ng + 15) / 16 * 16; g++) xg[g] = 0.f;
+    for (int64_t c = 0; c < nchunks; c++) {
+        int16_t *q = (int16_t *)(xp + c * INT4_X16_CHUNK_FLOATS);
+        float *sc = xp + c * INT4_X16_CHUNK_FLOATS + 64;
+        for (int b = 0; b < 4; b++) {
+            const int64_t k0 = 128 * c + 32 * b, nk = K - k0 < 32 ? (K - k0 > 0 ? K - k0 : 0) : 32;
+            float amax = 0.f;
+            for (int64_t i = 0; i < nk; i++) amax = fmaxf(amax, fabsf(x[k0 + i]));
+            const float s = amax / 32767.f, inv = amax > 0.f ? 32767.f / amax : 0.f;
+            int32_t sum = 0;
+            for (int i = 0; i < 32; i++) { /* weight i of the block: byte i % 16, nibble i / 16 */
+                const int32_t v = i < nk ? (int32_t)nearbyintf(x[k0 + i] * inv) : 0;
+                const int byte = 16 * b + i % 16, p = 2 * (byte % 2) + i / 16; /* 16-bit lane byte / 2 */
+                q[32 * p + byte / 2] = (int16_t)v;
+                sum += v;
+            }
+            for (int j = 0; j < 4; j++) sc[4 * b + j] = s;
+            if (k0 < Kp) xg[k0 / G] += (float)sum * s;
+        }
+    }
+}
+
+/* R (1, 2 or 4) rows from n a pass; rows a pass and the prefetch two passes ahead (into L1, or L2 with l2) follow
+ * W4A8's start-up choice (gemv_w4a8_m1_order) as the bf16 rows do: the same layout, read the same way. The four
+ * loads of x and the lane scales serve the R rows. `ahead`: the rows two passes on exist. */
+INLINE void int4_rows_m1_int16(float *out, const float *xp, const float *xg, const Layer *L, int64_t n, const int R,
+                               int ahead, int l2) {
+    const int64_t Kp = L->Kv, G = L->G, ng = Kp / G, nbytes = Kp / 2, nchunks = (Kp + 127) / 128;
+    const uint8_t *w = (const uint8_t *)L->w + n * nbytes;
+    const uint16_t *scale = (const uint16_t *)L->scale + n * ng;
+    const int shift = __builtin_ctzll((uint64_t)(G / 32));
+    const __m512i nib = _mm512_set1_epi16(0x0F);
+    __m512i idx[4];
+    window_index(idx, shift);
+    __m512 acc[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (int64_t sb = 0; c < nchunks; sb++) {
+        const int64_t g0 = (16 * sb) >> shift;
+        const int cnt = ng - g0 < 16 ? (int)(ng - g0) : 16;
+        __m512 win[4];
+        for (int r = 0; r < R; r++)
+            win[r] = int4_halves16(scale + r * ng + g0, L->f16, (__mmask16)((1u << cnt) - 1));
+        for (int u = 0; u < 4 && c < nchunks; u++, c++) {
+            if (ahead) /* the pass after next: as many bytes as this pass reads, two passes ahead */
+                for (int r = 0; r < R; r++) {
+                    const uint8_t *p = w + 2 * R * nbytes + c * 64 * R + r * 64;
+                    if (l2) __builtin_prefetch(p, 0, 2);
+                    else __builtin_prefetch(p);
+                }
+            const int64_t left = nbytes - c * 64;
+            const float *xc = xp + c * INT4_X16_CHUNK_FLOATS;
+            const __m512i x0 = _mm512_loadu_si512((const void *)xc), x1 = _mm512_loadu_si512((const void *)(xc + 16)),
+                          x2 = _mm512_loadu_si512((const void *)(xc + 32)),
+                          x3 = _mm512_loadu_si512((const void *)(xc + 48));
+            const __m512 xs = _mm512_loadu_ps(xc + 64);
+            for (int r = 0; r < R; r++) {
+                const uint8_t *wr = w + r * nbytes + c * 64;
+                const __m512i wv = left >= 64 ? _mm512_loadu_si512((const void *)wr)
+                                              : _mm512_maskz_loadu_epi32((__mmask16)((1u << (left / 4)) - 1), wr);
+                __m512i t0 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_and_si512(wv, nib), x0);
+                __m512i t1 = _mm512_dpwssd_epi32(_mm512_setzero_si512(),
+                                                 _mm512_and_si512(_mm512_srli_epi16(wv, 4), nib), x1);
+                t0 = _mm512_dpwssd_epi32(t0, _mm512_and_si512(_mm512_srli_epi16(wv, 8), nib), x2);
+                t1 = _mm512_dpwssd_epi32(t1, _mm512_srli_epi16(wv, 12), x3);
+                const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(t0, t1));
+                acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(_mm512_permutexvar_ps(idx[u], win[r]), xs), acc[r]);
+            }
+        }
+    }
+    for (int64_t g0 = 0; g0 < ng; g0 += 16) { /* + min * sum(x) per group */
+        const int cnt = ng - g0 < 16 ? (int)(ng - g0) : 16;
+        const __mmask16 mk = (__mmask16)((1u << cnt) - 1);
+        const __m512 xgv = _mm512_loadu_ps(xg + g0); /* (zero past ng) */
+        for (int r = 0; r < R; r++) {
+            const __m512 mv = L->sym ? _mm512_mul_ps(int4_halves16(scale + r * ng + g0, L->f16, mk), _mm512_set1_ps(-8.f))
+                            : L->f32mins ? _mm512_maskz_loadu_ps(mk, (const float *)L->mins + (n + r) * ng + g0)
+                                         : int4_halves16((const uint16_t *)L->mins + (n + r) * ng + g0, L->f16, mk);
+            acc[r] = _mm512_fmadd_ps(mv, xgv, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[n + r] = _mm512_reduce_add_ps(acc[r]) + (L->bias ? L->bias[n + r] : 0.f);
+}
+#endif
+
+#endif
