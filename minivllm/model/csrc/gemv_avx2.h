@@ -80,14 +80,38 @@ INLINE void int4_stage_m1_avx2(float *xp, float *xg, const float *x, int64_t K, 
         for (int b = 0; b < 2; b++) {
             const int64_t k0 = 64 * c + 32 * b, nk = K - k0 < 32 ? (K - k0 > 0 ? K - k0 : 0) : 32;
             float amax = 0.f;
-            for (int64_t i = 0; i < nk; i++) amax = fmaxf(amax, fabsf(x[k0 + i]));
-            const float s = amax / 32767.f, inv = amax > 0.f ? 32767.f / amax : 0.f;
             int32_t sum = 0;
-            for (int i = 0; i < 32; i++) {
-                const int32_t v = i < nk ? (int32_t)nearbyintf(x[k0 + i] * inv) : 0;
-                q[(i / 8) * 16 + 8 * b + i % 8] = (int16_t)v;
-                sum += v;
+            if (nk == 32) { /* a whole block in vectors (cvtps rounds to nearest even, as nearbyintf) */
+                const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+                __m256 v[4], m = _mm256_setzero_ps();
+                for (int t = 0; t < 4; t++) {
+                    v[t] = _mm256_loadu_ps(x + k0 + 8 * t);
+                    m = _mm256_max_ps(m, _mm256_and_ps(v[t], sign));
+                }
+                __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+                h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+                amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+                const __m256 inv = _mm256_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+                __m256i acc = _mm256_setzero_si256();
+                for (int t = 0; t < 4; t++) { /* weights 8t..8t+7: lanes 8b.. of vector t */
+                    const __m256i r = _mm256_cvtps_epi32(_mm256_mul_ps(v[t], inv));
+                    acc = _mm256_add_epi32(acc, r);
+                    _mm_storeu_si128((__m128i *)(q + 16 * t + 8 * b),
+                                     _mm_packs_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+                }
+                __m128i a = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+                a = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0x4E));
+                sum = _mm_cvtsi128_si32(_mm_add_epi32(a, _mm_shuffle_epi32(a, 0xB1)));
+            } else { /* the last block, past K: scalar */
+                for (int64_t i = 0; i < nk; i++) amax = fmaxf(amax, fabsf(x[k0 + i]));
+                const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+                for (int i = 0; i < 32; i++) {
+                    const int32_t v = i < nk ? (int32_t)nearbyintf(x[k0 + i] * inv) : 0;
+                    q[(i / 8) * 16 + 8 * b + i % 8] = (int16_t)v;
+                    sum += v;
+                }
             }
+            const float s = amax / 32767.f;
             for (int j = 0; j < 4; j++) sc[4 * b + j] = s;
             if (k0 < Kp) xg[k0 / G] += (float)sum * s;
         }

@@ -20,26 +20,37 @@
 /* x as the rows read it, chunk c at xp + 80 c: part p (0..3) is 32 int16, lane L the weight at code p of the
  * chunk's 16-bit lane L (byte 2L + p / 2, nibble p % 2; a block's byte i holds its weights i and i + 16); then 16
  * floats, lane j the scale of block j / 4 (vpdpwssd's int32 lane j sums 16-bit lanes 2j and 2j + 1: bytes 4j to
- * 4j + 3, all of block j / 4). Each block: inv = 32767 / amax, rounded to nearest even; zero past K. xg: the groups' sums
- * of the rounded x, zero to a multiple of 16 groups. */
+ * 4j + 3, all of block j / 4). Each block: inv = 32767 / amax, rounded to nearest even; zero past K. xg: the
+ * groups' sums of the rounded x, zero to a multiple of 16 groups. */
 INLINE void int4_stage_m1_int16(float *xp, float *xg, const float *x, int64_t K, int64_t Kp, int64_t G) {
     const int64_t nchunks = (Kp + 127) / 128, ng = Kp / G;
+    /* a block's 32 int16 in order to the four parts' 8 each: part p's lane j takes weight 2j + p / 2 + 16 (p % 2) */
+    const __m512i order = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1,
+                                           30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
     for (int64_t g = 0; g < (ng + 15) / 16 * 16; g++) xg[g] = 0.f;
     for (int64_t c = 0; c < nchunks; c++) {
         int16_t *q = (int16_t *)(xp + c * INT4_X16_CHUNK_FLOATS);
         float *sc = xp + c * INT4_X16_CHUNK_FLOATS + 64;
         for (int b = 0; b < 4; b++) {
             const int64_t k0 = 128 * c + 32 * b, nk = K - k0 < 32 ? (K - k0 > 0 ? K - k0 : 0) : 32;
-            float amax = 0.f;
-            for (int64_t i = 0; i < nk; i++) amax = fmaxf(amax, fabsf(x[k0 + i]));
+            const __mmask16 m0 = (__mmask16)(nk >= 16 ? 0xffff : (1u << nk) - 1),
+                            m1 = (__mmask16)(nk >= 32 ? 0xffff : nk > 16 ? (1u << (nk - 16)) - 1 : 0);
+            const __m512 a = _mm512_maskz_loadu_ps(m0, x + k0), h = _mm512_maskz_loadu_ps(m1, x + k0 + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(a, sign), _mm512_and_ps(h, sign)));
             const float s = amax / 32767.f, inv = amax > 0.f ? 32767.f / amax : 0.f;
-            int32_t sum = 0;
-            for (int i = 0; i < 32; i++) { /* weight i of the block: byte i % 16, nibble i / 16 */
-                const int32_t v = i < nk ? (int32_t)nearbyintf(x[k0 + i] * inv) : 0;
-                const int byte = 16 * b + i % 16, p = 2 * (byte % 2) + i / 16; /* 16-bit lane byte / 2 */
-                q[32 * p + byte / 2] = (int16_t)v;
-                sum += v;
-            }
+            /* (cvtps rounds to nearest even, as nearbyintf under the default rounding mode) */
+            const __m512i va = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv))),
+                          vh = _mm512_cvtps_epi32(_mm512_mul_ps(h, _mm512_set1_ps(inv)));
+            const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(va, vh));
+            const __m512i packed = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(va)),
+                                                      _mm512_cvtepi32_epi16(vh), 1);
+            const __m512i v16 = _mm512_permutexvar_epi16(order, packed);
+            /* v16's lanes: evens of weights 0-15, evens of 16-31, odds of 0-15, odds of 16-31: parts 0, 1, 2, 3 */
+            _mm_storeu_si128((__m128i *)(q + 8 * b), _mm512_castsi512_si128(v16));
+            _mm_storeu_si128((__m128i *)(q + 32 + 8 * b), _mm512_extracti32x4_epi32(v16, 1));
+            _mm_storeu_si128((__m128i *)(q + 64 + 8 * b), _mm512_extracti32x4_epi32(v16, 2));
+            _mm_storeu_si128((__m128i *)(q + 96 + 8 * b), _mm512_extracti32x4_epi32(v16, 3));
             for (int j = 0; j < 4; j++) sc[4 * b + j] = s;
             if (k0 < Kp) xg[k0 / G] += (float)sum * s;
         }
@@ -99,7 +110,8 @@ INLINE void int4_rows_m1_int16(float *out, const float *xp, const float *xg, con
         const __mmask16 mk = (__mmask16)((1u << cnt) - 1);
         const __m512 xgv = _mm512_loadu_ps(xg + g0); /* (zero past ng) */
         for (int r = 0; r < R; r++) {
-            const __m512 mv = L->sym ? _mm512_mul_ps(int4_halves16(scale + r * ng + g0, L->f16, mk), _mm512_set1_ps(-8.f))
+            const __m512 sv = int4_halves16(scale + r * ng + g0, L->f16, mk);
+            const __m512 mv = L->sym       ? _mm512_mul_ps(sv, _mm512_set1_ps(-8.f))
                             : L->f32mins ? _mm512_maskz_loadu_ps(mk, (const float *)L->mins + (n + r) * ng + g0)
                                          : int4_halves16((const uint16_t *)L->mins + (n + r) * ng + g0, L->f16, mk);
             acc[r] = _mm512_fmadd_ps(mv, xgv, acc[r]);
