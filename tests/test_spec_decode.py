@@ -10,7 +10,7 @@ from minivllm.config import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.sequence import Sequence
 from minivllm.sampling_params import SamplingParams
-from minivllm.spec_decode.cost import ProposerCostModel, StepCostTable
+from minivllm.spec_decode.cost import LookupCost, ProposerCostModel, StepCostTable
 from minivllm.spec_decode.draft_proposer import DraftModelProposer
 from minivllm.spec_decode.exploration import Exploration
 from minivllm.spec_decode.ngram_proposer import NgramProposer, ngram_propose
@@ -324,6 +324,31 @@ def test_adaptive_speculation_pays_at_batch_one_not_in_a_large_batch_nor_for_a_f
     # cannot stick forever.
     spec.exploration.clock(128).steps = Exploration.EXPLORE_EVERY
     assert spec.worth(many, 128, True) == [(many[0][0], 1)]
+
+
+def test_lookup_rounds_are_priced_as_measured_per_sequence():
+    """n-gram and suffix rounds cost their lookups, measured per sequence looked up (the median of recent rounds, so
+    one stalled round is not the price), and the adaptive rule weighs them: priced at nothing, n-gram lookups were
+    ~0.5 ms of a 2.5 ms step at 8 streams (2026-12-06)."""
+    cost = LookupCost()
+    assert cost.estimate(8) == 0.0  # nothing measured yet
+    for _ in range(20):
+        cost.observe(4, 4 * 20e-6)
+    cost.observe(4, 0.2)  # a collection in one round
+    assert cost.estimate(8) == pytest.approx(8 * 20e-6)
+    cost.observe(0, 1.0)  # a round with nothing to look up says nothing
+    assert cost.estimate(1) == pytest.approx(20e-6)
+    ngram = NgramProposer(1, 3)
+    batch = [(Sequence("r", list(range(50)) * 4, SamplingParams(temperature=0.0), 0), 3) for _ in range(4)]
+    assert len(ngram.propose(batch)) == 4
+    assert 0 < ngram.overhead(3, 12, 4) == pytest.approx(4 * ngram.overhead(3, 3, 1))
+    spec = _speculator()
+    one = [(_seq(), 3)]
+    assert spec.worth(one, 1, True) == one  # 1 token in 3 ms against ~2.5 in 4 ms
+    spec.proposer.cost.per_seq = 0.004  # a lookup of 4 ms: ~2.5 tokens in 8 ms
+    assert spec.worth(one, 1, True) == []
+    spec.proposer.cost.per_seq = 0.0005
+    assert spec.worth(one, 1, True) == one
 
 
 def test_proposals_stop_where_their_measured_payoff_loses():

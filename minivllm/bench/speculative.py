@@ -246,7 +246,7 @@ def _draft_ceiling(model: str, draft: str, k: int, prompts: list[list[int]], out
         return out
     out["decode_ms"] = 1e3 * plain
     for n in range(1, k + 1):
-        verify, own = steps.estimate(n + 1), rounds.overhead(n, n)
+        verify, own = steps.estimate(n + 1), rounds.overhead(n, n, 1)
         if verify is None:
             continue
         out["verify_ms"][n], out["draft_ms"][n] = 1e3 * verify, 1e3 * own
@@ -256,6 +256,6 @@ def _draft_ceiling(model: str, draft: str, k: int, prompts: list[list[int]], out
 
 def _bound(sp: Any, accepted: int, drafts: int) -> dict[str, float | None]:
     """Tokens a verification yields (1 + accepted proposals per draft) and the proposer's measured time per
-    round for one sequence proposing k tokens (0 for n-gram lookups)."""
+    round for one sequence proposing k tokens (n-gram and suffix: a sequence's lookups as measured)."""
     return {"tokens_per_verification": 1 + accepted / drafts if drafts else None,
-            "propose_ms": 1e3 * sp.proposer.overhead(sp.k, sp.k)}
+            "propose_ms": 1e3 * sp.proposer.overhead(sp.k, sp.k, 1)}

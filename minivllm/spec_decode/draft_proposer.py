@@ -241,9 +241,9 @@ class DraftModelProposer:
             dists[j] = q[0]
         return tokens, dists
 
-    def overhead(self, longest: int, tokens: int) -> float:
+    def overhead(self, longest: int, tokens: int, seqs: int) -> float:
         """Seconds a round proposing `tokens` tokens in all, at most `longest` for one sequence, is expected to
-        add to a step (measured: one forward per position of the longest proposal)."""
+        add to a step (measured: one forward per position of the longest proposal, its rows; not by sequences)."""
         return self.cost.estimate(longest, tokens)
 
     def catch_up_cost(self, seq: Sequence) -> float:

@@ -4,10 +4,13 @@ vectorized comparisons over the sequence's own tokens."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
 from minivllm.engine.sequence import Sequence
+from minivllm.spec_decode.cost import LookupCost
 
 
 def ngram_propose(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -45,19 +48,21 @@ class NgramProposer:
 
     def __init__(self, n_min: int, n_max: int) -> None:
         self.n_min, self.n_max = n_min, n_max
+        self.cost = LookupCost()
 
     def propose(self, batch: list[tuple[Sequence, int]]) -> list[tuple[Sequence, list[int], torch.Tensor | None]]:
         """(sequence, up to k proposals, None) for each (sequence, k) whose suffix occurred before."""
+        t = time.perf_counter()
         out: list[tuple[Sequence, list[int], torch.Tensor | None]] = []
         for seq, k in batch:
             if spec := ngram_propose(seq.token_ids, k, self.n_min, self.n_max):
                 out.append((seq, spec, None))
+        self.cost.observe(len(batch), time.perf_counter() - t)
         return out
 
-    def overhead(self, longest: int, tokens: int) -> float:
-        """Seconds a round proposing `tokens` tokens (at most `longest` for one sequence) adds to a step
-        (lookups: negligible)."""
-        return 0.0
+    def overhead(self, longest: int, tokens: int, seqs: int) -> float:
+        """Seconds a round looking up `seqs` sequences adds to a step, as measured (LookupCost)."""
+        return self.cost.estimate(seqs)
 
     def catch_up_cost(self, seq: Sequence) -> float:
         """Seconds proposing for seq would first spend catching up: none (no model to catch up)."""

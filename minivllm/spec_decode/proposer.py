@@ -32,8 +32,9 @@ class Proposer(Protocol):
         """Each (sequence, at most k)'s proposed tokens, and (a draft model's) the distributions they came from."""
         ...
 
-    def overhead(self, longest: int, tokens: int) -> float:
-        """Seconds a round of proposals costs: the longest proposal's length, the proposals' tokens in all."""
+    def overhead(self, longest: int, tokens: int, seqs: int) -> float:
+        """Seconds a round of proposals costs: the longest proposal's length, the proposals' tokens in all, the
+        sequences proposing."""
         ...
 
     def catch_up_cost(self, seq: Sequence) -> float:

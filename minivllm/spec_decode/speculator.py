@@ -176,7 +176,7 @@ class Speculator:
             e += rate
             for m in (1, num_seqs):
                 cost = self.steps.estimate(num_seqs + m * length)
-                if cost is None or (num_seqs + m * e) / max(cost + over(length, m * length), 1e-9) > plain_rate:
+                if cost is None or (num_seqs + m * e) / max(cost + over(length, m * length, m), 1e-9) > plain_rate:
                     return True
         self._no_pay[num_seqs] = (self._version, self._step)
         return self.exploration.due(num_seqs)
@@ -210,17 +210,19 @@ class Speculator:
         units.sort(key=lambda u: -u[0])  # stable: ties keep each sequence's positions in order
         over = self.proposer.overhead
         lengths = [0] * len(candidates)
+        taken = 0  # candidates with a unit so far: the sequences a round would look up
         best_rate, best, longest, gained = self.MARGIN * num_seqs / max(base, 1e-9), 0, 0, 0.0
         extra = 0.0  # the catch-ups of the candidates taken so far
         for i, (g, j) in enumerate(units, start=1):
             lengths[j] += 1
             longest, gained = max(longest, lengths[j]), gained + g
-            extra += upfront[j] if lengths[j] == 1 else 0.0
+            if lengths[j] == 1:
+                extra, taken = extra + upfront[j], taken + 1
             cost = self.steps.estimate(num_seqs + i)
             if cost is None:  # a size never measured, nor two to price it from: take it to measure it
                 best = i
                 break
-            rate = (num_seqs + gained) / max(cost + over(longest, i) + extra, 1e-9)
+            rate = (num_seqs + gained) / max(cost + over(longest, i, taken) + extra, 1e-9)
             if rate > best_rate:
                 best_rate, best = rate, i
         if not best and units and self.exploration.due(num_seqs):
@@ -305,7 +307,7 @@ class Speculator:
         found = self.proposer.propose(batch) if batch else []
         gap = self._step - self._last_spec
         if found and gap > 2:  # (a pause's catch-up: the round counted at its usual time)
-            usual = self.proposer.overhead(max(k for _, k in batch), sum(k for _, k in batch))
+            usual = self.proposer.overhead(max(k for _, k in batch), sum(k for _, k in batch), len(batch))
             self._excess = max(time.perf_counter() - t - usual, 0.0)
         for seq, spec, dist in found:
             seq.spec_token_ids = spec

@@ -15,12 +15,14 @@ token), about 300 bytes each; the buffers hold 4 to 12 bytes per token."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import numpy as np
 import torch
 
 from minivllm.engine.sequence import Sequence
+from minivllm.spec_decode.cost import LookupCost
 
 _NONE = -1  # pads the buffers and separates requests: no token equals it, so no match or continuation crosses it
 
@@ -172,6 +174,7 @@ class SuffixProposer:
         self.ahead = k + 1
         self.cache = SuffixCache(max_cached_requests, max_tree_depth, self.ahead)
         self.local: dict[int, tuple[np.ndarray, int]] = {}  # seq_id → (padded buffer of its tokens, how many)
+        self.cost = LookupCost()
 
     def _own(self, seq: Sequence) -> tuple[np.ndarray, int]:
         """seq's tokens as a padded buffer, grown by what it added since the last step."""
@@ -210,16 +213,17 @@ class SuffixProposer:
 
     def propose(self, batch: list[tuple[Sequence, int]]) -> list[tuple[Sequence, list[int], torch.Tensor | None]]:
         """(sequence, up to k proposals, None) for each (sequence, k) with a match."""
+        t = time.perf_counter()
         out: list[tuple[Sequence, list[int], torch.Tensor | None]] = []
         for seq, k in batch:
             if spec := self.speculate(seq, k):
                 out.append((seq, spec, None))
+        self.cost.observe(len(batch), time.perf_counter() - t)
         return out
 
-    def overhead(self, longest: int, tokens: int) -> float:
-        """Seconds a round proposing adds to a step: lookups, negligible beside a forward (the payoff rule
-        measures whole steps anyway)."""
-        return 0.0
+    def overhead(self, longest: int, tokens: int, seqs: int) -> float:
+        """Seconds a round looking up `seqs` sequences adds to a step, as measured (LookupCost)."""
+        return self.cost.estimate(seqs)
 
     def catch_up_cost(self, seq: Sequence) -> float:
         """Seconds proposing for seq would first spend catching up: none (no model to catch up)."""
