@@ -283,8 +283,10 @@ def _ngram_speculator() -> Speculator:
 
 
 def _speculator(handful_ms: float = 4.0) -> Speculator:
-    """A speculator that measured all-decode steps of many sizes at _cost_ms (and ignores prefill steps)."""
+    """A speculator that measured all-decode steps of many sizes at _cost_ms (and ignores prefill steps), past its
+    first drafts (LEARN_DRAFTS)."""
     spec = _ngram_speculator()
+    spec.stats.num_drafts = Speculator.LEARN_DRAFTS
     prefilling = Sequence("p", list(range(40)), SamplingParams(temperature=0.0), 0)
     for rows in [1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 128, 160, 256, 512]:
         spec.observe([(_seq(), 1)] * rows, _cost_ms(rows, handful_ms) / 1e3)
@@ -349,6 +351,20 @@ def test_lookup_rounds_are_priced_as_measured_per_sequence():
     assert spec.worth(one, 1, True) == []
     spec.proposer.cost.per_seq = 0.0005
     assert spec.worth(one, 1, True) == one
+
+
+def test_a_fresh_speculator_learns_its_acceptance_from_whole_proposals_before_judging_by_it():
+    """Until LEARN_DRAFTS drafts were verified, a step whose proposals are not expected to pay (even odds per
+    position, lookups priced) still verifies the best candidate's whole proposal, so the acceptance by position is
+    measured; then the rule judges by it. An engine that met 8 streams first otherwise never proposed there."""
+    spec = _speculator()
+    spec.stats.num_drafts = 0
+    many = [(_seq(), 3) for _ in range(128)]
+    assert spec._may_pay(128, True)
+    assert spec.worth(many, 128, True) == [(many[0][0], 3)]  # every position of one candidate
+    spec.stats.num_drafts = Speculator.LEARN_DRAFTS
+    assert spec.worth(many, 128, True) == []  # 128 tokens in 34 ms vs ~320 in 130 ms
+    assert spec.worth(many, 16, False) == []  # (a step with prefill chunks: never)
 
 
 def test_proposals_stop_where_their_measured_payoff_loses():

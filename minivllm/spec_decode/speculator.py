@@ -91,6 +91,12 @@ class Speculator:
     # model, paid on every step a draft that does not pay there sits attached (measured: the draft at 8 streams
     # proposed in 2 of 129 steps and the rest paid the check).
     RECHECK_EVERY = 16
+    # Until this many drafts were verified, a pure-decode step whose proposals are not expected to pay still sends
+    # the best candidate's whole proposal through: the acceptance by position starts at even odds (position_rates),
+    # and at 8 streams even odds did not pay once n-gram and suffix lookups were priced (0.1-0.2 ms a sequence in
+    # the step), so an engine that met many streams first never proposed and never learned that its proposals hold
+    # (85-97% on code; the explorations' one token a few hundred steps apart measured only the first position).
+    LEARN_DRAFTS = 16
 
     def __init__(self, proposer: Proposer, k: int, max_model_len: int, adaptive: bool) -> None:
         self.proposer, self.k, self.adaptive = proposer, k, adaptive
@@ -163,6 +169,8 @@ class Speculator:
         a cheap check before any proposing."""
         if not pure_decode:
             return False  # see worth()
+        if self.stats.num_drafts < self.LEARN_DRAFTS:
+            return True  # (see LEARN_DRAFTS)
         held = self._no_pay.get(num_seqs)
         if held is not None and held[0] == self._version and self._step - held[1] < self.RECHECK_EVERY:
             return self.exploration.due(num_seqs)  # (see RECHECK_EVERY)
@@ -225,6 +233,9 @@ class Speculator:
             rate = (num_seqs + gained) / max(cost + over(longest, i, taken) + extra, 1e-9)
             if rate > best_rate:
                 best_rate, best = rate, i
+        if not best and units and self.stats.num_drafts < self.LEARN_DRAFTS:
+            j = units[0][1]  # (see LEARN_DRAFTS: every position of the best candidate's proposal)
+            return [(candidates[j][0], sum(1 for _, i in units if i == j))]
         if not best and units and self.exploration.due(num_seqs):
             best = 1
         lengths = [0] * len(candidates)
