@@ -163,6 +163,35 @@ INLINE __m512 int4_halves16(const uint16_t *p, int f16, __mmask16 cnt) {
     return half16(_mm256_maskz_loadu_epi16(cnt, p), f16);
 }
 
+/* The one-token int4 rows that read R rows a pass in W4A8's order (csrc/gemv_int4_bf16dot.h, gemv_int4_int16dot.h):
+ * chunk c's prefetch of the pass after next (as many bytes as this pass reads, two passes ahead; into L2 with l2). */
+INLINE void int4_prefetch_pass(const uint8_t *w, int64_t nbytes, int64_t c, int R, int l2) {
+    for (int r = 0; r < R; r++) {
+        const uint8_t *p = w + 2 * R * nbytes + c * 64 * R + r * 64;
+        if (l2) __builtin_prefetch(p, 0, 2);
+        else __builtin_prefetch(p);
+    }
+}
+
+/* ... and their groups' mins against x's group sums xg (zero past ng): acc[r] += (min + extra * scale) . xg for rows
+ * n..n+R-1 (extra: what the rows' codes carry beyond q, times the scale; -16 for the bf16 rows' 16 + q). */
+INLINE void int4_rows_add_mins(__m512 *acc, const Layer *L, int64_t n, int R, const float *xg, float extra) {
+    const int64_t ng = L->Kv / L->G;
+    const uint16_t *scale = (const uint16_t *)L->scale + n * ng;
+    for (int64_t g0 = 0; g0 < ng; g0 += 16) {
+        const int cnt = ng - g0 < 16 ? (int)(ng - g0) : 16;
+        const __mmask16 mk = (__mmask16)((1u << cnt) - 1);
+        const __m512 xgv = _mm512_loadu_ps(xg + g0);
+        for (int r = 0; r < R; r++) {
+            const __m512 sv = int4_halves16(scale + r * ng + g0, L->f16, mk);
+            const __m512 mv = L->sym       ? _mm512_mul_ps(sv, _mm512_set1_ps(-8.f))
+                            : L->f32mins ? _mm512_maskz_loadu_ps(mk, (const float *)L->mins + (n + r) * ng + g0)
+                                         : int4_halves16((const uint16_t *)L->mins + (n + r) * ng + g0, L->f16, mk);
+            acc[r] = _mm512_fmadd_ps(extra != 0.f ? _mm512_fmadd_ps(sv, _mm512_set1_ps(extra), mv) : mv, xgv, acc[r]);
+        }
+    }
+}
+
 /* int4 weight-only against M (1..4) float tokens, x zero-padded to Kp = Kv. Each group's 16 possible weights,
  * scale * q + min, are a table the codes index: vpermps reads only an index's low 4 bits, so 16 codes widened
  * to int32 lanes pick their weights with no mask, no int-to-float conversion and no per-weight scale or min (6

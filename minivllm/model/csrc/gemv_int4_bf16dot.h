@@ -63,12 +63,7 @@ INLINE void int4_rows_m1_bf16dot(float *out, const uint16_t *xb, const float *xg
         for (int r = 0; r < R; r++)
             win[r] = int4_halves16(scale + r * ng + g0, L->f16, (__mmask16)((1u << cnt) - 1));
         for (int u = 0; u < 4 && c < nchunks; u++, c++) {
-            if (ahead) /* the pass after next: as many bytes as this pass reads, two passes ahead */
-                for (int r = 0; r < R; r++) {
-                    const uint8_t *p = w + 2 * R * nbytes + c * 64 * R + r * 64;
-                    if (l2) __builtin_prefetch(p, 0, 2);
-                    else __builtin_prefetch(p);
-                }
+            if (ahead) int4_prefetch_pass(w, nbytes, c, R, l2);
             const int64_t left = nbytes - c * 64;
             const uint16_t *xc = xb + c * 128;
             const __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)xc),
@@ -90,18 +85,7 @@ INLINE void int4_rows_m1_bf16dot(float *out, const uint16_t *xb, const float *xg
             }
         }
     }
-    for (int64_t g0 = 0; g0 < ng; g0 += 16) { /* + (min - 16 scale) * sum(x) per group */
-        const int cnt = ng - g0 < 16 ? (int)(ng - g0) : 16;
-        const __mmask16 mk = (__mmask16)((1u << cnt) - 1);
-        const __m512 xgv = _mm512_loadu_ps(xg + g0); /* (zero past ng) */
-        for (int r = 0; r < R; r++) {
-            const __m512 sv = int4_halves16(scale + r * ng + g0, L->f16, mk);
-            const __m512 mv = L->sym       ? _mm512_mul_ps(sv, _mm512_set1_ps(-8.f))
-                            : L->f32mins ? _mm512_maskz_loadu_ps(mk, (const float *)L->mins + (n + r) * ng + g0)
-                                         : int4_halves16((const uint16_t *)L->mins + (n + r) * ng + g0, L->f16, mk);
-            acc[r] = _mm512_fmadd_ps(_mm512_fmadd_ps(sv, _mm512_set1_ps(-16.f), mv), xgv, acc[r]);
-        }
-    }
+    int4_rows_add_mins(acc, L, n, R, xg, -16.f); /* + (min - 16 scale) * sum(x) per group */
     for (int r = 0; r < R; r++) out[n + r] = _mm512_reduce_add_ps(acc[r]) + (L->bias ? L->bias[n + r] : 0.f);
 }
 #elif defined(INT4_M1_CHUNK) /* no AVX512-BF16: never taken (the caller's dot is 0), so it needs no #ifdef */
