@@ -8,7 +8,7 @@
  *   f32    w [N, K] float32
  *   bf16   w [N, K] bfloat16 bits
  *   int8   w [N, K] int8, per-channel scale s[n]:                 W[n, k] = s[n] * w[n, k]
- *   int4   w [N, Kp / 2] uint8, Kp = K rounded up to the group size G (a multiple of 32), per-group
+ *   int4   (csrc/gemv_int4.c) w [N, Kp / 2] uint8, Kp = K rounded up to the group size G (a multiple of 32), per-group
  *          scale and min as bf16 [N, Kp / G]:                    W[n, k] = scale * q + min, q in 0..15;
  *          or as float16 (fmt | FMT_F16_SCALES), the mins as float32 (fmt | FMT_F32_MINS): GGUF's Q4_0 / Q4_1
  *          and GPTQ / AWQ / compressed-tensors checkpoints keep their scales (and -scale * zero) exactly so;
@@ -35,106 +35,7 @@
  * AVX-512 where the CPU has it, narrower registers elsewhere; only the byte-widening loads use
  * intrinsics (GCC 12 scalarises __builtin_convertvector from 8-bit lanes).
  */
-#include <math.h>
-#include <omp.h>
-#include <stdint.h>
-#include <string.h>
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-#define INLINE static inline __attribute__((always_inline))
-#define MAX_M 16 /* rows of x staged per pass (scratch layout) */
-#define MB 4     /* rows of x per register block */
-#include "gemv_rows.h"
-
-INLINE v16 ld16(const float *p) {
-    v16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-INLINE v16 ld16_bf16(const uint16_t *p) {
-    v16h h;
-    memcpy(&h, p, sizeof h);
-    v16u u = __builtin_convertvector(h, v16u) << 16; /* bf16 bits are a float's upper half */
-    v16 f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* 16 signed bytes → 16 int32 lanes. */
-INLINE v16i widen_s8(const int8_t *p) {
-#if defined(__AVX512F__)
-    return (v16i)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
-#elif defined(__AVX2__)
-    __m128i b = _mm_loadu_si128((const __m128i *)p);
-    __m256i lo = _mm256_cvtepi8_epi32(b), hi = _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8));
-    v16i r;
-    memcpy(&r, &lo, 32);
-    memcpy((char *)&r + 32, &hi, 32);
-    return r;
-#else
-    v16i r;
-    for (int i = 0; i < 16; i++) r[i] = p[i];
-    return r;
-#endif
-}
-
-/* 16 unsigned bytes → 16 int32 lanes. */
-INLINE v16i widen_u8(const uint8_t *p) {
-#if defined(__AVX512F__)
-    return (v16i)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-#elif defined(__AVX2__)
-    __m128i b = _mm_loadu_si128((const __m128i *)p);
-    __m256i lo = _mm256_cvtepu8_epi32(b), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
-    v16i r;
-    memcpy(&r, &lo, 32);
-    memcpy((char *)&r + 32, &hi, 32);
-    return r;
-#else
-    v16i r;
-    for (int i = 0; i < 16; i++) r[i] = p[i];
-    return r;
-#endif
-}
-
-INLINE float hsum(v16 v) {
-    float s = 0.f;
-    for (int i = 0; i < 16; i++) s += v[i];
-    return s;
-}
-
-INLINE float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* A group scale or min: bfloat16 or (f16) float16 bits. */
-INLINE float half_to_f32(uint16_t h, int f16) {
-    if (!f16) return bf16_to_f32(h);
-    _Float16 v;
-    memcpy(&v, &h, sizeof v);
-    return (float)v;
-}
-
-/* Everything a row kernel needs besides the row index and the chunk of x. */
-typedef struct {
-    const void *w;
-    int64_t K, Kv; /* Kv: floats (or bytes) between staged rows of x */
-    const void *scale, *mins; /* per format */
-    int64_t G;
-    const float *bias;
-    int f16, f32mins; /* int4 group scales (and mins) are float16, else bfloat16; mins are float32 */
-    int sym;          /* no mins stored: each is -8 scale (codes centred on 8: GGUF's Q4_0, symmetric GPTQ) */
-    int64_t pf;       /* one-token rows: bytes ahead of each load prefetched into L2 (gemv_m1_prefetch; 0: none) */
-} Layer;
+#include "gemv_common.h"
 
 int gemv_m1_order = 0; /* M1_PASS (see gemv_m1.h) until set_gemv_m1_order says otherwise */
 
@@ -158,9 +59,6 @@ void set_gemv_m1_prefetch(int64_t bytes) { __atomic_store_n(&gemv_m1_prefetch, b
 int64_t gemv_few_rows_k = 0;
 
 void set_gemv_few_rows_k(int64_t k) { __atomic_store_n(&gemv_few_rows_k, k, __ATOMIC_RELAXED); }
-
-#include "gemv_m1.h"
-#include "gemv_bf16dot.h"
 
 /* Float weights (f32 or bf16) against M rows of x. */
 INLINE void dense_row(float *out, int64_t ldo, const float *x, int M, const Layer *L, int bf16, int64_t n) {
@@ -215,107 +113,11 @@ INLINE void int8_row(float *out, int64_t ldo, const float *x, int M, const Layer
     }
 }
 
-/* x is zero-padded to Kp = Kv. Each group's 16 possible weights, scale * q + min, form a table the codes index
- * (one vpermps per 16 weights where AVX-512 has it): no int-to-float conversion, no scale multiply and no
- * separate min term per weight (those took 9 vector and ~6 scalar instructions per 32 weights; this takes 7). */
-INLINE void int4_row(float *out, int64_t ldo, const float *x, int M, const Layer *L, int64_t n) {
-    const int64_t Kp = L->Kv, G = L->G, ng = Kp / G;
-    const uint8_t *w = (const uint8_t *)L->w + n * (Kp / 2);
-    const uint16_t *scale = (const uint16_t *)L->scale + n * ng;
-    const uint16_t *mins = L->sym ? NULL : (const uint16_t *)L->mins + n * ng; /* (no mins stored where sym) */
-    const float *minf = L->sym ? NULL : (const float *)L->mins + n * ng;
-    const v16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    v16 a0[MB], a1[MB];
-    memset(a0, 0, sizeof a0);
-    memset(a1, 0, sizeof a1);
-    for (int64_t g = 0; g < ng; g++) {
-        const float s = half_to_f32(scale[g], L->f16);
-        const v16 table = iota * s + (L->sym ? -8.f * s : L->f32mins ? minf[g] : half_to_f32(mins[g], L->f16));
-        for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
-            v16i b = widen_u8(w + k / 2);
-            v16 lo = __builtin_shuffle(table, b & 15), hi = __builtin_shuffle(table, b >> 4);
-            for (int m = 0; m < M; m++) {
-                a0[m] += ld16(x + m * Kp + k) * lo;
-                a1[m] += ld16(x + m * Kp + k + 16) * hi;
-            }
-        }
-    }
-    for (int m = 0; m < M; m++) out[m * ldo + n] = hsum(a0[m] + a1[m]) + (L->bias ? L->bias[n] : 0.f);
-}
-
-#if defined(__AVX2__)
-/* 32 int8 weights (wv, and wa = |wv|) against 32 int8 activations at x: 8 int32 sums of 4 products each, added
- * to acc. |w| (unsigned) times x carrying w's sign (x within +-127: negation cannot overflow): with VNNI one
- * vpdpbusd at 256 bits (AVX512-VNNI's VL form or AVX-VNNI); without it vpmaddubsw (pairs at most 2 * 128 * 127,
- * no int16 saturation) widened by vpmaddwd against ones, then an add: 4 instructions where VNNI takes 2. Exact. */
-INLINE __m256i s8_dot32_acc(__m256i acc, __m256i wa, __m256i wv, const int8_t *x) {
-    const __m256i xw = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)x), wv);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(acc, wa, xw);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(acc, wa, xw);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xw), _mm256_set1_epi16(1)));
-#endif
-}
-#endif
-
-/* The SIMD float rows' last step (csrc/gemv_avx2.h, csrc/gemv_avx512.h): s[r * M + m], the reduced sums of weight
- * rows n + r against tokens m over the first k of K, plus the columns past k, plus the bias, into out. */
-INLINE void dense_rows_store(float *out, int64_t ldo, const float *x, int M, int R, const Layer *L, int bf16,
-                             int64_t n, int64_t k, const float *s) {
-    const int64_t K = L->K;
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) {
-            float y = s[r * M + m];
-            for (int64_t j = k; j < K; j++) {
-                const float wj = bf16 ? bf16_to_f32(((const uint16_t *)L->w)[(n + r) * K + j])
-                                      : ((const float *)L->w)[(n + r) * K + j];
-                y += x[m * L->Kv + j] * wj;
-            }
-            out[m * ldo + n + r] = y + (L->bias ? L->bias[n + r] : 0.f);
-        }
-}
-
-#include "gemv_avx2.h"
-#include "gemv_avx512.h"
-#include "gemv_int4_bf16dot.h"
-#include "gemv_int4_int16dot.h"
-
 /* Whether the one-token int8 rows follow gemv_m1_order here (AVX-512 VNNI's: W8A8's per-channel rows, and GGUF's
  * Q8_0 / Q4_K / Q6_K rows against x in blocks, csrc/gemv_q8.c, gemv_q4k.c, gemv_q6k.c, built on the same condition):
  * where not, timing their layers each way would only measure noise. */
 int gemv_w8a8_rows_ordered(void) {
 #ifdef GEMV_W8A8_M1_VNNI
-    return 1;
-#else
-    return 0;
-#endif
-}
-
-/* Whether int4's one-token rows take a bf16 x by AVX512-BF16's dot product here (csrc/gemv_int4_bf16dot.h). */
-int gemv_int4_bf16dot(void) {
-#ifdef GEMV_INT4_BF16DOT
-    return 1;
-#else
-    return 0;
-#endif
-}
-
-/* Whether int4's one-token rows take a float32 x as int16 by AVX512-VNNI's vpdpwssd here, in W4A8's order
- * (csrc/gemv_int4_int16dot.h). */
-int gemv_int4_int16dot(void) {
-#ifdef GEMV_INT4_INT16DOT
-    return 1;
-#else
-    return 0;
-#endif
-}
-
-/* Whether int4's one-token rows take a float32 x as int16 in blocks of 32 here (csrc/gemv_avx2.h: AVX2 without VNNI;
- * csrc/gemv_int4_int16dot.h: AVX512-VNNI). */
-int gemv_int4_x_int16(void) {
-#ifdef INT4_M1_X_INT16
     return 1;
 #else
     return 0;
@@ -383,13 +185,7 @@ INLINE void w8a8_row(float *out, int64_t ldo, const int8_t *xq, const float *xs,
 /* csrc/quantize_rows.c: one row of x as int8 codes (absmax / 127, round half to even); returns the scale */
 float quantize_row_s8(const float *xr, int64_t K, int8_t *xq);
 
-enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_INT8 = 2, FMT_INT4 = 3, FMT_W8A8 = 4, FMT_W4A8 = 5, FMT_Q8 = 6, FMT_Q8A8 = 7,
-       FMT_Q6K = 8, FMT_Q4K = 9,
-       FMT_F16_SCALES = 16, FMT_F32_MINS = 32, FMT_SYM_MINS = 64, FMT_ACT_BLOCKS = 128 };
-
 /* csrc/gemv_w4a8.c */
-/* W4A8's one-token order for rows of row_bytes (csrc/gemv_w4a8.c): rows a pass (4, 2 or 1), *l2 its prefetch's level. */
-int gemv_w4a8_m1_order(int64_t row_bytes, int *l2);
 void gemv_w4a8(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, const void *w,
                const void *scale, const void *mins, int64_t G, int halves, const float *bias, float *scratch,
                int num_threads);
@@ -468,78 +264,7 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
         } else if (fmt == FMT_W4A8) {
             gemv_w4a8(o, ldo, xm, ldx, mm, K, N, w, scale, mins, G, halves, bias, scratch, num_threads);
         } else if (fmt == FMT_INT4) {
-            int64_t Kp = (K + G - 1) / G * G;
-#if defined(INT4_M1_CHUNK) /* one token: the ISA's rows (csrc/gemv_avx512.h, csrc/gemv_avx2.h, and below) */
-            if (mm == 1) {
-                float *xg = scratch + (Kp + INT4_M1_CHUNK - 1) / INT4_M1_CHUNK * INT4_M1_CHUNK;
-#if defined(GEMV_INT4_BF16DOT)
-                const int dot = bf16_exact(xm, K); /* (x a bf16 model's: vdpbf16ps, gemv_int4_bf16dot.h) */
-#else
-                const int dot = 0;
-#endif
-#if defined(GEMV_INT4_INT16DOT)
-                const int i16 = !dot; /* (a float32 x: int16 blocks by vpdpwssd, gemv_int4_int16dot.h) */
-                if (i16) int4_stage_m1_int16(scratch, xg, xm, K, Kp, G);
-#else
-                const int i16 = 0;
-#endif
-                if (dot) int4_stage_m1_bf16((uint16_t *)scratch, xg, xm, K, Kp, G);
-                else if (!i16) INT4_M1_STAGE(scratch, xg, xm, K, Kp, G);
-                L.Kv = Kp;
-                int l2 = 0; /* (the bf16 and int16 rows: a pass's rows and the prefetch's level as W4A8's, read once) */
-                const int rows = dot || i16 ? gemv_w4a8_m1_order(Kp / 2, &l2) : 1;
-                const uint16_t *xb = (const uint16_t *)scratch;
-                row_queue_t q;
-                rq_init(&q, N, num_threads, rows, Kp / 2);
-#if defined(GEMV_INT4_INT16DOT)
-#define INT4_ROWS_M1(R, ahead) \
-    (i16 ? int4_rows_m1_int16(o, scratch, xg, &L, n, R, ahead, l2) : int4_rows_m1_bf16dot(o, xb, xg, &L, n, R, ahead, l2))
-#else
-#define INT4_ROWS_M1(R, ahead) int4_rows_m1_bf16dot(o, xb, xg, &L, n, R, ahead, l2)
-#endif
-#pragma omp parallel num_threads(num_threads)
-                {
-                    int64_t n, end;
-                    while (rq_take(&q, &n, &end)) {
-                        if (rows == 4)
-                            for (; n + 4 <= end; n += 4) INT4_ROWS_M1(4, n + 12 <= N);
-                        else if (rows == 2)
-                            for (; n + 2 <= end; n += 2) INT4_ROWS_M1(2, n + 6 <= N);
-                        for (; n < end; n++) {
-                            if (dot || i16) INT4_ROWS_M1(1, 0);
-                            else INT4_M1_ROW(o, scratch, xg, &L, n);
-                        }
-                    }
-                }
-#undef INT4_ROWS_M1
-                continue;
-            }
-#endif
-            /* Stage x zero-padded to Kp (whatever the codes past K, a zero x makes them add nothing). */
-            float *xp = scratch;
-            for (int m = 0; m < mm; m++) {
-                memcpy(xp + m * Kp, xm + m * ldx, K * sizeof(float));
-                memset(xp + m * Kp + K, 0, (Kp - K) * sizeof(float));
-            }
-            L.Kv = Kp;
-#if defined(GEMV_INT4_AVX512)
-#define R4(c) int4_row_avx512(o + j * ldo, ldo, xp + j * Kp, c, &L, n)
-#elif defined(GEMV_AVX2)
-            /* each row's per-group sums of x, after the staged rows (scratch holds MAX_M * Kp / G more floats) */
-            const int64_t ng = Kp / G;
-            float *xg = scratch + (int64_t)mm * Kp;
-            for (int m = 0; m < mm; m++)
-                for (int64_t g = 0; g < ng; g++) {
-                    float t = 0.f;
-                    for (int64_t k = g * G; k < (g + 1) * G; k++) t += xp[m * Kp + k];
-                    xg[m * ng + g] = t;
-                }
-#define R4(c) int4_row_avx2(o + j * ldo, ldo, xp + j * Kp, xg + j * ng, c, &L, n)
-#else
-#define R4(c) int4_row(o + j * ldo, ldo, xp + j * Kp, c, &L, n)
-#endif
-#pragma omp parallel num_threads(num_threads)
-            FOR_ROWS(N, mm, R4);
+            gemv_int4(o, ldo, xm, ldx, mm, N, &L, scratch, num_threads);
         } else if (fmt == FMT_W8A8) {
             float *xs = scratch;
             int8_t *xq = (int8_t *)(scratch + MAX_M);

@@ -62,7 +62,8 @@ INLINE void dense_pass_m1(float *out, const float *x, const Layer *L, int64_t n,
  * matmul's rows in one order). Not inlined, nor dense_row_m1 below: under -ffast-math each inlined copy may sum in
  * its own order, and linear_gemv_m1_many's rows must equal linear_gemv's bit for bit (an AVX2 EPYC's build summed a
  * share's last row differently in the two). One call per M1_ROWS rows or per tail row costs nothing measurable. */
-static __attribute__((noinline)) void dense_rows_m1(float *out, const float *x, const Layer *L, int64_t n, int order) {
+static __attribute__((noinline, unused)) void dense_rows_m1(float *out, const float *x, const Layer *L, int64_t n,
+                                                             int order) {
     if (order == M1_ONE)
         for (int r = 0; r < M1_ROWS; r++) dense_row_m1_body(out, x, L, n + r);
     else if (order == M1_PAIRS)
@@ -89,7 +90,7 @@ INLINE void dense_row_m1_body(float *out, const float *x, const Layer *L, int64_
 }
 
 /* A share's last rows, one compiled body for every caller (see dense_rows_m1). */
-static __attribute__((noinline)) void dense_row_m1(float *out, const float *x, const Layer *L, int64_t n) {
+static __attribute__((noinline, unused)) void dense_row_m1(float *out, const float *x, const Layer *L, int64_t n) {
     dense_row_m1_body(out, x, L, n);
 }
 
