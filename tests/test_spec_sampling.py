@@ -208,3 +208,41 @@ def test_default_draft_is_the_embedded_pair():
             out = o
     assert out is not None and len(out.outputs[0].token_ids) == 32
     assert engine.speculator.stats.num_accepted_tokens > 0
+
+
+def test_a_steps_greedy_verifications_share_one_argmax_and_equal_one_by_one_verification():
+    """StepSampler verifies the greedy unpenalised sequences of a step in one argmax over their rows (one span, or
+    an index where plain rows lie between): each keeps what verify_proposals keeps for it alone, beside a penalised
+    greedy one and a sampled one in the same step, rows in any order."""
+    from minivllm.model.input_batch import SlotParams
+    from minivllm.model.rejection_sampler import verify_proposals
+    from minivllm.model.step_sampling import SamplingRequest, StepSampler, Verification
+
+    torch.manual_seed(0)
+    vocab = 50
+    sampler = StepSampler(torch.device("cpu"), seed=3)
+    batch = sampler.input_batch
+    greedy = [batch.add(SlotParams(), [1, 2], []) for _ in range(3)]
+    penalised = batch.add(SlotParams(repetition_penalty=1.3), [1, 2, 3], [4])
+    sampled = batch.add(SlotParams(temperature=0.8), [5], [])
+    for spread in (False, True):
+        logits = torch.randn(48, vocab)
+        # proposals that match the argmax for a while, then not: every kept length from 1 to all + 1 occurs
+        jobs = [(greedy[0], 0, 4, 3), (greedy[1], 4, 5, 0), (penalised, 9, 3, 2), (greedy[2], 12, 2, 1),
+                (sampled, 14, 3, 1)]
+        if spread:  # rows far apart: plain rows between the verifications
+            jobs = [(s, 3 * r, n, m) for s, r, n, m in jobs]
+        vs = []
+        for slot, row, n, match in jobs:
+            best = logits[row:row + n].argmax(dim=-1).tolist()
+            proposed = best[:match] + [(t + 1) % vocab for t in best[match:n - 1]]
+            vs.append(Verification(row, n, slot, proposed, None))
+        kept = sampler.run(logits.clone(), SamplingRequest(verifications=vs)).verified
+        for v, k, (slot, _, n, match) in zip(vs, kept, jobs, strict=True):
+            if slot in greedy:
+                assert k == v.proposed[:match] + [logits[v.row + match].argmax().item()]
+            if slot != sampled:  # (the sampled one draws from the generator: its own check is elsewhere)
+                settings = batch.verify_settings(slot, vocab)
+                assert k == verify_proposals(logits[v.row:v.row + n], v.proposed, None, settings,
+                                             torch.Generator().manual_seed(0))
+        assert batch.greedy_unpenalized([*greedy, penalised, sampled]) == [True, True, True, False, False]

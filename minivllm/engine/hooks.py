@@ -66,8 +66,9 @@ class StepHook:
         """The forward to run: `inner`, or a wrapper of it."""
         return inner
 
-    def after_forward(self, sched: SchedulerOutput, forward_s: float, moves_s: float) -> None:
-        """A measured forward (not one split to isolate a failure): its time and the block moves' time."""
+    def after_forward(self, sched: SchedulerOutput, forward_s: float, moves_s: float, first: bool) -> None:
+        """A measured forward (not one split to isolate a failure): its time and the block moves' time; first: the
+        runner's first forward over this many tokens, slower than the size's usual (ModelRunner.last_forward_first)."""
 
     def process_logits(self, logits: torch.Tensor, spans: list[RowSpan]) -> None:
         """The rows about to be sampled or verified; change them in place (e.g. -inf for forbidden tokens)."""
@@ -151,9 +152,9 @@ class HookSet:
         for h in self._before_forward:
             h.before_forward(scheduled)
 
-    def after_forward(self, sched: SchedulerOutput, forward_s: float, moves_s: float) -> None:
+    def after_forward(self, sched: SchedulerOutput, forward_s: float, moves_s: float, first: bool) -> None:
         for h in self._after_forward:
-            h.after_forward(sched, forward_s, moves_s)
+            h.after_forward(sched, forward_s, moves_s, first)
 
     def process_logits(self, logits: torch.Tensor, spans: list[RowSpan]) -> None:
         for h in self._process_logits:

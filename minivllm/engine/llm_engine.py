@@ -268,7 +268,7 @@ class LLMEngine:
         failures.clear()
         failures.update(guarded.failed)
         if not failures:  # a bisected step's time is not the batch's
-            hooks.after_forward(sched, self.runner.last_forward_time, moves_s)
+            hooks.after_forward(sched, self.runner.last_forward_time, moves_s, self.runner.last_forward_first)
         t2 = time.perf_counter()
         self._sample_time = 0.0
         touched = (self._process(sched, guarded.inputs, guarded.spans, logits) if self.pooler is None

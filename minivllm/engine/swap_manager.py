@@ -243,6 +243,6 @@ class SwapCostHook(StepHook):
     def __init__(self, swap: SwapManager) -> None:
         self.swap = swap
 
-    def after_forward(self, sched: SchedulerOutput, forward_s: float, moves_s: float) -> None:
+    def after_forward(self, sched: SchedulerOutput, forward_s: float, moves_s: float, first: bool) -> None:
         self.swap.costs.observe(moves_s, len(sched.swap_out) + len(sched.swap_in), forward_s,
                                 sched.num_batched_tokens, len(sched.scheduled))

@@ -241,6 +241,12 @@ class InputBatch:
             ids, row = ids.to(dev), (ids // vocab).to(dev)
             xf[ids] = xf[ids] - rows.frequency.to(dev)[row] * counts.to(dev, torch.float32) - rows.presence.to(dev)[row]
 
+    def greedy_unpenalized(self, slots: list[int]) -> list[bool]:
+        """For each slot: whether its verification is a plain greedy comparison (temperature 0, no penalties), which
+        StepSampler runs for all such slots in one argmax."""
+        temps = self._floats[0, slots].tolist()
+        return [t == 0.0 and self._store_row[s] < 0 for t, s in zip(temps, slots, strict=True)]
+
     def verify_settings(self, slot: int, vocab: int) -> VerifySettings:
         """What verifying a slot's proposals needs: its sampling settings and, if penalised, its token counts."""
         temp, top_p, min_p, presence, frequency, repetition = self._floats[:, slot].tolist()

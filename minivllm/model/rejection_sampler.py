@@ -52,6 +52,15 @@ def rejection_sample(target: torch.Tensor, draft: torch.Tensor | None, proposed:
     return proposed[:j] + [tok]
 
 
+def greedy_kept(proposed: list[int], target: list[int]) -> list[int]:
+    """A greedy verification's kept tokens: the run of proposals equal to the target's argmax at each position
+    (target: the argmax after the last token, then after each proposal), then the argmax after that run."""
+    j = 0
+    while j < len(proposed) and proposed[j] == target[j]:
+        j += 1
+    return proposed[:j] + [target[j]]
+
+
 @torch.inference_mode()
 def verify_proposals(x: torch.Tensor, proposed: list[int], draft: torch.Tensor | None, settings: VerifySettings,
                      generator: torch.Generator) -> list[int]:
@@ -64,11 +73,7 @@ def verify_proposals(x: torch.Tensor, proposed: list[int], draft: torch.Tensor |
     if settings.penalties is not None:
         x = penalized_rows(x.float(), proposed, *settings.penalties)
     if settings.temperature == 0.0:
-        target = x.argmax(dim=-1).tolist()
-        j = 0
-        while j < len(proposed) and proposed[j] == target[j]:
-            j += 1
-        return proposed[:j] + [target[j]]
+        return greedy_kept(proposed, x.argmax(dim=-1).tolist())
     n = x.shape[0]
     probs = processed_probs(x, torch.full((n,), settings.temperature), torch.full((n,), settings.top_k),
                             torch.full((n,), settings.top_p), torch.full((n,), settings.min_p))

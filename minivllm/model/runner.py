@@ -173,6 +173,11 @@ class ModelRunner:
         self.decode_stack = None if ms.enforce_eager or parallel.size > 1 else DecodeStack.build(self.model)
         self.model.decode_stack = self.decode_stack  # (None: the model runs its modules)
         self.last_forward_time = 0.0  # seconds in the model (forward + logits) during the last execute
+        # Whether the last forward was this runner's first over its number of tokens: oneDNN builds its primitives
+        # for each new shape, and such a step of the embedded model took 1.4-3.4 ms more than the next one of its size
+        # (3-6 ms steps, Zen 4): a cost model that priced a size by it kept proposals from that size (spec_decode).
+        self.last_forward_first = False
+        self._sizes_run: set[int] = set()
         self.sampling = StepSampler(device, ms.seed)  # the step's sampler and persistent input batch (rank 0's)
         self.lora: LoRAModelManager | None = None  # adapter slots, when the engine enables LoRA (init_lora)
         self.host_tiers: list[HostKVTier | None] = []  # preemption by swap's host tier per KV group (init_swap)
@@ -287,6 +292,10 @@ class ModelRunner:
             hidden = self.model(input_ids, positions)
         logits = self.head(hidden if logits_indices is None else hidden[logits_indices])
         self.last_forward_time = time.perf_counter() - t0
+        m = len(input_ids)
+        self.last_forward_first = m not in self._sizes_run
+        if self.last_forward_first:
+            self._sizes_run.add(m)
         if self.plan_check is not None and self.plan_check.observe(len(input_ids), self.last_forward_time) \
                 and self.decode_stack is not None:
             self.decode_stack.refresh(self.model)

@@ -27,8 +27,8 @@ class SpeculationHook(StepHook):
         for seq in sched.preempted:  # its draft K/V goes too: recomputed with it
             self.speculator.release(seq)
 
-    def after_forward(self, sched: SchedulerOutput, forward_s: float, moves_s: float) -> None:
-        self.speculator.observe(sched.scheduled, forward_s)
+    def after_forward(self, sched: SchedulerOutput, forward_s: float, moves_s: float, first: bool) -> None:
+        self.speculator.observe(sched.scheduled, forward_s, first)
 
     def sequence_finished(self, seq: Sequence) -> None:
         self.speculator.forget(seq)

@@ -120,9 +120,13 @@ class Speculator:
         self._no_pay: dict[int, tuple[int, int]] = {}  # sequences → (version, step) a "no" was found at
 
     # ---- cost model ----------------------------------------------------------------------------
-    def observe(self, scheduled: list[tuple[Sequence, int]], seconds: float) -> None:
+    def observe(self, scheduled: list[tuple[Sequence, int]], seconds: float, first: bool = False) -> None:
         """One step's model time, if it was all decode rows (one-token decodes and verifications); steps
-        with prefill chunks are left out (long chunks' attention is another shape)."""
+        with prefill chunks are left out (long chunks' attention is another shape), and so is the runner's first
+        step of a size (first: its shapes' set-up in it, see ModelRunner.last_forward_first), from the payoff too."""
+        if first:
+            self._tokens = None
+            return
         rows = plain = 0
         for seq, n in scheduled:
             if not seq.spec_token_ids:
