@@ -134,16 +134,29 @@ class StepCostTable:
     def __init__(self, keep: int = 5) -> None:
         self.samples: dict[int, deque[float]] = {}
         self.keep = keep
+        self._provisional: set[int] = set()  # sizes whose one sample is a runner's first step of that size
         self._sizes: list[int] = []  # measured sizes, ascending
         self._median: dict[int, float] = {}  # per size, kept current by observe
         self._fit: dict[int, float] | None = None  # the monotone fit, recomputed when read after an observe
 
-    def observe(self, rows: int, seconds: float) -> None:
-        """One all-decode step of `rows` rows took `seconds` in the model."""
+    def observe(self, rows: int, seconds: float, first: bool = False) -> None:
+        """One all-decode step of `rows` rows took `seconds` in the model; first: the runner's first step of that
+        size, which set up its shapes (oneDNN's primitives: 1.4-3.4 ms more than the size's next step on the embedded
+        model). Such a sample prices its size only until the size's next step replaces it: dropped, a size seen once
+        went unpriced and proposals past the largest size measured were priced along the line of the small ones (a
+        GEMV's rows, far cheaper a row than a GEMM's), too cheap, so they were taken, where an overpriced size only
+        withholds proposals until it recurs."""
         d = self.samples.get(rows)
         if d is None:
             d = self.samples[rows] = deque(maxlen=self.keep)
             bisect.insort(self._sizes, rows)
+        if first and d:
+            return  # (a set-up step where real ones priced the size: not its price)
+        if rows in self._provisional:
+            d.clear()
+            self._provisional.discard(rows)
+        if first and not d:
+            self._provisional.add(rows)
         d.append(seconds)
         ordered = sorted(d)
         mid = len(ordered) // 2

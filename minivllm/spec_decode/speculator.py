@@ -122,11 +122,9 @@ class Speculator:
     # ---- cost model ----------------------------------------------------------------------------
     def observe(self, scheduled: list[tuple[Sequence, int]], seconds: float, first: bool = False) -> None:
         """One step's model time, if it was all decode rows (one-token decodes and verifications); steps
-        with prefill chunks are left out (long chunks' attention is another shape), and so is the runner's first
-        step of a size (first: its shapes' set-up in it, see ModelRunner.last_forward_first), from the payoff too."""
-        if first:
-            self._tokens = None
-            return
+        with prefill chunks are left out (long chunks' attention is another shape). The runner's first step of a size
+        (first: its shapes' set-up in it, see ModelRunner.last_forward_first) prices its size only until the next
+        one (StepCostTable), and stays out of the payoff."""
         rows = plain = 0
         for seq, n in scheduled:
             if not seq.spec_token_ids:
@@ -135,7 +133,9 @@ class Speculator:
                     return
                 plain += 1
             rows += n
-        self.steps.observe(rows, seconds)
+        self.steps.observe(rows, seconds, first)
+        if first:
+            self._tokens = None
         if self._tokens is not None:  # plain rows yield a token each; verifications count theirs in record()
             self._tokens += plain
 
