@@ -1,6 +1,6 @@
 """Measured step costs for speculative decoding's adaptive rule: StepCostTable (all-decode steps by rows),
-ProposerCostModel (a + b * forwards + c * rows: a draft model's round), LookupCost (a lookup proposer's round: a fixed
-part plus seconds per sequence looked up) and Payoff (whole steps' tokens per second, with and without proposals)."""
+ProposerCostModel (a + b * forwards + c * rows: a draft model's round), LookupCost (a lookup proposer's round: seconds
+per sequence looked up) and Payoff (whole steps' tokens per second, with and without proposals)."""
 
 from __future__ import annotations
 
@@ -77,47 +77,36 @@ class ProposerCostModel:
 
 
 class LookupCost:
-    """A lookup proposer's (n-gram, suffix) measured round: a fixed part plus seconds per sequence looked up, fitted
-    over its last WINDOW rounds by Theil-Sen (the median of the pairwise slopes, then the median intercept: a round
-    that stalled is one sample, not the price). Priced at nothing, n-gram lookups took ~0.5 ms of a 2.5 ms
-    verification step at 8 streams on a Xeon (2026-12-06). The fixed part is most of a small round: right after a
-    forward that streamed the weights through the caches the interpreter's own code and data are cold, and a
-    round's first lookups ran 3.6x slower than the same lookups again (32 against 9 us a sequence, Zen 4); priced
-    per sequence alone, rounds of one or two sequences priced 8 sequences at 0.66 ms where they took ~0.26."""
+    """A lookup proposer's (n-gram, suffix) measured seconds per sequence looked up, the median of its last WINDOW
+    rounds (a round that stalled is one sample, not the price). Priced at nothing, n-gram lookups took ~0.5 ms of a
+    2.5 ms verification step at 8 streams on a Xeon (2026-12-06; 18 us a 250-token sequence since, 67 before): at 64
+    sequences still over a millisecond a step that the adaptive rule did not weigh. In the step a round has a fixed part
+    too (the forward leaves the interpreter's code and data cold: a round's first lookups ran 3.6x slower than the same
+    lookups again, Zen 4), which a price per sequence spreads over small rounds' sequences, so large rounds come out
+    dear. Fitted as a fixed part plus a part per sequence (Theil-Sen), n-gram's 64-sequence runs read 0.94-0.99x their
+    plain engine in five bench runs (pooled pairs) against 0.99x in the one run priced per sequence, suffix 0.95-0.97x
+    either way (2026-12-06, the Zen 4): too few runs to call a gain, so the dearer price stays."""
 
     WINDOW = 64
-    REFIT_EVERY = 8  # rounds between fits (one over 64 rounds' 2016 pairs is ~0.1 ms: not every step)
+    REFIT_EVERY = 8  # rounds between medians (a median of 64 is microseconds: not every step)
 
     def __init__(self) -> None:
-        self.samples: deque[tuple[int, float]] = deque(maxlen=self.WINDOW)
-        self.fixed = self.per_seq = 0.0  # seconds a round and a sequence, as of the last fit; 0 before any round
+        self.samples: deque[float] = deque(maxlen=self.WINDOW)
+        self.per_seq = 0.0  # seconds a sequence, as of the last median; 0 before any round
         self._since = 0
 
     def observe(self, seqs: int, seconds: float) -> None:
         """One round: seqs sequences looked up in seconds."""
         if seqs <= 0:
             return
-        self.samples.append((seqs, seconds))
+        self.samples.append(seconds / seqs)
         self._since += 1
         if self._since >= self.REFIT_EVERY or len(self.samples) <= self.REFIT_EVERY:
-            self._refit()
-            self._since = 0
-
-    def _refit(self) -> None:
-        x = np.array([n for n, _ in self.samples], dtype=np.float64)
-        y = np.array([t for _, t in self.samples], dtype=np.float64)
-        i, j = np.triu_indices(len(x), 1)
-        dx = x[j] - x[i]
-        apart = dx != 0
-        if not apart.any():  # every round the same size: its fixed part cannot be told apart, all per sequence
-            self.fixed, self.per_seq = 0.0, float(np.median(y / x))
-            return
-        self.per_seq = max(float(np.median((y[j] - y[i])[apart] / dx[apart])), 0.0)
-        self.fixed = max(float(np.median(y - self.per_seq * x)), 0.0)
+            self.per_seq, self._since = statistics.median(self.samples), 0
 
     def estimate(self, seqs: int) -> float:
-        """Seconds a round looking up seqs sequences is expected to take (none: nothing)."""
-        return self.fixed + self.per_seq * seqs if seqs > 0 else 0.0
+        """Seconds a round looking up seqs sequences is expected to take."""
+        return self.per_seq * seqs
 
 
 class StepCostTable:
