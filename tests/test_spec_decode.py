@@ -391,6 +391,28 @@ def test_lookup_rounds_are_priced_as_measured_per_sequence():
     assert spec.worth(one, 1, True) == one
 
 
+def test_learning_and_explorations_force_a_proposal_only_where_the_proposer_need_not_catch_up():
+    """A proposal its costs did not choose (the first drafts' learning, an exploration) goes only to a sequence the
+    proposer has kept up with: a draft's catch-up on a paused sequence (5-8 ms of prefill) cost it 2-4% at 8 streams.
+    With none such, nothing is forced, the "no" holds, and a due exploration's wait doubles as if it found nothing."""
+    spec = _speculator()
+    behind = [_seq() for _ in range(127)]
+    kept_up = _seq()
+    spec.proposer.catch_up_cost = lambda seq: 0.0 if seq is kept_up else 0.0005  # type: ignore[method-assign]
+    spec.stats.num_drafts = 0  # learning: the first drafts
+    assert spec.worth([(s, 3) for s in behind] + [(kept_up, 3)], 128, True) == [(kept_up, 3)]
+    assert spec.worth([(s, 3) for s in behind], 128, True) == []
+    assert not spec._may_pay(128, True)  # (held: the next steps skip the check)
+    spec.stats.num_drafts = Speculator.LEARN_DRAFTS
+    spec._step += Speculator.RECHECK_EVERY
+    clock = spec.exploration.clock(128)
+    clock.steps = clock.wait  # an exploration is due at 128 sequences
+    assert spec.worth([(s, 3) for s in behind] + [(kept_up, 3)], 128, True) == [(kept_up, 1)]
+    assert spec.worth([(s, 3) for s in behind], 128, True) == []
+    assert clock.wait == 2 * Exploration.EXPLORE_EVERY and clock.last == clock.steps
+    assert not spec.exploration.due(128)
+
+
 def test_a_fresh_speculator_learns_its_acceptance_from_whole_proposals_before_judging_by_it():
     """Until LEARN_DRAFTS drafts were verified, a step whose proposals are not expected to pay (even odds per
     position, lookups priced) still verifies the best candidate's whole proposal, so the acceptance by position is

@@ -51,6 +51,11 @@ class Exploration:
         c = self.clocks.get(num_seqs)
         return c is not None and c.steps - c.last >= c.wait
 
+    def skipped(self, num_seqs: int) -> None:
+        """An exploration of num_seqs sequences was due but had nothing to try cheaply (Speculator.FORCED_CATCH_UP):
+        the wait doubles as after an exploration that found nothing."""
+        self.speculated(num_seqs, True)
+
     def speculated(self, num_seqs: int, exploring: bool) -> None:
         """This step of num_seqs sequences speculates: an exploration lengthens that size's wait for the next one, any
         other step resets it."""

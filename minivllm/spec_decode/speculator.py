@@ -97,6 +97,10 @@ class Speculator:
     # the step), so an engine that met many streams first never proposed and never learned that its proposals hold
     # (85-97% on code; the explorations' one token a few hundred steps apart measured only the first position).
     LEARN_DRAFTS = 16
+    # FORCED_CATCH_UP: what learning or an exploration sends through against its costs goes only to a sequence the
+    # proposer need not catch up on (catch_up_cost 0: n-gram and suffix always; a draft, where it kept up). A draft
+    # that paused on a sequence first runs all of it through its prefill (~220 tokens, 5-8 ms; an 8-stream step 2.8
+    # ms): learning and explorations cost it 2-4% at 8 streams in five of six bench runs (Zen 4, 2026-12-06).
 
     def __init__(self, proposer: Proposer, k: int, max_model_len: int, adaptive: bool) -> None:
         self.proposer, self.k, self.adaptive = proposer, k, adaptive
@@ -173,11 +177,11 @@ class Speculator:
         a cheap check before any proposing."""
         if not pure_decode:
             return False  # see worth()
-        if self.stats.num_drafts < self.LEARN_DRAFTS:
-            return True  # (see LEARN_DRAFTS)
         held = self._no_pay.get(num_seqs)
         if held is not None and held[0] == self._version and self._step - held[1] < self.RECHECK_EVERY:
             return self.exploration.due(num_seqs)  # (see RECHECK_EVERY)
+        if self.stats.num_drafts < self.LEARN_DRAFTS:
+            return True  # (see LEARN_DRAFTS)
         base = self.steps.measured(num_seqs)
         if base is None:
             return False  # measure the plain decode step first
@@ -237,11 +241,21 @@ class Speculator:
             rate = (num_seqs + gained) / max(cost + over(longest, i, taken) + extra, 1e-9)
             if rate > best_rate:
                 best_rate, best = rate, i
-        if not best and units and self.stats.num_drafts < self.LEARN_DRAFTS:
-            j = units[0][1]  # (see LEARN_DRAFTS: every position of the best candidate's proposal)
-            return [(candidates[j][0], sum(1 for _, i in units if i == j))]
-        if not best and units and self.exploration.due(num_seqs):
-            best = 1
+        if not best:
+            # A proposal its costs did not choose (learning, exploring) only where the proposer need not catch up
+            # first (see FORCED_CATCH_UP): the best such candidate.
+            j = next((i for _, i in units if not upfront[i]), -1)
+            if j >= 0 and self.stats.num_drafts < self.LEARN_DRAFTS:  # (see LEARN_DRAFTS: its whole proposal)
+                return [(candidates[j][0], sum(1 for _, i in units if i == j))]
+            due = self.exploration.due(num_seqs)
+            if j >= 0 and due:
+                return [(candidates[j][0], 1)]
+            if j < 0 and units and (due or self.stats.num_drafts < self.LEARN_DRAFTS):
+                # Nothing to try without a catch-up: the check held as a "no" (see RECHECK_EVERY) and the
+                # exploration counted as one that found nothing, so the next steps do not redo this one.
+                self._no_pay[num_seqs] = (self._version, self._step)
+                if due:
+                    self.exploration.skipped(num_seqs)
         lengths = [0] * len(candidates)
         for _, j in units[:best]:
             lengths[j] += 1
