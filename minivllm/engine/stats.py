@@ -14,7 +14,7 @@ from minivllm.slo import priority_class
 if TYPE_CHECKING:
     from minivllm.engine.scheduler import Scheduler, SchedulerStats
     from minivllm.engine.sequence import Sequence, SequenceGroup
-    from minivllm.spec_decode.speculator import SpecDecodeStats
+    from minivllm.spec_decode.records import SpecDecodeStats
 
 logger = logging.getLogger("minivllm.stats")
 

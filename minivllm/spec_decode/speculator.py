@@ -17,7 +17,6 @@ Eligible: requests without logprobs or pending min_tokens, and not beam search (
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -26,27 +25,7 @@ from minivllm.model.step_sampling import Verification
 from minivllm.spec_decode.cost import Payoff, StepCostTable
 from minivllm.spec_decode.exploration import Exploration
 from minivllm.spec_decode.proposer import Proposer
-
-
-@dataclass
-class SpecDecodeStats:
-    """Counters since start (vLLM's spec_decode metrics)."""
-
-    num_drafts: int = 0  # sequences that proposed at least one token, per step
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts whose proposal i was accepted
-    proposed_per_position: list[int] = field(default_factory=list)  # [i]: drafts that had a proposal i
-
-
-@dataclass(slots=True)
-class SpecRecord:
-    """One sequence's speculation record: proposals verified so far, and (recent ones weighing most) the tokens
-    they yielded against what all drafts' acceptance expected of them."""
-
-    drafts: int = 0
-    accepted: float = 0.0
-    expected: float = 0.0
+from minivllm.spec_decode.records import SpecDecodeStats, SpecRecord
 
 
 class Speculator:
