@@ -14,7 +14,8 @@ from minivllm.spec_decode.cost import LookupCost, ProposerCostModel, StepCostTab
 from minivllm.spec_decode.draft_proposer import DraftModelProposer
 from minivllm.spec_decode.exploration import Exploration
 from minivllm.spec_decode.ngram_proposer import NgramProposer, ngram_propose
-from minivllm.spec_decode.speculator import SpecRecord, Speculator
+from minivllm.spec_decode.records import SpecRecord
+from minivllm.spec_decode.speculator import Speculator
 from tests.conftest import PROMPTS, corpus_token_ids, noisy_copy
 
 
@@ -270,6 +271,26 @@ def test_step_cost_table_interpolates_between_kernel_shapes():
     table.observe(6, 26.0)  # a slow outlier: 6 rows and 64 rows pooled (more rows never cost less)
     assert table.measured(6) == table.measured(64) == table.estimate(32) == 23.0
     assert table.measured(1) == 3.0 and table.estimate(3) == 4.0
+
+
+def test_a_first_step_prices_its_size_less_the_set_up_measured_on_sizes_seen_twice():
+    """A runner's first step of a size carries its set-up: the table prices the size by it less what first steps of
+    the same shape class measured over their size's next step, never below a smaller size, until the size recurs."""
+    table = StepCostTable()
+    table.observe(20, 0.008, first=True)
+    assert table.measured(20) == 0.008  # no set-up measured yet: priced whole
+    table.observe(20, 0.005)
+    assert table.measured(20) == 0.005 and table.setup(24) == pytest.approx(0.003)
+    assert table.setup(4) == 0.0  # another shape class (a handful of rows: other kernels)
+    table.observe(30, 0.010, first=True)
+    assert list(table.samples[30]) == [pytest.approx(0.007)]
+    table.observe(40, 0.0065, first=True)
+    assert list(table.samples[40]) == [pytest.approx(0.005)]  # (0.0035 is under 20 rows' price: floored there)
+    assert table.measured(30) == table.measured(40) == pytest.approx(0.006)  # (the monotone fit pools them)
+    table.observe(30, 0.0071)
+    assert list(table.samples[30]) == [0.0071] and table.setup(30) == pytest.approx(0.0030, abs=1e-4)
+    table.observe(30, 0.009, first=True)  # (a first step where real ones priced the size: ignored)
+    assert list(table.samples[30]) == [0.0071]
 
 
 def _cost_ms(rows: int, handful_ms: float = 4.0) -> float:

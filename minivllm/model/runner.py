@@ -29,7 +29,7 @@ from minivllm.model.input_batch import SequenceInput
 from minivllm.model.kernel_plan import PlanCheck, plan_kernels, plan_kinds
 from minivllm.model.kv_quant import indexable, is_quantized, kv_storage_dtype
 from minivllm.model.kv_swap import HostKVTier, block_bytes, check_capacity, uses_pinned_memory
-from minivllm.model.layers import Linear, onednn_linear_available
+from minivllm.model.layers import Linear, bucket_rows, onednn_linear_available
 from minivllm.model.loader import load_model
 from minivllm.model.lora import LoRAModelManager, build_mapping
 from minivllm.model.models import get_model_class, kv_windows
@@ -292,7 +292,7 @@ class ModelRunner:
             hidden = self.model(input_ids, positions)
         logits = self.head(hidden if logits_indices is None else hidden[logits_indices])
         self.last_forward_time = time.perf_counter() - t0
-        m = len(input_ids)
+        m = bucket_rows(len(input_ids))  # (oneDNN's primitives are per bucket)
         self.last_forward_first = m not in self._sizes_run
         if self.last_forward_first:
             self._sizes_run.add(m)

@@ -10,6 +10,8 @@ from collections import deque
 
 import numpy as np
 
+from minivllm.model.kernel_plan import shape_class
+
 
 class ProposerCostModel:
     """A proposer's measured time per round as a + b * forwards + c * rows, least squares over recent rounds:
@@ -123,7 +125,10 @@ class StepCostTable:
     def __init__(self, keep: int = 5) -> None:
         self.samples: dict[int, deque[float]] = {}
         self.keep = keep
-        self._provisional: set[int] = set()  # sizes whose one sample is a runner's first step of that size
+        # sizes whose one sample is a runner's first step of that size → that step's seconds as measured
+        self._provisional: dict[int, float] = {}
+        # by shape class (kernel_plan.shape_class: the kernels differ): what first steps took over their size's next
+        self._setup: dict[int, deque[float]] = {}
         self._sizes: list[int] = []  # measured sizes, ascending
         self._median: dict[int, float] = {}  # per size, kept current by observe
         self._fit: dict[int, float] | None = None  # the monotone fit, recomputed when read after an observe
@@ -131,26 +136,38 @@ class StepCostTable:
     def observe(self, rows: int, seconds: float, first: bool = False) -> None:
         """One all-decode step of `rows` rows took `seconds` in the model; first: the runner's first step of that
         size, which set up its shapes (oneDNN's primitives: 1.4-3.4 ms more than the size's next step on the embedded
-        model). Such a sample prices its size only until the size's next step replaces it: dropped, a size seen once
-        went unpriced and proposals past the largest size measured were priced along the line of the small ones (a
-        GEMV's rows, far cheaper a row than a GEMM's), too cheap, so they were taken, where an overpriced size only
-        withholds proposals until it recurs."""
+        model, 3-6 ms steps). Such a step prices its size, less the set-up that first steps of its shape class have
+        measured (setup), until the size's next step replaces it. Dropped, a size seen once went unpriced and
+        proposals past the largest size measured were priced along the line of the small ones (a GEMV's rows, far
+        cheaper a row than a GEMM's), too cheap; kept whole, a size's first proposals, catch-ups paid, priced it so
+        high that its next steps proposed nothing (a draft at 8 streams: one step of 11.8 ms of catch-ups a run)."""
         d = self.samples.get(rows)
         if d is None:
             d = self.samples[rows] = deque(maxlen=self.keep)
             bisect.insort(self._sizes, rows)
         if first and d:
             return  # (a set-up step where real ones priced the size: not its price)
-        if rows in self._provisional:
+        raw = self._provisional.pop(rows, None)
+        if raw is not None:
             d.clear()
-            self._provisional.discard(rows)
-        if first and not d:
-            self._provisional.add(rows)
+            self._setup.setdefault(shape_class(rows), deque(maxlen=16)).append(raw - seconds)
+        if first:
+            self._provisional[rows] = seconds
+            # (never below a smaller size's price: that pools the smaller sizes' warm prices down with it)
+            below = max((self._median[s] for s in self._sizes if s < rows and s not in self._provisional),
+                        default=0.0)
+            seconds = max(seconds - self.setup(rows), below)
         d.append(seconds)
         ordered = sorted(d)
         mid = len(ordered) // 2
         self._median[rows] = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
         self._fit = None
+
+    def setup(self, rows: int) -> float:
+        """What a runner's first step of `rows` rows is measured to cost over the size's next one: the median over the
+        sizes of its shape class seen twice (0 before any)."""
+        d = self._setup.get(shape_class(rows))
+        return max(statistics.median(d), 0.0) if d else 0.0
 
     def _fitted(self) -> dict[int, float]:
         """Pool adjacent violators over the sizes' medians: O(sizes), read many times between observes."""
