@@ -81,7 +81,8 @@ class Sampler:
     # ---- drawing -------------------------------------------------------------------------------
     def greedy(self, x: torch.Tensor) -> torch.Tensor:
         """Each row's argmax (the first among ties), by the native kernel where it runs (a vectorised max per row,
-        rows across threads: torch's argmax took ~90 us for 36 rows of an 8k vocabulary, one thread)."""
+        rows across threads: torch's argmax took ~90 us for 36 rows of an 8k vocabulary, one thread): speculative
+        verification's greedy rows."""
         if not (self.native and x.device.type == "cpu" and x.dtype == torch.float32):
             return x.argmax(dim=-1)
         zeros = torch.zeros(x.shape[0])
@@ -91,8 +92,9 @@ class Sampler:
         """One token per row: argmax for greedy rows, a draw for the rest. A seeded request draws from its
         own generator, so its tokens do not depend on what else is in the batch."""
         n, rand = x.shape[0], rows.random_rows
-        if not rand:
-            return self.greedy(x)
+        if not rand:  # (the rows' own settings tensors: no new ones on every decode step, as greedy() makes)
+            return x.argmax(dim=-1) if not (self.native and x.device.type == "cpu") else cpu_kernels.sample_rows(
+                x, rows.temperature, rows.top_k, rows.top_p, rows.min_p, torch.zeros(n, dtype=torch.float64))
         u_rand = torch.rand(len(rand), generator=self.generator, device=self.device, dtype=torch.float64).cpu()
         u = u_rand if len(rand) == n else torch.zeros(n, dtype=torch.float64).index_put_(
             (torch.tensor(rand),), u_rand)
