@@ -244,5 +244,6 @@ class SwapCostHook(StepHook):
         self.swap = swap
 
     def after_forward(self, sched: SchedulerOutput, forward_s: float, moves_s: float, first: bool) -> None:
+        # (first steps too: nearly every prefill step is the first of its size, and the model learns from those)
         self.swap.costs.observe(moves_s, len(sched.swap_out) + len(sched.swap_in), forward_s,
                                 sched.num_batched_tokens, len(sched.scheduled))

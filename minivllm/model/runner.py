@@ -173,9 +173,10 @@ class ModelRunner:
         self.decode_stack = None if ms.enforce_eager or parallel.size > 1 else DecodeStack.build(self.model)
         self.model.decode_stack = self.decode_stack  # (None: the model runs its modules)
         self.last_forward_time = 0.0  # seconds in the model (forward + logits) during the last execute
-        # Whether the last forward was this runner's first over its number of tokens: oneDNN builds its primitives
-        # for each new shape, and such a step of the embedded model took 1.4-3.4 ms more than the next one of its size
-        # (3-6 ms steps, Zen 4): a cost model that priced a size by it kept proposals from that size (spec_decode).
+        # Whether the last forward was this runner's first over its tokens' row bucket (layers.bucket_rows): oneDNN
+        # builds its primitives for each new shape, and such a step of the embedded model took 1.4-3.4 ms more than
+        # the next one of its size (3-6 ms steps, Zen 4): a cost model that priced a size by it kept proposals from
+        # that size (spec_decode/cost.py StepCostTable).
         self.last_forward_first = False
         self._sizes_run: set[int] = set()
         self.sampling = StepSampler(device, ms.seed)  # the step's sampler and persistent input batch (rank 0's)

@@ -79,7 +79,8 @@ class Speculator:
     # FORCED_CATCH_UP: what learning or an exploration sends through against its costs goes only to a sequence the
     # proposer need not catch up on (catch_up_cost 0: n-gram and suffix always; a draft, where it kept up). A draft
     # that paused on a sequence first runs all of it through its prefill (~220 tokens, 5-8 ms; an 8-stream step 2.8
-    # ms): learning and explorations cost it 2-4% at 8 streams in five of six bench runs (Zen 4, 2026-12-06).
+    # ms). (The draft's 2-6% loss at 8 streams on a Zen 4 stayed after this, proposing 5 tokens in a whole run: that
+    # loss is the attached speculator's per-step work, BENCHMARKS.md 2026-12-06.)
 
     def __init__(self, proposer: Proposer, k: int, max_model_len: int, adaptive: bool) -> None:
         self.proposer, self.k, self.adaptive = proposer, k, adaptive
@@ -106,8 +107,8 @@ class Speculator:
     def observe(self, scheduled: list[tuple[Sequence, int]], seconds: float, first: bool = False) -> None:
         """One step's model time, if it was all decode rows (one-token decodes and verifications); steps
         with prefill chunks are left out (long chunks' attention is another shape). The runner's first step of a size
-        (first: its shapes' set-up in it, see ModelRunner.last_forward_first) prices its size only until the next
-        one (StepCostTable), and stays out of the payoff."""
+        (first: its shapes' set-up in it, see ModelRunner.last_forward_first) prices its size less the set-up measured
+        elsewhere until the size's next step (StepCostTable.observe), and stays out of the payoff."""
         rows = plain = 0
         for seq, n in scheduled:
             if not seq.spec_token_ids:
