@@ -495,6 +495,46 @@ def test_a_no_from_the_cheap_check_holds_until_a_step_speculates_or_a_recheck_is
     assert spec._may_pay(128, True)  # exploration is never held back
 
 
+def test_a_held_no_sits_out_its_steps_and_rechecks_ever_more_rarely(monkeypatch):
+    """Where proposals do not pay at a batch size, the speculator sits its steps out (the hooks' Python runs on cold
+    caches after a forward: 45 us a step of the attached draft at 8 streams, where it proposed nothing): no check, no
+    step cost, no payoff. A recheck that finds "no" again holds twice as long (up to RECHECK_MAX); worth's "no" (which
+    weighs catch-ups and records) holds as the cheap check's does; a sequence leaving the batch ends the holds."""
+    spec = _speculator()
+    running = [_seq() for _ in range(128)]
+    for seq in running:
+        seq.num_computed_tokens = seq.num_tokens - 1  # decoding
+    checks: list[int] = []
+    may_pay = spec._may_pay
+    monkeypatch.setattr(spec, "_may_pay", lambda n, pure: checks.append(spec._step) or may_pay(n, pure))
+    paid: list[int] = []
+    observe = spec.payoff.observe
+    monkeypatch.setattr(spec.payoff, "observe", lambda *a: paid.append(spec._step) or observe(*a))
+
+    def run(steps: int) -> None:
+        for _ in range(steps):
+            assert spec.propose(running) == []
+            spec.observe([(s, 1) for s in running], 0.034 + spec._step * 1e-7)  # (each step's own time)
+            spec.end_step()
+
+    first = spec._step + 1
+    run(Exploration.EXPLORE_EVERY - 1)
+    spans = [b - a for a, b in zip(checks, checks[1:], strict=False)]
+    assert checks[0] == first and spans == [16, 32, 64]  # rechecked after 16, 32, 64 steps
+    assert list(spec.steps.samples[128])[-len(checks):] == [0.034 + c * 1e-7 for c in checks]  # only theirs
+    assert paid == [c + 1 for c in checks]  # only the steps that checked were measured (closed at the next step)
+    spec.release(running[0])  # the batch changed: held no more, and the next "no" holds 16 steps again
+    checks.clear()
+    run(20)
+    assert checks == [checks[0], checks[0] + 16]
+    # worth's "no" holds too: here nothing is held by the cheap check (a catch-up makes every proposal too dear)
+    fresh = _speculator()
+    fresh.proposer.catch_up_cost = lambda seq: 1.0  # type: ignore[method-assign]
+    one = [(_seq(), 3)]
+    assert fresh._may_pay(1, True) and fresh.worth(one, 1, True) == []
+    assert fresh._held(1) and not fresh._may_pay(1, True)
+
+
 def test_explorations_that_find_nothing_come_ever_more_rarely_until_proposals_pay_again():
     """An exploration costs a draft a catch-up on all it skipped: where proposals keep not paying (128 sequences here)
     the wait for the next one doubles up to EXPLORE_MAX; a step of that size that speculates on its merits resets it,
