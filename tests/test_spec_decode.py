@@ -533,6 +533,9 @@ def test_a_held_no_sits_out_its_steps_and_rechecks_ever_more_rarely(monkeypatch)
     one = [(_seq(), 3)]
     assert fresh._may_pay(1, True) and fresh.worth(one, 1, True) == []
     assert fresh._held(1) and not fresh._may_pay(1, True)
+    poor = _speculator()  # a "no" its record gave is not held: withheld, the record forgets a little every step
+    bad = _seq(drafts=8, accepted=0, spec=poor)
+    assert poor.worth([(bad, 3)], 1, True) == [] and not poor._held(1)
 
 
 def test_explorations_that_find_nothing_come_ever_more_rarely_until_proposals_pay_again():

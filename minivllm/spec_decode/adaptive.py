@@ -49,9 +49,10 @@ class AdaptiveRule:
     # has changed (no step has speculated since): the check costs ~65 us, 2% of an 8-stream step of the embedded
     # model, paid on every step a draft that does not pay there sits attached (measured: the draft at 8 streams
     # proposed in 2 of 129 steps and the rest paid the check). HELD_NO: a "no" from worth (which weighs what the cheap
-    # check cannot: catch-ups, each sequence's record) holds alike, and any sequence leaving the batch ends every hold:
-    # held by _may_pay alone, worth's "no" came in 36 of 128 steps of the draft at 8 streams, each paying both checks
-    # (the hook 32 us a step before the schedule; 2026-12-06, the Zen 5).
+    # check cannot: catch-ups) holds alike, unless a sequence's record held it back (a held record forgets nothing
+    # while withheld, FORGET), and a sequence leaving the batch ends every hold: held by _may_pay alone, worth's "no"
+    # came in 36 of 128 steps of the draft at 8 streams, each paying both checks (the hook 32 us a step before the
+    # schedule; 2026-12-06, the Zen 5).
     RECHECK_EVERY = 16
     # A recheck that finds "no" again (nothing speculated since) holds twice as long, up to this: a recheck that ends in
     # worth costs ~100 us on cold caches, 8 of them a 128-step 8-stream run of the draft (2026-12-06, the Zen 5).
@@ -201,8 +202,10 @@ class AdaptiveRule:
                 return [(candidates[j][0], 1)]
             if j < 0 and units and due:
                 self.exploration.skipped(num_seqs)  # (nothing to try without a catch-up: one that found nothing)
-            # The "no" holds as the cheap check's does (see RECHECK_EVERY), so the next steps skip both.
-            self._hold_no(num_seqs)
+            # The "no" holds as the cheap check's does (see RECHECK_EVERY), so the next steps skip both; not where a
+            # sequence's record held it back, which forgets some of it every step it is withheld (FORGET).
+            if all(self._factor(seq) >= 1.0 for seq, _ in candidates):
+                self._hold_no(num_seqs)
             return []
         lengths = [0] * len(candidates)
         for _, j in units[:best]:
