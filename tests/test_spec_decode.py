@@ -497,9 +497,10 @@ def test_a_no_from_the_cheap_check_holds_until_a_step_speculates_or_a_recheck_is
 
 def test_a_held_no_sits_out_its_steps_and_rechecks_ever_more_rarely(monkeypatch):
     """Where proposals do not pay at a batch size, the speculator sits its steps out (the hooks' Python runs on cold
-    caches after a forward: 45 us a step of the attached draft at 8 streams, where it proposed nothing): no check, no
-    step cost, no payoff. A recheck that finds "no" again holds twice as long (up to RECHECK_MAX); worth's "no" (which
-    weighs catch-ups and records) holds as the cheap check's does; a sequence leaving the batch ends the holds."""
+    caches after a forward: 45 us a step of the attached draft at 8 streams, where it proposed nothing): no check and
+    no payoff; the last few before a recheck price the size for it. A recheck that finds "no" again holds twice as
+    long (up to RECHECK_MAX); worth's "no" (which weighs catch-ups) holds as the cheap check's does, unless a
+    sequence's record gave it; a sequence leaving the batch ends the holds."""
     spec = _speculator()
     running = [_seq() for _ in range(128)]
     for seq in running:
@@ -521,8 +522,9 @@ def test_a_held_no_sits_out_its_steps_and_rechecks_ever_more_rarely(monkeypatch)
     run(Exploration.EXPLORE_EVERY - 1)
     spans = [b - a for a, b in zip(checks, checks[1:], strict=False)]
     assert checks[0] == first and spans == [16, 32, 64]  # rechecked after 16, 32, 64 steps
-    assert list(spec.steps.samples[128])[-len(checks):] == [0.034 + c * 1e-7 for c in checks]  # only theirs
-    assert paid == [c + 1 for c in checks]  # only the steps that checked were measured (closed at the next step)
+    last = checks[-1]  # the table priced it by the steps just before it (and itself), fresh for the recheck
+    assert list(spec.steps.samples[128]) == [0.034 + (last - i) * 1e-7 for i in range(4, -1, -1)]
+    assert paid == [c + 1 for c in checks]  # the payoff measured only the steps that checked (closed at the next)
     spec.release(running[0])  # the batch changed: held no more, and the next "no" holds 16 steps again
     checks.clear()
     run(20)

@@ -68,11 +68,12 @@ class AdaptiveRule:
     # that paused on a sequence first runs all of it through its prefill (~220 tokens, 5-8 ms; an 8-stream step 2.8
     # ms). (The draft's 2-6% loss at 8 streams on the Zen 5 EPYC stayed after this, proposing 5 tokens in a whole
     # run: that loss is the attached speculator's per-step work, BENCHMARKS.md 2026-12-06; see SIT_OUT.)
-    # SIT_OUT: a step whose batch size a "no" holds at is one the speculator sits out: no check, no step cost in the
-    # table, no payoff (a plain rate matters where a size speculates, and there wants_plain measures it). Python right
-    # after a forward runs on cold caches: measured every step, the attached draft's hooks took 45 us of a 2.6 ms
-    # 8-stream step where it proposed 5 tokens a run (the payoff's deque append alone 3.7 us); sitting out, 12 us. The
-    # table keeps pricing the size from the steps that recheck (its window of 5 samples then spans more steps).
+    # SIT_OUT: a step whose batch size a "no" holds at is one the speculator sits out: no check and no payoff (a plain
+    # rate matters where a size speculates, and there wants_plain measures it); the last few before a recheck (the
+    # table's window) put their cost into the table, so the recheck prices the size as it is now, not as it was one
+    # recheck (up to RECHECK_MAX steps) before. Python right after a forward runs on cold caches: measured every step,
+    # the attached draft's hooks took 45 us of a 2.6 ms 8-stream step where it proposed 5 tokens a run (the payoff's
+    # deque append alone 3.7 us); sitting out, ~12 us (~18 us where every step went into the table).
 
     def __init__(self, proposer: Proposer, k: int, max_model_len: int) -> None:
         self.proposer, self.k, self.max_model_len = proposer, k, max_model_len

@@ -130,7 +130,8 @@ class StepCostTable:
         # by shape class (kernel_plan.shape_class: the kernels differ): what first steps took over their size's next
         self._setup: dict[int, deque[float]] = {}
         self._sizes: list[int] = []  # measured sizes, ascending
-        self._median: dict[int, float] = {}  # per size, kept current by observe
+        self._median: dict[int, float] = {}  # per size, as of the last _medians
+        self._stale: set[int] = set()  # sizes observed since
         self._fit: dict[int, float] | None = None  # the monotone fit, recomputed when read after an observe
 
     def observe(self, rows: int, seconds: float, first: bool = False) -> None:
@@ -154,14 +155,21 @@ class StepCostTable:
         if first:
             self._provisional[rows] = seconds
             # (never below a smaller size's price: that pools the smaller sizes' warm prices down with it)
-            below = max((self._median[s] for s in self._sizes if s < rows and s not in self._provisional),
-                        default=0.0)
+            medians = self._medians()
+            below = max((medians[s] for s in self._sizes if s < rows and s not in self._provisional), default=0.0)
             seconds = max(seconds - self.setup(rows), below)
         d.append(seconds)
-        ordered = sorted(d)
-        mid = len(ordered) // 2
-        self._median[rows] = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+        self._stale.add(rows)  # (its median when next read: most steps' observations are never read before the next)
         self._fit = None
+
+    def _medians(self) -> dict[int, float]:
+        """Each size's median, brought up to date."""
+        for rows in self._stale:
+            ordered = sorted(self.samples[rows])
+            mid = len(ordered) // 2
+            self._median[rows] = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+        self._stale.clear()
+        return self._median
 
     def setup(self, rows: int) -> float:
         """What a runner's first step of `rows` rows is measured to cost over the size's next one: the median over the
@@ -172,9 +180,10 @@ class StepCostTable:
     def _fitted(self) -> dict[int, float]:
         """Pool adjacent violators over the sizes' medians: O(sizes), read many times between observes."""
         if self._fit is None:
+            medians = self._medians()
             blocks: list[list[float]] = []  # [value, weight, sizes pooled]
             for size in self._sizes:
-                blocks.append([self._median[size], float(len(self.samples[size])), 1.0])
+                blocks.append([medians[size], float(len(self.samples[size])), 1.0])
                 while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
                     v2, w2, n2 = blocks.pop()
                     v1, w1, n1 = blocks[-1]
@@ -205,7 +214,7 @@ class StepCostTable:
 
     def measured(self, rows: int) -> float | None:
         """A plain step of `rows` rows on the fitted curve, None if no step of exactly that size was seen."""
-        return self._fitted()[rows] if rows in self._median else None
+        return self._fitted()[rows] if rows in self.samples else None
 
 
 class Payoff:

@@ -46,6 +46,7 @@ class Speculator(AdaptiveRule):
         self._expected = 0.0  # tokens its proposals were expected to yield, plain rows included (see Payoff)
         self._unsettled = False  # the proposer was asked this step: end_step settles it (a step that raised: propose)
         self._sitting_out = False  # this step is one a held "no" sits out (see SIT_OUT)
+        self._pricing = False  # and one of the last before its recheck, whose cost goes into the table
 
     # ---- cost model ----------------------------------------------------------------------------
     def observe(self, scheduled: list[tuple[Sequence, int]], seconds: float, first: bool = False) -> None:
@@ -53,8 +54,10 @@ class Speculator(AdaptiveRule):
         with prefill chunks are left out (long chunks' attention is another shape). The runner's first step of a size
         (first: its shapes' set-up in it, see ModelRunner.last_forward_first) prices its size less the set-up measured
         elsewhere until the size's next step (StepCostTable.observe), and stays out of the payoff."""
-        if self._sitting_out:
-            return  # (see SIT_OUT)
+        if self._sitting_out:  # (see SIT_OUT)
+            if self._pricing and sum(n for _, n in scheduled) == len(scheduled):
+                self.steps.observe(len(scheduled), seconds, first)
+            return
         rows = plain = 0
         for seq, n in scheduled:
             if not seq.spec_token_ids:
@@ -101,7 +104,9 @@ class Speculator(AdaptiveRule):
         num_seqs = len(running)
         self.exploration.tick(num_seqs)
         if self.adaptive and self._held(num_seqs) and not self.exploration.due(num_seqs):
-            self._tokens, self._sitting_out = None, True  # (see SIT_OUT)
+            # (see SIT_OUT: the last steps before the recheck price the size for it)
+            _, since, span = self._no_pay[num_seqs]
+            self._tokens, self._sitting_out, self._pricing = None, True, self._step - since >= span - self.steps.keep
             return []
         # waiting requests: prefill chunks join
         pure_decode = not waiting and all(s.num_tokens - s.num_computed_tokens <= 1 for s in running)
