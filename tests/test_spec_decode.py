@@ -229,6 +229,21 @@ def test_proposer_cost_model_recovers_the_fixed_per_forward_and_per_row_cost():
     assert same.fit() == pytest.approx((0.002, 0.0, 0.0))  # one kind of round: its cost as the fixed part
 
 
+def test_rounds_of_one_sequence_price_a_row_beyond_one_a_forward_at_a_forwards_price():
+    """Rounds of one sequence (rows == forwards, a draft at one stream) cannot tell a row's price from a forward's:
+    fitted on them, an 8-sequence round came out at one sequence's price (the draft: 0.64 ms for a round that took
+    1.5-1.7) and its proposals at 8 streams ran 0.89x plain. Until several sequences' rounds are seen, each row past one
+    a forward costs a forward; then the fit prices rows by what they cost."""
+    cost = ProposerCostModel()
+    for forwards in [1, 2, 3, 4, 1, 2, 3, 4]:
+        cost.observe(forwards, forwards, 0.0004 + 0.00005 * forwards)
+    assert cost.estimate(4, 4) == pytest.approx(0.0006)
+    assert cost.estimate(4, 32) == pytest.approx(0.0004 + 0.00005 * 32)  # the bound, not 0.6 ms
+    for _ in range(ProposerCostModel.REFIT_EVERY):
+        cost.observe(4, 32, 0.0006 + 0.00003 * 28)  # real 8-sequence rounds: 1.44 ms
+    assert cost.estimate(4, 32) == pytest.approx(0.00144, rel=0.02)
+
+
 def test_before_a_fit_a_round_is_priced_by_its_rows_at_the_cheapest_rows_seen():
     """Until the model is fitted (8 rounds), each row costs the lowest price per row a round has had: not nothing (a
     fresh engine's first rounds at 8 streams proposed everywhere), not a stall's price."""

@@ -32,6 +32,7 @@ class ProposerCostModel:
         self.samples: deque[tuple[int, int, float]] = deque(maxlen=window)
         self._fit: tuple[float, float, float] | None = None
         self._since = 0  # rounds observed since the last fit
+        self._rows_known = False  # whether the rounds fitted tell a row's price from a forward's (see estimate)
 
     def observe(self, forwards: int, rows: int, seconds: float) -> None:
         """One round: forwards run, rows computed over them (proposals of every sequence), seconds taken (at most
@@ -59,6 +60,14 @@ class ProposerCostModel:
         fit = self.fit()
         if fit is None:
             return min((s / max(r, 1) for _, r, s in self.samples), default=0.0) * rows
+        if not self._rows_known and rows > forwards:
+            # Rounds of one sequence each (rows == forwards) cannot tell a row's price from a forward's: the fit put
+            # it all in the forwards, so a round of 8 sequences came out at one sequence's price (the draft: 0.64 ms
+            # where it took 1.5-1.7; its proposals at 8 streams then ran 0.89x plain until the payoff stopped them).
+            # Until rounds of several sequences are seen, a row beyond one a forward costs what a forward does (a
+            # forward of two rows costs less than two forwards): a bound proposals must pay against.
+            unit = fit[1] if fit[1] > 0 else fit[0] / max(forwards, 1)
+            return fit[0] + fit[1] * forwards + unit * (rows - forwards)
         return fit[0] + fit[1] * forwards + fit[2] * rows
 
     def _refit(self) -> tuple[float, float, float]:
@@ -70,6 +79,7 @@ class ProposerCostModel:
         for j in (1, 2):
             if np.linalg.matrix_rank(x[:, keep + [j]]) == len(keep) + 1:
                 keep.append(j)
+        self._rows_known = bool((x[:, 2] > x[:, 1]).any())  # a round of several sequences seen (see estimate)
         coef = [0.0, 0.0, 0.0]
         for j, c in zip(keep, np.linalg.lstsq(x[:, keep], y, rcond=None)[0], strict=True):
             coef[j] = float(c)
