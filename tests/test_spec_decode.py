@@ -131,6 +131,23 @@ def test_a_detached_speculator_proposes_nothing_and_reattaches(model_factory):
         engine.set_speculator(None)
 
 
+def test_a_lookup_that_finds_nothing_counts_in_its_sequences_record_as_a_draft_that_failed(model_factory):
+    """The rule prices a lookup round by the sequences looked up but gains by the acceptance of what was proposed: a
+    lookup that finds nothing (suffix decoding on fresh code at 8 streams, hitting a few times a run) goes into the
+    sequence's record as a draft none of whose tokens held, so a sequence whose lookups keep missing pauses them."""
+    engine = LLMEngine(EngineArgs(model=model_factory("tiny-llama"), num_kv_blocks=128, speculative_model="ngram",
+                                  num_speculative_tokens=3, speculative_adaptive=False))
+    sp = engine.speculator
+    assert sp is not None
+    looked: list[int] = []
+    sp.proposer.propose = lambda batch: looked.extend(s.seq_id for s, _ in batch) or []  # type: ignore[method-assign]
+    engine.add_request("r", {"prompt_token_ids": list(range(3, 40))}, SamplingParams(temperature=0.0, max_tokens=8))
+    engine.step()  # prefill
+    engine.step()  # a decode whose lookup finds nothing
+    rec = sp.records[looked[0]]
+    assert sp.stats.num_drafts == 0 and rec.drafts == 1 and rec.accepted == 0 and rec.expected > 0
+
+
 @pytest.mark.parametrize(("kw", "match"), [
     (dict(speculative_model="ngram", num_speculative_tokens=0), "num_speculative_tokens must be >= 1"),
     (dict(num_speculative_tokens=3), "needs speculative_model"),
