@@ -403,7 +403,12 @@ def test_bench_speculative_compares_each_engine_with_itself_detached(tmp_path):
         assert len(r["aa_tok_s"][col]) == pairs(col)
         each = [a / b for a, b in zip(r["tok_s"]["off"][col], r["aa_tok_s"][col], strict=True)]
         assert r["aa_ratio"][col] == pytest.approx(statistics.median(each))
+    # Each cell's tokens proposed in its attached runs, beside its ratio (the stats' total over the cells)
+    assert set(r["proposed_tokens"]) == {"ngram k=2", "suffix k=2"}
+    for name, cells in r["proposed_tokens"].items():
+        assert set(cells) == set(cols) and sum(cells.values()) <= r["acceptance"][name]["draft_tokens"]
     text = report(r)
+    assert "| tokens proposed (attached runs) | ngram " in text
     each = r["pair_ratios"]["ngram k=2"]["code, 2 stream(s)"]
     lo, hi = min(each), max(each)
     assert f" [{lo:.2f}-{hi:.2f}])" in text and "median of its cell's pairs" in text

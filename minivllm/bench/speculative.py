@@ -125,7 +125,13 @@ def run_speculative(ns: argparse.Namespace) -> int:
     detached: dict[str, dict[str, list[float]]] = {name: {} for name in engines}  # each engine without its speculator
     aa_runs: dict[str, dict[str, list[float]]] = {"off": {}}  # the plain engine a second time (the A/A runs)
     outputs: dict[str, dict[str, list[list[int]]]] = {name: {} for name in engines}
+    # tokens each cell's attached runs proposed: where proposals ran, beside what they gained or lost
+    proposed: dict[str, dict[str, int]] = {name: {} for name in engines if engines[name].speculator is not None}
     order = list(engines)
+
+    def drafted(name: str) -> int:
+        sp = engines[name].speculator
+        return sp.stats.num_draft_tokens if sp is not None else 0
 
     def measure(name: str, col: str, prompts: list[list[int]], output_len: int, streams: int = 0,
                 into: dict[str, dict[str, list[float]]] = tok_s) -> None:
@@ -135,12 +141,14 @@ def run_speculative(ns: argparse.Namespace) -> int:
         if col.startswith("repeated"):  # the first pass, not timed: what the measured requests repeat
             for g in groups:
                 _run(engines[name], g, output_len)
-        t, toks = time.perf_counter(), []
+        t, toks, d0 = time.perf_counter(), [], drafted(name)
         for g in groups:
             toks += _run(engines[name], g, output_len)[1]
         into[name].setdefault(col, []).append(len(prompts) * output_len / (time.perf_counter() - t))
         if into is tok_s:
             outputs[name][col] = toks
+            if name in proposed:
+                proposed[name][col] = proposed[name].get(col, 0) + drafted(name) - d0
 
     for rnd in range(ns.rounds):
         for name in order if rnd % 2 == 0 else order[::-1]:
@@ -183,10 +191,13 @@ def run_speculative(ns: argparse.Namespace) -> int:
                 for attached in (False, True) if pair % 2 == 0 else (True, False):
                     eng.set_speculator(sp if attached else None)
                     _forget_outputs(eng)
+                    d0 = drafted(best)
                     rate, toks = _run(eng, big, ns.output_len // 2)
                     runs[attached].append(rate)
                     if attached:
                         outputs[best][col] = toks
+                        if best in proposed:
+                            proposed[best][col] = proposed[best].get(col, 0) + drafted(best) - d0
             eng.set_speculator(sp)
             tok_s[best][col] = runs[True]
             (aa_runs if sp is None else detached)[best][col] = runs[False]
@@ -202,6 +213,7 @@ def run_speculative(ns: argparse.Namespace) -> int:
                               "pair_ratios": pair_ratios,
                               "aa_tok_s": aa_runs["off"],
                               "aa_ratio": {c: statistics.median(v) for c, v in pair_ratios["off"].items()},
+                              "proposed_tokens": proposed,
                               "acceptance": {}}
     for name, eng in engines.items():
         sp = eng.speculator

@@ -45,6 +45,10 @@ def report(r: dict[str, Any]) -> str:
     if aa:
         lines.append("| off again (A/A: the same runs side by side) | "
                      + " | ".join(f"({aa[c]:.2f}x{_spread(r, 'off', c)})" if c in aa else "" for c in cols) + " |")
+    props = r.get("proposed_tokens", {})
+    if props:
+        lines.append("| tokens proposed (attached runs) | " + " | ".join(
+            ", ".join(f"{n.split(' ')[0]} {v[c]}" for n, v in props.items() if c in v) for c in cols) + " |")
     if any(len(v) > 2 for cols_ in r.get("pair_ratios", {}).values() for v in cols_.values()):
         lines.append("")
         lines.append("Each ratio is the median of its cell's pairs of runs side by side (in brackets: the lowest and "
