@@ -109,17 +109,20 @@ class AdaptiveRule:
             out.append(g)
         return out
 
-    def _held(self, num_seqs: int) -> bool:
-        """Whether a "no" found at this batch size still holds (see RECHECK_EVERY)."""
+    def _holding(self, num_seqs: int) -> tuple[int, int, int] | None:
+        """The "no" found at this batch size, (version, step, steps it holds), while it holds (see RECHECK_EVERY)."""
         held = self._no_pay.get(num_seqs)
-        return held is not None and held[0] == self._version and self._step - held[1] < held[2]
+        return held if held is not None and held[0] == self._version and self._step - held[1] < held[2] else None
+
+    def _held(self, num_seqs: int) -> bool:
+        return self._holding(num_seqs) is not None
 
     def _hold_no(self, num_seqs: int) -> None:
         """A "no" found at this batch size: it holds RECHECK_EVERY steps, twice as long as the last one where that one
         held until its recheck found "no" again (nothing speculated since), up to RECHECK_MAX."""
-        last = self._no_pay.get(num_seqs)
-        again = last is not None and last[0] == self._version
-        span = min(2 * last[2], self.RECHECK_MAX) if again else self.RECHECK_EVERY  # type: ignore[index]
+        last, span = self._no_pay.get(num_seqs), self.RECHECK_EVERY
+        if last is not None and last[0] == self._version:
+            span = min(2 * last[2], self.RECHECK_MAX)
         self._no_pay[num_seqs] = (self._version, self._step, span)
 
     def _may_pay(self, num_seqs: int, pure_decode: bool) -> bool:

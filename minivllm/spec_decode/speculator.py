@@ -103,10 +103,11 @@ class Speculator(AdaptiveRule):
             return []
         num_seqs = len(running)
         self.exploration.tick(num_seqs)
-        if self.adaptive and self._held(num_seqs) and not self.exploration.due(num_seqs):
+        hold = self._holding(num_seqs) if self.adaptive else None
+        if hold is not None and not self.exploration.due(num_seqs):
             # (see SIT_OUT: the last steps before the recheck price the size for it)
-            _, since, span = self._no_pay[num_seqs]
-            self._tokens, self._sitting_out, self._pricing = None, True, self._step - since >= span - self.steps.keep
+            self._tokens, self._sitting_out = None, True
+            self._pricing = self._step - hold[1] >= hold[2] - self.steps.keep
             return []
         # waiting requests: prefill chunks join
         pure_decode = not waiting and all(s.num_tokens - s.num_computed_tokens <= 1 for s in running)
