@@ -71,6 +71,8 @@ INLINE void int4_rows_m1_int16(float *out, const float *xp, const float *xg, con
     window_index(idx, shift);
     __m512 acc[4];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    /* the scales and mins of the pass after next (csrc/gemv_rows.h; past the last row a prefetch is a no-op) */
+    prefetch_groups(L->scale, L->sym ? NULL : L->mins, n + 2 * R, R, ng, L->f32mins ? 4 : 2);
     int64_t c = 0;
     for (int64_t sb = 0; c < nchunks; sb++) {
         const int64_t g0 = (16 * sb) >> shift;

@@ -33,6 +33,7 @@
 #endif
 
 #define MB 4 /* rows of x per register block */
+#include "gemv_rows.h"
 
 typedef struct {
     const uint8_t *w;
@@ -127,6 +128,7 @@ static inline __attribute__((always_inline)) void row_vnni(float *out, int64_t l
     for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
     const int64_t full = nbytes / 64 / 4; /* superblocks whose 4 chunks are whole */
     const int per_row = xb != NULL;
+    prefetch_groups(L->scale, L->sym ? NULL : L->mins, n + 2, 1, ng, L->f32mins ? 4 : 2); /* two rows on */
     int64_t c = 0;
     for (int64_t sb = 0; sb < full; sb++, c += 4) {
         const int64_t g0 = (16 * sb) >> shift, cnt = ng - g0 < 16 ? ng - g0 : 16;
@@ -194,6 +196,8 @@ static inline __attribute__((always_inline)) void rows_m1_vnni(float *out, const
     const uint16_t *sc = L->scale + n * ng;
     __m512 acc[4];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    /* the scales and mins of the pass after next (csrc/gemv_rows.h; past the last row a prefetch is a no-op) */
+    prefetch_groups(L->scale, L->sym ? NULL : L->mins, n + 2 * R, R, ng, L->f32mins ? 4 : 2);
     const int64_t full = nbytes / 64 / 4;
     int64_t c = 0;
     for (int64_t sb = 0; sb <= full && c < nchunks; sb++) {
@@ -230,7 +234,6 @@ static inline __attribute__((always_inline)) void rows_m1_vnni(float *out, const
 }
 #endif
 
-#include "gemv_rows.h"
 #include "gemv_w4a8_avx2.h"
 
 /* The same sums without VNNI, block by block from the staged layout. */

@@ -190,11 +190,8 @@ static inline __attribute__((always_inline)) void rows_m1_avx2(float *out, const
     const uint16_t *sc = L->scale + n * ng;
     const char *mn = L->sym ? (const char *)sc : (const char *)L->mins + n * ng * mbytes;
     const int l2 = L->l2;
-    if (ahead) { /* the next pass's scales and mins */
-        for (int64_t b = 0; b < 2 * R * ng; b += 64) __builtin_prefetch((const char *)(sc + R * ng) + b);
-        if (!L->sym)
-            for (int64_t b = 0; b < R * ng * mbytes; b += 64) __builtin_prefetch(mn + R * ng * mbytes + b);
-    }
+    if (ahead) /* the next pass's scales and mins (csrc/gemv_rows.h) */
+        prefetch_groups(L->scale, L->sym ? NULL : L->mins, n + R, R, ng, (int)mbytes);
     const uint8_t *w = L->w + n * rowb;
     __m256 acc[4];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
