@@ -234,17 +234,9 @@ def with_threads(fn: Callable[[], T], threads: int) -> T:
         torch.set_num_threads(before)
 
 
-def int4_m1_x(x: torch.Tensor) -> torch.Tensor:
-    """The x int4's one-token native rows compute with, in float64: x itself, or where they take a float32 x as int16
-    in blocks of 32 (csrc/gemv_avx2.h: AVX2 without VNNI; csrc/gemv_int4_int16dot.h: AVX512-VNNI) that image (each
-    block's amax / 32767 a step, rounded to nearest even, in float32 as the staging does), checked here to stay within
-    half a step of x."""
-    from minivllm.model import cpu_kernels
-
-    lib = cpu_kernels.load_library()
-    bf16dot = lib is not None and lib.gemv_int4_bf16dot() and torch.equal(x, x.bfloat16().float())
-    if x.shape[0] != 1 or not cpu_kernels.int4_x_int16() or bf16dot:  # (bf16 x: gemv_int4_bf16dot.h's exact rows)
-        return x.double()
+def _int16_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x's image as int16 in blocks of 32 (each block's amax / 32767 a step, rounded to nearest even, in float32 as the
+    staging does), in float64, checked here to stay within half a step of x."""
     k = x.shape[1]
     xb = torch.nn.functional.pad(x.float(), (0, -k % 32)).view(x.shape[0], -1, 32)
     amax = xb.abs().amax(-1, keepdim=True)
@@ -254,3 +246,24 @@ def int4_m1_x(x: torch.Tensor) -> torch.Tensor:
     # the rounding bound, 2^-16 of the block's amax, plus the float32 products' few ulps of x
     assert ((image - x).abs() <= step * 0.5 + 4 * 2.0**-24 * x.abs() + 1e-30).all()
     return image.double()
+
+
+def int4_native_x(x: torch.Tensor) -> torch.Tensor:
+    """The x int4's native rows compute with, in float64: x itself, or where they take a float32 x as int16 in blocks
+    of 32 its image (_int16_blocks). One token: csrc/gemv_avx2.h (AVX2 without VNNI) and csrc/gemv_int4_int16dot.h
+    (AVX512-VNNI), a bf16-exact x keeping gemv_int4_bf16dot.h's exact rows where the CPU has them. A handful of
+    tokens (2 to gemv_int4_few_tokens, AVX512-VNNI: csrc/gemv_int4_int16dot.h's few-token rows): int16 unless every
+    row is bf16-exact (the float rows, exact for a bfloat16 model's x); more tokens (a prefill) the float rows."""
+    from minivllm.model import cpu_kernels
+
+    lib = cpu_kernels.load_library()
+    if lib is None or not cpu_kernels.int4_x_int16():
+        return x.double()
+    if x.shape[0] == 1:
+        bf16dot = lib.gemv_int4_bf16dot() and torch.equal(x, x.bfloat16().float())
+        return x.double() if bf16dot else _int16_blocks(x)
+    if not lib.gemv_int4_int16dot():
+        return x.double()
+    if x.shape[0] > lib.gemv_int4_few_tokens() or torch.equal(x, x.bfloat16().float()):
+        return x.double()
+    return _int16_blocks(x)

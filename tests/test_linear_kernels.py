@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import PROMPTS, int4_m1_x
+from conftest import PROMPTS, int4_native_x
 
 from minivllm import LLM, SamplingParams
 from minivllm.model import cpu_kernels
@@ -262,7 +262,7 @@ def test_one_token_rows_handed_out_in_chunks_are_each_computed_once(fmt, threads
         g = cpu_kernels.GemvWeights(fmt, q, k, s, mn, 32)
         codes = unpack_int4(q).double().view(n, k // 32, 32)
         wd = (codes * s.double()[..., None] + mn.double()[..., None]).reshape(n, k)
-    xd = int4_m1_x(x) if fmt == "int4" else x.double()  # (int16 blocks where int4's rows take x so)
+    xd = int4_native_x(x) if fmt == "int4" else x.double()  # (int16 blocks where int4's rows take x so)
     if fmt in ("w8a8", "w4a8"):
         xq, xs = quantize_rows_int8(x)
         xd = xq.double() * xs.double()[:, None]

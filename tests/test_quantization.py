@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPTS, TINY_FAMILIES, int4_m1_x
+from conftest import PROMPTS, TINY_FAMILIES, int4_native_x
 
 from minivllm import LLM, SamplingParams
 from minivllm.cli import main as cli_main
@@ -18,6 +18,7 @@ from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.model import cpu_kernels
 from minivllm.model.layers import Linear
 from minivllm.model.quantization import (
+    HANDFUL,
     QuantizedLinear,
     check_device,
     quantize_int4,
@@ -88,8 +89,8 @@ def test_every_kernel_equals_dequantized_reference(method, k, n, m, bias):
     names = list(q.candidates())
     assert "reference" in names and ("native" in names or not torch.backends.mkldnn.is_available())
     assert q.quantizes_activations("reference") == (method in ("w8a8", "w4a8"))
-    # int4's one-token native rows take x as int16 in blocks of 32 where that is faster (conftest.int4_m1_x).
-    int16_x = int4_m1_x(x).double() @ q.dequantize().double().t() + (q.bias.double() if bias else 0)
+    # int4's native rows take x as int16 in blocks of 32 where that is faster (conftest.int4_native_x).
+    int16_x = int4_native_x(x).double() @ q.dequantize().double().t() + (q.bias.double() if bias else 0)
     for name, kernel in q.candidates().items():
         expected = int16_x if method == "int4" and name == "native" else references[q.quantizes_activations(name)]
         scale = expected.abs().max().item()
@@ -138,13 +139,13 @@ def test_w4a8_kernel_superblocks_and_tails_every_group_size(group, k, m, scale_d
         q4.mins.copy_(q.mins)
     for name, kernel in q4.candidates().items():
         a8 = q4.quantizes_activations(name)
-        xd = int4_m1_x(x) if name == "native" else x.double()
+        xd = int4_native_x(x) if name == "native" else x.double()
         ref = ((xq.double() * xs.double()[:, None]) if a8 else xd) @ q4.dequantize().double().t()
         ref = ref + q4.bias.double()
         assert (kernel(x).double() - ref).abs().max().item() <= 2e-6 * ref.abs().max().item(), name
     if m == 1:  # a bfloat16 model's x: AVX512-BF16's dot product where the CPU has it (csrc/gemv_int4_bf16dot.h)
         xb = x.bfloat16().float()
-        ref = int4_m1_x(xb) @ q4.dequantize().double().t() + q4.bias.double()
+        ref = int4_native_x(xb) @ q4.dequantize().double().t() + q4.bias.double()
         got = q4.forward_native(xb)
         assert (got.double() - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
         assert torch.equal(got, q4.forward_native(xb))
@@ -159,6 +160,32 @@ def test_int4_rows_take_a_bf16_x_by_the_dot_product_where_the_cpu_has_it():
     with open("/proc/cpuinfo") as f:
         flags = next((line for line in f if line.startswith("flags")), "").split()
     assert lib.gemv_int4_bf16dot() == int("avx512_bf16" in flags and "avx512bw" in flags)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no cc")
+def test_int4_rows_take_a_handful_of_float32_tokens_as_int16_and_a_prefill_exactly():
+    """A speculative verification or a small batch (2 to the plan's handful of tokens) of a float32 model runs int4's
+    rows against x as int16 in blocks of 32 where AVX512-VNNI has them (csrc/gemv_int4_int16dot.h: the float rows read a
+    1B-shaped chain at 10-17 GB/s there); a prefill (more tokens) and a bfloat16 model's x keep the float rows, exact.
+    The kernels' handful is the plan's, so the steps that may not quantize x to int8 are the ones these rows serve."""
+    lib = cpu_kernels.load_library()
+    assert lib is not None and lib.gemv_int4_few_tokens() == HANDFUL
+    with open("/proc/cpuinfo") as f:
+        flags = next((line for line in f if line.startswith("flags")), "").split()
+    assert lib.gemv_int4_int16dot() == int("avx512_vnni" in flags and "avx512bw" in flags)
+    q, _ = _layer("int4", 1000, 70, True, 32)  # a masked last chunk; rows shared by the queue
+    w = q.dequantize().double()
+    for m in (2, 3, HANDFUL, HANDFUL + 1, 16):
+        x = torch.randn(m, 1000) * torch.exp(torch.randn(m, 1000))  # blocks of very different magnitudes
+        got = q.forward_native(x).double()
+        xd = int4_native_x(x)
+        assert torch.equal(xd, x.double()) == (m > HANDFUL or not lib.gemv_int4_int16dot())
+        for xs, tol in ((xd, 2e-6), (x.double(), 2e-6 if torch.equal(xd, x.double()) else 1e-3)):
+            ref = xs @ w.t() + q.bias.double()
+            assert (got - ref).abs().max().item() <= tol * ref.abs().max().item(), m
+        xb = x.bfloat16().float()  # a bfloat16 model's: exact at every m
+        ref = xb.double() @ w.t() + q.bias.double()
+        assert (q.forward_native(xb).double() - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no cc")

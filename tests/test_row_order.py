@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import PROMPTS, int4_m1_x, with_threads
+from conftest import PROMPTS, int4_native_x, with_threads
 
 from minivllm import LLM, SamplingParams
 from minivllm.model import cpu_kernels, row_order, timed_layers
@@ -451,7 +451,7 @@ def test_int4_rows_that_follow_w4a8s_order_give_the_same_bits_every_way(dtype, t
     """int4's one-token rows against a bfloat16 model's x (AVX512-BF16's dot product, csrc/gemv_int4_bf16dot.h) or a
     float32 model's as int16 (AVX512-VNNI's, csrc/gemv_int4_int16dot.h) go four or two a pass or one by one as W4A8's
     choice says: every way the same bits, within float32 rounding of the float64 reference of the x they take
-    (conftest.int4_m1_x), N = 1030 leaving tails past whole passes, K = 1000 a masked last chunk; so the start-up
+    (conftest.int4_native_x), N = 1030 leaving tails past whole passes, K = 1000 a masked last chunk; so the start-up
     timing times them in such a model, and not where the CPU has neither (the float rows, or AVX2's int16 rows, read
     one row at a time)."""
     torch.manual_seed(5)
@@ -464,7 +464,7 @@ def test_int4_rows_that_follow_w4a8s_order_give_the_same_bits_every_way(dtype, t
         assert row_order.choose_w4a8_rows([q], dtype) is None
         pytest.skip(f"neither AVX512-BF16 nor AVX512-VNNI here: a {dtype} x takes int4's rows one at a time")
     x = torch.randn(1, k).to(dtype).float()
-    expected = int4_m1_x(x) @ q.dequantize().double().t() + q.bias.double()
+    expected = int4_native_x(x) @ q.dequantize().double().t() + q.bias.double()
     outs = []
     for rows, seq_bytes, l2 in [(4, NEVER, False), (2, NEVER, True), (4, 1, False), (2, 4096, False)]:
         row_order.set_w4a8_rows(rows, seq_bytes)

@@ -237,7 +237,7 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
     fmt &= ~(FMT_F16_SCALES | FMT_F32_MINS | FMT_SYM_MINS | FMT_ACT_BLOCKS);
     Layer L = {.w = w, .K = K, .Kv = ldx, .scale = scale, .mins = mins, .G = G, .bias = bias, .f16 = halves & 1,
                .pf = M == 1 ? __atomic_load_n(&gemv_m1_prefetch, __ATOMIC_RELAXED) : 0,
-               .f32mins = (halves >> 1) & 1, .sym = (halves >> 2) & 1};
+               .f32mins = (halves >> 1) & 1, .sym = (halves >> 2) & 1, .M = M};
     if (fmt == FMT_W4A8 && M >= GEMM_A8_MIN_M &&
         gemm_w4a8(out, ldo, x, ldx, M, K, N, w, scale, mins, G, halves, bias, num_threads))
         return;

@@ -105,7 +105,13 @@ typedef struct {
     int f16, f32mins; /* int4 group scales (and mins) are float16, else bfloat16; mins are float32 */
     int sym;          /* no mins stored: each is -8 scale (codes centred on 8: GGUF's Q4_0, symmetric GPTQ) */
     int64_t pf;       /* one-token rows: bytes ahead of each load prefetched into L2 (gemv_m1_prefetch; 0: none) */
+    int64_t M;        /* the call's rows of x (int4's few-token rows: csrc/gemv_int4_int16dot.h) */
 } Layer;
+
+/* A call of at most this many rows of x is a handful (model/kernel_plan.py's second shape class: a batch-1
+ * speculative verification, a small batch), where int4's rows take a float32 x as int16 as at one token; more rows
+ * (a prefill) keep the float rows, exact. */
+#define INT4_FEW_TOKENS 6
 
 /* csrc/gemv.c: float rows of at most this many weights go one by one at a few tokens (set_gemv_few_rows_k) */
 extern int64_t gemv_few_rows_k;

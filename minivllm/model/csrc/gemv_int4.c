@@ -56,6 +56,10 @@ int gemv_int4_int16dot(void) {
 #endif
 }
 
+/* The most rows of x a call may have for int4's rows to take a float32 x as int16 at several tokens (where
+ * gemv_int4_int16dot says they do): model/kernel_plan.py's handful, checked against it by the tests. */
+int gemv_int4_few_tokens(void) { return INT4_FEW_TOKENS; }
+
 /* Whether int4's one-token rows take a float32 x as int16 in blocks of 32 here (csrc/gemv_avx2.h: AVX2 without VNNI;
  * csrc/gemv_int4_int16dot.h: AVX512-VNNI). */
 int gemv_int4_x_int16(void) {
@@ -116,6 +120,34 @@ void gemv_int4(float *o, int64_t ldo, const float *xm, int64_t ldx, int mm, int6
             }
         }
 #undef INT4_ROWS_M1
+        return;
+    }
+#endif
+#if defined(GEMV_INT4_INT16DOT)
+    /* a handful of tokens of a float32 model: x as int16 in blocks of 32, as at one token (csrc/gemv_int4_int16dot.h) */
+    int exact = 1;
+    for (int m = 0; m < mm && exact && L.M <= INT4_FEW_TOKENS; m++) exact = int4_x_bf16_exact(xm + m * ldx, K);
+    if (L.M <= INT4_FEW_TOKENS && !exact) {
+        const int64_t xstride = (Kp + 127) / 128 * INT4_X16_CHUNK_FLOATS, ngp = (Kp / G + 15) / 16 * 16;
+        float *xg = scratch + mm * xstride;
+        for (int m = 0; m < mm; m++) int4_stage_m1_int16(scratch + m * xstride, xg + m * ngp, xm + m * ldx, K, Kp, G);
+        L.Kv = Kp;
+        row_queue_t q;
+        rq_init(&q, N, num_threads, 1, Kp / 2);
+#define RT(T) int4_row_mt_int16(o + j * ldo, ldo, scratch + j * xstride, xstride, xg + j * ngp, ngp, &L, n, T)
+#pragma omp parallel num_threads(num_threads)
+        {
+            int64_t n0, end;
+            while (rq_take(&q, &n0, &end))
+                for (int64_t n = n0; n < end; n++)
+                    for (int j = 0; j < mm; j += 4) switch (mm - j < 4 ? mm - j : 4) {
+                        case 1: RT(1); break;
+                        case 2: RT(2); break;
+                        case 3: RT(3); break;
+                        default: RT(4); break;
+                        }
+        }
+#undef RT
         return;
     }
 #endif

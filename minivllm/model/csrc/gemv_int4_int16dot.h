@@ -105,6 +105,69 @@ INLINE void int4_rows_m1_int16(float *out, const float *xp, const float *xg, con
     int4_rows_add_mins(acc, L, n, R, xg, 0.f); /* + min * sum(x) per group */
     for (int r = 0; r < R; r++) out[n + r] = _mm512_reduce_add_ps(acc[r]) + (L->bias ? L->bias[n + r] : 0.f);
 }
+/* Whether every float of x's K has zero low 16 bits (a bfloat16 model's activations): the few-token rows below then
+ * leave x to the float rows, exact for it, as one token's rows leave it to csrc/gemv_int4_bf16dot.h. */
+INLINE int int4_x_bf16_exact(const float *x, int64_t K) {
+    const __m512i low = _mm512_set1_epi32(0xFFFF);
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16)
+        if (_mm512_test_epi32_mask(_mm512_loadu_si512((const void *)(x + k)), low)) return 0;
+    const __mmask16 m = (__mmask16)((1u << (K - k)) - 1);
+    return !_mm512_mask_test_epi32_mask(m, _mm512_maskz_loadu_epi32(m, x + k), low);
+}
+
+/* A few tokens (T, 1..4, staged by int4_stage_m1_int16 xstride floats apart, their group sums ngp apart) against
+ * weight row n: each chunk's nibbles split once for the T tokens, each token's four vpdpwssd, a conversion and a
+ * multiply-add by its lane scales. The float rows (int4_row_avx512) spend a table shuffle pair per 32 weights and a
+ * multiply-add per 16 weights and token: a speculative verification's 5 tokens or a batch of 2-6 read a 1B-shaped
+ * chain at 10-17 GB/s where one token's rows read 40. The row's scales and mins two rows on are prefetched (the rows
+ * go one by one, csrc/gemv_rows.h). */
+INLINE void int4_row_mt_int16(float *out, int64_t ldo, const float *xp, int64_t xstride, const float *xg,
+                              int64_t ngp, const Layer *L, int64_t n, const int T) {
+    const int64_t Kp = L->Kv, G = L->G, ng = Kp / G, nbytes = Kp / 2, nchunks = (Kp + 127) / 128;
+    const uint8_t *w = (const uint8_t *)L->w + n * nbytes;
+    const uint16_t *scale = (const uint16_t *)L->scale + n * ng;
+    const int shift = __builtin_ctzll((uint64_t)(G / 32));
+    const __m512i nib = _mm512_set1_epi16(0x0F);
+    __m512i idx[4];
+    window_index(idx, shift);
+    __m512 acc[4];
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    prefetch_groups(L->scale, L->sym ? NULL : L->mins, n + 2, 1, ng, L->f32mins ? 4 : 2);
+    int64_t c = 0;
+    for (int64_t sb = 0; c < nchunks; sb++) {
+        const int64_t g0 = (16 * sb) >> shift;
+        const int cnt = ng - g0 < 16 ? (int)(ng - g0) : 16;
+        const __m512 win = int4_halves16(scale + g0, L->f16, (__mmask16)((1u << cnt) - 1));
+        for (int u = 0; u < 4 && c < nchunks; u++, c++) {
+            const int64_t left = nbytes - c * 64;
+            const __m512i wv = left >= 64 ? _mm512_loadu_si512((const void *)(w + c * 64))
+                                          : _mm512_maskz_loadu_epi32((__mmask16)((1u << (left / 4)) - 1), w + c * 64);
+            const __m512i p0 = _mm512_and_si512(wv, nib), p1 = _mm512_and_si512(_mm512_srli_epi16(wv, 4), nib),
+                          p2 = _mm512_and_si512(_mm512_srli_epi16(wv, 8), nib), p3 = _mm512_srli_epi16(wv, 12);
+            const __m512 s = _mm512_permutexvar_ps(idx[u], win);
+            for (int t = 0; t < T; t++) {
+                const float *xc = xp + t * xstride + c * INT4_X16_CHUNK_FLOATS;
+                __m512i t0 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), p0, _mm512_loadu_si512((const void *)xc));
+                __m512i t1 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), p1,
+                                                 _mm512_loadu_si512((const void *)(xc + 16)));
+                t0 = _mm512_dpwssd_epi32(t0, p2, _mm512_loadu_si512((const void *)(xc + 32)));
+                t1 = _mm512_dpwssd_epi32(t1, p3, _mm512_loadu_si512((const void *)(xc + 48)));
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(t0, t1)),
+                                         _mm512_mul_ps(s, _mm512_loadu_ps(xc + 64)), acc[t]);
+            }
+        }
+    }
+    for (int64_t g0 = 0; g0 < ng; g0 += 16) { /* + min * sum(x) per group, each token's sums */
+        const int cnt = ng - g0 < 16 ? (int)(ng - g0) : 16;
+        const __mmask16 mk = (__mmask16)((1u << cnt) - 1);
+        const __m512 mv = L->sym       ? _mm512_mul_ps(int4_halves16(scale + g0, L->f16, mk), _mm512_set1_ps(-8.f))
+                        : L->f32mins ? _mm512_maskz_loadu_ps(mk, (const float *)L->mins + n * ng + g0)
+                                     : int4_halves16((const uint16_t *)L->mins + n * ng + g0, L->f16, mk);
+        for (int t = 0; t < T; t++) acc[t] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(xg + t * ngp + g0), acc[t]);
+    }
+    for (int t = 0; t < T; t++) out[t * ldo + n] = _mm512_reduce_add_ps(acc[t]) + (L->bias ? L->bias[n] : 0.f);
+}
 #endif
 
 #endif
