@@ -198,6 +198,11 @@ def test_deadline_exceeded_aborts_the_request(model_factory):
             assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
         run(f"127.0.0.1:{port}", body)
+        # (the abort's count may land a moment after the scheduler has let the request go: once failed in a loaded
+        # suite with the server idle and 1 abort counted)
+        deadline = time.time() + 20
+        while metrics(url)[ABORTS] < 2 and time.time() < deadline:
+            time.sleep(0.05)
         after = wait_idle(url)  # aborted: had they run to the end (≥ 5 s), they would finish by "length"
     assert after["minivllm:kv_cache_usage_perc"] == 0
     assert after[ABORTS] == 2 and after['minivllm:request_success_total{finished_reason="length"}'] == 0
