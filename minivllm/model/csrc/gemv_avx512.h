@@ -163,6 +163,14 @@ INLINE __m512 int4_halves16(const uint16_t *p, int f16, __mmask16 cnt) {
     return half16(_mm256_maskz_loadu_epi16(cnt, p), f16);
 }
 
+/* Chunk c (64 bytes: 128 weights, 4 blocks) of an int4 row of nbytes; a partial last chunk's missing lanes read as
+ * zero codes (they meet zero x). */
+INLINE __m512i int4_chunk(const uint8_t *row, int64_t nbytes, int64_t c) {
+    const int64_t left = nbytes - c * 64;
+    return left >= 64 ? _mm512_loadu_si512((const void *)(row + c * 64))
+                      : _mm512_maskz_loadu_epi32((__mmask16)((1u << (left / 4)) - 1), row + c * 64);
+}
+
 /* The one-token int4 rows that read R rows a pass in W4A8's order (csrc/gemv_int4_bf16dot.h, gemv_int4_int16dot.h):
  * chunk c's prefetch of the pass after next (as many bytes as this pass reads, two passes ahead; into L2 with l2). */
 INLINE void int4_prefetch_pass(const uint8_t *w, int64_t nbytes, int64_t c, int R, int l2) {
@@ -271,9 +279,7 @@ INLINE void int4_row_m1_avx512(float *out, const float *xp, const float *xg, con
         const int cnt = ng - g0 < 16 ? (int)(ng - g0) : 16;
         const __m512 win = int4_halves16(scale + g0, L->f16, (__mmask16)((1u << cnt) - 1));
         for (int u = 0; u < 4 && c < nchunks; u++, c++) {
-            const int64_t left = nbytes - c * 64;
-            const __m512i wv = left >= 64 ? _mm512_loadu_si512((const void *)(w + c * 64))
-                                          : _mm512_maskz_loadu_epi32((__mmask16)((1u << (left / 4)) - 1), w + c * 64);
+            const __m512i wv = int4_chunk(w, nbytes, c);
             const float *xc = xp + c * 128;
 #define FIELD(f) _mm512_cvtepi32_ps(_mm512_and_si512(wv, _mm512_set1_epi32(0xF << (4 * (f)))))
             __m512 t0 = _mm512_mul_ps(FIELD(0), _mm512_loadu_ps(xc));

@@ -66,16 +66,13 @@ INLINE void int4_rows_m1_bf16dot(float *out, const uint16_t *xb, const float *xg
             win[r] = int4_halves16(scale + r * ng + g0, L->f16, (__mmask16)((1u << cnt) - 1));
         for (int u = 0; u < 4 && c < nchunks; u++, c++) {
             if (ahead) int4_prefetch_pass(w, nbytes, c, R, l2);
-            const int64_t left = nbytes - c * 64;
             const uint16_t *xc = xb + c * 128;
             const __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)xc),
                            x1 = (__m512bh)_mm512_loadu_si512((const void *)(xc + 32)),
                            x2 = (__m512bh)_mm512_loadu_si512((const void *)(xc + 64)),
                            x3 = (__m512bh)_mm512_loadu_si512((const void *)(xc + 96));
             for (int r = 0; r < R; r++) {
-                const uint8_t *wr = w + r * nbytes + c * 64;
-                const __m512i wv = left >= 64 ? _mm512_loadu_si512((const void *)wr)
-                                              : _mm512_maskz_loadu_epi32((__mmask16)((1u << (left / 4)) - 1), wr);
+                const __m512i wv = int4_chunk(w + r * nbytes, nbytes, c);
 /* nibbles p of each 16-bit lane as 16 + q: (the shifted lane & 0x78) | 0x4180 */
 #define PART(v) ((__m512bh)_mm512_ternarylogic_epi32((v), field, sixteen, 0xEA))
                 __m512 t0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), PART(_mm512_slli_epi16(wv, 3)), x0);

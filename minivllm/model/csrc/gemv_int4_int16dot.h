@@ -17,6 +17,28 @@
 #define INT4_M1_X_INT16 1
 #define INT4_X16_CHUNK_FLOATS 80 /* a chunk's staged x: 128 int16 (64 floats' room), then 16 float lane scales */
 
+/* A chunk's codes as int16 lanes: part p holds the code at nibble p of each 16-bit lane (int4_stage_m1_int16's
+ * order), one shift and one and away (the last just a shift). */
+INLINE void int4_parts16(__m512i p[4], __m512i wv) {
+    const __m512i nib = _mm512_set1_epi16(0x0F);
+    p[0] = _mm512_and_si512(wv, nib);
+    p[1] = _mm512_and_si512(_mm512_srli_epi16(wv, 4), nib);
+    p[2] = _mm512_and_si512(_mm512_srli_epi16(wv, 8), nib);
+    p[3] = _mm512_srli_epi16(wv, 12);
+}
+
+/* The chunk's 16 int32 lane sums against one token's staged x parts (four vpdpwssd, two chains). */
+INLINE __m512i int4_dot16(const __m512i p[4], const __m512i x[4]) {
+    const __m512i t0 = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), p[0], x[0]), p[2], x[2]);
+    const __m512i t1 = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), p[1], x[1]), p[3], x[3]);
+    return _mm512_add_epi32(t0, t1);
+}
+
+/* A token's staged x parts of chunk xc (int4_stage_m1_int16's layout). */
+INLINE void int4_x16(__m512i x[4], const float *xc) {
+    for (int p = 0; p < 4; p++) x[p] = _mm512_loadu_si512((const void *)(xc + 16 * p));
+}
+
 /* x as the rows read it, chunk c at xp + 80 c: part p (0..3) is 32 int16, lane L the weight at code p of the
  * chunk's 16-bit lane L (byte 2L + p / 2, nibble p % 2; a block's byte i holds its weights i and i + 16); then 16
  * floats, lane j the scale of block j / 4 (vpdpwssd's int32 lane j sums 16-bit lanes 2j and 2j + 1: bytes 4j to
@@ -66,7 +88,6 @@ INLINE void int4_rows_m1_int16(float *out, const float *xp, const float *xg, con
     const uint8_t *w = (const uint8_t *)L->w + n * nbytes;
     const uint16_t *scale = (const uint16_t *)L->scale + n * ng;
     const int shift = __builtin_ctzll((uint64_t)(G / 32));
-    const __m512i nib = _mm512_set1_epi16(0x0F);
     __m512i idx[4];
     window_index(idx, shift);
     __m512 acc[4];
@@ -82,22 +103,14 @@ INLINE void int4_rows_m1_int16(float *out, const float *xp, const float *xg, con
             win[r] = int4_halves16(scale + r * ng + g0, L->f16, (__mmask16)((1u << cnt) - 1));
         for (int u = 0; u < 4 && c < nchunks; u++, c++) {
             if (ahead) int4_prefetch_pass(w, nbytes, c, R, l2);
-            const int64_t left = nbytes - c * 64;
             const float *xc = xp + c * INT4_X16_CHUNK_FLOATS;
-            const __m512i x0 = _mm512_loadu_si512((const void *)xc), x1 = _mm512_loadu_si512((const void *)(xc + 16)),
-                          x2 = _mm512_loadu_si512((const void *)(xc + 32)),
-                          x3 = _mm512_loadu_si512((const void *)(xc + 48));
+            __m512i x[4];
+            int4_x16(x, xc);
             const __m512 xs = _mm512_loadu_ps(xc + 64);
             for (int r = 0; r < R; r++) {
-                const uint8_t *wr = w + r * nbytes + c * 64;
-                const __m512i wv = left >= 64 ? _mm512_loadu_si512((const void *)wr)
-                                              : _mm512_maskz_loadu_epi32((__mmask16)((1u << (left / 4)) - 1), wr);
-                __m512i t0 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_and_si512(wv, nib), x0);
-                __m512i t1 = _mm512_dpwssd_epi32(_mm512_setzero_si512(),
-                                                 _mm512_and_si512(_mm512_srli_epi16(wv, 4), nib), x1);
-                t0 = _mm512_dpwssd_epi32(t0, _mm512_and_si512(_mm512_srli_epi16(wv, 8), nib), x2);
-                t1 = _mm512_dpwssd_epi32(t1, _mm512_srli_epi16(wv, 12), x3);
-                const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(t0, t1));
+                __m512i p[4];
+                int4_parts16(p, int4_chunk(w + r * nbytes, nbytes, c));
+                const __m512 f = _mm512_cvtepi32_ps(int4_dot16(p, x));
                 acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(_mm512_permutexvar_ps(idx[u], win[r]), xs), acc[r]);
             }
         }
@@ -128,7 +141,6 @@ INLINE void int4_row_mt_int16(float *out, int64_t ldo, const float *xp, int64_t 
     const uint8_t *w = (const uint8_t *)L->w + n * nbytes;
     const uint16_t *scale = (const uint16_t *)L->scale + n * ng;
     const int shift = __builtin_ctzll((uint64_t)(G / 32));
-    const __m512i nib = _mm512_set1_epi16(0x0F);
     __m512i idx[4];
     window_index(idx, shift);
     __m512 acc[4];
@@ -140,21 +152,15 @@ INLINE void int4_row_mt_int16(float *out, int64_t ldo, const float *xp, int64_t 
         const int cnt = ng - g0 < 16 ? (int)(ng - g0) : 16;
         const __m512 win = int4_halves16(scale + g0, L->f16, (__mmask16)((1u << cnt) - 1));
         for (int u = 0; u < 4 && c < nchunks; u++, c++) {
-            const int64_t left = nbytes - c * 64;
-            const __m512i wv = left >= 64 ? _mm512_loadu_si512((const void *)(w + c * 64))
-                                          : _mm512_maskz_loadu_epi32((__mmask16)((1u << (left / 4)) - 1), w + c * 64);
-            const __m512i p0 = _mm512_and_si512(wv, nib), p1 = _mm512_and_si512(_mm512_srli_epi16(wv, 4), nib),
-                          p2 = _mm512_and_si512(_mm512_srli_epi16(wv, 8), nib), p3 = _mm512_srli_epi16(wv, 12);
+            __m512i p[4];
+            int4_parts16(p, int4_chunk(w, nbytes, c));
             const __m512 s = _mm512_permutexvar_ps(idx[u], win);
             for (int t = 0; t < T; t++) {
                 const float *xc = xp + t * xstride + c * INT4_X16_CHUNK_FLOATS;
-                __m512i t0 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), p0, _mm512_loadu_si512((const void *)xc));
-                __m512i t1 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), p1,
-                                                 _mm512_loadu_si512((const void *)(xc + 16)));
-                t0 = _mm512_dpwssd_epi32(t0, p2, _mm512_loadu_si512((const void *)(xc + 32)));
-                t1 = _mm512_dpwssd_epi32(t1, p3, _mm512_loadu_si512((const void *)(xc + 48)));
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(t0, t1)),
-                                         _mm512_mul_ps(s, _mm512_loadu_ps(xc + 64)), acc[t]);
+                __m512i x[4];
+                int4_x16(x, xc);
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(int4_dot16(p, x)), _mm512_mul_ps(s, _mm512_loadu_ps(xc + 64)),
+                                         acc[t]);
             }
         }
     }
