@@ -8,11 +8,8 @@
 #ifndef MINIVLLM_GEMV_BF16DOT_H
 #define MINIVLLM_GEMV_BF16DOT_H
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define GEMV_BF16_DOT 1
-
-/* Whether every float of x is a bf16 (its low 16 bits zero). */
-INLINE int bf16_exact(const float *x, int64_t K) {
+/* Whether every float of x is a bf16 (its low 16 bits zero): a bfloat16 model's activations. */
+INLINE int x_is_bf16(const float *x, int64_t K) {
     uint32_t low = 0;
     for (int64_t k = 0; k < K; k++) {
         uint32_t u;
@@ -21,6 +18,12 @@ INLINE int bf16_exact(const float *x, int64_t K) {
     }
     return low == 0;
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define GEMV_BF16_DOT 1
+
+/* Whether the dot product's rows may take x: every float of it a bf16. */
+INLINE int bf16_exact(const float *x, int64_t K) { return x_is_bf16(x, K); }
 
 /* x (bf16-exact) as bf16 in xb: its high halves, zero-padded to a multiple of 32. */
 INLINE void bf16_pack_x(uint16_t *xb, const float *x, int64_t K) {

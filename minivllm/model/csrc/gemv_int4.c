@@ -1,8 +1,8 @@
 /*
  * int4 weight-only rows (csrc/gemv.c's format list: 32-weight blocks of nibbles, a scale and a min per group of G):
  * at one token the ISA's rows (AVX2's and AVX-512's float rows, or x as int16 by vpdpwssd / x as bf16 by vdpbf16ps
- * in W4A8's start-up order: csrc/gemv_int4_int16dot.h, csrc/gemv_int4_bf16dot.h), at more tokens rows that reuse
- * each group's weights for all of them.
+ * in W4A8's start-up order: csrc/gemv_int4_int16dot.h, csrc/gemv_int4_bf16dot.h), at a handful of tokens of a float32
+ * model x as int16 too (AVX512-VNNI), at more tokens rows that reuse each group's weights for all of them.
  */
 #include "gemv_common.h"
 
@@ -124,9 +124,10 @@ void gemv_int4(float *o, int64_t ldo, const float *xm, int64_t ldx, int mm, int6
     }
 #endif
 #if defined(GEMV_INT4_INT16DOT)
-    /* a handful of tokens of a float32 model: x as int16 in blocks of 32, as at one token (csrc/gemv_int4_int16dot.h) */
+    /* a handful of tokens of a float32 model: x as int16 in blocks of 32, as at one token (csrc/gemv_int4_int16dot.h);
+     * a bfloat16 model's x (every row bf16, csrc/gemv_bf16dot.h) keeps the float rows, exact for it */
     int exact = 1;
-    for (int m = 0; m < mm && exact && L.M <= INT4_FEW_TOKENS; m++) exact = int4_x_bf16_exact(xm + m * ldx, K);
+    for (int m = 0; m < mm && exact && L.M <= INT4_FEW_TOKENS; m++) exact = x_is_bf16(xm + m * ldx, K);
     if (L.M <= INT4_FEW_TOKENS && !exact) {
         const int64_t xstride = (Kp + 127) / 128 * INT4_X16_CHUNK_FLOATS, ngp = (Kp / G + 15) / 16 * 16;
         float *xg = scratch + mm * xstride;

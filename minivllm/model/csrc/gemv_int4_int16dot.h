@@ -118,17 +118,6 @@ INLINE void int4_rows_m1_int16(float *out, const float *xp, const float *xg, con
     int4_rows_add_mins(acc, L, n, R, xg, 0.f); /* + min * sum(x) per group */
     for (int r = 0; r < R; r++) out[n + r] = _mm512_reduce_add_ps(acc[r]) + (L->bias ? L->bias[n + r] : 0.f);
 }
-/* Whether every float of x's K has zero low 16 bits (a bfloat16 model's activations): the few-token rows below then
- * leave x to the float rows, exact for it, as one token's rows leave it to csrc/gemv_int4_bf16dot.h. */
-INLINE int int4_x_bf16_exact(const float *x, int64_t K) {
-    const __m512i low = _mm512_set1_epi32(0xFFFF);
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16)
-        if (_mm512_test_epi32_mask(_mm512_loadu_si512((const void *)(x + k)), low)) return 0;
-    const __mmask16 m = (__mmask16)((1u << (K - k)) - 1);
-    return !_mm512_mask_test_epi32_mask(m, _mm512_maskz_loadu_epi32(m, x + k), low);
-}
-
 /* A few tokens (T, 1..4, staged by int4_stage_m1_int16 xstride floats apart, their group sums ngp apart) against
  * weight row n: each chunk's nibbles split once for the T tokens, each token's four vpdpwssd, a conversion and a
  * multiply-add by its lane scales. The float rows (int4_row_avx512) spend a table shuffle pair per 32 weights and a
@@ -159,8 +148,8 @@ INLINE void int4_row_mt_int16(float *out, int64_t ldo, const float *xp, int64_t 
                 const float *xc = xp + t * xstride + c * INT4_X16_CHUNK_FLOATS;
                 __m512i x[4];
                 int4_x16(x, xc);
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(int4_dot16(p, x)), _mm512_mul_ps(s, _mm512_loadu_ps(xc + 64)),
-                                         acc[t]);
+                const __m512 f = _mm512_cvtepi32_ps(int4_dot16(p, x));
+                acc[t] = _mm512_fmadd_ps(f, _mm512_mul_ps(s, _mm512_loadu_ps(xc + 64)), acc[t]);
             }
         }
     }
