@@ -285,8 +285,8 @@ def test_bench_peers_paired_bursts_beside_llama_cpp(tmp_path):
         pytest.skip(why)
     out = tmp_path / "peers.json"
     rc = main(["bench", "peers", "--presets", "tiny-llama", "--modes", "gguf:Q8_0", "--batches", "1", "--steps", "4",
-               "--prefill-len", "0", "--rounds", "0", "--no-hf", "--pairs", "3", "--work-dir", str(tmp_path / "w"),
-               "--out", str(out)])
+               "--prefill-len", "0", "--rounds", "0", "--no-hf", "--pairs", "3", "--probe-mib", "64",
+               "--work-dir", str(tmp_path / "w"), "--out", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
     p = r["paired"]["tiny-llama"]["gguf:Q8_0"]
@@ -294,6 +294,23 @@ def test_bench_peers_paired_bursts_beside_llama_cpp(tmp_path):
     ratios = sorted(a / b for a, b in zip(p["ours"], p["peer"], strict=True))
     assert p["ratio"] == pytest.approx(ratios[1]) and p["q1"] <= p["ratio"] <= p["q3"]
     assert f"| gguf:Q8_0 | Q8_0 | 3 | {statistics.median(p['ours']):.1f} |" in report(r)
+    # The probe read around each pair (a third process): each burst's stream over the mean of its two readings.
+    assert len(p["probe"]) == 3 and min(p["probe"]) > 0 and p["ours_bytes"] > 0 and p["peer_bytes"] > 0
+    shares = sorted(a * p["ours_bytes"] / b for a, b in zip(p["ours"], p["probe"], strict=True))
+    assert p["ours_of_probe"]["median"] == pytest.approx(shares[1])
+    assert f"| gguf:Q8_0 | {statistics.median(p['probe']) / 1e9:.1f} GB/s (" in report(r)
+    # Verdicts on known figures: a 1B-class w4a8 at 80% of the probe around its pairs, then at 90%; a peer above it.
+    fake = {"batches": [1], "prefill_len": 0, "steps": 32, "modes": ["w4a8"], "params": {"big": 1.2e9},
+            "presets": {"big": {}}, "paired": {"big": {"w4a8": {
+                "ratio": 1.3, "q1": 1.2, "q3": 1.4, "pairs": 2, "ours": [40.0, 40.0], "peer": [30.0, 30.0],
+                "probe": [40e9, 40e9], "ours_bytes": 8e8, "peer_bytes": 7e8,
+                "ours_of_probe": {"median": 0.8, "q1": 0.8, "q3": 0.8},
+                "peer_of_probe": {"median": 0.525, "q1": 0.5, "q3": 0.55}}}}}
+    assert "| w4a8 | 40.0 GB/s (40.0-40.0) | 32.0 GB/s | **80%** (80%-80%) | 52% (50%-55%) | >= 85%: NOT MET |" \
+        in report(fake)
+    fake["paired"]["big"]["w4a8"]["ours_of_probe"]["median"] = 0.9
+    fake["paired"]["big"]["w4a8"]["peer_of_probe"]["median"] = 1.05
+    assert ">= 85%: met (the probe reads below llama.cpp's decode: no measure) |" in report(fake)
     with pytest.raises(RuntimeError, match="(?s)llama.cpp worker ended: .*could not load .*missing.gguf"):
         BurstWorker({"engine": "llama.cpp", "model": str(tmp_path / "missing.gguf"), "threads": 1, "prompt_len": 4,
                      "steps": 2}, "llama.cpp")

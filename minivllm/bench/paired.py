@@ -25,9 +25,10 @@ MARK = "BURST "  # prefixes the protocol's lines on a worker's stdout (a native 
 SETTLE_S = 0.1
 
 
-def serve_bursts(burst: Callable[[], float]) -> int:
-    """A worker's loop: `burst` (a warm engine's one burst, returning its tok/s) for each "burst" line on stdin."""
-    print(MARK + "ready", flush=True)
+def serve_bursts(burst: Callable[[], float], info: dict[str, Any] | None = None) -> int:
+    """A worker's loop: `burst` (a warm engine's one burst, returning its tok/s; the probe's GB/s) for each "burst"
+    line on stdin, after a ready line carrying `info` (an engine's bytes a decode step reads)."""
+    print(MARK + json.dumps(info or {}), flush=True)
     for line in sys.stdin:
         if line.strip() != "burst":
             break
@@ -45,7 +46,7 @@ class BurstWorker:
         self.proc = subprocess.Popen([sys.executable, "-m", "minivllm", "bench", "peers", "--burst-worker",
                                       json.dumps(spec)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True)
-        self._read()  # "ready": loaded and warmed up
+        self.info: dict[str, Any] = json.loads(self._read())  # ready: loaded and warmed up
 
     def _read(self) -> str:
         assert self.proc.stdout is not None
@@ -71,29 +72,65 @@ class BurstWorker:
         self.log.close()
 
 
-def paired_bursts(ours: dict[str, Any], peer: dict[str, Any], pairs: int) -> dict[str, Any]:
+def paired_bursts(ours: dict[str, Any], peer: dict[str, Any], pairs: int, probe: dict[str, Any] | None = None
+                  ) -> dict[str, Any]:
     """Our worker's and the peer's tok/s in `pairs` adjacent pairs (the first of each pair alternating), after one
     burst each that is not counted; the median of the pairs' ratios (ours / peer) and its quartiles. The pairs come
     in two halves, each with its own two workers, started ours first and then the peer first: one engine paired with
     itself read 0.91x in three runs of four (12-16 pairs; 0.98x in the fourth), the worker started first the slower,
-    a bias the two halves cancel."""
+    a bias the two halves cancel.
+
+    With `probe` (a probe worker's spec), the bandwidth probe reads memory in a third process before each pair and
+    after the last, and each burst's stream (tok/s x the bytes its step reads) is taken against the mean of the
+    two probe readings around its pair: the share of the memory's rate in the same seconds, where a probe run
+    minutes before a round reads another phase of this machine (passes 44-83 GB/s within one run)."""
     rates: list[list[float]] = [[], []]
-    for half, n in enumerate((pairs - pairs // 2, pairs // 2)):
-        order = (0, 1) if half == 0 else (1, 0)  # which side's worker starts first
-        started: dict[int, BurstWorker] = {}
-        try:
-            for side in order:
-                started[side] = BurstWorker(*((ours, "ours"), (peer, "llama.cpp"))[side])
-            for w in started.values():
-                w.burst()
-            for i in range(n):
-                for side in ((0, 1) if i % 2 == 0 else (1, 0)):
-                    time.sleep(SETTLE_S)
-                    rates[side].append(started[side].burst())
-        finally:
-            for w in started.values():
-                w.close()
+    around: list[float] = []  # per pair: the mean of the probe readings before and after it
+    nbytes = [0.0, 0.0]
+    prober = BurstWorker(probe, "probe") if probe else None
+    try:
+        for half, n in enumerate((pairs - pairs // 2, pairs // 2)):
+            order = (0, 1) if half == 0 else (1, 0)  # which side's worker starts first
+            started: dict[int, BurstWorker] = {}
+            try:
+                for side in order:
+                    started[side] = BurstWorker(*((ours, "ours"), (peer, "llama.cpp"))[side])
+                    nbytes[side] = float(started[side].info.get("bytes", 0.0))
+                for w in started.values():
+                    w.burst()
+                before = _probe_reading(prober)
+                for i in range(n):
+                    for side in ((0, 1) if i % 2 == 0 else (1, 0)):
+                        time.sleep(SETTLE_S)
+                        rates[side].append(started[side].burst())
+                    after = _probe_reading(prober)
+                    if prober is not None:
+                        around.append((before + after) / 2)
+                    before = after
+            finally:
+                for w in started.values():
+                    w.close()
+    finally:
+        if prober is not None:
+            prober.close()
     ratios = sorted(a / b for a, b in zip(*rates, strict=True))
-    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-    return {"ratio": statistics.median(ratios), "q1": q[0], "q3": q[2], "pairs": pairs,
-            "ours": rates[0], "peer": rates[1]}
+    out = {**_quartiles(ratios, "ratio"), "pairs": pairs, "ours": rates[0], "peer": rates[1]}
+    if around and all(nbytes):
+        out.update(probe=around, ours_bytes=nbytes[0], peer_bytes=nbytes[1],
+                   ours_of_probe=_quartiles([r * nbytes[0] / p for r, p in zip(rates[0], around, strict=True)]),
+                   peer_of_probe=_quartiles([r * nbytes[1] / p for r, p in zip(rates[1], around, strict=True)]))
+    return out
+
+
+def _probe_reading(prober: BurstWorker | None) -> float:
+    if prober is None:
+        return 0.0
+    time.sleep(SETTLE_S)
+    return prober.burst()
+
+
+def _quartiles(values: list[float], name: str = "median") -> dict[str, float]:
+    """{name: median, "q1", "q3"} of values."""
+    v = sorted(values)
+    q = statistics.quantiles(v, n=4) if len(v) > 1 else [v[0]] * 3
+    return {name: statistics.median(v), "q1": q[0], "q3": q[2]}

@@ -9,7 +9,7 @@ row computed, in every engine). Each round runs the configurations in the revers
 (ABBA) and starts with the bandwidth probe (bench/roofline.py: 2 threads, >= 8x the last-level cache); ratios
 are of medians. With --pairs N, each mode then meets llama.cpp at one sequence in N pairs of alternating bursts,
 both engines loaded at once (bench/paired.py): the ratio within each pair, where rounds minutes apart mix the
-machine's phases.
+machine's phases; the probe then also reads memory beside each pair, and each engine's stream is taken against it.
 
 The roofline column: bytes each engine's decode step reads (its own format's weights: the GGUF tensors for
 llama.cpp, ours counted by decode_weight_bytes, HF's parameters) x tokens/s at one sequence = the bandwidth its
@@ -56,6 +56,7 @@ def valid_mode(mode: str) -> bool:
     return mode in PEER_TYPE
 HF_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 PREFILL = "prefill"
+PROBE_PASSES = 3  # a paired probe reading: the median of this many passes (~0.1-0.3 s at 1 GiB)
 
 
 def add_peers_args(p: argparse.ArgumentParser) -> None:
@@ -159,13 +160,23 @@ def _bursts(spec: dict[str, Any]) -> int:
     """A paired-burst worker (bench/paired.py): the engine loaded and warm, one b=1 decode of `steps` steps a burst."""
     from minivllm.bench.paired import serve_bursts
 
+    if spec["engine"] == "probe":  # the bandwidth probe's buffer kept; a burst: the median of PROBE_PASSES passes
+        from minivllm.bench.roofline import bandwidth_reader, probe_mib
+
+        mib = spec.get("mib") or probe_mib()
+        read = bandwidth_reader(mib, spec["threads"])
+        return serve_bursts(lambda: statistics.median(read(PROBE_PASSES)), {"mib": mib})
     if spec["engine"] == "ours":
+        from minivllm.bench.quantization import decode_weight_bytes
+
         engine = _our_engine(spec)
-        return serve_bursts(lambda: decode_steps(engine, 1, spec["prompt_len"], spec["steps"])["decode_tok_s"])
+        return serve_bursts(lambda: decode_steps(engine, 1, spec["prompt_len"], spec["steps"])["decode_tok_s"],
+                            {"bytes": decode_weight_bytes(engine.runner.model)})
     session = llamacpp.Session(spec["model"], spec["threads"])
     try:
         session.decode_tok_s(1, 8, 4)
-        return serve_bursts(lambda: session.decode_tok_s(1, spec["prompt_len"], spec["steps"]))
+        return serve_bursts(lambda: session.decode_tok_s(1, spec["prompt_len"], spec["steps"]),
+                            {"bytes": llamacpp.streamed_bytes(spec["model"])})
     finally:
         session.close()
 
@@ -284,7 +295,8 @@ def run_peers(ns: argparse.Namespace) -> int:
                         f"{k} {v:.2f}" for k, v in out.items() if k != "bytes"), flush=True)
         results["presets"][preset] = _medians(runs)
         if ns.pairs and skip is None:
-            results.setdefault("paired", {})[preset] = _paired(common, modes, paths, ns.pairs)
+            probe = {"engine": "probe", "threads": threads, "mib": ns.probe_mib}
+            results.setdefault("paired", {})[preset] = _paired(common, modes, paths, ns.pairs, probe)
         shutil.rmtree(root, ignore_errors=True)
         if ns.out:  # after each preset: a run of an hour keeps what it measured
             save(results, ns.out, None)
@@ -295,8 +307,10 @@ def run_peers(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _paired(common: dict[str, Any], modes: list[str], paths: dict[str, str], pairs: int) -> dict[str, Any]:
-    """Each mode against llama.cpp on its file in paired bursts at one sequence (bench/paired.py)."""
+def _paired(common: dict[str, Any], modes: list[str], paths: dict[str, str], pairs: int, probe: dict[str, Any]
+            ) -> dict[str, Any]:
+    """Each mode against llama.cpp on its file in paired bursts at one sequence, the probe read around each pair
+    (bench/paired.py)."""
     from minivllm.bench.paired import paired_bursts
 
     out: dict[str, Any] = {}
@@ -307,13 +321,16 @@ def _paired(common: dict[str, Any], modes: list[str], paths: dict[str, str], pai
         model = paths[t] if mode.startswith("gguf:") else paths["hf"]
         ours = {**common, "engine": "ours", "mode": mode, "model": model}
         try:
-            out[mode] = paired_bursts(ours, {**common, "engine": "llama.cpp", "mode": t, "model": paths[t]}, pairs)
+            out[mode] = paired_bursts(ours, {**common, "engine": "llama.cpp", "mode": t, "model": paths[t]}, pairs,
+                                      probe)
         except RuntimeError as e:
             print(f"  paired {mode} failed: {e}", flush=True)
             continue
         r = out[mode]
+        share = f"; of the probe around each pair: ours {r['ours_of_probe']['median']:.0%}, llama.cpp " \
+            f"{r['peer_of_probe']['median']:.0%}" if "ours_of_probe" in r else ""
         print(f"  paired {mode} vs llama.cpp {t}: median ratio {r['ratio']:.3f} (quartiles {r['q1']:.3f}-"
-              f"{r['q3']:.3f}, {pairs} pairs)", flush=True)
+              f"{r['q3']:.3f}, {pairs} pairs){share}", flush=True)
     return out
 
 

@@ -76,7 +76,8 @@ def report(results: dict[str, Any]) -> str:
 
 
 def paired_lines(results: dict[str, Any], preset: str, params: float) -> list[str]:
-    """b=1 in paired bursts (bench/paired.py): each mode's median ratio over adjacent pairs, with its quartiles."""
+    """b=1 in paired bursts (bench/paired.py): each mode's median ratio over adjacent pairs, with its quartiles;
+    with the probe read around each pair, each engine's stream as a share of it (item 3's roofline, same seconds)."""
     paired = results.get("paired", {}).get(preset)
     if not paired:
         return []
@@ -84,13 +85,35 @@ def paired_lines(results: dict[str, Any], preset: str, params: float) -> list[st
              "steps, ABBA; the ratio within each adjacent pair):", "",
              "| ours | llama.cpp | pairs | ours tok/s (median) | llama.cpp tok/s (median) | median pair ratio | "
              "quartiles | target |", "|---|---|---|---|---|---|---|---|"]
+    shares: list[str] = []
     for mode, r in paired.items():
         goal = targets(mode, "1", params)
         verdict = "-" if goal is None else f">= {goal:.1f}x: " + ("met" if r["ratio"] >= goal else "NOT MET")
         lines.append(f"| {mode} | {peer_type(mode)} | {r['pairs']} | {statistics.median(r['ours']):.1f} | "
                      f"{statistics.median(r['peer']):.1f} | **{r['ratio']:.2f}x** | {r['q1']:.2f}-{r['q3']:.2f}x | "
                      f"{verdict} |")
+        if "ours_of_probe" in r:
+            shares.append(_share_line(mode, r, params))
+    if shares:
+        lines += ["", "The same bursts against the bandwidth probe read in a third process before and after each pair "
+                  "(each burst's stream, tok/s x the bytes its step reads, over the mean of the two readings around "
+                  "its pair; median and quartiles over the pairs):", "",
+                  "| ours | probe around the pairs (median, range) | ours streams (median) | ours of the probe | "
+                  "llama.cpp of the probe | target (ours) |", "|---|---|---|---|---|---|", *shares]
     return [*lines, ""]
+
+
+def _share_line(mode: str, r: dict[str, Any], params: float) -> str:
+    ours, peer, probe = r["ours_of_probe"], r["peer_of_probe"], r["probe"]
+    goal = "-"
+    if mode in ROOFLINE_MODES and params >= LARGE_PARAMS:
+        goal = f">= {ROOFLINE_TARGET:.0%}: " + ("met" if ours["median"] >= ROOFLINE_TARGET else "NOT MET")
+    if peer["median"] > 1.0:  # a peer's decode above the probe: the probe measures the wrong thing
+        goal += " (the probe reads below llama.cpp's decode: no measure)"
+    stream = statistics.median(r["ours"]) * r["ours_bytes"]
+    return (f"| {mode} | {statistics.median(probe) / 1e9:.1f} GB/s ({min(probe) / 1e9:.1f}-{max(probe) / 1e9:.1f}) "
+            f"| {stream / 1e9:.1f} GB/s | **{ours['median']:.0%}** ({ours['q1']:.0%}-{ours['q3']:.0%}) | "
+            f"{peer['median']:.0%} ({peer['q1']:.0%}-{peer['q3']:.0%}) | {goal} |")
 
 
 def roofline_lines(results: dict[str, Any], runs: dict[str, Any], params: float) -> list[str]:

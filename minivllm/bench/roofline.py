@@ -97,7 +97,13 @@ def bandwidth_stats(rates: list[float]) -> tuple[float, float, float]:
 
 
 def bandwidth_passes(mib: int | None = None, passes: int = 9, threads: int | None = None) -> list[float]:
-    """Memory read bandwidth of each pass (bytes/s) with the engine's thread count.
+    """Memory read bandwidth of each pass (bytes/s) with the engine's thread count (bandwidth_reader's passes)."""
+    return bandwidth_reader(mib, threads)(passes)
+
+
+def bandwidth_reader(mib: int | None = None, threads: int | None = None) -> Callable[[int], list[float]]:
+    """The probe's buffer, allocated, filled and read once; the function returned reads it in n passes and gives
+    each pass's rate (bytes/s). Paired bursts (bench/paired.py) keep one and read it beside each pair.
 
     The buffer (probe_mib(): 1 GiB, or 8x the last-level cache) is far beyond that cache and larger than
     the models it bounds, it sits in huge pages as the weights do, every pass reads all of it, and the reader
@@ -119,15 +125,19 @@ def bandwidth_passes(mib: int | None = None, passes: int = 9, threads: int | Non
         reads = [functools.partial(cpu_kernels.stream_read, buf, threads, seq) for seq in (True, False)]
     for read in reads:
         read()
-    rates = []
-    for i in range(passes):
-        best = float("inf")
-        for read in (reads if i % 2 == 0 else reads[::-1]):
-            t = time.perf_counter()
-            read()
-            best = min(best, time.perf_counter() - t)
-        rates.append(buf.numel() * 4 / best)
-    return rates
+
+    def run(passes: int) -> list[float]:
+        rates = []
+        for i in range(passes):
+            best = float("inf")
+            for read in (reads if i % 2 == 0 else reads[::-1]):
+                t = time.perf_counter()
+                read()
+                best = min(best, time.perf_counter() - t)
+            rates.append(buf.numel() * 4 / best)
+        return rates
+
+    return run
 
 
 def measure_ceilings_for(mc: ModelConfig, dtype: torch.dtype = torch.float32, probe_mib: int | None = None
