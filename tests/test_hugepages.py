@@ -146,3 +146,28 @@ def test_engine_output_is_the_same_with_and_without_huge_pages(model_factory, mo
     placed = run()
     monkeypatch.setenv("MINIVLLM_HUGEPAGES", "0")
     assert run() == placed
+
+
+@pytest.mark.skipif(not (hugepages.enabled() and torch.backends.mkldnn.is_available()),
+                    reason="transparent huge pages are off (or not Linux), or no oneDNN")
+def test_packed_onednn_weights_are_collapsed_into_huge_pages_where_they_lie(monkeypatch):
+    """oneDNN's packed weights are opaque (place_in_hugepages cannot move them): MADV_COLLAPSE backs their 2 MiB-
+    aligned interior with huge pages in place, the values unchanged; turned off, nothing is collapsed."""
+    from minivllm.model.layers import Linear
+
+    torch.manual_seed(0)
+    lin = Linear(768, 3072)  # 9 MiB packed
+    with torch.no_grad():
+        lin.weight.normal_()
+        lin.bias.normal_()
+    lin.pack()
+    x = torch.randn(52, 768)
+    before = lin(x)
+    done = hugepages.collapse_in_place([lin.packed])
+    if done == 0:
+        pytest.skip("this kernel does not collapse (MADV_COLLAPSE needs Linux 6.1+)")
+    assert done >= 3 * hugepages.HUGE_PAGE and done % hugepages.HUGE_PAGE == 0  # 9 MiB hold 3-4 aligned pages
+    assert hugepages.huge_page_bytes(lin.packed) >= done
+    assert torch.equal(lin(x), before)
+    monkeypatch.setenv("MINIVLLM_HUGEPAGES", "0")
+    assert hugepages.collapse_in_place([lin.packed]) == 0

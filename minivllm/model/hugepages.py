@@ -27,10 +27,12 @@ Rapids-class Xeon).
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import sys
 import weakref
+from typing import Any
 
 import torch
 from torch import nn
@@ -137,9 +139,52 @@ def _storages(model: nn.Module, min_bytes: int) -> dict[int, list[torch.Tensor]]
     return by_storage
 
 
+def collapse_in_place(tensors: list[torch.Tensor]) -> int:
+    """Back the memory of tensors allocated elsewhere (oneDNN's packed weights: opaque, so place_in_hugepages cannot
+    move them) with huge pages where they lie: MADV_COLLAPSE (Linux 6.1+) on each one's 2 MiB-aligned interior.
+    The bytes collapsed (0 when not enabled, or where the kernel cannot).
+
+    oneDNN's GEMM at a batched decode's 52 rows reads its packed weights cold, a layer after another: on a Zen 5
+    EPYC (2 cores, 32 MiB L3) GPT-2's projections ran 360-380 GFLOP/s cold against 460-480 hot, and with the packed
+    copies collapsed a 50-sequence decode step went 52.0 / 49.3 / 49.0 -> 49.0 / 47.4 / 47.5 ms (alternating
+    processes). The collapse copies the pages once: ~1 s for GPT-2's 390 MB of packed weights."""
+    if not enabled() or _madvise is None:
+        return 0
+    done = 0
+    for t in tensors:
+        ptr, nbytes = _address(t), _nbytes(t)
+        lo, hi = -(-ptr // HUGE_PAGE) * HUGE_PAGE, (ptr + nbytes) // HUGE_PAGE * HUGE_PAGE
+        if hi > lo and _madvise(lo, hi - lo, MADV_COLLAPSE) == 0:
+            done += hi - lo
+    return done
+
+
+MADV_COLLAPSE = 25  # <linux/mman.h>; Python's mmap module names it from 3.14 only
+
+
+def _libc_madvise() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+_madvise = _libc_madvise() if sys.platform == "linux" else None
+
+
+def _address(t: torch.Tensor) -> int:
+    return int(torch.ops.mkldnn.data_ptr(t)) if t.is_mkldnn else t.data_ptr()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return int(torch.ops.mkldnn._nbytes(t)) if t.is_mkldnn else t.untyped_storage().nbytes()
+
+
 def huge_page_bytes(t: torch.Tensor) -> int:
     """Bytes of the mapping holding t that the kernel backs with huge pages now (/proc/self/smaps; 0 if unknown)."""
-    addr = t.data_ptr()
+    addr = _address(t)
     try:
         with open("/proc/self/smaps") as f:
             inside = False
