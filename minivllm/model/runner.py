@@ -118,10 +118,7 @@ class ModelRunner:
         self.linear_kernels = self.linear_plan.names
         for m in linears:
             m.release_unused()
-        t0 = time.perf_counter()  # the packed copies the plan kept, in huge pages where they lie
-        if collapsed := collapse_in_place([m.packed for m in linears if m.packed is not None]):
-            logger.info("packed weights: %.2f GB collapsed into huge pages in %.1f s", collapsed / 1e9,
-                        time.perf_counter() - t0)
+        collapse_in_place([m.packed for m in linears if m.packed is not None], "packed weights")  # those kept
         self.quant_plans = plan_kinds(quantized, ms.quantization_kernel, f"quantization {quant and quant.method}",
                                       dtype)  # (a plan per kind: a GGUF file's int4 layers beside int8 blocks)
         self.quant_kernels = self.quant_plans[0].names
