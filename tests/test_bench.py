@@ -122,7 +122,7 @@ def test_bench_serve_smoke_over_grpc_and_http(model_factory, tmp_path):
     assert d["batch"] == 3 and d["step_ms"] > 0
     assert d["gemm_ms"] + d["attention_ms"] + d["other_ms"] == pytest.approx(d["step_ms"])
     # Item 5's verdicts follow the figures: a target of 0 is always met, one of 100x never.
-    from minivllm.bench.serve_report import served_verdict
+    from minivllm.bench.serve_report import report, served_verdict
 
     assert all("**met" in line for line in served_verdict(r, 0.0, 0.0, "http")[:2])
     assert all("**not met" in line for line in served_verdict(r, 100.0, 100.0, "http")[:2])
@@ -132,6 +132,19 @@ def test_bench_serve_smoke_over_grpc_and_http(model_factory, tmp_path):
         assert 4 * 12 <= s["output_tokens"] <= 6 * 12 and s["ttft_ms"]["p50"] > 0
         offline = statistics.mean(r["offline_tok_per_s"])
         assert r["server_vs_offline"][t] == pytest.approx(s["output_tok_per_s"] / offline)
+    # The offline engine before the first served run and after each one, then once more with the profile: each
+    # served run is also taken against the two offline runs around it.
+    off = r["offline_tok_per_s"]
+    assert len(off) == 6
+    for t in ("grpc", "http"):
+        runs = r["runs"][t]
+        ratios = sorted(x["output_tok_per_s"] / statistics.mean(x["offline_around"]) for x in runs)
+        assert all(x["offline_around"][0] in off and x["offline_around"][1] in off for x in runs)
+        assert r["server_vs_offline_paired"][t] == {"median": pytest.approx(statistics.median(ratios)),
+                                                   "ratios": pytest.approx(ratios)}
+    assert [x["offline_around"] for x in r["runs"]["grpc"]] == [off[0:2], off[3:5]]  # order grpc http http grpc
+    assert "server / offline, paired" in report(r)
+    assert "paired (each served run over the mean" in served_verdict(r, 0.0, 0.0, "http")[1]
     assert r["server"]["grpc"]["output_tokens"] == r["server"]["http"]["output_tokens"]  # the same requests
     assert (tmp_path / "serve.png").stat().st_size > 0
 

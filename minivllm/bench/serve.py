@@ -4,8 +4,10 @@ same requests, and the offline engine on the same requests in the same run as th
 
 Reports per endpoint: req/s, output tok/s, TTFT / TPOT / ITL / end-to-end p50/p95/p99, failures by
 cause, and the server's event-loop lag (its own timer probe, read from /metrics). Several endpoints
-run in ABBA order, and the offline engine before and after, since the machine's speed drifts over
-minutes. Writes JSON (--out) and a PNG plot next to it.
+run in ABBA order, and the offline engine before the first run and after each one (the server idle), since the
+machine's speed drifts over minutes: each served run is also taken against the mean of the offline runs just
+before and after it (server_vs_offline_paired: their median), where two offline runs minutes apart differed by
+15% on this project's VMs. Writes JSON (--out) and a PNG plot next to it.
 """
 
 from __future__ import annotations
@@ -274,6 +276,10 @@ def run_serve(ns: argparse.Namespace, servers: dict[str, tuple[str, str | None]]
             runs[k].append(summary)
             print(f"{k}: {summary['output_tok_per_s']:.1f} tok/s, {summary['successes']} ok, "
                   f"{summary['failures']} failed", flush=True)
+            if run_offline:  # the server idle meanwhile: the next run's offline run before it, this one's after
+                offline.append(baseline.offline(path, requests, tokenizer, ns)["tok_per_s"])
+                summary["offline_around"] = offline[-2:]
+                print(f"offline engine: {offline[-1]:.1f} tok/s", flush=True)
     finally:
         _stop_servers(procs)
     result["runs"] = runs
@@ -291,9 +297,16 @@ def run_serve(ns: argparse.Namespace, servers: dict[str, tuple[str, str | None]]
         result["offline_tok_per_s"] = offline
         result["server_vs_offline"] = {k: s["output_tok_per_s"] / statistics.mean(offline)
                                        for k, s in result["server"].items()}
+        result["server_vs_offline_paired"] = {k: paired_ratios(rs) for k, rs in runs.items()}
     print(report(result))
     save(result, ns.out, plot)
     return 0 if not any(s["failures"] for s in result["server"].values()) else 1
+
+
+def paired_ratios(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each served run over the mean of the offline runs just before and after it: their median and range."""
+    ratios = sorted(r["output_tok_per_s"] / statistics.mean(r["offline_around"]) for r in runs)
+    return {"median": statistics.median(ratios), "ratios": ratios}
 
 
 def _label(variant: str, endpoint: str) -> str:
