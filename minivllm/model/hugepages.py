@@ -155,7 +155,7 @@ def collapse_in_place(tensors: list[torch.Tensor], what: str = "") -> int:
         return 0
     done, t0 = 0, time.perf_counter()
     for t in tensors:
-        ptr, nbytes = _address(t), _nbytes(t)
+        ptr, nbytes = _span(t)
         lo, hi = -(-ptr // HUGE_PAGE) * HUGE_PAGE, (ptr + nbytes) // HUGE_PAGE * HUGE_PAGE
         if hi > lo and _madvise(lo, hi - lo, MADV_COLLAPSE) == 0:
             done += hi - lo
@@ -183,8 +183,11 @@ def _address(t: torch.Tensor) -> int:
     return int(torch.ops.mkldnn.data_ptr(t)) if t.is_mkldnn else t.data_ptr()
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return int(torch.ops.mkldnn._nbytes(t)) if t.is_mkldnn else t.untyped_storage().nbytes()
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """Where t's memory starts and how many bytes it holds (a strided tensor's whole storage)."""
+    if t.is_mkldnn:
+        return _address(t), int(torch.ops.mkldnn._nbytes(t))
+    return t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
 
 
 def huge_page_bytes(t: torch.Tensor) -> int:
