@@ -10,16 +10,16 @@ from typing import Any
 
 from minivllm.bench.loadgen import RequestSpec
 from minivllm.config import cpu_count
+from minivllm.gc_utils import frozen_heap
 
 
 def offline(path: str, requests: list[RequestSpec], tokenizer: Any, ns: argparse.Namespace,
              profile: bool = False) -> dict[str, Any]:
     """The offline engine's output tok/s on the same requests at the same concurrency; with profile, every
     step's (seconds, tokens, sequences, context tokens) and a pure-decode step's split at the served batch."""
-    from minivllm.bench.throughput import greedy, profile_decode, run_engine
+    from minivllm.bench.throughput import greedy, run_engine
     from minivllm.config import EngineArgs
     from minivllm.engine.llm_engine import LLMEngine
-    from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
     # As many running at once as the server can have: its clients (closed loop), capped by its max_num_seqs.
     batch = ns.max_num_seqs or ns.concurrency
@@ -29,6 +29,15 @@ def offline(path: str, requests: list[RequestSpec], tokenizer: Any, ns: argparse
                                   max_num_seqs=batch, enable_prefix_caching=False))
     prompts = [tokenizer.encode(r.prompt) for r in requests]
     run_engine(engine, prompts[:2], greedy(4))  # warm-up
+    with frozen_heap():  # as the server runs (run_server freezes its start-up heap); unfrozen for the next engine
+        return _offline_run(engine, prompts, requests, ns, batch, profile)
+
+
+def _offline_run(engine: Any, prompts: list[list[int]], requests: list[RequestSpec], ns: argparse.Namespace,
+                 batch: int, profile: bool) -> dict[str, Any]:
+    from minivllm.bench.throughput import profile_decode
+    from minivllm.sampling_params import RequestOutputKind, SamplingParams
+
     steps: list[tuple[float, int, int, int]] = []
     t0 = time.perf_counter()
     for i, (p, r) in enumerate(zip(prompts, requests, strict=True)):

@@ -48,6 +48,7 @@ from minivllm.entrypoints.serving import (
     served_model_name,
     validation_message,
 )
+from minivllm.gc_utils import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -283,6 +284,7 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
                                            **uvicorn_limits(server_args)))
     app.state.request_exit = lambda: setattr(server, "should_exit", True)
     logger.info("serving %s on http://%s:%d", app.state.server.model_name, server_args.host, server_args.port)
+    freeze_startup_heap()  # the model, the app and their imports live as long as this process
     server.run()
     if engine.dead_error is not None:
         raise SystemExit(f"minivllm serve: the engine loop died ({engine.dead_error!r}); exiting with status 1 so "

@@ -32,6 +32,7 @@ from minivllm.engine.async_stream import RequestTimeoutError
 from minivllm.engine.input_processor import EngineRequest
 from minivllm.engine.stats import LoggingStatLogger
 from minivllm.entrypoints.metrics import FRONT_FAMILIES, ServerMetrics
+from minivllm.gc_utils import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ class EngineReplica:
         self.engine = AsyncLLMEngine.from_engine_args(engine_args, [LoggingStatLogger(), self.metrics])
         self.metrics.watch_experts(self.engine.expert_load)
         self.engine.start()
+        freeze_startup_heap()  # the replica process lives as long as its engine (minivllm/gc_utils.py)
         self.replica_id = serve.get_replica_context().replica_tag
         self.board = board
         self.pid = os.getpid()
