@@ -208,21 +208,25 @@ def profile_decode(engine: LLMEngine, prompts: list[list[int]], steps: int = 6) 
         attn_time[0] += time.perf_counter() - t
 
     backend.decode = timed_decode  # instance attribute: shadows the method until deleted below
-    walls = []
-    split0 = engine.timings.as_dict()
+    # Plain steps (the wall, attention, the engine's phases) alternate with profiled ones (GEMM time only: the
+    # profiler's per-op overhead would inflate the rest): drift hits both alike, so their parts add up.
+    walls, attns, gemms = [], [], []
+    phase_sums: dict[str, float] = {}
     for _ in range(steps):
+        split0, a0 = engine.timings.as_dict(), attn_time[0]
         t = time.perf_counter()
         engine.step()
         walls.append(time.perf_counter() - t)
-    wall, attn = statistics.median(walls), attn_time[0] / steps
-    # The engine's own phases over the same steps: model = forward (+ logits), the rest is our overhead.
-    phases = {k: 1e3 * (v - split0[k]) / steps for k, v in engine.timings.as_dict().items()}
-    del backend.decode
-    # GEMM time from the profiler (its per-op overhead would inflate the rest, so only GEMMs are read).
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
+        attns.append(attn_time[0] - a0)
+        for k, v in engine.timings.as_dict().items():
+            phase_sums[k] = phase_sums.get(k, 0.0) + v - split0[k]
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
             engine.step()
-    gemm = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in GEMM_OPS) / 1e6 / steps
+        gemms.append(sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in GEMM_OPS) / 1e6)
+    del backend.decode
+    wall, attn, gemm = statistics.median(walls), statistics.median(attns), statistics.median(gemms)
+    # The engine's own phases over the plain steps: model = forward (+ logits), the rest is our overhead.
+    phases = {k: 1e3 * v / steps for k, v in phase_sums.items()}
     # Thread sweep on the same sequences: alternate so drift hits both settings alike.
     full = torch.get_num_threads()
     by_threads: dict[int, list[float]] = {1: [], full: []}
