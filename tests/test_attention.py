@@ -69,7 +69,8 @@ def _softcapped_reference(q, k_ctx, v_ctx, keep, scale, softcap):
 
 @needs_native
 @pytest.mark.parametrize("num_tokens", [1, 3, 48])  # one-head items; ranges of kv heads; whole-row items
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(12, 12, 64), (32, 8, 64), (20, 4, 128), (6, 2, 48)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(12, 12, 64), (32, 8, 64), (9, 3, 64), (14, 2, 64),
+                                                         (20, 4, 128), (16, 2, 256), (6, 2, 48)])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_native_row_items_match_dense(num_tokens, heads, kv_heads, head_dim, cache_dtype):
     """A batch of decodes reads all kv heads of a slot per work item (row items, heads reduced 16 at a time); a
