@@ -59,3 +59,11 @@ def test_run_server_freezes_the_start_up_heap_before_it_serves(monkeypatch):
     api_server.run_server(EngineArgs(kv_cache_memory="16MiB", num_threads=1), ServerArgs(port=1))
     assert seen["frozen"] > 1000
     assert seen["engine_objects_frozen"]  # the engine is frozen with the rest: no full collection walks it
+
+
+def test_a_run_inside_a_frozen_heap_leaves_it_frozen():
+    owner = freeze_startup_heap()
+    with frozen_heap() as frozen:
+        assert frozen == 0
+    assert gc.get_freeze_count() >= owner - 10  # the owner's freeze stands
+
