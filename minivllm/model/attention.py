@@ -135,7 +135,8 @@ class Attention(nn.Module):
         return (qkv.dtype == torch.float32 and self.k_cache.dtype in (torch.float32, torch.int8)
                 and qkv.device.type == "cpu" and qkv.stride(-1) == 1 and cpu_kernels.available())
 
-    def rope_and_cache(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor | None) -> None:
+    def rope_and_cache(self, qkv: torch.Tensor, positions: torch.Tensor | None,
+                       cos_sin_cache: torch.Tensor | None) -> None:
         """Rotate the q and k heads of qkv in place (not without a table: a NoPE layer) and store k and v in their
         cache slots, in one pass."""
         cpu_kernels.rope_kv_write(qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions, cos_sin_cache,

@@ -291,19 +291,20 @@ def rmsnorm_groups(x: torch.Tensor, size: int, weight: torch.Tensor, eps: float)
                            torch.get_num_threads())
 
 
-def rope_kv_write(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int, positions: torch.Tensor,
+def rope_kv_write(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                  positions: torch.Tensor | None,
                   cos_sin_cache: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
                   v_scale: torch.Tensor | None = None) -> None:
     """Rotary embedding in place on the q and k heads of a fused qkv [M, (H + 2 KVH) * D] (float32, unit
     column stride; the first R dimensions of each head for a table cos_sin_cache [positions, R], none without
-    a table), then k and v written to their cache slots (an int8 cache with its scales): one pass instead of
-    rope + two scatters."""
+    a table, and then no positions), then k and v written to their cache slots (an int8 cache with its scales):
+    one pass instead of rope + two scatters."""
     lib = load_library()
-    assert lib is not None
+    assert lib is not None and (cos_sin_cache is None or positions is not None)
     rot = 0 if cos_sin_cache is None else cos_sin_cache.shape[1]
     lib.rope_kv_write_f32(qkv.data_ptr(), qkv.stride(0), qkv.shape[0], num_q_heads, num_kv_heads, head_dim, rot,
-                          positions.data_ptr(), _ptr(cos_sin_cache), k_cache.data_ptr(), v_cache.data_ptr(),
+                          _ptr(positions), _ptr(cos_sin_cache), k_cache.data_ptr(), v_cache.data_ptr(),
                           KV_FORMATS[k_cache.dtype], _ptr(k_scale), _ptr(v_scale), slot_mapping.data_ptr(),
                           torch.get_num_threads())
 

@@ -38,7 +38,11 @@ class GPT2Attention(nn.Module):
         self.attn = Attention(mc.num_heads, mc.head_dim, mc.num_heads, scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.c_attn(x).chunk(3, dim=-1)
+        qkv = self.c_attn(x)
+        q, k, v = qkv.chunk(3, dim=-1)
+        if self.attn.can_fuse_rope(qkv):  # no rotary here: one native pass stores every row's k and v in its slot
+            self.attn.rope_and_cache(qkv, None, None)
+            return self.c_proj(self.attn(q, k, v, kv_written=True))
         return self.c_proj(self.attn(q, k, v))
 
 
