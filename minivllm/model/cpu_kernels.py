@@ -44,9 +44,10 @@ def load_library() -> ctypes.CDLL | None:
     lib.rmsnorm_groups_f32.argtypes = [p, i64, i64, i64, i64, p, c_float, c_int]
     lib.silu_mul_f32.argtypes = [p, i64, p, i64, i64, c_int]
     lib.gelu_tanh_mul_f32.argtypes = [p, i64, p, i64, i64, c_int]
+    lib.gelu_tanh_f32.argtypes = [p, i64, p, i64, i64, c_int]
     lib.rope_kv_write_f32.argtypes = [p, i64, i64, c_int, c_int, c_int, c_int, p, p, p, p, c_int, p, p, p, c_int]
     for fn in (lib.add_rmsnorm_f32, lib.rmsnorm_groups_f32, lib.silu_mul_f32, lib.gelu_tanh_mul_f32,
-               lib.rope_kv_write_f32):
+               lib.gelu_tanh_f32, lib.rope_kv_write_f32):
         fn.restype = None
     lib.decode_stack_f32.argtypes = [p, i64, p, p, p, p]
     lib.decode_stack_f32.restype = None
@@ -319,6 +320,16 @@ def _gated(kernel: str, x: torch.Tensor) -> torch.Tensor:
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of a fused [M, 2I] float32 projection (rows any stride) → [M, I]."""
     return _gated("silu_mul_f32", x)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """gelu(x, approximate="tanh") of a float32 [M, N] (rows any stride, unit column stride) → [M, N]."""
+    lib = load_library()
+    assert lib is not None
+    m, n = x.shape
+    out = torch.empty(m, n, dtype=torch.float32)
+    lib.gelu_tanh_f32(x.data_ptr(), x.stride(0), out.data_ptr(), m, n, torch.get_num_threads())
+    return out
 
 
 def gelu_tanh_mul(x: torch.Tensor) -> torch.Tensor:

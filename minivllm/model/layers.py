@@ -187,6 +187,14 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """gelu(x, approximate="tanh") (GPT-2's gelu_new): the native kernel on float32 CPU rows, 3.4x ATen's at a
+    50-sequence step's [50, 3072] (27 against 91 us, equal to 5e-7), else torch."""
+    if x.dim() == 2 and fused_ok(x) and x.stride(-1) == 1:
+        return cpu_kernels.gelu_tanh(x)
+    return F.gelu(x, approximate="tanh")
+
+
 class GeluTanhAndMul(nn.Module):
     """GeGLU with the tanh approximation of GELU (Gemma's gelu_pytorch_tanh) on a fused [gate | up] projection."""
 

@@ -14,6 +14,7 @@
  *                 kv_quantize_rows, the same arithmetic as attention.quantize_kv)
  *   silu_mul      out = silu(gate) * up for a fused [gate | up] row
  *   gelu_tanh_mul out = gelu_tanh(gate) * up (Gemma's GeGLU)
+ *   gelu_tanh     out = gelu_tanh(x) (GPT-2)
  */
 #include <math.h>
 #include <omp.h>
@@ -145,6 +146,21 @@ void silu_mul_f32(const float *gu, int64_t ldg, float *out, int64_t M, int64_t I
         float *o = out + m * I;
 #pragma omp simd
         for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
+}
+
+/* gelu_tanh of x [M, N] (rows ldx floats apart) into out [M, N] contiguous: GPT-2's activation. */
+void gelu_tanh_f32(const float *x, int64_t ldx, float *out, int64_t M, int64_t N, int num_threads) {
+    const float k0 = 0.7978845608028654f, k1 = 0.044715f; /* sqrt(2 / pi) */
+#pragma omp parallel for num_threads(num_threads) if (M >= PAR_ROWS) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const float *g = x + m * ldx;
+        float *o = out + m * N;
+#pragma omp simd
+        for (int64_t i = 0; i < N; i++) {
+            const float v = g[i];
+            o[i] = 0.5f * v * (1.f + tanhf(k0 * (v + k1 * v * v * v)));
+        }
     }
 }
 

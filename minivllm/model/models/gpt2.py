@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import cast
 
 import torch
@@ -11,12 +11,12 @@ from torch import nn
 
 from minivllm.config import ModelConfig
 from minivllm.model.attention import Attention
-from minivllm.model.layers import Linear
+from minivllm.model.layers import Linear, gelu_tanh
 from minivllm.model.models.weights import WeightLoader
 
-_ACTIVATIONS = {
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu_new": gelu_tanh,
+    "gelu_pytorch_tanh": gelu_tanh,
     "gelu": F.gelu,
     "relu": F.relu,
 }
