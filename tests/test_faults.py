@@ -24,7 +24,7 @@ from minivllm.engine.llm_engine import LLMEngine
 from minivllm.entrypoints.api_server import build_app
 from minivllm.entrypoints.server_args import ServerArgs
 
-SPEC = "step_raise=<<raise>>,nan_logits=<<nan>>,detokenize=<<detok>>,kill_loop=<<kill>>"
+SPEC = "step_raise=<<raise>>,nan_logits=<<nan>>,detokenize=<<detok>>,kill_loop=<<kill>>,slow_step=<<slow>>"
 GOOD = ["def add(a, b):\n    return", "import os\nimport sys\n", "class Foo:\n    def", "for i in range(10):",
         "x = [1, 2, 3]\nprint(", "while True:\n    if"]
 FAULTY = {"r-raise": "<<raise>> def f():", "r-nan": "<<nan>> x = 1", "r-detok": "<<detok>> print("}
@@ -110,6 +110,22 @@ def test_bisection_isolates_a_raising_request_in_a_chunked_prefill_batch(model, 
     outs, failed, engine = _run_batch(model, prompts, max_num_batched_tokens=64)
     assert set(failed) == {"r-raise"} and len(outs) == len(GOOD)
     assert engine.block_manager.num_used == 0
+
+
+def test_slow_step_paces_the_steps_of_its_request_and_changes_no_token(model, monkeypatch):
+    """slow_step: every step holding the marked request sleeps SLOW_STEP_S (12 decode steps + a prefill: at least
+    13 sleeps), and its tokens are those of the same prompt without the fault."""
+    import time
+
+    from minivllm.engine.fault_injection import SLOW_STEP_S
+
+    prompts = {"r-slow": "<<slow>>" + GOOD[0], "g0": GOOD[1]}
+    reference, _, _ = _run_batch(model, prompts)
+    monkeypatch.setenv(ENV_VAR, SPEC)
+    start = time.perf_counter()
+    outs, failed, engine = _run_batch(model, prompts)
+    assert time.perf_counter() - start >= 13 * SLOW_STEP_S
+    assert not failed and outs == reference and engine.block_manager.num_used == 0
 
 
 def test_offline_llm_names_the_failed_request(model, monkeypatch):
@@ -222,13 +238,14 @@ def test_server_faults_fail_only_their_requests(model, faulty_server):
 def test_server_drops_a_client_that_stops_reading(faulty_server):
     """A real socket that never reads (small receive buffer) on a big stream: once the transport's buffers are full
     the server's write waits; after --client-stall-timeout (2 s) the request is aborted and its KV freed while the
-    socket is still open, and everyone else is served."""
+    socket is still open, and everyone else is served. The request runs at slow_step's pace (>= 10 ms a step, so
+    >= 10 s in all): at the tiny model's own pace a fast machine generated all 16,000 tokens in the 2 s."""
     url = faulty_server.url
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", faulty_server.port))
-    body = json.dumps({"prompt": "hello", "max_tokens": 1000, "ignore_eos": True, "stream": True, "logprobs": 20,
-                       "n": 16}).encode()
+    body = json.dumps({"prompt": "<<slow>> hello", "max_tokens": 1000, "ignore_eos": True, "stream": True,
+                       "logprobs": 20, "n": 16}).encode()
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
     try:

@@ -7,7 +7,9 @@ Faults exercise the real containment paths rather than stand in for them:
 - step_raise: the forward pass raises whenever a marked request is in the batch (step_guard.py isolates it);
 - nan_logits: a marked request's logits rows turn NaN (step_guard.py fails the rows that are not finite);
 - detokenize: a marked request's detokenizer raises (the engine fails that request at the end of the step);
-- kill_loop: the engine loop dies when a marked request reaches it (the server then answers 503 and exits).
+- kill_loop: the engine loop dies when a marked request reaches it (the server then answers 503 and exits);
+- slow_step: each step that holds a marked request takes SLOW_STEP_S longer (a slow model at a known pace, so a
+  test of what happens while a request runs does not race the machine's speed).
 
 The faults act through the step's hook points (FaultInjectionHook; engine/hooks.py), so no core class knows of
 them. Cost when off: none (the hook is not registered). A request's faults are looked up once, when it is added.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +36,8 @@ logger = logging.getLogger(__name__)
 
 ENV_VAR = "MINIVLLM_FAULT_INJECTION"
 PRODUCTION_ENV = "MINIVLLM_ENV"
-KINDS = ("step_raise", "nan_logits", "detokenize", "kill_loop")
+KINDS = ("step_raise", "nan_logits", "detokenize", "kill_loop", "slow_step")
+SLOW_STEP_S = 0.01
 
 
 class InjectedFault(RuntimeError):
@@ -114,8 +118,11 @@ class FaultInjectionHook(StepHook):
 
     def forward(self, inner: Forward) -> Forward:
         def run(scheduled: list[Entry], inputs: list[SequenceInput]) -> torch.Tensor:
-            if any("step_raise" in self.marked.get(seq.request_id, ()) for seq, _ in scheduled):
+            faults = set().union(*(self.marked.get(seq.request_id, ()) for seq, _ in scheduled))
+            if "step_raise" in faults:
                 raise InjectedFault("injected fault: the forward pass raised (step_raise)")
+            if "slow_step" in faults:
+                time.sleep(SLOW_STEP_S)
             logits = inner(scheduled, inputs)
             with torch.inference_mode():
                 for (seq, _), (_, _, r0, r1) in zip(scheduled, entry_spans(scheduled, inputs), strict=True):
