@@ -34,7 +34,8 @@ class ServerProcess:
     """`python -m minivllm serve [MODEL] ...` in a subprocess, with its log kept for failure messages
     (no MODEL: the embedded default model)."""
 
-    def __init__(self, model: str | None, *args: str, stop_timeout: float = 15.0) -> None:
+    def __init__(self, model: str | None, *args: str, stop_timeout: float = 15.0,
+                 env: dict[str, str] | None = None) -> None:
         self.stop_timeout = stop_timeout  # a front of Ray replicas tears its cluster down on the way out
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -43,8 +44,8 @@ class ServerProcess:
             # The default 2 GiB pool is touched at start; a dozen servers of tiny models would fill this machine.
             args = (*args, "--kv-cache-memory", TEST_KV_CACHE_MEMORY)
         cmd = [sys.executable, "-m", "minivllm", "serve", *([model] if model else []), "--port", str(self.port), *args]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                                      preexec_fn=_die_with_parent)
         deadline = time.time() + 120
         # One client for the polls (each bare httpx.get builds an SSL context: ~20 ms of a core the starting server

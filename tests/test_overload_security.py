@@ -15,11 +15,14 @@ import psutil
 import pytest
 from server_utils import ServerProcess, free_port, metrics, wait_idle
 
+from minivllm.engine.fault_injection import ENV_VAR
 from minivllm.entrypoints.proto import inference_pb2 as pb
 from minivllm.entrypoints.proto import inference_pb2_grpc as pb_grpc
 from minivllm.entrypoints.server_args import ServerArgs
 
-LONG = {"prompt": "count", "max_new_tokens": 1000, "ignore_eos": True}
+# The long request holding the seat runs at the slow_step fault's pace (>= 10 ms a step, >= 10 s in all; its client
+# hangs up long before): at the tiny model's own pace it took ~0.35 s, and the waits below raced it on fast machines.
+LONG = {"prompt": "<<slow>> count", "max_new_tokens": 1000, "ignore_eos": True}
 SECRET = "sk-test-9f8e7d6c5b4a"
 
 
@@ -28,7 +31,8 @@ def busy_server(model_factory):
     """One sequence at a time, two may wait: easy to saturate."""
     grpc_port = free_port()
     server = ServerProcess(model_factory("tiny-llama"), "--num-threads", "1", "--max-num-seqs", "1",
-                           "--max-waiting", "2", "--kv-cache-memory", "64MiB", "--grpc-port", str(grpc_port))
+                           "--max-waiting", "2", "--kv-cache-memory", "64MiB", "--grpc-port", str(grpc_port),
+                           env={ENV_VAR: "slow_step=<<slow>>"})
     server.grpc_target = f"127.0.0.1:{grpc_port}"
     yield server
     server.stop()
@@ -84,8 +88,8 @@ def test_timeouts_drop_waiting_requests_before_prefill(busy_server):
     url = busy_server.url
     before = metrics(url)
 
-    # Timeouts of 0.1 s: the long request holding the seat decodes its 1000 tokens in ~0.35 s on a fast machine, and
-    # timeouts of 0.3 s sometimes outlived it (the request then ran instead of timing out).
+    # Timeouts of 0.1 s (at the tiny model's own pace the long request's 1000 tokens took ~0.35 s, and timeouts of
+    # 0.3 s sometimes outlived it; LONG now runs for >= 10 s).
     async def field(http: httpx.AsyncClient) -> httpx.Response:
         # The `timeout` field: 503 with Retry-After once it passes, never prefilled.
         return await http.post(url + "/generate", json={"prompt": "a b c d e f g", "max_new_tokens": 4,
