@@ -19,9 +19,9 @@ class MachineCeilings:
     """What this machine can do, measured now (the speed drifts: compare only within one run)."""
 
     threads: int
-    peak_flops: float  # best large square GEMM: aten (MKL) or oneDNN prepacked, whichever is faster
+    peak_flops: float  # best large square GEMM: aten (MKL), oneDNN prepacked or our own, whichever is fastest
     mkl_gemm_flops: float  # aten's large square GEMM (what `x @ w` gets)
-    model_gemm_flops: float  # the model's own projection shape at M=64 tokens, oneDNN prepacked when available
+    model_gemm_flops: float  # the model's own projection shape at M=64 tokens, the faster of oneDNN's and ours
     bandwidth: float  # bytes/s: median of the streaming-read probe's passes (measure_bandwidth)
     bandwidth_min: float = 0.0  # the probe's spread: slowest and fastest pass
     bandwidth_max: float = 0.0
@@ -55,6 +55,13 @@ def measure_ceilings(hidden: int = 576, intermediate: int = 1536, dtype: torch.d
         linear = lambda x_, _w: small(x_)  # noqa: E731
     reps = 50
     model_gemm = 2 * 64 * hidden * intermediate * reps / best_time(lambda: [linear(x, w) for _ in range(reps)], 5)
+    from minivllm.model import cpu_kernels
+
+    if dtype == torch.float32 and cpu_kernels.available():  # our own GEMM (csrc/gemm_f32.c) where it is faster
+        big_panels, small_panels = cpu_kernels.GemmPanels(b, None), cpu_kernels.GemmPanels(w, None)
+        peak = max(peak, 2 * n**3 / best_time(lambda: big_panels(a), 5))
+        model_gemm = max(model_gemm, 2 * 64 * hidden * intermediate * reps
+                         / best_time(lambda: [small_panels(x) for _ in range(reps)], 5))
     median, lo, hi = measure_bandwidth(probe_mib)
     return MachineCeilings(torch.get_num_threads(), peak, mkl, model_gemm, median, lo, hi)
 

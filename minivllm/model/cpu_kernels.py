@@ -37,6 +37,9 @@ def load_library() -> ctypes.CDLL | None:
     lib.linear_gemv.restype = None
     lib.linear_gemv_m1_many.argtypes = [p, i64, p, i64, c_int, i64, i64, c_int, p, p, p, i64, p, p, c_int]
     lib.linear_gemv_m1_many.restype = c_int  # (csrc/moe_decode.c's caller; bound here for the tests)
+    lib.gemm_f32_panels.argtypes = [p, i64, p, i64, c_int, i64, i64, p, p, c_int]
+    lib.gemm_f32_panels.restype = None
+    lib.gemm_f32_panel_width.argtypes, lib.gemm_f32_panel_width.restype = [], c_int
     lib.quantize_rows_s8.argtypes = [p, i64, i64, i64, p, p, c_int]
     lib.rescale_i32.argtypes = [p, i64, i64, p, p, p, p, c_int]
     lib.quantize_rows_s8.restype = lib.rescale_i32.restype = None
@@ -235,6 +238,33 @@ class GemvWeights:
         w, scale, mins, bias = self.ptrs
         lib.linear_gemv(out.data_ptr(), self.n, x.data_ptr(), x.stride(0), m, self.k, self.n, self.fmt, w, scale, mins,
                         self.group, bias, _scratch_for(self.scratch_numel).data_ptr(), torch.get_num_threads())
+        return out
+
+
+class GemmPanels:
+    """A float32 weight [N, K] packed for csrc/gemm_f32.c's many-token GEMM: panels of the library's panel width
+    (two vectors) of output columns, each [K, width] (zero columns past N). A second copy of the weight, made where
+    the kernel plan runs the native kernel on more than FEW tokens."""
+
+    __slots__ = ("k", "n", "panels", "bias")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        lib = load_library()
+        assert lib is not None and weight.dtype == torch.float32 and weight.device.type == "cpu"
+        width = lib.gemm_f32_panel_width()
+        self.n, self.k = weight.shape
+        padded = torch.nn.functional.pad(weight.detach(), (0, 0, 0, -self.n % width))
+        self.panels = padded.view(-1, width, self.k).transpose(1, 2).contiguous()
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 with unit column stride → [M, N] float32."""
+        lib = load_library()
+        assert lib is not None and x.dtype == torch.float32 and x.stride(-1) == 1
+        m = x.shape[0]
+        out = torch.empty(m, self.n, dtype=torch.float32)
+        lib.gemm_f32_panels(out.data_ptr(), self.n, x.data_ptr(), x.stride(0), m, self.k, self.n,
+                            self.panels.data_ptr(), _ptr(self.bias), torch.get_num_threads())
         return out
 
 

@@ -40,7 +40,7 @@ def _cpu_signature() -> str:
 # Longest compiles first (paged attention's two units, then gemv.c): the build runs one compiler per core.
 _SOURCES = ("paged_attention_wide.c", "paged_attention.c", "gemv.c", "gemm_a8.c", "gemv_int4.c", "gemv_w4a8.c",
             "gemv_q8.c", "gemv_q6k.c", "gemv_q4k.c", "fused_ops.c", "sampling.c", "decode_stack.c", "moe_decode.c",
-            "quantize_rows.c", "greedy_loop.c", "membw.c")
+            "quantize_rows.c", "greedy_loop.c", "membw.c", "gemm_f32.c")
 # included by the sources: copied and hashed with them
 _HEADERS = ("paged_attention.h", "paged_attention_items.h", "paged_attention_rows.h", "gemv_common.h", "gemv_rows.h",
             "gemv_m1.h", "gemv_avx2.h", "gemv_w4a8_avx2.h", "gemv_bf16dot.h", "gemv_avx512.h", "gemv_int4_bf16dot.h",

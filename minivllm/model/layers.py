@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.model import cpu_kernels
-from minivllm.model.kernel_plan import SHAPE_CLASSES, Kernel, PlannedLinear
+from minivllm.model.kernel_plan import FEW, SHAPE_CLASSES, Kernel, PlannedLinear
 
 
 def onednn_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -39,7 +39,9 @@ class Linear(PlannedLinear):
       as fast as the native kernel at one row on 1B shapes, so a model too large for two layouts keeps the
       plain one only (no second copy) and still runs its prefill through oneDNN;
     - native: csrc/gemv.c streaming the plain weight once for all rows (decode: one pass over the
-      weights at ~0.95 of the bandwidth probe, where oneDNN's packed layout reached ~0.6-0.75);
+      weights at ~0.95 of the bandwidth probe, where oneDNN's packed layout reached ~0.6-0.75); past FEW tokens,
+      where the runner allows a second layout (`allow_panels`), a float32 weight runs csrc/gemm_f32.c's GEMM on
+      its own panel-packed copy (made on first use, kept only where the plan picks it there);
     - torch: F.linear, the portable path.
     When the plan uses both a packed and a plain kernel, both copies of the weight are kept.
     """
@@ -51,6 +53,8 @@ class Linear(PlannedLinear):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None
         self._gemv: cpu_kernels.GemvWeights | None = None
+        self.allow_panels = False  # (runner: where memory allows a second copy of the weights)
+        self._panels: cpu_kernels.GemmPanels | None = None
         self.kernels = (Linear.forward_default,) * len(SHAPE_CLASSES)
 
     def pack(self, keep_weight: bool = False) -> None:
@@ -81,9 +85,18 @@ class Linear(PlannedLinear):
             self._gemv = cpu_kernels.GemvWeights.dense(self.weight, self.in_features, self.bias)
         return self._gemv
 
+    def gemm_panels(self) -> cpu_kernels.GemmPanels | None:
+        """The panel-packed float32 weight for csrc/gemm_f32.c (packed on first use), or None where not allowed."""
+        if self._panels is None and self.allow_panels and self.weight is not None \
+                and self.weight.dtype == torch.float32:
+            self._panels = cpu_kernels.GemmPanels(self.weight, self.bias)
+        return self._panels
+
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         xf = x if x.dtype == torch.float32 else x.float()
-        out = self.gemv_weights()(xf if xf.stride(-1) == 1 else xf.contiguous())
+        xf = xf if xf.stride(-1) == 1 else xf.contiguous()
+        panels = self.gemm_panels() if xf.dim() == 2 and xf.shape[0] > FEW else None
+        out = panels(xf) if panels is not None else self.gemv_weights()(xf)
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def candidates(self) -> dict[str, Kernel]:
@@ -102,6 +115,10 @@ class Linear(PlannedLinear):
     def release_unused(self) -> None:
         """After planning: drop the copy of the weight no planned kernel reads."""
         used = {k.__name__ for k in self.kernels}
+        if self.kernels[-1].__name__ == "forward_native":  # (the class past FEW tokens)
+            self.gemm_panels()  # packed now, not in the first large step
+        else:
+            self._panels = None
         if self.packed is not None and "forward_onednn" not in used and "forward_default" not in used:
             self.packed = None
         if self.weight is not None and used <= {"forward_onednn"}:  # (forward_default is oneDNN once packed)

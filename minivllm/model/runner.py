@@ -97,11 +97,12 @@ class ModelRunner:
         self.head = self.model.compute_logits if ms.runner == "generate" else lambda h: h.float()  # pooling: states
         # Shape class → kernel of the full-precision and of the quantized projections, timed on this machine.
         linears = [m for m in self.model.modules() if isinstance(m, Linear)]
-        # oneDNN's packed layout as a second copy where memory allows (a larger model keeps the plain one only).
-        if _use_onednn(ms.linear_backend, device, dtype) and (
-                ms.linear_backend == "onednn" or _second_layout_affordable(linears)):
-            for m in linears:
+        # oneDNN's packed layout and the native GEMM's panels (layers.Linear): second copies where memory allows.
+        affordable, onednn = _second_layout_affordable(linears), _use_onednn(ms.linear_backend, device, dtype)
+        for m in linears:
+            if onednn and (ms.linear_backend == "onednn" or affordable):
                 m.pack(keep_weight=ms.linear_backend == "auto")
+            m.allow_panels = affordable and ms.linear_backend in ("auto", "native")
         quantized = [m for m in self.model.modules() if isinstance(m, QuantizedLinear | SuperblockLinear)]
         # Before the plans time the native kernels: how their one-token rows stream here (model/row_order.py), timed
         # on the decoder's layers a plan may run natively, in the model's order; not on the head, which may still

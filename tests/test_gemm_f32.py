@@ -1,0 +1,87 @@
+"""csrc/gemm_f32.c: the float32 GEMM on panel-packed weights that the native kernel runs past FEW tokens, against a
+float64 reference, and how layers.Linear makes, uses and releases its panels."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minivllm.model import cpu_kernels
+from minivllm.model.kernel_plan import FEW, plan_kernels
+from minivllm.model.layers import Linear
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no native kernels on this machine")
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, float]:
+    """x W^T + b in float64, and the scale of float32 rounding there: the largest sum of |terms| of an output."""
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    return exact, (x.double().abs() @ w.double().abs().t()).max().item()
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [
+    (17, 100, 37),     # one tile and a ragged one; K not a multiple of a vector; one partial panel
+    (23, 64, 70),      # two full tiles (AVX2's 6, AVX-512's 10) and the rest; panels past N zero-padded
+    (50, 768, 2304),   # GPT-2's qkv at the seed workload's 50 sequences
+    (64, 3072, 96),    # a long K (the MLP's down projection)
+    (130, 31, 5),      # many tiles; fewer columns than a panel
+    (1, 48, 40),       # one token (the kernel takes any M; the layer sends it more than FEW)
+])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_panel_gemm_equals_the_float64_linear_on_strided_rows(m, k, n, bias, threads):
+    torch.manual_seed(m * k + n)
+    w, b = torch.randn(n, k) * 0.05, (torch.randn(n) if bias else None)
+    x = torch.randn(m, k + 7)[:, :k]  # rows of a wider buffer: any row stride
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_kernels.GemmPanels(w, b)(x)
+    finally:
+        torch.set_num_threads(old)
+    exact, scale = _reference(x, w, b)
+    assert got.shape == (m, n) and got.dtype == torch.float32 and got.is_contiguous()
+    # float32 sums of k terms: a few units in the last place of the terms' magnitude, as aten's own float32 linear
+    assert (got.double() - exact).abs().max().item() <= 1e-6 * scale
+    assert (got.double() - exact).abs().max().item() <= 4 * (F.linear(x, w, b).double() - exact).abs().max().item() \
+        + 1e-7 * scale
+
+
+def _linear(k: int, n: int, dtype: torch.dtype = torch.float32) -> Linear:
+    lin = Linear(k, n).to(dtype)
+    with torch.no_grad():
+        lin.weight.normal_(0, 0.05)
+        lin.bias.normal_()
+    return lin
+
+
+def test_the_native_kernel_runs_panels_past_few_tokens_only_where_allowed_and_planned():
+    torch.manual_seed(0)
+    lin = _linear(96, 80)
+    x_many, x_few = torch.randn(FEW + 9, 96), torch.randn(FEW, 96)
+    expected = F.linear(x_many, lin.weight, lin.bias)
+    assert lin.gemm_panels() is None  # not allowed: the runner allows it where a second copy is affordable
+    torch.testing.assert_close(lin.forward_native(x_many), expected, atol=1e-5, rtol=1e-5)
+    lin.allow_panels = True
+    torch.testing.assert_close(lin.forward_native(x_few), F.linear(x_few, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
+    assert lin._panels is None  # FEW tokens or fewer: csrc/gemv.c's rows, no panels made
+    torch.testing.assert_close(lin.forward_native(x_many), expected, atol=1e-5, rtol=1e-5)
+    assert lin._panels is not None  # made on first use past FEW
+    plan_kernels([lin], "onednn" if "onednn" in lin.candidates() else "torch")
+    lin.release_unused()
+    assert lin._panels is None  # not planned past FEW: released
+    other = _linear(96, 80)
+    other.allow_panels = True
+    plan_kernels([other], "native")
+    other.release_unused()
+    assert other._panels is not None  # planned there: packed at once, not in the first large step
+    torch.testing.assert_close(other(x_many), F.linear(x_many, other.weight, other.bias), atol=1e-5, rtol=1e-5)
+
+
+def test_a_bfloat16_weight_keeps_the_rows_past_few_tokens():
+    lin = _linear(64, 48, torch.bfloat16)
+    lin.allow_panels = True
+    x = torch.randn(FEW + 4, 64, dtype=torch.bfloat16)
+    out = lin.forward_native(x)
+    assert lin._panels is None and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), F.linear(x.float(), lin.weight.float(), lin.bias.float()), atol=2e-2,
+                               rtol=2e-2)
