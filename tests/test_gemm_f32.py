@@ -1,13 +1,13 @@
-"""csrc/gemm_f32.c: the float32 GEMM on panel-packed weights that the native kernel runs past FEW tokens, against a
-float64 reference, and how layers.Linear makes, uses and releases its panels."""
+"""csrc/gemm_f32.c: the float32 GEMM on panel-packed weights that the native kernel runs past PANELS_PAST tokens,
+against a float64 reference, and how layers.Linear makes, uses and releases its panels."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from minivllm.model import cpu_kernels
-from minivllm.model.kernel_plan import FEW, plan_kernels
-from minivllm.model.layers import Linear
+from minivllm.model.kernel_plan import plan_kernels
+from minivllm.model.layers import PANELS_PAST, Linear
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no native kernels on this machine")
 
@@ -24,7 +24,7 @@ def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tupl
     (50, 768, 2304),   # GPT-2's qkv at the seed workload's 50 sequences
     (64, 3072, 96),    # a long K (the MLP's down projection)
     (130, 31, 5),      # many tiles; fewer columns than a panel
-    (1, 48, 40),       # one token (the kernel takes any M; the layer sends it more than FEW)
+    (1, 48, 40),       # one token (the kernel takes any M; the layer sends it more than PANELS_PAST)
 ])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("threads", [1, 2])
@@ -57,18 +57,18 @@ def _linear(k: int, n: int, dtype: torch.dtype = torch.float32) -> Linear:
 def test_the_native_kernel_runs_panels_past_few_tokens_only_where_allowed_and_planned():
     torch.manual_seed(0)
     lin = _linear(96, 80)
-    x_many, x_few = torch.randn(FEW + 9, 96), torch.randn(FEW, 96)
+    x_many, x_few = torch.randn(PANELS_PAST + 1, 96), torch.randn(PANELS_PAST, 96)
     expected = F.linear(x_many, lin.weight, lin.bias)
     assert lin.gemm_panels() is None  # not allowed: the runner allows it where a second copy is affordable
     torch.testing.assert_close(lin.forward_native(x_many), expected, atol=1e-5, rtol=1e-5)
     lin.allow_panels = True
     torch.testing.assert_close(lin.forward_native(x_few), F.linear(x_few, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
-    assert lin._panels is None  # FEW tokens or fewer: csrc/gemv.c's rows, no panels made
+    assert lin._panels is None  # PANELS_PAST tokens or fewer: csrc/gemv.c's rows, no panels made
     torch.testing.assert_close(lin.forward_native(x_many), expected, atol=1e-5, rtol=1e-5)
-    assert lin._panels is not None  # made on first use past FEW
+    assert lin._panels is not None  # made on first use past PANELS_PAST
     plan_kernels([lin], "onednn" if "onednn" in lin.candidates() else "torch")
     lin.release_unused()
-    assert lin._panels is None  # not planned past FEW: released
+    assert lin._panels is None  # not planned past PANELS_PAST: released
     other = _linear(96, 80)
     other.allow_panels = True
     plan_kernels([other], "native")
@@ -77,10 +77,10 @@ def test_the_native_kernel_runs_panels_past_few_tokens_only_where_allowed_and_pl
     torch.testing.assert_close(other(x_many), F.linear(x_many, other.weight, other.bias), atol=1e-5, rtol=1e-5)
 
 
-def test_a_bfloat16_weight_keeps_the_rows_past_few_tokens():
+def test_a_bfloat16_weight_keeps_the_rows_at_any_token_count():
     lin = _linear(64, 48, torch.bfloat16)
     lin.allow_panels = True
-    x = torch.randn(FEW + 4, 64, dtype=torch.bfloat16)
+    x = torch.randn(PANELS_PAST + 4, 64, dtype=torch.bfloat16)
     out = lin.forward_native(x)
     assert lin._panels is None and out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), F.linear(x.float(), lin.weight.float(), lin.bias.float()), atol=2e-2,

@@ -7,7 +7,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.model import cpu_kernels
-from minivllm.model.kernel_plan import FEW, SHAPE_CLASSES, Kernel, PlannedLinear
+from minivllm.model.kernel_plan import SHAPE_CLASSES, Kernel, PlannedLinear
+
+# Past this many tokens (the shape classes m<=16 and m>16) a float32 weight's native kernel is csrc/gemm_f32.c's GEMM
+# on panels: GPT-2's projections in model order at 8 / 12 / 16 / 50 tokens ran 0.82 / 0.88 / 0.80 / 0.81x oneDNN's
+# time, and ahead of csrc/gemv.c's rows (which read the weights once per 16 tokens) from 8 tokens up.
+PANELS_PAST = SHAPE_CLASSES[1][0]
 
 
 def onednn_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -39,9 +44,9 @@ class Linear(PlannedLinear):
       as fast as the native kernel at one row on 1B shapes, so a model too large for two layouts keeps the
       plain one only (no second copy) and still runs its prefill through oneDNN;
     - native: csrc/gemv.c streaming the plain weight once for all rows (decode: one pass over the
-      weights at ~0.95 of the bandwidth probe, where oneDNN's packed layout reached ~0.6-0.75); past FEW tokens,
-      where the runner allows a second layout (`allow_panels`), a float32 weight runs csrc/gemm_f32.c's GEMM on
-      its own panel-packed copy (made on first use, kept only where the plan picks it there);
+      weights at ~0.95 of the bandwidth probe, where oneDNN's packed layout reached ~0.6-0.75); past PANELS_PAST
+      tokens, where the runner allows a second layout (`allow_panels`), a float32 weight runs csrc/gemm_f32.c's
+      GEMM on its own panel-packed copy (made on first use, kept only where the plan picks it there);
     - torch: F.linear, the portable path.
     When the plan uses both a packed and a plain kernel, both copies of the weight are kept.
     """
@@ -95,7 +100,7 @@ class Linear(PlannedLinear):
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         xf = x if x.dtype == torch.float32 else x.float()
         xf = xf if xf.stride(-1) == 1 else xf.contiguous()
-        panels = self.gemm_panels() if xf.dim() == 2 and xf.shape[0] > FEW else None
+        panels = self.gemm_panels() if xf.dim() == 2 and xf.shape[0] > PANELS_PAST else None
         out = panels(xf) if panels is not None else self.gemv_weights()(xf)
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
@@ -115,8 +120,9 @@ class Linear(PlannedLinear):
     def release_unused(self) -> None:
         """After planning: drop the copy of the weight no planned kernel reads."""
         used = {k.__name__ for k in self.kernels}
-        if self.kernels[-1].__name__ == "forward_native":  # (the class past FEW tokens)
-            self.gemm_panels()  # packed now, not in the first large step
+        if any(k.__name__ == "forward_native" for k, (largest, _) in zip(self.kernels, SHAPE_CLASSES, strict=True)
+               if largest > PANELS_PAST):
+            self.gemm_panels()  # packed now, not in the first step that needs them
         else:
             self._panels = None
         if self.packed is not None and "forward_onednn" not in used and "forward_default" not in used:
