@@ -83,10 +83,12 @@ def _projections(layer: Any) -> tuple[Any, ...]:
 
 
 def _native_classes(model: Any) -> tuple[bool, ...]:
-    """Per shape class: whether every projection of every layer runs the native kernel there."""
+    """Per shape class: whether every projection of every layer runs the native kernel's rows there (a float32
+    Linear's native kernel past PANELS_PAST tokens is the GEMM on panels: the stack would run the rows instead,
+    4x the weight reads at 64 tokens)."""
     projs = [p for layer in model.layers for p in _projections(layer)]
-    return tuple(all(p.kernels[c].__name__ == "forward_native" for p in projs)
-                 for c in range(len(SHAPE_CLASSES)))
+    return tuple(all(p.kernels[c].__name__ == "forward_native" and p.native_rows(largest) for p in projs)
+                 for c, (largest, _) in enumerate(SHAPE_CLASSES))
 
 
 class DecodeStack:

@@ -65,6 +65,11 @@ class PlannedLinear(nn.Module):
         """Whether kernel `name` may run matmuls of the shape class whose largest M is largest_m."""
         return True
 
+    def native_rows(self, largest_m: int) -> bool:
+        """Whether the native kernel at up to largest_m tokens is csrc/gemv.c's rows, which the decode stack
+        (model/decode_stack.py) also runs, and not another native kernel of its own."""
+        return True
+
     def plan_kind(self) -> str:
         """Layers of one kind share a plan (the same candidates); a model may hold several kinds."""
         return type(self).__name__

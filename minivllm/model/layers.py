@@ -92,10 +92,14 @@ class Linear(PlannedLinear):
 
     def gemm_panels(self) -> cpu_kernels.GemmPanels | None:
         """The panel-packed float32 weight for csrc/gemm_f32.c (packed on first use), or None where not allowed."""
-        if self._panels is None and self.allow_panels and self.weight is not None \
-                and self.weight.dtype == torch.float32:
+        if self._panels is None and self.native_rows(1 << 62) is False:
+            assert self.weight is not None
             self._panels = cpu_kernels.GemmPanels(self.weight, self.bias)
         return self._panels
+
+    def native_rows(self, largest_m: int) -> bool:
+        return not (largest_m > PANELS_PAST and self.allow_panels and self.weight is not None
+                    and self.weight.dtype == torch.float32)
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         xf = x if x.dtype == torch.float32 else x.float()
