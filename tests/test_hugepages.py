@@ -171,3 +171,33 @@ def test_packed_onednn_weights_are_collapsed_into_huge_pages_where_they_lie(monk
     assert torch.equal(lin(x), before)
     monkeypatch.setenv("MINIVLLM_HUGEPAGES", "0")
     assert hugepages.collapse_in_place([lin.packed]) == 0
+
+
+@pytest.mark.skipif(not hugepages.enabled(), reason="transparent huge pages are off (or not Linux)")
+def test_the_native_gemms_panels_are_among_the_copies_the_runner_collapses():
+    """Linear.kernel_copies (what the runner hands collapse_in_place once the plan is made) holds the panels of
+    csrc/gemm_f32.c where the plan runs it, and collapsing them changes no output."""
+    from minivllm.model import cpu_kernels
+    from minivllm.model.kernel_plan import plan_kernels
+    from minivllm.model.layers import Linear
+
+    if not cpu_kernels.available():
+        pytest.skip("no native kernels on this machine")
+    torch.manual_seed(0)
+    lin = Linear(768, 3072)  # 9 MiB of panels
+    with torch.no_grad():
+        lin.weight.normal_()
+        lin.bias.normal_()
+    lin.allow_panels = True
+    plan_kernels([lin], "native")
+    lin.release_unused()
+    assert lin._panels is not None
+    panels = lin._panels.panels
+    assert any(t is panels for t in lin.kernel_copies())
+    x = torch.randn(52, 768)
+    before = lin(x)
+    done = hugepages.collapse_in_place(lin.kernel_copies())
+    if done == 0:
+        pytest.skip("this kernel does not collapse (MADV_COLLAPSE needs Linux 6.1+)")
+    assert hugepages.huge_page_bytes(panels) >= done >= 3 * hugepages.HUGE_PAGE
+    assert torch.equal(lin(x), before)

@@ -92,7 +92,7 @@ class Linear(PlannedLinear):
 
     def gemm_panels(self) -> cpu_kernels.GemmPanels | None:
         """The panel-packed float32 weight for csrc/gemm_f32.c (packed on first use), or None where not allowed."""
-        if self._panels is None and self.native_rows(1 << 62) is False:
+        if self._panels is None and not self.native_rows(1 << 62):
             assert self.weight is not None
             self._panels = cpu_kernels.GemmPanels(self.weight, self.bias)
         return self._panels
@@ -120,6 +120,12 @@ class Linear(PlannedLinear):
                     and cpu_kernels.available()):
                 found["native"] = self.forward_native
         return found
+
+    def kernel_copies(self) -> list[torch.Tensor]:
+        """The copies of the weight made for one kernel (oneDNN's packed layout, the panels) that it holds, for
+        hugepages.collapse_in_place (the panels in huge pages: GPT-2's GEMMs in model order at 50 tokens 0.95-0.98x
+        the time)."""
+        return [t for t in (self.packed, None if self._panels is None else self._panels.panels) if t is not None]
 
     def release_unused(self) -> None:
         """After planning: drop the copy of the weight no planned kernel reads."""

@@ -119,7 +119,7 @@ class ModelRunner:
         self.linear_kernels = self.linear_plan.names
         for m in linears:
             m.release_unused()
-        collapse_in_place([m.packed for m in linears if m.packed is not None], "packed weights")  # those kept
+        collapse_in_place([t for m in linears for t in m.kernel_copies()], "packed weights")  # those kept
         self.quant_plans = plan_kinds(quantized, ms.quantization_kernel, f"quantization {quant and quant.method}",
                                       dtype)  # (a plan per kind: a GGUF file's int4 layers beside int8 blocks)
         self.quant_kernels = self.quant_plans[0].names
