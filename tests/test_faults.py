@@ -113,19 +113,21 @@ def test_bisection_isolates_a_raising_request_in_a_chunked_prefill_batch(model, 
 
 
 def test_slow_step_paces_the_steps_of_its_request_and_changes_no_token(model, monkeypatch):
-    """slow_step: every step holding the marked request sleeps SLOW_STEP_S (12 decode steps + a prefill: at least
-    13 sleeps), and its tokens are those of the same prompt without the fault."""
-    import time
-
-    from minivllm.engine.fault_injection import SLOW_STEP_S
+    """slow_step: every step holding the marked request sleeps SLOW_STEP_S (a prefill and 11 decode steps for its 12
+    tokens), a step without it never does, and its tokens are those of the same prompt without the fault."""
+    from minivllm.engine import fault_injection
 
     prompts = {"r-slow": "<<slow>>" + GOOD[0], "g0": GOOD[1]}
     reference, _, _ = _run_batch(model, prompts)
     monkeypatch.setenv(ENV_VAR, SPEC)
-    start = time.perf_counter()
+    sleeps: list[float] = []
+    monkeypatch.setattr(fault_injection, "time", type("Clock", (), {"sleep": staticmethod(sleeps.append)}))
     outs, failed, engine = _run_batch(model, prompts)
-    assert time.perf_counter() - start >= 13 * SLOW_STEP_S
     assert not failed and outs == reference and engine.block_manager.num_used == 0
+    assert sleeps == [fault_injection.SLOW_STEP_S] * 12
+    sleeps.clear()
+    _run_batch(model, {"g0": GOOD[1]})
+    assert sleeps == []
 
 
 def test_offline_llm_names_the_failed_request(model, monkeypatch):
