@@ -20,7 +20,7 @@ def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tupl
 
 @pytest.mark.parametrize(("m", "k", "n"), [
     (17, 100, 37),     # one tile and a ragged one; K not a multiple of a vector; one partial panel
-    (23, 64, 70),      # two full tiles (AVX2's 6, AVX-512's 10) and the rest; panels past N zero-padded
+    (23, 64, 70),      # full tiles (AVX2's 6, AVX-512's 14) and the rest; panels past N zero-padded
     (50, 768, 2304),   # GPT-2's qkv at the seed workload's 50 sequences
     (64, 3072, 96),    # a long K (the MLP's down projection)
     (130, 31, 5),      # many tiles; fewer columns than a panel
