@@ -244,7 +244,7 @@ class GemvWeights:
 class GemmPanels:
     """A float32 weight [N, K] packed for csrc/gemm_f32.c's many-token GEMM: panels of the library's panel width
     (two vectors) of output columns, each [K, width] (zero columns past N). A second copy of the weight, made where
-    the kernel plan runs the native kernel on more than FEW tokens."""
+    the kernel plan runs the native kernel on more than layers.PANELS_PAST (6) tokens."""
 
     __slots__ = ("k", "n", "panels", "bias")
 
