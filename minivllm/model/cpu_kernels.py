@@ -44,12 +44,13 @@ def load_library() -> ctypes.CDLL | None:
     lib.rescale_i32.argtypes = [p, i64, i64, p, p, p, p, c_int]
     lib.quantize_rows_s8.restype = lib.rescale_i32.restype = None
     lib.add_rmsnorm_f32.argtypes = [p, p, i64, c_float, p, c_float, p, i64, i64, c_int]
+    lib.add_layernorm_f32.argtypes = [p, p, i64, p, p, c_float, p, i64, i64, c_int]
     lib.rmsnorm_groups_f32.argtypes = [p, i64, i64, i64, i64, p, c_float, c_int]
     lib.silu_mul_f32.argtypes = [p, i64, p, i64, i64, c_int]
     lib.gelu_tanh_mul_f32.argtypes = [p, i64, p, i64, i64, c_int]
     lib.gelu_tanh_f32.argtypes = [p, i64, p, i64, i64, c_int]
     lib.rope_kv_write_f32.argtypes = [p, i64, i64, c_int, c_int, c_int, c_int, p, p, p, p, c_int, p, p, p, c_int]
-    for fn in (lib.add_rmsnorm_f32, lib.rmsnorm_groups_f32, lib.silu_mul_f32, lib.gelu_tanh_mul_f32,
+    for fn in (lib.add_rmsnorm_f32, lib.add_layernorm_f32, lib.rmsnorm_groups_f32, lib.silu_mul_f32, lib.gelu_tanh_mul_f32,
                lib.gelu_tanh_f32, lib.rope_kv_write_f32):
         fn.restype = None
     lib.decode_stack_f32.argtypes = [p, i64, p, p, p, p]
@@ -309,6 +310,23 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     out = torch.empty(m, h, dtype=torch.float32)
     lib.add_rmsnorm_f32(residual.data_ptr(), x_ptr, ldx, 1.0, weight.data_ptr(), eps, out.data_ptr(), m, h,
                         torch.get_num_threads())
+    return out, residual
+
+
+def add_layernorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """LayerNorm of (x + residual), returning (normed, residual updated in place); without a residual, of x
+    (returned as the residual): add_rmsnorm's convention. float32 [M, H], residual contiguous; x any row stride."""
+    lib = load_library()
+    assert lib is not None
+    m, h = x.shape
+    if residual is None:
+        residual, x_ptr, ldx = x.contiguous(), None, 0  # read only: x itself is never written
+    else:
+        x_ptr, ldx = x.data_ptr(), x.stride(0)
+    out = torch.empty(m, h, dtype=torch.float32)
+    lib.add_layernorm_f32(residual.data_ptr(), x_ptr, ldx, weight.data_ptr(), bias.data_ptr(), eps, out.data_ptr(),
+                          m, h, torch.get_num_threads())
     return out, residual
 
 

@@ -191,6 +191,31 @@ class RMSNorm(nn.Module):
         return (xf * self.weight).to(dtype) if self.unit_offset else self.weight * xf.to(dtype)
 
 
+class LayerNorm(nn.Module):
+    """LayerNorm (weight and bias, GPT-2's) with RMSNorm's residual convention: given `residual`, x is added into
+    it in place and (normed, residual) returned, one native pass on the CPU (csrc/fused_ops.c add_layernorm_f32)
+    where the add and ATen's layer_norm were two calls. Parameters named as torch.nn.LayerNorm's."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.bias = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if fused_ok(x) and x.stride(-1) == 1 and self.weight.dtype == torch.float32:
+            out, res = cpu_kernels.add_layernorm(x, residual, self.weight, self.bias, self.eps)
+            return out if residual is None else (out, res)
+        if residual is not None:
+            residual = x + residual
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
 class GroupRMSNorm(RMSNorm):
     """RMSNorm over consecutive groups of `size` columns of a row slice, in place, one weight [size] for every
     group: q/k norm per head (Qwen3, Gemma 3: size = head_dim) or over the whole projection (OLMo 2: size =

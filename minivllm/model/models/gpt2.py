@@ -11,7 +11,7 @@ from torch import nn
 
 from minivllm.config import ModelConfig
 from minivllm.model.attention import Attention
-from minivllm.model.layers import Linear, gelu_tanh
+from minivllm.model.layers import LayerNorm, Linear, gelu_tanh
 from minivllm.model.models.weights import WeightLoader
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -62,19 +62,25 @@ class GPT2MLP(nn.Module):
 
 
 class GPT2Block(nn.Module):
-    """Pre-LayerNorm block; returns the residual stream after the block."""
+    """Pre-LayerNorm block in vLLM's residual convention: takes the previous block's MLP output and the residual
+    stream before it (None for the first block: the embeddings are the stream), returns its own MLP output and the
+    stream, so each residual add is fused into the LayerNorm that follows it."""
 
     def __init__(self, mc: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         d, eps = mc.hidden_size, mc.hf_config.get("layer_norm_epsilon", 1e-5)
-        self.ln_1 = nn.LayerNorm(d, eps=eps)
+        self.ln_1 = LayerNorm(d, eps)
         self.attn = GPT2Attention(mc, layer_idx)
-        self.ln_2 = nn.LayerNorm(d, eps=eps)
+        self.ln_2 = LayerNorm(d, eps)
         self.mlp = GPT2MLP(mc)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.attn(self.ln_1(h))
-        return h + self.mlp(self.ln_2(h))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.ln_1(x)
+        else:
+            x, residual = self.ln_1(x, residual)
+        x, residual = self.ln_2(self.attn(x), residual)
+        return self.mlp(x), residual
 
 
 class GPT2LMHeadModel(nn.Module):
@@ -94,15 +100,18 @@ class GPT2LMHeadModel(nn.Module):
         self.wte = nn.Embedding(mc.vocab_size, mc.hidden_size)
         self.wpe = nn.Embedding(mc.max_position_embeddings, mc.hidden_size)
         self.h = nn.ModuleList(GPT2Block(mc, i) for i in range(mc.num_layers))
-        self.ln_f = nn.LayerNorm(mc.hidden_size, eps=mc.hf_config.get("layer_norm_epsilon", 1e-5))
+        self.ln_f = LayerNorm(mc.hidden_size, mc.hf_config.get("layer_norm_epsilon", 1e-5))
         self.lm_head = Linear(mc.hidden_size, mc.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat token ids [T] and positions [T] → final hidden states [T, hidden]."""
-        h = self.wte(input_ids) + self.wpe(positions)
+        h: torch.Tensor = self.wte(input_ids) + self.wpe(positions)
+        residual: torch.Tensor | None = None
         for block in self.h:
-            h = block(h)
-        return self.ln_f(h)
+            h, residual = block(h, residual)
+        if residual is None:  # no layers
+            return self.ln_f(h)
+        return self.ln_f(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states of the sampled positions → float32 logits."""
