@@ -15,6 +15,7 @@ from minivllm.config import ModelConfig
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.model import cpu_kernels
 from minivllm.model.decode_stack import DecodeStack
+from minivllm.model.layers import Linear
 from minivllm.model.moe import SparseMoE
 from minivllm.model.runner import ModelRunner, SequenceInput
 from minivllm.modelgen.presets import MOE_FAMILIES
@@ -37,10 +38,11 @@ def stack_calls(monkeypatch):
     return calls
 
 
-def _runner(path: str, method: str | None, dtype: torch.dtype = torch.float32) -> ModelRunner:
+def _runner(path: str, method: str | None, dtype: torch.dtype = torch.float32, num_blocks: int = 32) -> ModelRunner:
     mc = ModelConfig.from_pretrained(path)
     # Native kernels for every shape class, so the stack takes 1 and 3 decode tokens alike.
-    return make_runner(mc, 32, dtype, linear_backend="native", quantization=method, quantization_kernel="native")
+    return make_runner(mc, num_blocks, dtype, linear_backend="native", quantization=method,
+                       quantization_kernel="native")
 
 
 def _decode_steps(runner: ModelRunner, path: str, counts: Callable[[], torch.Tensor] | None = None
@@ -73,9 +75,9 @@ def _decode_steps(runner: ModelRunner, path: str, counts: Callable[[], torch.Ten
     return out
 
 
-# The shape classes the stack takes (m<=1, m<=6, m<=16, m>16) when every projection is planned native: a float32
-# model's native kernel past PANELS_PAST (6) tokens is csrc/gemm_f32.c's GEMM on panels, which the stack does not run.
-_STACK_CLASSES = {False: (True, True, True, True), True: (True, True, False, False)}
+# The shape classes the stack takes (m<=1, m<=6, m<=16, m>16) when every projection is planned native: all of them,
+# a float32 model's past PANELS_PAST (6) tokens on csrc/gemm_f32.c's panels as its modules run them.
+_STACK_CLASSES = {False: (True, True, True, True), True: (True, True, True, True)}
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-llama3"])
@@ -139,10 +141,39 @@ def test_engine_greedy_output_same_with_enforce_eager(model_factory, stack_calls
     for eager in (False, True):
         llm = LLM(path, quantization=method, num_kv_blocks=64, enforce_eager=eager, **kernels)
         assert (llm.llm_engine.runner.decode_stack is None) == eager
-        # (6 prompts: decode steps of up to PANELS_PAST tokens, where a float32 model's stack runs)
-        outs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS[:6], params, use_tqdm=False)])
+        # (every prompt: decode steps past PANELS_PAST tokens too, a float32 model's on the panels in the stack)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)])
     assert outs[0] == outs[1]
     assert stack_calls, "the stack never ran"
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
+def test_stack_runs_the_panels_past_panels_past_tokens_as_the_modules_do(model_factory, stack_calls, preset):
+    """A float32 model's decode step of 9 and 20 tokens (past PANELS_PAST): every projection on csrc/gemm_f32.c's
+    panels in the stack as in the module path, so the logits are the same to the bit (the rows sum in another
+    order); a step of 3 tokens runs the rows both ways."""
+    path = model_factory(preset)
+    runner = _runner(path, None, num_blocks=96)
+    stack = runner.decode_stack
+    assert stack is not None and all(stack.native_classes)
+    projections = [p for p in runner.model.modules() if isinstance(p, Linear) and p is not runner.model.lm_head]
+    assert projections and all(p._panels is not None and id(p) in stack._with_panels for p in projections)
+    tok = get_tokenizer(path)
+    n = 20
+    prompts = [tok.encode(PROMPTS[i % len(PROMPTS)])[: 5 + i] for i in range(n)]
+    tables = [list(range(4 * i, 4 * i + 4)) for i in range(n)]
+    runner.execute([SequenceInput(p, 0, t, True) for p, t in zip(prompts, tables, strict=True)])
+    lens = [len(p) for p in prompts]
+    for step, rows in enumerate((9, 20, 3)):
+        seqs = [SequenceInput([7 + step + i], lens[i], tables[i], True) for i in range(rows)]
+        with_stack = runner.execute(seqs)
+        runner.model.decode_stack = None
+        modules = runner.execute(seqs)
+        runner.model.decode_stack = stack
+        torch.testing.assert_close(with_stack, modules, atol=0, rtol=0)
+        for i in range(rows):
+            lens[i] += 1
+    assert stack_calls == [9, 20, 3]
 
 
 def test_stack_only_where_it_runs_the_same_kernels(model_factory):

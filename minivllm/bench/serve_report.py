@@ -85,9 +85,16 @@ def offline_profile(p: dict[str, Any]) -> str:
     phases = d["phases_ms"]
     return ("Where the offline engine's time goes (same requests; each step against its own roofline at this run's "
             "ceilings): " + "; ".join(parts) + f". One pure-decode step at {d['batch']} sequences: "
-            f"{d['step_ms']:.1f} ms = GEMMs {d['gemm_ms']:.1f} + paged attention {d['attention_ms']:.1f} + the rest "
+            f"{d['step_ms']:.1f} ms = " + _stack_part(d) + f"GEMMs {d['gemm_ms']:.1f} + paged attention "
+            f"{d['attention_ms']:.1f} + the rest "
             f"{d['other_ms']:.1f} (norms, activations, KV writes, sampling, scheduling: non-model phases "
             f"{sum(v for k, v in phases.items() if k != 'forward'):.1f} ms).")
+
+
+def _stack_part(d: dict[str, Any]) -> str:
+    """The native decode stack's share of a profiled step, where it ran (its GEMMs and attention are inside it)."""
+    ms = d.get("stack_ms", 0.0)
+    return f"the native decode stack {ms:.1f} (every layer's GEMMs, attention and norms in one call) + " if ms else ""
 
 
 def plot(r: dict[str, Any], path: str) -> None:
@@ -168,10 +175,13 @@ def served_verdict(r: dict[str, Any], roofline_target: float | None, offline_tar
            if "server_cpu_s" in s.get("event_loop_lag", {}) else "") + ".",
         f"- where the rest goes: the offline engine's decode steps run at "
         f"{100 * dec['roofline_s'] / dec['seconds']:.0f}% of their own roofline; one decode step at {d['batch']} "
-        f"sequences is {d['step_ms']:.0f} ms, of which GEMMs {100 * d['gemm_ms'] / d['step_ms']:.0f}%"
+        f"sequences is {d['step_ms']:.0f} ms, of which "
+        + (f"the native decode stack {100 * d['stack_ms'] / d['step_ms']:.0f}% (its layers' GEMMs and attention), "
+           if d.get("stack_ms") else "")
+        + f"GEMMs {100 * d['gemm_ms'] / d['step_ms']:.0f}%"
         + (f" (alone {100 * d['gemm_ms'] / roof_step_ms:.0f}% of the step's whole roofline of {roof_step_ms:.0f} "
            f"ms: at this M they run at {100 * roof_step_ms / d['gemm_ms']:.0f}% of the peak GEMM the roofline "
-           "assumes)" if d["gemm_ms"] > 0 and roof_step_ms > 0 else "")
+           "assumes)" if d["gemm_ms"] > 0 and roof_step_ms > 0 and not d.get("stack_ms") else "")
         + f", paged attention {100 * d['attention_ms'] / d['step_ms']:.0f}% (the "
         f"KV cache read once: bandwidth, which the compute roofline does not count), the rest "
         f"{100 * d['other_ms'] / d['step_ms']:.0f}%.",

@@ -24,6 +24,7 @@ from minivllm.config import EngineArgs, ModelConfig, cpu_count
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.model import cpu_kernels
+from minivllm.model.decode_stack import DecodeStack
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -222,17 +223,28 @@ def profile_decode(engine: LLMEngine, prompts: list[list[int]], steps: int = 6) 
 
     for kind, call in native_calls.items():
         kind.__call__ = timed(call)  # type: ignore[method-assign]
+    # A step the decode stack runs (model/decode_stack.py) is one native call: its GEMMs and attention are inside it.
+    stack_time, stack_call = [0.0], DecodeStack.__call__
+
+    def timed_stack(self, h, positions):
+        t = time.perf_counter()
+        out = stack_call(self, h, positions)
+        stack_time[0] += time.perf_counter() - t
+        return out
+
+    DecodeStack.__call__ = timed_stack  # type: ignore[method-assign]
     # Plain steps (the wall, attention, the engine's phases) alternate with profiled ones (GEMM time only: the
     # profiler's per-op overhead would inflate the rest): drift hits both alike, so their parts add up.
-    walls, attns, gemms = [], [], []
+    walls, attns, gemms, stacks = [], [], [], []
     phase_sums: dict[str, float] = {}
     try:
         for _ in range(steps):
-            split0, a0, n0 = engine.timings.as_dict(), attn_time[0], native_time[0]
+            split0, a0, n0, s0 = engine.timings.as_dict(), attn_time[0], native_time[0], stack_time[0]
             t = time.perf_counter()
             engine.step()
             walls.append(time.perf_counter() - t)
             attns.append(attn_time[0] - a0)
+            stacks.append(stack_time[0] - s0)
             native = native_time[0] - n0
             for k, v in engine.timings.as_dict().items():
                 phase_sums[k] = phase_sums.get(k, 0.0) + v - split0[k]
@@ -243,7 +255,9 @@ def profile_decode(engine: LLMEngine, prompts: list[list[int]], steps: int = 6) 
         del backend.decode
         for kind, call in native_calls.items():
             kind.__call__ = call  # type: ignore[method-assign]
+        DecodeStack.__call__ = stack_call  # type: ignore[method-assign]
     wall, attn, gemm = statistics.median(walls), statistics.median(attns), statistics.median(gemms)
+    stack = statistics.median(stacks)
     # The engine's own phases over the plain steps: model = forward (+ logits), the rest is our overhead.
     phases = {k: 1e3 * v / steps for k, v in phase_sums.items()}
     # Thread sweep on the same sequences: alternate so drift hits both settings alike.
@@ -260,7 +274,7 @@ def profile_decode(engine: LLMEngine, prompts: list[list[int]], steps: int = 6) 
     for i in range(len(prompts)):
         engine.abort_request(f"prof-{i}")
     return {"batch": len(prompts), "step_ms": 1e3 * wall, "gemm_ms": 1e3 * gemm, "attention_ms": 1e3 * attn,
-            "other_ms": 1e3 * (wall - gemm - attn), "phases_ms": phases,
+            "stack_ms": 1e3 * stack, "other_ms": 1e3 * (wall - gemm - attn - stack), "phases_ms": phases,
             "non_model_share": 1 - phases["forward"] / sum(phases.values()),
             "step_ms_by_threads": {n: 1e3 * statistics.median(v) for n, v in by_threads.items()}}
 

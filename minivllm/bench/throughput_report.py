@@ -61,7 +61,9 @@ def main_report(r: dict[str, Any]) -> list[str]:
     p = r.get("decode_profile")
     if p:
         lines += ["", f"Inside one pure-decode step at {p['batch']} sequences ({p['step_ms']:.1f} ms): "
-                  f"GEMMs {p['gemm_ms']:.1f} ms, paged attention {p['attention_ms']:.1f} ms, everything else "
+                  + (f"the native decode stack {p['stack_ms']:.1f} ms (every layer in one call), "
+                     if p.get("stack_ms") else "")
+                  + f"GEMMs {p['gemm_ms']:.1f} ms, paged attention {p['attention_ms']:.1f} ms, everything else "
                   f"{p['other_ms']:.1f} ms. Same step by thread count: " + ", ".join(
                       f"{n} thread(s) {ms:.1f} ms" for n, ms in p["step_ms_by_threads"].items()) + "."]
     return lines

@@ -50,8 +50,8 @@ def load_library() -> ctypes.CDLL | None:
     lib.gelu_tanh_mul_f32.argtypes = [p, i64, p, i64, i64, c_int]
     lib.gelu_tanh_f32.argtypes = [p, i64, p, i64, i64, c_int]
     lib.rope_kv_write_f32.argtypes = [p, i64, i64, c_int, c_int, c_int, c_int, p, p, p, p, c_int, p, p, p, c_int]
-    for fn in (lib.add_rmsnorm_f32, lib.add_layernorm_f32, lib.rmsnorm_groups_f32, lib.silu_mul_f32, lib.gelu_tanh_mul_f32,
-               lib.gelu_tanh_f32, lib.rope_kv_write_f32):
+    for fn in (lib.add_rmsnorm_f32, lib.add_layernorm_f32, lib.rmsnorm_groups_f32, lib.silu_mul_f32,
+               lib.gelu_tanh_mul_f32, lib.gelu_tanh_f32, lib.rope_kv_write_f32):
         fn.restype = None
     lib.decode_stack_f32.argtypes = [p, i64, p, p, p, p]
     lib.decode_stack_f32.restype = None

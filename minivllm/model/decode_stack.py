@@ -6,7 +6,9 @@ Python (module calls, views, ctypes marshalling) cost ~90 us a layer, a tenth of
 quarter to a third of a quantized one. csrc/decode_stack.c runs the same kernels back to back (a mixture of
 experts' router, routing and expert GEMVs too: csrc/moe_decode.c), and the stack is only taken where the
 module path would have run them too: every projection (every expert's) planned `native` for the step's shape
-class, the compiled paged attention, no prefill tokens. With float32 activations
+class, the compiled paged attention, no prefill tokens. A float32 projection's native kernel past PANELS_PAST tokens is
+csrc/gemm_f32.c's GEMM on panels: the stack binds those panels and runs them there too (a 50-sequence decode step of
+SmolLM2-135M 0.85x the module path's time: 30 layers' Python dispatch gone; the stack had stopped at 6 tokens). With float32 activations
 it computes exactly what the modules do (tests/test_decode_stack.py). In a bfloat16 model (bf16
 weights and KV pool) it keeps the residual stream, norms and attention in float32 between the kernels, where the
 module path rounds them to bf16 after every op, and rounds each projection's input to bf16 as the module path's
@@ -18,6 +20,7 @@ it off.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,6 +29,7 @@ from torch import nn
 from minivllm.model import cpu_kernels
 from minivllm.model.attention import CpuNativePagedAttention, get_metadata
 from minivllm.model.kernel_plan import SHAPE_CLASSES, shape_class
+from minivllm.model.layers import PANELS_PAST
 from minivllm.model.moe import SparseMoE
 from minivllm.model.split_linear import SplitLinear
 
@@ -35,7 +39,7 @@ _MAX_KV_GROUPS = 4  # csrc/decode_stack.c's
 
 class Proj(ctypes.Structure):
     _fields_ = [("w", _p), ("scale", _p), ("mins", _p), ("bias", _p), ("K", _i64), ("N", _i64), ("G", _i64),
-                ("fmt", _i64), ("next", _p)]
+                ("fmt", _i64), ("next", _p), ("panels", _p)]
 
 
 def proj_table(g: cpu_kernels.GemvWeights) -> Proj:
@@ -63,7 +67,7 @@ class _Step(ctypes.Structure):
                 ("positions", _p), ("slot_mapping", _p * _MAX_KV_GROUPS), ("block_tables", _p * _MAX_KV_GROUPS),
                 ("bt_stride", _i64 * _MAX_KV_GROUPS), ("sinks", _i64), ("max_ctx", _i64), ("gemv_scratch", _p),
                 ("attn_scratch", _p), ("work", _p), ("num_threads", _i64),
-                ("kv_fmt", _i64), ("moe_work", _p), ("moe_ids", _p), ("x_bf16", _i64)]
+                ("kv_fmt", _i64), ("moe_work", _p), ("moe_ids", _p), ("x_bf16", _i64), ("panels_past", _i64)]
 
 _ACTS = {"SiluAndMul": 0, "GeluTanhAndMul": 1}
 
@@ -82,12 +86,18 @@ def _projections(layer: Any) -> tuple[Any, ...]:
     return tuple(q for p in found for q in (p.planned() if isinstance(p, SplitLinear) else (p,)))
 
 
-def _native_classes(model: Any) -> tuple[bool, ...]:
-    """Per shape class: whether every projection of every layer runs the native kernel's rows there (a float32
-    Linear's native kernel past PANELS_PAST tokens is the GEMM on panels: the stack would run the rows instead,
-    4x the weight reads at 64 tokens)."""
+def _panels_now(proj: Any) -> bool:
+    """Whether a projection holds csrc/gemm_f32.c's panels now (a float32 Linear planned native past PANELS_PAST)."""
+    return getattr(proj, "_panels", None) is not None
+
+
+def _native_classes(model: Any, has_panels: Callable[[Any], bool] = _panels_now) -> tuple[bool, ...]:
+    """Per shape class: whether every projection of every layer runs a native kernel there that the stack runs
+    too: csrc/gemv.c's rows, or, where a float32 Linear's native kernel is the GEMM on panels (past PANELS_PAST
+    tokens), those panels bound in the stack (`has_panels`): it runs them past PANELS_PAST rows as the module does."""
     projs = [p for layer in model.layers for p in _projections(layer)]
-    return tuple(all(p.kernels[c].__name__ == "forward_native" and p.native_rows(largest) for p in projs)
+    return tuple(all(p.kernels[c].__name__ == "forward_native" and (p.native_rows(largest) or has_panels(p))
+                     for p in projs)
                  for c, (largest, _) in enumerate(SHAPE_CLASSES))
 
 
@@ -112,6 +122,7 @@ class DecodeStack:
         self.dtype = model.norm.weight.dtype
         self.layers = (_Layer * len(model.layers))()
         keep: list[object] = []  # every tensor a pointer below refers to stays alive with the stack
+        self._with_panels: set[int] = set()  # the projections whose panels are bound (by id)
 
         def f32(t: torch.Tensor) -> torch.Tensor:
             """The C side reads float32 norms and rope table (copies of a bf16 model's: a few hundred KB)."""
@@ -133,7 +144,13 @@ class DecodeStack:
                 return first
             g = proj.gemv_weights()  # a planned projection's, or a router's (model/moe.py's RouterLinear)
             keep.append(g)
-            return proj_table(g)
+            table = proj_table(g)
+            panels = getattr(proj, "_panels", None)
+            if panels is not None:  # (kept: a later plan may release the module's, never the stack's copy)
+                keep.append(panels)
+                table.panels = panels.panels.data_ptr()
+                self._with_panels.add(id(proj))
+            return table
 
         tables: dict[int, torch.Tensor] = {}  # one float32 copy per rope table the layers share
         for layer, row in zip(model.layers, self.layers, strict=True):
@@ -170,7 +187,8 @@ class DecodeStack:
                           block_size=self.block_size, eps=model.norm.eps, scale=attn.scale,
                           softcap=attn.softcap or 0.0, res_scale=first.residual_scale,
                           act=_ACTS[type(first.mlp.act).__name__], gemv_scratch=self.gemv_scratch.data_ptr(),
-                          kv_fmt=cpu_kernels.KV_FORMATS[attn.k_cache.dtype], x_bf16=self.dtype == torch.bfloat16)
+                          kv_fmt=cpu_kernels.KV_FORMATS[attn.k_cache.dtype], x_bf16=self.dtype == torch.bfloat16,
+                          panels_past=PANELS_PAST)
         self.n_layers = len(model.layers)
         self._layers_ptr, self._step_ptr = ctypes.addressof(self.layers), ctypes.addressof(self.step)
         self.residual = torch.empty(0)
@@ -215,7 +233,7 @@ class DecodeStack:
 
     def refresh(self, model: Any) -> None:
         """The shape classes it runs, after a kernel plan changed."""
-        self.native_classes = _native_classes(model)
+        self.native_classes = _native_classes(model, lambda p: id(p) in self._with_panels)
 
     def accepts(self, num_tokens: int) -> bool:
         """Whether this step is all decodes and its shape class runs native kernels throughout."""

@@ -8,13 +8,16 @@
 #include <string.h>
 
 /* One projection as csrc/gemv.c takes it (the fields of cpu_kernels.GemvWeights); `next`: the part holding the
- * output columns after these N (model/split_linear.py: a module of two weight types), or NULL. */
+ * output columns after these N (model/split_linear.py: a module of two weight types), or NULL; `panels`: a float32
+ * projection's weight packed for csrc/gemm_f32.c (cpu_kernels.GemmPanels), which it runs on more than
+ * step_t.panels_past rows as layers.Linear.forward_native does, or NULL. */
 typedef struct proj {
     const void *w, *scale, *mins;
     const float *bias;
     int64_t K, N, G;
     int64_t fmt;
     const struct proj *next;
+    const float *panels;
 } proj_t;
 
 /* A mixture of experts in a layer's MLP place (model/moe.py's SparseMoE). */
@@ -60,6 +63,7 @@ typedef struct {
     float *moe_work;  /* max(M, k) (E + k + 2H + 3 Imax) floats, where a layer has experts (csrc/moe_decode.c) */
     int64_t *moe_ids; /* 3 M k int64 */
     int64_t x_bf16;   /* a bfloat16 model: projection inputs rounded to bf16 (bf16_input, below) */
+    int64_t panels_past; /* layers.PANELS_PAST: more rows than this run a projection's panels where it has them */
 } step_t;
 
 void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, int fmt,
@@ -68,6 +72,8 @@ void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, in
 int linear_gemv_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, int k, int64_t K, int64_t N, int fmt,
                         const void *const *w, const void *const *scale, const void *const *mins, int64_t G,
                         const float *const *bias, float *scratch, int num_threads);
+void gemm_f32_panels(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N,
+                     const float *P, const float *bias, int num_threads);
 void silu_mul_f32(const float *gu, int64_t ldg, float *out, int64_t M, int64_t I, int num_threads);
 void gelu_tanh_mul_f32(const float *gu, int64_t ldg, float *out, int64_t M, int64_t I, int num_threads);
 
@@ -93,12 +99,16 @@ static inline int64_t proj_n(const proj_t *p) {
     return n;
 }
 
-/* out [rows, proj_n(p)] (ldo floats apart) = x [rows, p->K] (ldx apart) W^T + b, part by part. */
+/* out [rows, proj_n(p)] (ldo floats apart) = x [rows, p->K] (ldx apart) W^T + b, part by part: on the panels past
+ * panels_past rows where a part has them, else csrc/gemv.c's kernel of its format. */
 static inline void project_rows(float *out, int64_t ldo, const float *x, int64_t ldx, int64_t rows, const proj_t *p,
                                 const step_t *s) {
     for (; p; out += p->N, p = p->next)
-        linear_gemv(out, ldo, x, ldx, (int)rows, p->K, p->N, (int)p->fmt, p->w, p->scale, p->mins, p->G, p->bias,
-                    s->gemv_scratch, (int)s->num_threads);
+        if (p->panels && rows > s->panels_past)
+            gemm_f32_panels(out, ldo, x, ldx, (int)rows, p->K, p->N, p->panels, p->bias, (int)s->num_threads);
+        else
+            linear_gemv(out, ldo, x, ldx, (int)rows, p->K, p->N, (int)p->fmt, p->w, p->scale, p->mins, p->G,
+                        p->bias, s->gemv_scratch, (int)s->num_threads);
 }
 
 /* The gated activation of gu [rows, 2I] (gate columns first) into out [rows, I]. */
