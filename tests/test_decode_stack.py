@@ -4,6 +4,7 @@ decode tokens, and taken only where it runs the same kernels."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -80,7 +81,7 @@ def _decode_steps(runner: ModelRunner, path: str, counts: Callable[[], torch.Ten
 _STACK_CLASSES = {False: (True, True, True, True), True: (True, True, True, True)}
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-llama3"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-llama3", "tiny-gpt2"])
 @pytest.mark.parametrize("method", [None, "int8", "int4", "w8a8", "w4a8"])
 def test_stack_equals_module_path(model_factory, stack_calls, preset, method):
     path = model_factory(preset)
@@ -147,7 +148,7 @@ def test_engine_greedy_output_same_with_enforce_eager(model_factory, stack_calls
     assert stack_calls, "the stack never ran"
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3", "tiny-gpt2"])
 def test_stack_runs_the_panels_past_panels_past_tokens_as_the_modules_do(model_factory, stack_calls, preset):
     """A float32 model's decode step of 9 and 20 tokens (past PANELS_PAST): every projection on csrc/gemm_f32.c's
     panels in the stack as in the module path, so the logits are the same to the bit (the rows sum in another
@@ -179,10 +180,15 @@ def test_stack_runs_the_panels_past_panels_past_tokens_as_the_modules_do(model_f
 def test_stack_only_where_it_runs_the_same_kernels(model_factory):
     path = model_factory("tiny-llama")
     mc = ModelConfig.from_pretrained(path)
-    # The torch attention backend, GPT-2 and forced non-native kernels: no stack.
+    # The torch attention backend and forced non-native kernels: no stack.
     assert make_runner(mc, 8, attention_backend="torch").decode_stack is None
     assert make_runner(mc, 8, linear_backend="torch").decode_stack is None
+    # GPT-2 runs on it (LayerNorms with biases, an ungated GELU-tanh), but not with what its step table cannot hold:
+    # the exact (erf) GELU, or an attention scale that differs by layer.
     gpt2 = ModelConfig.from_pretrained(model_factory("tiny-gpt2"))
-    assert make_runner(gpt2, 8).decode_stack is None
+    assert make_runner(gpt2, 8).decode_stack is not None
+    for change in ({"activation_function": "gelu"}, {"scale_attn_by_inverse_layer_idx": True}):
+        other = dataclasses.replace(gpt2, hf_config={**gpt2.hf_config, **change})
+        assert make_runner(other, 8).decode_stack is None, change
     w8a8 = make_runner(mc, 8, quantization="w8a8", quantization_kernel="int_mm")
     assert w8a8.decode_stack is None

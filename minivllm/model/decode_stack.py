@@ -1,26 +1,26 @@
-"""DecodeStack: a decoder model's layers (model/models/decoder.py, every family but GPT-2) run by one native call
-for all-decode steps.
+"""DecodeStack: a model's layers (model/models/decoder.py's families, and GPT-2's through its `stack_parts`) run by
+one native call for all-decode steps.
 
 A batch-1 decode step is ~30 layers of nine small native kernels; dispatching them one by one from
 Python (module calls, views, ctypes marshalling) cost ~90 us a layer, a tenth of an fp32 step and a
 quarter to a third of a quantized one. csrc/decode_stack.c runs the same kernels back to back (a mixture of
 experts' router, routing and expert GEMVs too: csrc/moe_decode.c), and the stack is only taken where the
 module path would have run them too: every projection (every expert's) planned `native` for the step's shape
-class, the compiled paged attention, no prefill tokens. A float32 projection's native kernel past PANELS_PAST tokens is
-csrc/gemm_f32.c's GEMM on panels: the stack binds those panels and runs them there too (a 50-sequence decode step of
-SmolLM2-135M 0.85x the module path's time: 30 layers' Python dispatch gone; the stack had stopped at 6 tokens). With float32 activations
-it computes exactly what the modules do (tests/test_decode_stack.py). In a bfloat16 model (bf16
-weights and KV pool) it keeps the residual stream, norms and attention in float32 between the kernels, where the
-module path rounds them to bf16 after every op, and rounds each projection's input to bf16 as the module path's
-is (so bf16 weights take AVX512-BF16's dot product, csrc/gemv_bf16dot.h): within bf16 tolerance of the module
-path. `enforce_eager` (vLLM's switch for its captured CUDA graphs) turns
-it off.
+class, the compiled paged attention, no prefill tokens. A float32 projection's native kernel past PANELS_PAST
+tokens is csrc/gemm_f32.c's GEMM on panels: the stack binds those panels and runs them there too (a 50-sequence
+decode step of SmolLM2-135M 0.85x the module path's time: 30 layers' Python dispatch gone; the stack had stopped at
+6 tokens). With float32 activations it computes exactly what the modules do (tests/test_decode_stack.py). In a
+bfloat16 model (bf16 weights and KV pool) it keeps the residual stream, norms and attention in float32 between the
+kernels, where the module path rounds them to bf16 after every op, and rounds each projection's input to bf16 as the
+module path's is (so bf16 weights take AVX512-BF16's dot product, csrc/gemv_bf16dot.h): within bf16 tolerance of the
+module path. `enforce_eager` (vLLM's switch for its captured CUDA graphs) turns it off.
 """
 
 from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,7 +58,8 @@ class _Layer(ctypes.Structure):
     _fields_ = [("attn_norm", _p), ("attn_out_norm", _p), ("mlp_norm", _p), ("mlp_out_norm", _p), ("q_norm", _p),
                 ("k_norm", _p), ("q_norm_size", _i64), ("k_norm_size", _i64), ("cos_sin", _p), ("rot", _i64),
                 ("window", _i64), ("group", _i64), ("qkv", Proj), ("o", Proj), ("gate_up", Proj), ("down", Proj),
-                ("k_cache", _p), ("v_cache", _p), ("k_scale", _p), ("v_scale", _p), ("moe", _p)]
+                ("k_cache", _p), ("v_cache", _p), ("k_scale", _p), ("v_scale", _p), ("moe", _p),
+                ("attn_norm_b", _p), ("mlp_norm_b", _p)]
 
 
 class _Step(ctypes.Structure):
@@ -67,22 +68,64 @@ class _Step(ctypes.Structure):
                 ("positions", _p), ("slot_mapping", _p * _MAX_KV_GROUPS), ("block_tables", _p * _MAX_KV_GROUPS),
                 ("bt_stride", _i64 * _MAX_KV_GROUPS), ("sinks", _i64), ("max_ctx", _i64), ("gemv_scratch", _p),
                 ("attn_scratch", _p), ("work", _p), ("num_threads", _i64),
-                ("kv_fmt", _i64), ("moe_work", _p), ("moe_ids", _p), ("x_bf16", _i64), ("panels_past", _i64)]
+                ("kv_fmt", _i64), ("moe_work", _p), ("moe_ids", _p), ("x_bf16", _i64), ("panels_past", _i64),
+                ("norm_kind", _i64), ("final_norm_b", _p)]
 
-_ACTS = {"SiluAndMul": 0, "GeluTanhAndMul": 1}
+# csrc/decode_stack.h's step_t.act: SwiGLU, GeGLU (tanh), and GPT-2's ungated GELU (tanh)
+ACT_SILU_MUL, ACT_GELU_TANH_MUL, ACT_GELU_TANH = 0, 1, 2
+_ACTS = {"SiluAndMul": ACT_SILU_MUL, "GeluTanhAndMul": ACT_GELU_TANH_MUL}
 
 
-# The decoder's module tree is walked by attribute name below (layers[i].self_attn.qkv_proj, ...): nn.Module's
-# __getattr__ types every child `Tensor | Module`, so the walked objects are `Any`.
-def _projections(layer: Any) -> tuple[Any, ...]:
-    """Every planned projection of a layer: attention's, then the gated MLP's or every expert's (and Qwen2-MoE's
+@dataclass(slots=True)
+class StackParts:
+    """One layer as the stack runs it: its family's modules in csrc/decode_stack.h's layer_t roles. A family that
+    names them otherwise (GPT-2) hands these over from its layers' `stack_parts()`; model/models/decoder.py's are
+    read by name (decoder_parts)."""
+
+    norms: tuple[Any, Any, Any, Any]  # before attention, after it, before the MLP, after it (None: none)
+    q_norm: Any
+    k_norm: Any
+    rotary: Any  # its rope table (None: no rotary)
+    attn: Any  # the Attention layer: KV pool, window, group, scale
+    qkv: Any
+    o: Any
+    mlp: Any  # a SparseMoE, or None for a dense MLP of gate_up and down
+    gate_up: Any
+    down: Any
+    act: int  # step_t.act
+    residual_scale: float
+
+
+def decoder_parts(layer: Any) -> StackParts:
+    """A model/models/decoder.py DecoderLayer's parts."""
+    sa, mlp = layer.self_attn, layer.mlp
+    sparse = isinstance(mlp, SparseMoE)
+    return StackParts(layer.norms, sa.q_norm, sa.k_norm, sa.rotary, sa.attn, sa.qkv_proj, sa.o_proj,
+                      mlp if sparse else None, None if sparse else mlp.gate_up_proj, None if sparse else mlp.down_proj,
+                      _ACTS.get(type(mlp.act).__name__, -1), layer.residual_scale)
+
+
+def model_parts(model: Any) -> tuple[list[StackParts], Any] | None:
+    """Every layer's parts and the final norm (None: a model the stack does not know)."""
+    hook = getattr(model, "stack_parts", None)
+    if hook is not None:
+        return hook()
+    if not isinstance(getattr(model, "layers", None), nn.ModuleList) or not hasattr(model.layers[0], "norms"):
+        return None
+    return [decoder_parts(layer) for layer in model.layers], model.norm
+
+
+# The module trees are walked by attribute name (parts.mlp.experts, ...): nn.Module's __getattr__ types every child
+# `Tensor | Module`, so the walked objects are `Any`.
+def _projections(parts: StackParts) -> tuple[Any, ...]:
+    """Every planned projection of a layer: attention's, then the dense MLP's or every expert's (and Qwen2-MoE's
     shared expert's)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    if not isinstance(mlp, SparseMoE):
-        found = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+    mlp = parts.mlp
+    if mlp is None:
+        found = parts.qkv, parts.o, parts.gate_up, parts.down
     else:
         shared = () if mlp.shared_expert is None else (mlp.shared_expert.gate_up_proj, mlp.shared_expert.down_proj)
-        found = attn.qkv_proj, attn.o_proj, *mlp.experts.gate_up, *mlp.experts.down, *shared
+        found = parts.qkv, parts.o, *mlp.experts.gate_up, *mlp.experts.down, *shared
     return tuple(q for p in found for q in (p.planned() if isinstance(p, SplitLinear) else (p,)))
 
 
@@ -95,7 +138,9 @@ def _native_classes(model: Any, has_panels: Callable[[Any], bool] = _panels_now)
     """Per shape class: whether every projection of every layer runs a native kernel there that the stack runs
     too: csrc/gemv.c's rows, or, where a float32 Linear's native kernel is the GEMM on panels (past PANELS_PAST
     tokens), those panels bound in the stack (`has_panels`): it runs them past PANELS_PAST rows as the module does."""
-    projs = [p for layer in model.layers for p in _projections(layer)]
+    found = model_parts(model)
+    assert found is not None
+    projs = [p for parts in found[0] for p in _projections(parts)]
     return tuple(all(p.kernels[c].__name__ == "forward_native" and (p.native_rows(largest) or has_panels(p))
                      for p in projs)
                  for c, (largest, _) in enumerate(SHAPE_CLASSES))
@@ -109,18 +154,20 @@ class DecodeStack:
         assert lib is not None
         self._fn = lib.decode_stack_f32
         self.native_classes = native_classes
-        first = model.layers[0]
-        attn = first.self_attn.attn
-        self.hidden = model.norm.weight.shape[0]
-        mlps = [layer.mlp for layer in model.layers]
-        self.inter = max((m.down_proj.in_features for m in mlps if not isinstance(m, SparseMoE)), default=0)
-        moes = [m for m in mlps if isinstance(m, SparseMoE)]
+        found = model_parts(model)
+        assert found is not None
+        layers, norm = found
+        first = layers[0]
+        attn = first.attn
+        self.hidden = norm.weight.shape[0]
+        self.inter = max((p.down.in_features for p in layers if p.mlp is None), default=0)
+        moes = [p.mlp for p in layers if p.mlp is not None]
         # (experts, top-k, the larger intermediate of an expert and a shared expert): csrc/moe_decode.c's work
         self.moe_shape = (max(m.num_experts for m in moes), max(m.top_k for m in moes),
                           max(max(m.intermediate, _shared_intermediate(m)) for m in moes)) if moes else None
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        self.dtype = model.norm.weight.dtype
-        self.layers = (_Layer * len(model.layers))()
+        self.dtype = norm.weight.dtype
+        self.layers = (_Layer * len(layers))()
         keep: list[object] = []  # every tensor a pointer below refers to stays alive with the stack
         self._with_panels: set[int] = set()  # the projections whose panels are bound (by id)
 
@@ -132,6 +179,9 @@ class DecodeStack:
 
         def ptr(module: Any) -> int | None:  # a norm (its `weight`), or None
             return None if module is None else f32(module.weight).data_ptr()
+
+        def bias(module: Any) -> int | None:  # a LayerNorm's bias, or None
+            return None if getattr(module, "bias", None) is None else f32(module.bias).data_ptr()
 
         def bound(proj: Any) -> Proj:
             """A planned projection's (or a router's) native weights, kept alive with the stack; a split one's
@@ -153,43 +203,45 @@ class DecodeStack:
             return table
 
         tables: dict[int, torch.Tensor] = {}  # one float32 copy per rope table the layers share
-        for layer, row in zip(model.layers, self.layers, strict=True):
-            row.attn_norm, row.attn_out_norm, row.mlp_norm, row.mlp_out_norm = (ptr(n) for n in layer.norms)
-            sa = layer.self_attn
-            row.q_norm, row.k_norm = ptr(sa.q_norm), ptr(sa.k_norm)
-            row.q_norm_size = sa.q_norm.size if sa.q_norm is not None else 0
-            row.k_norm_size = sa.k_norm.size if sa.k_norm is not None else 0
-            if sa.rotary is not None:
-                if id(sa.rotary) not in tables:
-                    tables[id(sa.rotary)] = f32(sa.rotary.cos_sin_cache)
-                table = tables[id(sa.rotary)]
-                row.cos_sin, row.rot = table.data_ptr(), sa.rotary.rot_dim
-            row.window = sa.attn.sliding_window or 0
-            row.group = sa.attn.kv_group
-            row.qkv, row.o = bound(sa.qkv_proj), bound(sa.o_proj)
-            if isinstance(layer.mlp, SparseMoE):
-                moe = self._moe_table(layer.mlp, bound, keep)
+        for parts, row in zip(layers, self.layers, strict=True):
+            row.attn_norm, row.attn_out_norm, row.mlp_norm, row.mlp_out_norm = (ptr(n) for n in parts.norms)
+            row.attn_norm_b, row.mlp_norm_b = bias(parts.norms[0]), bias(parts.norms[2])
+            row.q_norm, row.k_norm = ptr(parts.q_norm), ptr(parts.k_norm)
+            row.q_norm_size = parts.q_norm.size if parts.q_norm is not None else 0
+            row.k_norm_size = parts.k_norm.size if parts.k_norm is not None else 0
+            rotary = parts.rotary
+            if rotary is not None:
+                if id(rotary) not in tables:
+                    tables[id(rotary)] = f32(rotary.cos_sin_cache)
+                table = tables[id(rotary)]
+                row.cos_sin, row.rot = table.data_ptr(), rotary.rot_dim
+            a = parts.attn
+            row.window = a.sliding_window or 0
+            row.group = a.kv_group
+            row.qkv, row.o = bound(parts.qkv), bound(parts.o)
+            if parts.mlp is not None:
+                moe = self._moe_table(parts.mlp, bound, keep)
                 row.moe = ctypes.addressof(moe)
             else:
-                row.gate_up, row.down = bound(layer.mlp.gate_up_proj), bound(layer.mlp.down_proj)
-            a = layer.self_attn.attn
+                row.gate_up, row.down = bound(parts.gate_up), bound(parts.down)
             row.k_cache, row.v_cache = a.k_cache.data_ptr(), a.v_cache.data_ptr()
             keep += [a.k_cache, a.v_cache]
             if a.k_scale is not None:
                 row.k_scale, row.v_scale = a.k_scale.data_ptr(), a.v_scale.data_ptr()
                 keep += [a.k_scale, a.v_scale]
-        self.final_norm = f32(model.norm.weight)
+        self.final_norm = f32(norm.weight)
+        final_bias = bias(norm)
         self._keep = keep
-        self.num_groups = 1 + max(layer.self_attn.attn.kv_group for layer in model.layers)
+        self.num_groups = 1 + max(p.attn.kv_group for p in layers)
         self.gemv_scratch = torch.empty(max(g.scratch_numel for g in keep if isinstance(g, cpu_kernels.GemvWeights)))
-        self.block_size = first.self_attn.attn.k_cache.shape[1]
+        self.block_size = attn.k_cache.shape[1]
         self.step = _Step(H=self.hidden, I=self.inter, nq=self.num_heads, nkv=self.num_kv_heads, D=self.head_dim,
-                          block_size=self.block_size, eps=model.norm.eps, scale=attn.scale,
+                          block_size=self.block_size, eps=norm.eps, scale=attn.scale,
                           softcap=attn.softcap or 0.0, res_scale=first.residual_scale,
-                          act=_ACTS[type(first.mlp.act).__name__], gemv_scratch=self.gemv_scratch.data_ptr(),
+                          act=first.act, gemv_scratch=self.gemv_scratch.data_ptr(),
                           kv_fmt=cpu_kernels.KV_FORMATS[attn.k_cache.dtype], x_bf16=self.dtype == torch.bfloat16,
-                          panels_past=PANELS_PAST)
-        self.n_layers = len(model.layers)
+                          panels_past=PANELS_PAST, norm_kind=int(final_bias is not None), final_norm_b=final_bias)
+        self.n_layers = len(layers)
         self._layers_ptr, self._step_ptr = ctypes.addressof(self.layers), ctypes.addressof(self.step)
         self.residual = torch.empty(0)
         self.work = torch.empty(0)
@@ -216,18 +268,25 @@ class DecodeStack:
     @staticmethod
     def build(model: Any) -> DecodeStack | None:
         """The stack for this model, or None where it would not run the same kernels as the module path."""
-        if not cpu_kernels.available() or not isinstance(getattr(model, "layers", None), nn.ModuleList) \
-                or not hasattr(model.layers[0], "norms"):
-            return None  # GPT-2's blocks are another shape
-        if any(isinstance(layer.mlp, SparseMoE) and len(layer.mlp.experts.gate_up) != layer.mlp.num_experts
-               for layer in model.layers):
+        found = model_parts(model) if cpu_kernels.available() else None
+        if found is None:
+            return None
+        layers, norm = found
+        if any(p.mlp is not None and len(p.mlp.experts.gate_up) != p.mlp.num_experts for p in layers):
             return None  # a rank's share of the experts (expert parallelism): its ranks run the module path
-        first = model.layers[0]
-        attn = first.self_attn.attn
+        attn = layers[0].attn
         if not isinstance(attn.backend, CpuNativePagedAttention) or attn.k_cache.dtype not in cpu_kernels.KV_FORMATS:
             return None
-        if any(layer.self_attn.attn.kv_group >= _MAX_KV_GROUPS for layer in model.layers):
+        if any(p.attn.kv_group >= _MAX_KV_GROUPS for p in layers):
             return None  # more attention windows than the C step table has room for
+        # One step table for all layers: the same activation, attention scale, residual scale and kind of norm
+        # (GPT-2's LayerNorms with biases: only before each sublayer, no residual multiplier).
+        layer_norm = getattr(norm, "bias", None) is not None
+        if len({(p.act, p.attn.scale, p.residual_scale) for p in layers}) != 1 or layers[0].act < 0 or any(
+                (getattr(n, "bias", None) is not None) != layer_norm for p in layers for n in p.norms if n is not None):
+            return None
+        if layer_norm and (layers[0].residual_scale != 1.0 or any(p.norms[1] or p.norms[3] for p in layers)):
+            return None
         classes = _native_classes(model)
         return DecodeStack(model, classes) if any(classes) else None
 

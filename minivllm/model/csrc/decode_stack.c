@@ -9,7 +9,8 @@
  * caller owns, so a step costs one foreign call however many layers the model has.
  * A layer's variants are data, not code: norms before and/or after each sublayer (NULL where the family has
  * none), q/k norms per head or over the projection, the layer's rope table (NULL: NoPE) and window, the
- * residual multiplier, attention soft-capping and the MLP's activation.
+ * residual multiplier, attention soft-capping and the MLP's activation; RMSNorm or LayerNorm (GPT-2, whose MLP's
+ * c_fc / c_proj sit in gate_up / down with an ungated GELU).
  * A layer's MLP may be a mixture of experts (csrc/moe_decode.c).
  * float32 activations; KV cache float32, bfloat16 or int8 (+ float16 scales); weights in any format of
  * csrc/gemv.c.
@@ -21,6 +22,8 @@
 
 void add_rmsnorm_f32(float *residual, const float *x, int64_t ldx, float xscale, const float *w, float eps,
                      float *out, int64_t M, int64_t H, int num_threads);
+void add_layernorm_f32(float *residual, const float *x, int64_t ldx, const float *w, const float *b, float eps,
+                       float *out, int64_t M, int64_t H, int num_threads);
 void rmsnorm_groups_f32(float *x, int64_t ldx, int64_t M, int64_t n, int64_t size, const float *w, float eps,
                         int num_threads);
 void rope_kv_write_f32(float *qkv, int64_t ldx, int64_t M, int nq, int nkv, int D, int rot, const int64_t *pos,
@@ -36,13 +39,23 @@ static void project(float *out, const float *x, const proj_t *p, const step_t *s
     project_rows(out, proj_n(p), x, p->K, s->M, p, s);
 }
 
+/* residual += res_scale x pending (NULL: nothing), normed into out by the family's norm (bias: LayerNorm's). */
+static void add_norm(float *residual, const float *pending, const float *norm, const float *bias, float *out,
+                     const step_t *s) {
+    const int64_t M = s->M, H = s->H;
+    if (s->norm_kind == 1)
+        add_layernorm_f32(residual, pending, H, norm, bias, s->eps, out, M, H, (int)s->num_threads);
+    else
+        add_rmsnorm_f32(residual, pending, H, s->res_scale, norm, s->eps, out, M, H, (int)s->num_threads);
+}
+
 /* The input of a sublayer: `pending` (the previous sublayer's output, NULL for the first) joins the residual
  * stream, scaled; then the stream is normed into `normed` (returned) or, without a norm, read as it is. */
-static const float *sublayer_input(float *residual, const float *pending, const float *norm, float *normed,
-                                   const step_t *s) {
+static const float *sublayer_input(float *residual, const float *pending, const float *norm, const float *norm_b,
+                                   float *normed, const step_t *s) {
     const int64_t M = s->M, H = s->H;
     if (norm) {
-        add_rmsnorm_f32(residual, pending, H, s->res_scale, norm, s->eps, normed, M, H, (int)s->num_threads);
+        add_norm(residual, pending, norm, norm_b, normed, s);
         return normed;
     }
     if (pending)
@@ -65,7 +78,7 @@ void decode_stack_f32(const layer_t *layers, int64_t n_layers, const float *fina
     for (int64_t l = 0; l < n_layers; l++) {
         const layer_t *L = layers + l;
         /* The first layer reads the embeddings; later ones first add the previous MLP's output. */
-        const float *x = sublayer_input(residual, l ? proj : NULL, L->attn_norm, normed, s);
+        const float *x = sublayer_input(residual, l ? proj : NULL, L->attn_norm, L->attn_norm_b, normed, s);
         if (x == normed) x = bf16_input(normed, M * H, s);
         project(qkv, x, &L->qkv, s);
         if (L->q_norm) rmsnorm_groups_f32(qkv, qkv_n, M, qd / L->q_norm_size, L->q_norm_size, L->q_norm, s->eps, nt);
@@ -81,7 +94,7 @@ void decode_stack_f32(const layer_t *layers, int64_t n_layers, const float *fina
                             s->attn_scratch, nt);
         project(proj, bf16_input(attn, M * qd, s), &L->o, s);
         if (L->attn_out_norm) add_rmsnorm_f32(proj, NULL, H, 1.f, L->attn_out_norm, s->eps, proj, M, H, nt);
-        x = sublayer_input(residual, proj, L->mlp_norm, normed, s);
+        x = sublayer_input(residual, proj, L->mlp_norm, L->mlp_norm_b, normed, s);
         if (x == normed) x = bf16_input(normed, M * H, s);
         if (L->moe) {
             moe_f32(proj, x, L->moe, s);
@@ -92,6 +105,6 @@ void decode_stack_f32(const layer_t *layers, int64_t n_layers, const float *fina
         }
         if (L->mlp_out_norm) add_rmsnorm_f32(proj, NULL, H, 1.f, L->mlp_out_norm, s->eps, proj, M, H, nt);
     }
-    add_rmsnorm_f32(residual, n_layers ? proj : NULL, H, s->res_scale, final_norm, s->eps, h, M, H, nt);
+    add_norm(residual, n_layers ? proj : NULL, final_norm, s->final_norm_b, h, s);
     bf16_input(h, M * H, s); /* (the head's input: bf16 as the module path's, in csrc/greedy_loop.c's head too) */
 }

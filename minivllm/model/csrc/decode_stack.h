@@ -44,6 +44,7 @@ typedef struct {
     void *k_cache, *v_cache;
     _Float16 *k_scale, *v_scale; /* int8 caches only */
     const moe_t *moe;            /* NULL: the dense gated MLP */
+    const float *attn_norm_b, *mlp_norm_b; /* LayerNorm's biases (step_t.norm_kind 1) */
 } layer_t;
 
 #define MAX_KV_GROUPS 4
@@ -54,7 +55,7 @@ typedef struct {
     int64_t M, H, I;
     int64_t nq, nkv, D, block_size;
     float eps, scale, softcap, res_scale;
-    int64_t act; /* 0: SiLU, 1: GeLU-tanh */
+    int64_t act; /* 0: SiLU, 1: GeLU-tanh (both gated: gate_up [2I, H]), 2: GeLU-tanh of gate_up [I, H] (GPT-2) */
     const int64_t *positions;
     const int64_t *slot_mapping[MAX_KV_GROUPS], *block_tables[MAX_KV_GROUPS];
     int64_t bt_stride[MAX_KV_GROUPS], sinks, max_ctx;
@@ -64,6 +65,8 @@ typedef struct {
     int64_t *moe_ids; /* 3 M k int64 */
     int64_t x_bf16;   /* a bfloat16 model: projection inputs rounded to bf16 (bf16_input, below) */
     int64_t panels_past; /* layers.PANELS_PAST: more rows than this run a projection's panels where it has them */
+    int64_t norm_kind;   /* 0: RMSNorm; 1: LayerNorm with biases (GPT-2; res_scale 1) */
+    const float *final_norm_b;
 } step_t;
 
 void linear_gemv(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N, int fmt,
@@ -75,6 +78,7 @@ int linear_gemv_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, in
 void gemm_f32_panels(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N,
                      const float *P, const float *bias, int num_threads);
 void silu_mul_f32(const float *gu, int64_t ldg, float *out, int64_t M, int64_t I, int num_threads);
+void gelu_tanh_f32(const float *x, int64_t ldx, float *out, int64_t M, int64_t N, int num_threads);
 void gelu_tanh_mul_f32(const float *gu, int64_t ldg, float *out, int64_t M, int64_t I, int num_threads);
 
 /* A projection's input rounded to bfloat16 in place (to nearest even; NaN kept) where the model is bf16 (x_bf16): the
@@ -111,9 +115,11 @@ static inline void project_rows(float *out, int64_t ldo, const float *x, int64_t
                         p->bias, s->gemv_scratch, (int)s->num_threads);
 }
 
-/* The gated activation of gu [rows, 2I] (gate columns first) into out [rows, I]. */
+/* The gated activation of gu [rows, 2I] (gate columns first) into out [rows, I]; act 2: GeLU-tanh of gu [rows, I]. */
 static inline void gated_act(const float *gu, float *out, int64_t rows, int64_t I, const step_t *s) {
-    if (s->act == 1)
+    if (s->act == 2)
+        gelu_tanh_f32(gu, I, out, rows, I, (int)s->num_threads);
+    else if (s->act == 1)
         gelu_tanh_mul_f32(gu, 2 * I, out, rows, I, (int)s->num_threads);
     else
         silu_mul_f32(gu, 2 * I, out, rows, I, (int)s->num_threads);

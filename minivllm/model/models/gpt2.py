@@ -11,6 +11,7 @@ from torch import nn
 
 from minivllm.config import ModelConfig
 from minivllm.model.attention import Attention
+from minivllm.model.decode_stack import ACT_GELU_TANH, DecodeStack, StackParts
 from minivllm.model.layers import LayerNorm, Linear, gelu_tanh
 from minivllm.model.models.weights import WeightLoader
 
@@ -82,6 +83,13 @@ class GPT2Block(nn.Module):
         x, residual = self.ln_2(self.attn(x), residual)
         return self.mlp(x), residual
 
+    def stack_parts(self) -> StackParts:
+        """This block in the native decode stack's roles (c_fc and c_proj as its MLP's two projections; an activation
+        other than GELU-tanh has no code there, so the stack refuses the model)."""
+        a, m = self.attn, self.mlp
+        return StackParts((self.ln_1, None, self.ln_2, None), None, None, None, a.attn, a.c_attn, a.c_proj, None,
+                          m.c_fc, m.c_proj, ACT_GELU_TANH if m.act is gelu_tanh else -1, 1.0)
+
 
 class GPT2LMHeadModel(nn.Module):
     """GPT2LMHeadModel on the paged KV cache; the head is tied to the token embedding."""
@@ -102,10 +110,17 @@ class GPT2LMHeadModel(nn.Module):
         self.h = nn.ModuleList(GPT2Block(mc, i) for i in range(mc.num_layers))
         self.ln_f = LayerNorm(mc.hidden_size, mc.hf_config.get("layer_norm_epsilon", 1e-5))
         self.lm_head = Linear(mc.hidden_size, mc.vocab_size, bias=False)
+        self.decode_stack: DecodeStack | None = None  # bound by the runner once kernels and KV pool are set
+
+    def stack_parts(self) -> tuple[list[StackParts], LayerNorm]:
+        """Every block's parts and the final norm, for model/decode_stack.py."""
+        return [cast(GPT2Block, block).stack_parts() for block in self.h], self.ln_f
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat token ids [T] and positions [T] → final hidden states [T, hidden]."""
         h: torch.Tensor = self.wte(input_ids) + self.wpe(positions)
+        if self.decode_stack is not None and self.decode_stack.accepts(h.shape[0]):
+            return self.decode_stack(h, positions)
         residual: torch.Tensor | None = None
         for block in self.h:
             h, residual = block(h, residual)
