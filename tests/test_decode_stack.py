@@ -107,7 +107,7 @@ def test_stack_runs_a_mixture_of_experts_as_the_modules_do(model_factory, stack_
     assert stack_calls == [3, 1, 2]
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-mistral"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gpt2"])
 def test_bf16_stack_within_bf16_tolerance_of_module_path(model_factory, stack_calls, preset):
     """bf16 weights and KV pool; the stack keeps activations in float32 where the modules round them to bf16
     after every op, so the logits agree to bf16 precision, not exactly (and the pool holds what the
