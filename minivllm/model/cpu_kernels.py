@@ -296,6 +296,14 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _residual_args(x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, int | None, int]:
+    """A fused norm's (residual, x pointer, x row stride): without a residual, x (contiguous) is the stream, read
+    only, and nothing is added."""
+    if residual is None:
+        return x.contiguous(), None, 0
+    return residual, x.data_ptr(), x.stride(0)
+
+
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of (x + residual), returning (normed, residual updated in place); without a residual, of x
@@ -303,10 +311,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     lib = load_library()
     assert lib is not None
     m, h = x.shape
-    if residual is None:
-        residual, x_ptr, ldx = x.contiguous(), None, 0  # read only: x itself is never written
-    else:
-        x_ptr, ldx = x.data_ptr(), x.stride(0)
+    residual, x_ptr, ldx = _residual_args(x, residual)
     out = torch.empty(m, h, dtype=torch.float32)
     lib.add_rmsnorm_f32(residual.data_ptr(), x_ptr, ldx, 1.0, weight.data_ptr(), eps, out.data_ptr(), m, h,
                         torch.get_num_threads())
@@ -320,10 +325,7 @@ def add_layernorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.
     lib = load_library()
     assert lib is not None
     m, h = x.shape
-    if residual is None:
-        residual, x_ptr, ldx = x.contiguous(), None, 0  # read only: x itself is never written
-    else:
-        x_ptr, ldx = x.data_ptr(), x.stride(0)
+    residual, x_ptr, ldx = _residual_args(x, residual)
     out = torch.empty(m, h, dtype=torch.float32)
     lib.add_layernorm_f32(residual.data_ptr(), x_ptr, ldx, weight.data_ptr(), bias.data_ptr(), eps, out.data_ptr(),
                           m, h, torch.get_num_threads())

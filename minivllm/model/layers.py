@@ -158,7 +158,31 @@ def fused_ok(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.device.type == "cpu" and cpu_kernels.available()
 
 
-class RMSNorm(nn.Module):
+class ResidualNorm(nn.Module):
+    """A norm in vLLM's residual convention: forward(x) normalises x; forward(x, residual) first adds x into the
+    residual stream (in place on the CPU's fused pass) and returns (normed, residual). Subclasses give the fused
+    native pass (`_fused`, float32 on the CPU) and the torch one (`_norm`)."""
+
+    weight: nn.Parameter
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if fused_ok(x) and x.stride(-1) == 1 and self.weight.dtype == torch.float32:
+            out, res = self._fused(x, residual)
+            return out if residual is None else (out, res)
+        if residual is not None:
+            residual = x + residual
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _fused(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class RMSNorm(ResidualNorm):
     """RMSNorm computed in float32 like the reference, cast back to the input dtype.
 
     With `residual` (vLLM's convention) it first adds x into the residual stream and returns (normed,
@@ -173,15 +197,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
         self.eps, self.unit_offset = eps, unit_offset
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if fused_ok(x) and x.stride(-1) == 1 and self.weight.dtype == torch.float32:
-            out, res = cpu_kernels.add_rmsnorm(x, residual, self.weight, self.eps)
-            return out if residual is None else (out, res)
-        if residual is not None:
-            residual = x + residual
-            return self._norm(residual), residual
-        return self._norm(x)
+    def _fused(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return cpu_kernels.add_rmsnorm(x, residual, self.weight, self.eps)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -191,7 +208,7 @@ class RMSNorm(nn.Module):
         return (xf * self.weight).to(dtype) if self.unit_offset else self.weight * xf.to(dtype)
 
 
-class LayerNorm(nn.Module):
+class LayerNorm(ResidualNorm):
     """LayerNorm (weight and bias, GPT-2's) with RMSNorm's residual convention: given `residual`, x is added into
     it in place and (normed, residual) returned, one native pass on the CPU (csrc/fused_ops.c add_layernorm_f32)
     where the add and ATen's layer_norm were two calls. Parameters named as torch.nn.LayerNorm's."""
@@ -202,15 +219,8 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if fused_ok(x) and x.stride(-1) == 1 and self.weight.dtype == torch.float32:
-            out, res = cpu_kernels.add_layernorm(x, residual, self.weight, self.bias, self.eps)
-            return out if residual is None else (out, res)
-        if residual is not None:
-            residual = x + residual
-            return self._norm(residual), residual
-        return self._norm(x)
+    def _fused(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return cpu_kernels.add_layernorm(x, residual, self.weight, self.bias, self.eps)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)

@@ -28,21 +28,24 @@
  * way on 2 threads; more threads wait longer at a region's end). */
 #define PAR_FLOATS 16384
 
+/* A residual row r += xscale * xr (xr NULL: nothing added). */
+static inline void add_row(float *r, const float *xr, float xscale, int64_t H) {
+    if (!xr) return;
+    if (xscale == 1.f) {
+#pragma omp simd
+        for (int64_t i = 0; i < H; i++) r[i] += xr[i];
+    } else {
+#pragma omp simd
+        for (int64_t i = 0; i < H; i++) r[i] += xscale * xr[i];
+    }
+}
+
 void add_rmsnorm_f32(float *residual, const float *x, int64_t ldx, float xscale, const float *w, float eps,
                      float *out, int64_t M, int64_t H, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (M >= PAR_ROWS) schedule(static)
     for (int64_t m = 0; m < M; m++) {
         float *r = residual + m * H;
-        if (x) {
-            const float *xr = x + m * ldx;
-            if (xscale == 1.f) {
-#pragma omp simd
-                for (int64_t i = 0; i < H; i++) r[i] += xr[i];
-            } else {
-#pragma omp simd
-                for (int64_t i = 0; i < H; i++) r[i] += xscale * xr[i];
-            }
-        }
+        add_row(r, x ? x + m * ldx : NULL, xscale, H);
         float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
         for (int64_t i = 0; i < H; i++) ss += r[i] * r[i];
@@ -61,11 +64,7 @@ void add_layernorm_f32(float *residual, const float *x, int64_t ldx, const float
 #pragma omp parallel for num_threads(num_threads) if (M >= PAR_ROWS) schedule(static)
     for (int64_t m = 0; m < M; m++) {
         float *r = residual + m * H;
-        if (x) {
-            const float *xr = x + m * ldx;
-#pragma omp simd
-            for (int64_t i = 0; i < H; i++) r[i] += xr[i];
-        }
+        add_row(r, x ? x + m * ldx : NULL, 1.f, H);
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < H; i++) sum += r[i];
