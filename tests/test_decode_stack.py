@@ -155,6 +155,11 @@ def test_stack_runs_the_panels_past_panels_past_tokens_as_the_modules_do(model_f
     order); a step of 3 tokens runs the rows both ways."""
     path = model_factory(preset)
     runner = _runner(path, None, num_blocks=96)
+    _panel_steps_equal(runner, path, stack_calls)
+
+
+def _panel_steps_equal(runner: ModelRunner, path: str, stack_calls: list[int]) -> None:
+    """Decode steps of 9, 20 and 3 tokens: the stack's logits are the modules' to the bit."""
     stack = runner.decode_stack
     assert stack is not None and all(stack.native_classes)
     projections = [p for p in runner.model.modules() if isinstance(p, Linear) and p is not runner.model.lm_head]
@@ -175,6 +180,27 @@ def test_stack_runs_the_panels_past_panels_past_tokens_as_the_modules_do(model_f
         for i in range(rows):
             lens[i] += 1
     assert stack_calls == [9, 20, 3]
+
+
+def test_a_class_planned_native_after_the_stack_was_built_gets_its_panels(model_factory, stack_calls):
+    """Start-up planned the many-token classes on another kernel (no panels made, the stack not taking them); a
+    later plan (a re-check) makes them native: the stack's refresh makes the panels and binds them, and its steps
+    are the modules' to the bit."""
+    path = model_factory("tiny-llama")
+    runner = _runner(path, None, num_blocks=96)
+    plan = runner.linear_plan
+    for c in (2, 3):
+        plan.bind(c, "torch")
+    for p in plan.layers:
+        if isinstance(p, Linear):
+            p._panels = None  # (what release_unused does where no class runs the panels)
+    stack = DecodeStack.build(runner.model)
+    assert stack is not None and stack.native_classes == (True, True, False, False) and not stack._with_panels
+    runner.decode_stack = runner.model.decode_stack = stack
+    for c in (2, 3):
+        plan.bind(c, "native")
+    stack.refresh(runner.model)
+    _panel_steps_equal(runner, path, stack_calls)
 
 
 def test_stack_only_where_it_runs_the_same_kernels(model_factory):

@@ -134,6 +134,16 @@ def _panels_now(proj: Any) -> bool:
     return getattr(proj, "_panels", None) is not None
 
 
+def _planned_panels(model: Any) -> list[Any]:
+    """The projections planned native past PANELS_PAST where that kernel is the GEMM on panels, their panels made
+    now (else the module path makes them lazily, in the first step needing them, after the stack bound its tables)."""
+    found = model_parts(model)
+    assert found is not None
+    return [p for parts in found[0] for p in _projections(parts)
+            if any(p.kernels[c].__name__ == "forward_native" and not p.native_rows(largest)
+                   for c, (largest, _) in enumerate(SHAPE_CLASSES)) and p.gemm_panels() is not None]
+
+
 def _native_classes(model: Any, has_panels: Callable[[Any], bool] = _panels_now) -> tuple[bool, ...]:
     """Per shape class: whether every projection of every layer runs a native kernel there that the stack runs
     too: csrc/gemv.c's rows, or, where a float32 Linear's native kernel is the GEMM on panels (past PANELS_PAST
@@ -154,6 +164,10 @@ class DecodeStack:
         assert lib is not None
         self._fn = lib.decode_stack_f32
         self.native_classes = native_classes
+        self._bind(model)
+
+    def _bind(self, model: Any) -> None:
+        """Resolve the layer and step tables (again after a plan made panels the tables lack: work buffers anew)."""
         found = model_parts(model)
         assert found is not None
         layers, norm = found
@@ -287,11 +301,15 @@ class DecodeStack:
             return None
         if layer_norm and (layers[0].residual_scale != 1.0 or any(p.norms[1] or p.norms[3] for p in layers)):
             return None
+        _planned_panels(model)
         classes = _native_classes(model)
         return DecodeStack(model, classes) if any(classes) else None
 
     def refresh(self, model: Any) -> None:
-        """The shape classes it runs, after a kernel plan changed."""
+        """The shape classes it runs, after a kernel plan changed (a class newly planned native past PANELS_PAST:
+        its panels made and bound now, as Linear.release_unused makes them after the start-up plan)."""
+        if any(id(p) not in self._with_panels for p in _planned_panels(model)):
+            self._bind(model)
         self.native_classes = _native_classes(model, lambda p: id(p) in self._with_panels)
 
     def accepts(self, num_tokens: int) -> bool:
