@@ -157,6 +157,8 @@ def test_int4_rows_take_a_bf16_x_by_the_dot_product_where_the_cpu_has_it():
     order or guard that lost them would leave a bfloat16 model's int4 decode on the float rows, correct but slower."""
     lib = cpu_kernels.load_library()
     assert lib is not None
+    if os.environ.get("MINIVLLM_KERNEL_MARCH"):
+        pytest.skip("the kernels are built for another ISA than this CPU's (MINIVLLM_KERNEL_MARCH)")
     with open("/proc/cpuinfo") as f:
         flags = next((line for line in f if line.startswith("flags")), "").split()
     assert lib.gemv_int4_bf16dot() == int("avx512_bf16" in flags and "avx512bw" in flags)
@@ -172,7 +174,8 @@ def test_int4_rows_take_a_handful_of_float32_tokens_as_int16_and_a_prefill_exact
     assert lib is not None and lib.gemv_int4_few_tokens() == HANDFUL
     with open("/proc/cpuinfo") as f:
         flags = next((line for line in f if line.startswith("flags")), "").split()
-    assert lib.gemv_int4_int16dot() == int("avx512_vnni" in flags and "avx512bw" in flags)
+    if not os.environ.get("MINIVLLM_KERNEL_MARCH"):  # (built for this CPU's ISA)
+        assert lib.gemv_int4_int16dot() == int("avx512_vnni" in flags and "avx512bw" in flags)
     q, _ = _layer("int4", 1000, 70, True, 32)  # a masked last chunk; rows shared by the queue
     w = q.dequantize().double()
     for m in (2, 3, HANDFUL, HANDFUL + 1, 16):

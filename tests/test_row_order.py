@@ -448,21 +448,21 @@ def test_a_w4a8_engine_times_its_rows_and_greedy_output_does_not_depend_on_them(
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_int4_rows_that_follow_w4a8s_order_give_the_same_bits_every_way(dtype, threads):
-    """int4's one-token rows against a bfloat16 model's x (AVX512-BF16's dot product, csrc/gemv_int4_bf16dot.h) or a
-    float32 model's as int16 (AVX512-VNNI's, csrc/gemv_int4_int16dot.h) go four or two a pass or one by one as W4A8's
-    choice says: every way the same bits, within float32 rounding of the float64 reference of the x they take
-    (conftest.int4_native_x), N = 1030 leaving tails past whole passes, K = 1000 a masked last chunk; so the start-up
-    timing times them in such a model, and not where the CPU has neither (the float rows, or AVX2's int16 rows, read
-    one row at a time)."""
+    """int4's one-token rows against a bfloat16 model's x (AVX512-BF16's dot product, csrc/gemv_int4_bf16dot.h) or x
+    as int16 (a float32 model's by AVX512-VNNI's vpdpwssd, csrc/gemv_int4_int16dot.h; any by AVX2's vpmaddwd,
+    csrc/gemv_avx2.h) go four or two a pass or one by one as W4A8's choice says: every way the same bits, within
+    float32 rounding of the float64 reference of the x they take (conftest.int4_native_x), N = 1030 leaving tails past
+    whole passes, K = 1000 zero-padded to whole groups; so the start-up timing times them in such a model, and not
+    where the CPU has none of these (AVX-512 without VNNI: the float rows, read one row at a time)."""
     torch.manual_seed(5)
     k, n = 1000, 1030
     q = QuantizedLinear(k, n, True, QuantConfig("int4", 32))
     q.quantize_from(torch.randn(n, k) * 0.05, torch.randn(n))
     ordered = row_order.int4_bf16dot() if dtype == torch.bfloat16 else False
-    ordered = ordered or row_order.int4_int16dot()
+    ordered = ordered or row_order.int4_int16_ordered()
     if not ordered:
         assert row_order.choose_w4a8_rows([q], dtype) is None
-        pytest.skip(f"neither AVX512-BF16 nor AVX512-VNNI here: a {dtype} x takes int4's rows one at a time")
+        pytest.skip(f"no ordered int4 rows here (AVX-512 without VNNI): a {dtype} x takes them one at a time")
     x = torch.randn(1, k).to(dtype).float()
     expected = int4_native_x(x) @ q.dequantize().double().t() + q.bias.double()
     outs = []
@@ -481,7 +481,7 @@ def test_an_int4_engine_times_w4a8s_order_where_its_rows_follow_it_and_greedy_ou
     path = model_factory("tiny-llama")
     # (native kernels at every shape: the plan's timing would pick bf16 rounding of its own per engine)
     kwargs = {"quantization": "int4", "dtype": dtype, "quantization_kernel": "native"}
-    if not ((dtype == "bfloat16" and row_order.int4_bf16dot()) or row_order.int4_int16dot()):
+    if not ((dtype == "bfloat16" and row_order.int4_bf16dot()) or row_order.int4_int16_ordered()):
         assert LLM(path, num_kv_blocks=64, **kwargs).llm_engine.runner.w4a8_rows is None
         return
 

@@ -64,7 +64,8 @@ def load_library() -> ctypes.CDLL | None:
                               "set_gemv_m1_prefetch": ([i64], None), "set_gemv_few_rows_k": ([i64], None),
                               "gemv_few_rows_ordered": ([], c_int), "gemv_w8a8_rows_ordered": ([], c_int),
                               "gemv_int4_bf16dot": ([], c_int), "gemv_int4_x_int16": ([], c_int),
-                              "gemv_int4_int16dot": ([], c_int), "gemv_int4_few_tokens": ([], c_int),
+                              "gemv_int4_int16dot": ([], c_int), "gemv_int4_int16_ordered": ([], c_int),
+                              "gemv_int4_few_tokens": ([], c_int),
                               "set_gemv_w4a8_seq_bytes": ([i64], None), "set_gemv_w4a8_pass_rows": ([c_int], None),
                               "set_gemv_w4a8_prefetch_l2": ([c_int], None), "gemv_w4a8_one_by_one": ([i64], c_int),
                               "gemv_w4a8_rows_ordered": ([], c_int)}.items():

@@ -16,7 +16,9 @@ from importlib import resources
 
 logger = logging.getLogger(__name__)
 
-_COMPILE = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11", "-c"]
+# (an undeclared function is an error: GCC 12 only warns, and the library then loads with a symbol that fails on
+# its first call, on the ISA whose headers left it undefined)
+_COMPILE = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11", "-Werror=implicit-function-declaration", "-c"]
 # Linked without -ffast-math: with it GCC adds crtfastmath.o, whose constructor turns on flush-to-zero
 # for the whole process (torch's denormals included) the moment the library is loaded.
 _LINK = ["-shared", "-fopenmp"]
@@ -25,6 +27,12 @@ _LINK = ["-shared", "-fopenmp"]
 def _cache_dir() -> str:
     root = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
     return os.path.join(root, "minivllm", "kernels")
+
+
+def _march() -> str:
+    """The ISA the kernels are built for: this CPU's (native), or an older one named by $MINIVLLM_KERNEL_MARCH
+    (x86-64-v3: AVX2 + FMA) to run and test an AVX2 machine's kernels on an AVX-512 one."""
+    return "-march=" + (os.environ.get("MINIVLLM_KERNEL_MARCH") or "native")
 
 
 def _cpu_signature() -> str:
@@ -59,10 +67,9 @@ def build_library() -> str | None:
     csrc = resources.files("minivllm.model").joinpath("csrc")
     sources = {name: csrc.joinpath(name).read_text() for name in _SOURCES}
     headers = {name: csrc.joinpath(name).read_text() for name in _HEADERS}
-    parts = [*sources.values(), *headers.values(), cc, *_COMPILE, *_LINK, _cpu_signature()]
-    key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+    compile_args = [_march(), *_COMPILE]
     out_dir = _cache_dir()
-    lib_path = os.path.join(out_dir, f"minivllm_kernels-{key}.so")
+    lib_path = os.path.join(out_dir, _library_name(cc, [*sources.values(), *headers.values()], compile_args))
     if not os.path.isfile(lib_path):
         os.makedirs(out_dir, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
@@ -78,7 +85,7 @@ def build_library() -> str | None:
             # One compiler per core: the sources are independent (27 s of -O3 on one core, a first start's
             # longest wait); threads suffice, each only waits on its gcc.
             with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-                built = list(pool.map(lambda o: _run(cc, [*_COMPILE, o[:-2] + ".c", "-o", o]), objects))
+                built = list(pool.map(lambda o: _run(cc, [*compile_args, o[:-2] + ".c", "-o", o]), objects))
             if not all(built):
                 return None
             tmp_lib = os.path.join(tmp, "lib.so")
@@ -86,6 +93,13 @@ def build_library() -> str | None:
                 return None
             os.replace(tmp_lib, lib_path)  # atomic: concurrent builders never see a partial file
     return lib_path
+
+
+def _library_name(cc: str, texts: list[str], compile_args: list[str]) -> str:
+    """The cached library's file name: a hash of the sources, the compiler, its flags (the ISA among them) and the
+    CPU's, so no build is loaded where it was not made for."""
+    parts = [*texts, cc, *compile_args, *_LINK, _cpu_signature()]
+    return f"minivllm_kernels-{hashlib.sha256(chr(10).join(parts).encode()).hexdigest()[:16]}.so"
 
 
 def _run(cc: str, args: list[str]) -> bool:

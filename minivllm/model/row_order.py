@@ -17,8 +17,9 @@ depend on the row's length as well: on that Zen 4 one by one read 4-8 KiB rows 1
 lost below; on that Xeon two rows a pass decoded a 1B model 1.19x as fast as four, at every length. So its choice is
 the rows a pass (gemv_w4a8_pass_rows), then a length (gemv_w4a8_seq_bytes: rows at least that long go one by one),
 from the longest of the model's lengths down as long as one by one keeps winning. int4's rows against a bfloat16
-model's x (AVX512-BF16's dot product, csrc/gemv_int4_bf16dot.h) or a float32 x as int16 (AVX512-VNNI's,
-csrc/gemv_int4_int16dot.h) read the same layout the same way and follow the same choice, timed on them in such a model.
+model's x (AVX512-BF16's dot product, csrc/gemv_int4_bf16dot.h) or x as int16 (a float32 x by AVX512-VNNI's,
+csrc/gemv_int4_int16dot.h; any x by AVX2's, csrc/gemv_avx2.h) read the same layout the same way and follow the same
+choice, timed on them in such a model.
 
 With the order, a prefetch into L2 some bytes ahead of each load (none, PREFETCH_BYTES; W4A8: its prefetch two passes
 ahead into L2 rather than L1): on that Xeon the hardware prefetcher alone left the rows' loads waiting (a 1B model's
@@ -269,11 +270,11 @@ def int4_bf16dot() -> bool:
     return lib is not None and bool(lib.gemv_int4_bf16dot())
 
 
-def int4_int16dot() -> bool:
-    """Whether int4's one-token rows take a float32 x as int16 by AVX512-VNNI's vpdpwssd here
-    (csrc/gemv_int4_int16dot.h), in W4A8's order."""
+def int4_int16_ordered() -> bool:
+    """Whether int4's one-token rows take x as int16 in W4A8's order here: a float32 x by AVX512-VNNI's vpdpwssd
+    (csrc/gemv_int4_int16dot.h), or any x by AVX2's vpmaddwd (csrc/gemv_avx2.h)."""
     lib = cpu_kernels.load_library()
-    return lib is not None and bool(lib.gemv_int4_int16dot())
+    return lib is not None and bool(lib.gemv_int4_int16_ordered())
 
 
 def _w4a8_kernel(q: PlannedLinear, dtype: torch.dtype) -> Kernel | None:
@@ -282,7 +283,7 @@ def _w4a8_kernel(q: PlannedLinear, dtype: torch.dtype) -> Kernel | None:
     bf16 x by AVX512-BF16's dot product, any other x as int16 by AVX512-VNNI's); None for any other layer (int4's
     native_a8 never runs a single token: QuantizedLinear.eligible)."""
     method = getattr(q, "method", None)
-    ordered_int4 = method == "int4" and ((dtype == torch.bfloat16 and int4_bf16dot()) or int4_int16dot())
+    ordered_int4 = method == "int4" and ((dtype == torch.bfloat16 and int4_bf16dot()) or int4_int16_ordered())
     if not ordered_int4 and (method != "w4a8" or not w4a8_ordered()):
         return None
     return q.candidates().get("native")

@@ -13,7 +13,7 @@ INLINE float hsum256(__m256 v) {
     return (f[0] + f[1]) + (f[2] + f[3]);
 }
 
-/* int4 on AVX2 for 2..MAX_M tokens (one token: int4_row_m1_avx2 below): 16-entry tables need two 8-lane permutes
+/* int4 on AVX2 for 2..MAX_M tokens (one token: int4_rows_m1_avx2 below): 16-entry tables need two 8-lane permutes
  * and a blend here, and the 64-byte vectors above compile to scalar shuffles (1B shape, one token: 1.1 tok/s).
  * Instead each group's sum of q * x is taken in float (codes widened to int32 and converted: three instructions per
  * 8 weights) and scaled once per group; the mins meet the group's sum of x (xg, computed once per call). */
@@ -138,9 +138,24 @@ INLINE __m256 floats8(const float *p, int cnt) {
     return _mm256_loadu_ps(t);
 }
 
-/* One row (two rows a pass, each x load serving both, ran 1.1-1.2x faster on weights in the L3 but 0.7x from
- * memory on the AVX2 EPYC with the nibble-field rows: two streams a thread, as its float rows found). */
-INLINE void int4_row_m1_avx2(float *out, const float *xp, const float *xg, const Layer *L, int64_t n) {
+/* A chunk's 32 bytes (64 weights, two blocks) against x's staged int16 (xq, int4_stage_m1_avx2's layout): 8 int32
+ * sums as float, lanes 0-3 the first block's, 4-7 the second's. */
+INLINE __m256 int4_chunk_avx2(__m256i wv, const __m256i *xq) {
+    const __m256i nib = _mm256_set1_epi8(0x0F), z = _mm256_setzero_si256();
+    const __m256i lo = _mm256_and_si256(wv, nib), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), nib);
+    const __m256i p0 = _mm256_madd_epi16(_mm256_unpacklo_epi8(lo, z), _mm256_loadu_si256(xq));
+    const __m256i p1 = _mm256_madd_epi16(_mm256_unpackhi_epi8(lo, z), _mm256_loadu_si256(xq + 1));
+    const __m256i p2 = _mm256_madd_epi16(_mm256_unpacklo_epi8(hi, z), _mm256_loadu_si256(xq + 2));
+    const __m256i p3 = _mm256_madd_epi16(_mm256_unpackhi_epi8(hi, z), _mm256_loadu_si256(xq + 3));
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)));
+}
+
+/* R (1, 2 or 4) rows from n a pass in W4A8's start-up order (gemv_w4a8_m1_order), as AVX-512's int16 rows: each
+ * chunk of x and its lane scales serves the R rows. Whole windows (4 chunks, one load of 8 group scales a row) go
+ * unrolled, every index a constant; the last partial window chunk by chunk. `ahead`: the rows two passes on exist,
+ * whose weights are prefetched (into L1, or L2 with l2) a line a row every other chunk. */
+INLINE void int4_rows_m1_avx2(float *out, const float *xp, const float *xg, const Layer *L, int64_t n, const int R,
+                              int ahead, int l2) {
     const int64_t Kp = L->Kv, G = L->G, ng = Kp / G, nbytes = Kp / 2, nchunks = (nbytes + 31) / 32;
     const uint8_t *w = (const uint8_t *)L->w + n * nbytes;
     const uint16_t *scale = (const uint16_t *)L->scale + n * ng;
@@ -150,41 +165,62 @@ INLINE void int4_row_m1_avx2(float *out, const float *xp, const float *xg, const
         const int a = (2 * u) >> shift, b = (2 * u + 1) >> shift;
         idx[u] = _mm256_setr_epi32(a, a, a, a, b, b, b, b);
     }
-    const __m256i nib = _mm256_set1_epi8(0x0F), z = _mm256_setzero_si256();
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    __m256 acc[4]; /* a row's own, one chain whatever R: every order the same bits */
+    for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
+    /* the scales and mins of the pass after next (csrc/gemv_rows.h; past the last row a prefetch is a no-op) */
+    prefetch_groups(L->scale, L->sym ? NULL : L->mins, n + 2 * R, R, ng, L->f32mins ? 4 : 2);
+    const uint8_t *pf = w + 2 * R * nbytes; /* the pass after next: R rows, contiguous */
     int64_t c = 0;
-    for (int64_t sb = 0; c < nchunks; sb++) {
-        const int64_t g0 = (8 * sb) >> shift;
-        const __m256 win = halves8(scale + g0, L->f16, ng - g0 < 8 ? (int)(ng - g0) : 8);
-        for (int u = 0; u < 4 && c < nchunks; u++, c++) {
-            const __m128i *wc = (const __m128i *)(w + c * 32); /* (a last half chunk: its upper lanes' codes 0) */
-            const __m256i wv = nbytes - c * 32 >= 32 ? _mm256_loadu_si256((const __m256i *)wc)
-                                                     : _mm256_set_m128i(_mm_setzero_si128(), _mm_loadu_si128(wc));
-            const __m256i lo = _mm256_and_si256(wv, nib), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), nib);
-            const __m256i *xq = (const __m256i *)(xp + c * 64);
-            const __m256i p0 = _mm256_madd_epi16(_mm256_unpacklo_epi8(lo, z), _mm256_loadu_si256(xq));
-            const __m256i p1 = _mm256_madd_epi16(_mm256_unpackhi_epi8(lo, z), _mm256_loadu_si256(xq + 1));
-            const __m256i p2 = _mm256_madd_epi16(_mm256_unpacklo_epi8(hi, z), _mm256_loadu_si256(xq + 2));
-            const __m256i p3 = _mm256_madd_epi16(_mm256_unpackhi_epi8(hi, z), _mm256_loadu_si256(xq + 3));
-            const __m256 f = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)));
-            const __m256 sv = _mm256_mul_ps(_mm256_permutevar8x32_ps(win, idx[u]), _mm256_loadu_ps(xp + c * 64 + 32));
-            if (u & 1) acc1 = _mm256_fmadd_ps(f, sv, acc1);
-            else acc0 = _mm256_fmadd_ps(f, sv, acc0);
+    for (; c + 4 <= nbytes / 32; c += 4) { /* whole windows */
+        const int64_t g0 = (2 * c) >> shift;
+        const int cnt = ng - g0 < 8 ? (int)(ng - g0) : 8;
+        __m256 win[4];
+        for (int r = 0; r < R; r++) win[r] = halves8(scale + r * ng + g0, L->f16, cnt);
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; u++) {
+            if (ahead && !(u & 1))
+                for (int r = 0; r < R; r++) {
+                    if (l2) __builtin_prefetch(pf + (c + u) * 32 * R + r * 64, 0, 2);
+                    else __builtin_prefetch(pf + (c + u) * 32 * R + r * 64);
+                }
+            const __m256i *xq = (const __m256i *)(xp + (c + u) * 64);
+            const __m256 xs = _mm256_loadu_ps(xp + (c + u) * 64 + 32);
+            for (int r = 0; r < R; r++) {
+                const __m256 f = int4_chunk_avx2(_mm256_loadu_si256((const __m256i *)(w + r * nbytes + (c + u) * 32)), xq);
+                const __m256 sv = _mm256_mul_ps(_mm256_permutevar8x32_ps(win[r], idx[u]), xs);
+                acc[r] = _mm256_fmadd_ps(f, sv, acc[r]);
+            }
         }
     }
-    for (int64_t g0 = 0; g0 < ng; g0 += 8) {
-        const int cnt = ng - g0 < 8 ? (int)(ng - g0) : 8;
-        const __m256 mv = L->sym ? _mm256_mul_ps(halves8(scale + g0, L->f16, cnt), _mm256_set1_ps(-8.f))
-                        : L->f32mins ? floats8((const float *)L->mins + n * ng + g0, cnt)
-                                     : halves8((const uint16_t *)L->mins + n * ng + g0, L->f16, cnt);
-        acc0 = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xg + g0), acc0);
+    for (; c < nchunks; c++) { /* the last window's chunks (a half chunk last: its upper lanes' codes 0) */
+        const int64_t b0 = 2 * c;
+        const __m256 xs = _mm256_loadu_ps(xp + c * 64 + 32);
+        for (int r = 0; r < R; r++) {
+            const __m128i *wc = (const __m128i *)(w + r * nbytes + c * 32);
+            const __m256i wv = nbytes - c * 32 >= 32 ? _mm256_loadu_si256((const __m256i *)wc)
+                                                     : _mm256_set_m128i(_mm_setzero_si128(), _mm_loadu_si128(wc));
+            const uint16_t *sr = scale + r * ng;
+            const float s0 = half_to_f32(sr[b0 >> shift], L->f16);
+            const float s1 = b0 + 1 < 2 * nbytes / 32 ? half_to_f32(sr[(b0 + 1) >> shift], L->f16) : 0.f;
+            const __m256 sv = _mm256_mul_ps(_mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1), xs);
+            acc[r] = _mm256_fmadd_ps(int4_chunk_avx2(wv, (const __m256i *)(xp + c * 64)), sv, acc[r]);
+        }
     }
-    out[n] = hsum256(_mm256_add_ps(acc0, acc1)) + (L->bias ? L->bias[n] : 0.f);
+    for (int r = 0; r < R; r++) { /* + min * sum(x) per group */
+        for (int64_t g0 = 0; g0 < ng; g0 += 8) {
+            const int cnt = ng - g0 < 8 ? (int)(ng - g0) : 8;
+            const __m256 mv = L->sym ? _mm256_mul_ps(halves8(scale + r * ng + g0, L->f16, cnt), _mm256_set1_ps(-8.f))
+                            : L->f32mins ? floats8((const float *)L->mins + (n + r) * ng + g0, cnt)
+                                         : halves8((const uint16_t *)L->mins + (n + r) * ng + g0, L->f16, cnt);
+            acc[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xg + g0), acc[r]);
+        }
+        out[n + r] = hsum256(acc[r]) + (L->bias ? L->bias[n + r] : 0.f);
+    }
 }
 /* (gemv.c's one-token int4 dispatch: weights per chunk, the staging, the row) */
 #define INT4_M1_CHUNK 64
 #define INT4_M1_STAGE int4_stage_m1_avx2
-#define INT4_M1_ROW int4_row_m1_avx2
+#define INT4_M1_ROWS_AVX2 1 /* (its rows follow W4A8's order: int4_rows_m1_avx2) */
 #define INT4_M1_X_INT16 1
 
 /* int8 weight-only on AVX2: 8 codes widened and converted per vector (the 64-byte v16 path of int8_row compiled

@@ -1,8 +1,9 @@
 /*
  * int4 weight-only rows (csrc/gemv.c's format list: 32-weight blocks of nibbles, a scale and a min per group of G):
- * at one token the ISA's rows (AVX2's and AVX-512's float rows, or x as int16 by vpdpwssd / x as bf16 by vdpbf16ps
- * in W4A8's start-up order: csrc/gemv_int4_int16dot.h, csrc/gemv_int4_bf16dot.h), at a handful of tokens of a float32
- * model x as int16 too (AVX512-VNNI), at more tokens rows that reuse each group's weights for all of them.
+ * at one token the ISA's rows (AVX-512's float rows, or in W4A8's start-up order x as int16 by AVX2's vpmaddwd or
+ * AVX512-VNNI's vpdpwssd / x as bf16 by vdpbf16ps: csrc/gemv_avx2.h, gemv_int4_int16dot.h, gemv_int4_bf16dot.h), at
+ * a handful of tokens of a float32 model x as int16 too (AVX512-VNNI), at more tokens rows that reuse each group's
+ * weights for all of them.
  */
 #include "gemv_common.h"
 
@@ -70,6 +71,16 @@ int gemv_int4_x_int16(void) {
 #endif
 }
 
+/* Whether int4's one-token rows against x as int16 go in W4A8's order here (AVX512-VNNI's vpdpwssd rows,
+ * csrc/gemv_int4_int16dot.h: a float32 x; AVX2's madd rows, csrc/gemv_avx2.h: every x). */
+int gemv_int4_int16_ordered(void) {
+#if defined(GEMV_INT4_INT16DOT) || defined(INT4_M1_ROWS_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* (declared in csrc/gemv_common.h; o, xm, mm: linear_gemv's chunk of at most MAX_M rows of x) */
 void gemv_int4(float *o, int64_t ldo, const float *xm, int64_t ldx, int mm, int64_t N, const Layer *layer,
                float *scratch, int num_threads) {
@@ -93,15 +104,24 @@ void gemv_int4(float *o, int64_t ldo, const float *xm, int64_t ldx, int mm, int6
         if (dot) int4_stage_m1_bf16((uint16_t *)scratch, xg, xm, K, Kp, G);
         else if (!i16) INT4_M1_STAGE(scratch, xg, xm, K, Kp, G);
         L.Kv = Kp;
-        int l2 = 0; /* (the bf16 and int16 rows: a pass's rows and the prefetch's level as W4A8's, read once) */
-        const int rows = dot || i16 ? gemv_w4a8_m1_order(Kp / 2, &l2) : 1;
+#if defined(INT4_M1_ROWS_AVX2)
+        const int ordered = 1; /* (AVX2's rows, csrc/gemv_avx2.h: every x as int16, in W4A8's order) */
+#else
+        const int ordered = dot || i16;
+#endif
+        int l2 = 0; /* (the ordered rows: a pass's rows and the prefetch's level as W4A8's, read once) */
+        const int rows = ordered ? gemv_w4a8_m1_order(Kp / 2, &l2) : 1;
+#if !defined(INT4_M1_ROWS_AVX2)
         const uint16_t *xb = (const uint16_t *)scratch;
+#endif
         row_queue_t q;
         rq_init(&q, N, num_threads, rows, Kp / 2);
 #if defined(GEMV_INT4_INT16DOT)
 #define INT4_ROWS_M1(R, ahead) \
     (i16 ? int4_rows_m1_int16(o, scratch, xg, &L, n, R, ahead, l2)  \
          : int4_rows_m1_bf16dot(o, xb, xg, &L, n, R, ahead, l2))
+#elif defined(INT4_M1_ROWS_AVX2)
+#define INT4_ROWS_M1(R, ahead) int4_rows_m1_avx2(o, scratch, xg, &L, n, R, ahead, l2)
 #else
 #define INT4_ROWS_M1(R, ahead) int4_rows_m1_bf16dot(o, xb, xg, &L, n, R, ahead, l2)
 #endif
@@ -114,8 +134,10 @@ void gemv_int4(float *o, int64_t ldo, const float *xm, int64_t ldx, int mm, int6
                 else if (rows == 2)
                     for (; n + 2 <= end; n += 2) INT4_ROWS_M1(2, n + 6 <= N);
                 for (; n < end; n++) {
-                    if (dot || i16) INT4_ROWS_M1(1, 0);
-                    else INT4_M1_ROW(o, scratch, xg, &L, n);
+#if defined(INT4_M1_ROW) /* (AVX-512's float rows, where neither dot product orders them) */
+                    if (!ordered) INT4_M1_ROW(o, scratch, xg, &L, n); else
+#endif
+                    INT4_ROWS_M1(1, 0);
                 }
             }
         }
