@@ -46,6 +46,29 @@ def test_panel_gemm_equals_the_float64_linear_on_strided_rows(m, k, n, bias, thr
         + 1e-7 * scale
 
 
+@pytest.mark.parametrize(("m", "k", "n"), [(50, 2048, 96), (20, 3072, 40), (7, 1024, 33), (64, 4096, 64)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_that_share_l1_sets_are_copied_apart_and_give_the_same_bits(m, k, n, threads):
+    """x's rows a multiple of 4 KiB apart (K = 1024 floats and its multiples, contiguous) all fall in one L1 set, so
+    the kernel first copies them to rows 16 floats longer (in the calling thread's buffer, filled by the team): the
+    same sums as x read where it lies (a row stride that does not conflict), bit for bit, at every thread count."""
+    torch.manual_seed(m + k)
+    w, b = torch.randn(n, k) * 0.05, torch.randn(n)
+    x = torch.randn(m, k)
+    apart = torch.zeros(m, k + 5)
+    apart[:, :k] = x
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        panels = cpu_kernels.GemmPanels(w, b)
+        got, direct = panels(x), panels(apart[:, :k])
+    finally:
+        torch.set_num_threads(old)
+    exact, scale = _reference(x, w, b)
+    assert (got.double() - exact).abs().max().item() <= 1e-6 * scale
+    assert torch.equal(got, direct)
+
+
 def _linear(k: int, n: int, dtype: torch.dtype = torch.float32) -> Linear:
     lin = Linear(k, n).to(dtype)
     with torch.no_grad():
