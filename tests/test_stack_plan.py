@@ -1,6 +1,7 @@
-"""The decode stack's one-token class chosen by timing whole steps (model/stack_plan.py): where the projections'
-start-up timing put another kernel there, a 1-row decode step is timed with the module path and with the native
-stack, and the faster kept, with the same greedy output either way."""
+"""The decode stack's shape classes chosen by timing whole steps (model/stack_plan.py): where the projections'
+start-up timing put another kernel in one (the one-token class here, the many-row class last), a decode step of its
+rows is timed with the module path and with the native stack, and the faster kept, with the same greedy output
+either way."""
 
 from __future__ import annotations
 
@@ -153,3 +154,46 @@ def test_a_class_whose_serving_steps_bear_out_its_choice_is_not_re_checked(monke
     assert [c for c, _, _ in check.rechecks] == [0] and not check.trials
     after = check.rechecks[0][2]
     assert 0 < after.module_s < 1 and 0 < after.stack_s < 1 and k.on_stack == after.use_stack
+
+
+def test_a_many_row_class_planned_off_native_is_decided_by_whole_steps(monkeypatch):
+    """The batched-decode class (past 16 rows) planned off native by its projections' timings alone (a tie broken
+    the other way) is timed as whole 64-row steps too, and runs through the stack where they ran faster: a batch of
+    more than 16 decodes then takes one call a step, with the greedy output of the torch path."""
+    monkeypatch.setattr(kernel_plan, "_KEPT_TIMINGS", {})
+    monkeypatch.setattr(kernel_plan, "_KEPT_CHOICES", {})
+    timed = KernelPlan.time_class
+
+    def many_off_native(self: KernelPlan, c: int, names: list[str], reuse: bool = False) -> str:
+        if c != 3:  # (native below 17 rows, whatever the timing: no whole steps timed for those classes)
+            self.timings[c] = None
+            self.bind(c, "native")
+            return "native"
+        other = next(n for n in names if n != "native")
+        self.timings[c] = {n: 1e-3 for n in names}
+        self.bind(c, other)
+        return other
+
+    monkeypatch.setattr(KernelPlan, "time_class", many_off_native)
+    steps = start_up_steps(monkeypatch, 2e-3, 1e-3)  # (the stack's 64-row step the faster)
+    llm = LLM(num_kv_blocks=256)
+    runner = llm.llm_engine.runner
+    plan, stack = runner.linear_plan, runner.decode_stack
+    assert stack is not None and next(steps, None) is None  # both ways timed
+    assert plan.chosen[3] == "native" and plan.timings[3] is None and stack.native_classes[3]
+    calls = []
+    call = DecodeStack.__call__
+
+    def counted(self, h, positions):
+        calls.append(h.shape[0])
+        return call(self, h, positions)
+
+    monkeypatch.setattr(DecodeStack, "__call__", counted)
+    prompts = (PROMPTS * 6)[:20]  # (20 decodes a step: the many-row class)
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert max(calls) == 20
+    monkeypatch.setattr(KernelPlan, "time_class", timed)
+    ref = [o.outputs[0].token_ids for o in LLM(num_kv_blocks=256, linear_backend="torch").generate(
+        prompts, sp, use_tqdm=False)]
+    assert got == ref

@@ -2,10 +2,13 @@
 
 The start-up plan (model/kernel_plan.py) times each projection's kernels alone, so it cannot see that native kernels
 in every layer let the decode stack (model/decode_stack.py) run a whole step in one call, without a Python call per
-layer, or per expert of a mixture. Where the one-token class (a batch-1 decode) or the handful class (2-6 rows: a
-batch-1 speculative verification) was planned otherwise, a 1- (4-) row decode step is timed both ways and the
-faster kept: a mixture of experts' one-token projections timed 13.1 ms on oneDNN against 13.8 native on a Zen 4
-EPYC, so its decode ran every layer and expert through Python, at 0.5-0.76x llama.cpp f32 (the stack: 1.5-1.9x that).
+layer, or per expert of a mixture. Where a class was planned otherwise (the one-token class: a batch-1 decode; the
+handful, 2-6 rows: a batch-1 speculative verification; 7-16 rows; and many rows: a batched decode), a decode step of
+its rows (1, 4, 10, 64) is timed both ways and the faster kept: a mixture of experts' one-token projections timed
+13.1 ms on oneDNN against 13.8 native on a Zen 4 EPYC, so its decode ran every layer and expert through Python, at
+0.5-0.76x llama.cpp f32 (the stack: 1.5-1.9x that); GPT-2's 64-token projections timed 47.6 ms on oneDNN against 48.9
+native on another, so three of four seed-workload engines ran 50-sequence steps through the modules in 83-94 ms
+where the stack ran them in 78.
 
 Kernel timings cannot re-check such a choice, and a choice timed at start-up can be wrong for the engine's life (a
 busy core during one of the two timings, the machine's speed shifting later). So StackCheck watches each decided
@@ -33,7 +36,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # (shape class, rows of the decode step timed for it)
-STACK_CLASSES = ((0, 1), (1, 4))
+STACK_CLASSES = ((0, 1), (1, 4), (2, 10), (3, 64))
 
 
 @dataclass(slots=True)
