@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from minivllm.config import ModelConfig
 from minivllm.engine_config import EngineConfig
+from minivllm.model.decode_stack import DecodeStack
 from minivllm.model.runner import ModelRunner
 from minivllm.modelgen.make_model import make_model
 
@@ -267,3 +268,17 @@ def int4_native_x(x: torch.Tensor) -> torch.Tensor:
     if x.shape[0] > lib.gemv_int4_few_tokens() or torch.equal(x, x.bfloat16().float()):
         return x.double()
     return _int16_blocks(x)
+
+
+@pytest.fixture
+def stack_calls(monkeypatch):
+    """Counts the steps the stack ran, so a test fails if the stack was silently not taken."""
+    calls = []
+    original = DecodeStack.__call__
+
+    def spy(self, h, positions):
+        calls.append(h.shape[0])
+        return original(self, h, positions)
+
+    monkeypatch.setattr(DecodeStack, "__call__", spy)
+    return calls

@@ -25,20 +25,6 @@ from tests.conftest import make_runner
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="native CPU kernels did not build here")
 
 
-@pytest.fixture
-def stack_calls(monkeypatch):
-    """Counts the steps the stack ran, so a test fails if the stack was silently not taken."""
-    calls = []
-    original = DecodeStack.__call__
-
-    def spy(self, h, positions):
-        calls.append(h.shape[0])
-        return original(self, h, positions)
-
-    monkeypatch.setattr(DecodeStack, "__call__", spy)
-    return calls
-
-
 def _runner(path: str, method: str | None, dtype: torch.dtype = torch.float32, num_blocks: int = 32) -> ModelRunner:
     mc = ModelConfig.from_pretrained(path)
     # Native kernels for every shape class, so the stack takes 1 and 3 decode tokens alike.

@@ -156,7 +156,7 @@ def test_a_class_whose_serving_steps_bear_out_its_choice_is_not_re_checked(monke
     assert 0 < after.module_s < 1 and 0 < after.stack_s < 1 and k.on_stack == after.use_stack
 
 
-def test_a_many_row_class_planned_off_native_is_decided_by_whole_steps(monkeypatch):
+def test_a_many_row_class_planned_off_native_is_decided_by_whole_steps(monkeypatch, stack_calls):
     """The batched-decode class (past 16 rows) planned off native by its projections' timings alone (a tie broken
     the other way) is timed as whole 64-row steps too, and runs through the stack where they ran faster: a batch of
     more than 16 decodes then takes one call a step, with the greedy output of the torch path."""
@@ -181,18 +181,11 @@ def test_a_many_row_class_planned_off_native_is_decided_by_whole_steps(monkeypat
     plan, stack = runner.linear_plan, runner.decode_stack
     assert stack is not None and next(steps, None) is None  # both ways timed
     assert plan.chosen[3] == "native" and plan.timings[3] is None and stack.native_classes[3]
-    calls = []
-    call = DecodeStack.__call__
-
-    def counted(self, h, positions):
-        calls.append(h.shape[0])
-        return call(self, h, positions)
-
-    monkeypatch.setattr(DecodeStack, "__call__", counted)
+    stack_calls.clear()  # (the start-up's own 64-row step)
     prompts = (PROMPTS * 6)[:20]  # (20 decodes a step: the many-row class)
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    assert max(calls) == 20
+    assert max(stack_calls) == 20
     monkeypatch.setattr(KernelPlan, "time_class", timed)
     ref = [o.outputs[0].token_ids for o in LLM(num_kv_blocks=256, linear_backend="torch").generate(
         prompts, sp, use_tqdm=False)]
