@@ -144,6 +144,20 @@ def test_stack_runs_the_panels_past_panels_past_tokens_as_the_modules_do(model_f
     _panel_steps_equal(runner, path, stack_calls)
 
 
+@pytest.mark.parametrize(("preset", "field"), [("tiny-llama", "intermediate_size"), ("tiny-gpt2", "n_inner")])
+def test_an_mlp_whose_rows_crowd_one_l1_set_is_written_padded_and_runs_as_the_modules_do(model_factory, stack_calls,
+                                                                                         preset, field):
+    """An intermediate size of 1024 floats (rows 4 KiB apart, one L1 set: csrc/gemm_f32.c's rows_conflict): the stack
+    writes the MLP's activation rows gemm_f32_x_ld(I) apart, so the down projection reads them in place rather than
+    copying them first, and its logits are still the modules' to the bit."""
+    lib = cpu_kernels.load_library()
+    assert lib is not None
+    assert lib.gemm_f32_x_ld(1024) > 1024 and lib.gemm_f32_x_ld(1000) == 1000  # (the case this test is about)
+    path = model_factory(preset, overrides=((field, 1024),))
+    runner = _runner(path, None, num_blocks=96)
+    _panel_steps_equal(runner, path, stack_calls)
+
+
 def _panel_steps_equal(runner: ModelRunner, path: str, stack_calls: list[int]) -> None:
     """Decode steps of 9, 20 and 3 tokens: the stack's logits are the modules' to the bit."""
     stack = runner.decode_stack

@@ -40,15 +40,16 @@ def load_library() -> ctypes.CDLL | None:
     lib.gemm_f32_panels.argtypes = [p, i64, p, i64, c_int, i64, i64, p, p, c_int]
     lib.gemm_f32_panels.restype = None
     lib.gemm_f32_panel_width.argtypes, lib.gemm_f32_panel_width.restype = [], c_int
+    lib.gemm_f32_x_ld.argtypes, lib.gemm_f32_x_ld.restype = [i64], i64
     lib.quantize_rows_s8.argtypes = [p, i64, i64, i64, p, p, c_int]
     lib.rescale_i32.argtypes = [p, i64, i64, p, p, p, p, c_int]
     lib.quantize_rows_s8.restype = lib.rescale_i32.restype = None
     lib.add_rmsnorm_f32.argtypes = [p, p, i64, c_float, p, c_float, p, i64, i64, c_int]
     lib.add_layernorm_f32.argtypes = [p, p, i64, p, p, c_float, p, i64, i64, c_int]
     lib.rmsnorm_groups_f32.argtypes = [p, i64, i64, i64, i64, p, c_float, c_int]
-    lib.silu_mul_f32.argtypes = [p, i64, p, i64, i64, c_int]
-    lib.gelu_tanh_mul_f32.argtypes = [p, i64, p, i64, i64, c_int]
-    lib.gelu_tanh_f32.argtypes = [p, i64, p, i64, i64, c_int]
+    lib.silu_mul_f32.argtypes = [p, i64, p, i64, i64, i64, c_int]
+    lib.gelu_tanh_mul_f32.argtypes = [p, i64, p, i64, i64, i64, c_int]
+    lib.gelu_tanh_f32.argtypes = [p, i64, p, i64, i64, i64, c_int]
     lib.rope_kv_write_f32.argtypes = [p, i64, i64, c_int, c_int, c_int, c_int, p, p, p, p, c_int, p, p, p, c_int]
     for fn in (lib.add_rmsnorm_f32, lib.add_layernorm_f32, lib.rmsnorm_groups_f32, lib.silu_mul_f32,
                lib.gelu_tanh_mul_f32, lib.gelu_tanh_f32, lib.rope_kv_write_f32):
@@ -364,7 +365,8 @@ def rope_kv_write(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_d
 def _gated(kernel: str, x: torch.Tensor) -> torch.Tensor:
     m, two_i = x.shape
     out = torch.empty(m, two_i // 2, dtype=torch.float32)
-    getattr(load_library(), kernel)(x.data_ptr(), x.stride(0), out.data_ptr(), m, two_i // 2, torch.get_num_threads())
+    getattr(load_library(), kernel)(x.data_ptr(), x.stride(0), out.data_ptr(), two_i // 2, m, two_i // 2,
+                                    torch.get_num_threads())
     return out
 
 
@@ -379,7 +381,7 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     assert lib is not None
     m, n = x.shape
     out = torch.empty(m, n, dtype=torch.float32)
-    lib.gelu_tanh_f32(x.data_ptr(), x.stride(0), out.data_ptr(), m, n, torch.get_num_threads())
+    lib.gelu_tanh_f32(x.data_ptr(), x.stride(0), out.data_ptr(), n, m, n, torch.get_num_threads())
     return out
 
 

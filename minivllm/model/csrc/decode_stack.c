@@ -39,6 +39,11 @@ static void project(float *out, const float *x, const proj_t *p, const step_t *s
     project_rows(out, proj_n(p), x, p->K, s->M, p, s);
 }
 
+/* The same on x rows ldx floats apart. */
+static void project_ld(float *out, const float *x, int64_t ldx, const proj_t *p, const step_t *s) {
+    project_rows(out, proj_n(p), x, ldx, s->M, p, s);
+}
+
 /* residual += res_scale x pending (NULL: nothing), normed into out by the family's norm (bias: LayerNorm's). */
 static void add_norm(float *residual, const float *pending, const float *norm, const float *bias, float *out,
                      const step_t *s) {
@@ -65,7 +70,8 @@ static const float *sublayer_input(float *residual, const float *pending, const 
 
 /*
  * h [M, H]: the token embeddings in, the final-normed hidden states out. residual [M, H] is work space.
- * s->work holds the activations: M * (H + QKV + nq*D + H + 2I + I) floats.
+ * s->work holds the activations: M * (H + QKV + nq*D + H + 2I + I + 32) floats (the activation's rows
+ * gemm_f32_x_ld(I) apart, up to 31 more than I).
  */
 void decode_stack_f32(const layer_t *layers, int64_t n_layers, const float *final_norm, const step_t *s, float *h,
                       float *residual) {
@@ -73,6 +79,7 @@ void decode_stack_f32(const layer_t *layers, int64_t n_layers, const float *fina
     const int nt = (int)s->num_threads;
     float *normed = s->work, *qkv = normed + M * H, *attn = qkv + M * qkv_n, *proj = attn + M * qd;
     float *gu = proj + M * H, *act = gu + M * 2 * I;
+    const int64_t lda = M > 1 ? gemm_f32_x_ld(I) : I;
 
     memcpy(residual, h, (size_t)(M * H) * sizeof(float));
     for (int64_t l = 0; l < n_layers; l++) {
@@ -100,8 +107,8 @@ void decode_stack_f32(const layer_t *layers, int64_t n_layers, const float *fina
             moe_f32(proj, x, L->moe, s);
         } else {
             project(gu, x, &L->gate_up, s);
-            gated_act(gu, act, M, I, s);
-            project(proj, bf16_input(act, M * I, s), &L->down, s);
+            gated_act(gu, act, lda, M, I, s);
+            project_ld(proj, bf16_input(act, M * lda, s), lda, &L->down, s);
         }
         if (L->mlp_out_norm) add_rmsnorm_f32(proj, NULL, H, 1.f, L->mlp_out_norm, s->eps, proj, M, H, nt);
     }

@@ -77,9 +77,11 @@ int linear_gemv_m1_many(float *out, int64_t ldo, const float *x, int64_t ldx, in
                         const float *const *bias, float *scratch, int num_threads);
 void gemm_f32_panels(float *out, int64_t ldo, const float *x, int64_t ldx, int M, int64_t K, int64_t N,
                      const float *P, const float *bias, int num_threads);
-void silu_mul_f32(const float *gu, int64_t ldg, float *out, int64_t M, int64_t I, int num_threads);
-void gelu_tanh_f32(const float *x, int64_t ldx, float *out, int64_t M, int64_t N, int num_threads);
-void gelu_tanh_mul_f32(const float *gu, int64_t ldg, float *out, int64_t M, int64_t I, int num_threads);
+int64_t gemm_f32_x_ld(int64_t K);
+void silu_mul_f32(const float *gu, int64_t ldg, float *out, int64_t ldo, int64_t M, int64_t I, int num_threads);
+void gelu_tanh_f32(const float *x, int64_t ldx, float *out, int64_t ldo, int64_t M, int64_t N, int num_threads);
+void gelu_tanh_mul_f32(const float *gu, int64_t ldg, float *out, int64_t ldo, int64_t M, int64_t I,
+                       int num_threads);
 
 /* A projection's input rounded to bfloat16 in place (to nearest even; NaN kept) where the model is bf16 (x_bf16): the
  * module path's activations are bf16 there, and a bf16 x lets bf16 weights take the dot-product rows (csrc/
@@ -115,14 +117,15 @@ static inline void project_rows(float *out, int64_t ldo, const float *x, int64_t
                         p->bias, s->gemv_scratch, (int)s->num_threads);
 }
 
-/* The gated activation of gu [rows, 2I] (gate columns first) into out [rows, I]; act 2: GeLU-tanh of gu [rows, I]. */
-static inline void gated_act(const float *gu, float *out, int64_t rows, int64_t I, const step_t *s) {
+/* The gated activation of gu [rows, 2I] (gate columns first) into out [rows, I] (rows ldo floats apart); act 2:
+ * GeLU-tanh of gu [rows, I]. */
+static inline void gated_act(const float *gu, float *out, int64_t ldo, int64_t rows, int64_t I, const step_t *s) {
     if (s->act == 2)
-        gelu_tanh_f32(gu, I, out, rows, I, (int)s->num_threads);
+        gelu_tanh_f32(gu, I, out, ldo, rows, I, (int)s->num_threads);
     else if (s->act == 1)
-        gelu_tanh_mul_f32(gu, 2 * I, out, rows, I, (int)s->num_threads);
+        gelu_tanh_mul_f32(gu, 2 * I, out, ldo, rows, I, (int)s->num_threads);
     else
-        silu_mul_f32(gu, 2 * I, out, rows, I, (int)s->num_threads);
+        silu_mul_f32(gu, 2 * I, out, ldo, rows, I, (int)s->num_threads);
 }
 
 void moe_f32(float *out, const float *x, const moe_t *e, const step_t *s);

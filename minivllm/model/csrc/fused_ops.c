@@ -164,24 +164,24 @@ void rope_kv_write_f32(float *qkv, int64_t ldx, int64_t M, int nq, int nkv, int 
     }
 }
 
-/* gu: M rows ldg floats apart, [gate (I) | up (I)]; out [M, I] contiguous. */
-void silu_mul_f32(const float *gu, int64_t ldg, float *out, int64_t M, int64_t I, int num_threads) {
+/* gu: M rows ldg floats apart, [gate (I) | up (I)]; out [M, I], rows ldo floats apart. */
+void silu_mul_f32(const float *gu, int64_t ldg, float *out, int64_t ldo, int64_t M, int64_t I, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (M >= PAR_ROWS) schedule(static)
     for (int64_t m = 0; m < M; m++) {
         const float *g = gu + m * ldg, *u = g + I;
-        float *o = out + m * I;
+        float *o = out + m * ldo;
 #pragma omp simd
         for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
     }
 }
 
-/* gelu_tanh of x [M, N] (rows ldx floats apart) into out [M, N] contiguous: GPT-2's activation. */
-void gelu_tanh_f32(const float *x, int64_t ldx, float *out, int64_t M, int64_t N, int num_threads) {
+/* gelu_tanh of x [M, N] (rows ldx floats apart) into out [M, N] (rows ldo apart): GPT-2's activation. */
+void gelu_tanh_f32(const float *x, int64_t ldx, float *out, int64_t ldo, int64_t M, int64_t N, int num_threads) {
     const float k0 = 0.7978845608028654f, k1 = 0.044715f; /* sqrt(2 / pi) */
 #pragma omp parallel for num_threads(num_threads) if (M >= PAR_ROWS) schedule(static)
     for (int64_t m = 0; m < M; m++) {
         const float *g = x + m * ldx;
-        float *o = out + m * N;
+        float *o = out + m * ldo;
 #pragma omp simd
         for (int64_t i = 0; i < N; i++) {
             const float v = g[i];
@@ -190,13 +190,13 @@ void gelu_tanh_f32(const float *x, int64_t ldx, float *out, int64_t M, int64_t N
     }
 }
 
-/* gelu with the tanh approximation, as torch's gelu(approximate="tanh"). */
-void gelu_tanh_mul_f32(const float *gu, int64_t ldg, float *out, int64_t M, int64_t I, int num_threads) {
+/* gelu with the tanh approximation, as torch's gelu(approximate="tanh"); out rows ldo floats apart. */
+void gelu_tanh_mul_f32(const float *gu, int64_t ldg, float *out, int64_t ldo, int64_t M, int64_t I, int num_threads) {
     const float k0 = 0.7978845608028654f, k1 = 0.044715f; /* sqrt(2 / pi) */
 #pragma omp parallel for num_threads(num_threads) if (M >= PAR_ROWS) schedule(static)
     for (int64_t m = 0; m < M; m++) {
         const float *g = gu + m * ldg, *u = g + I;
-        float *o = out + m * I;
+        float *o = out + m * ldo;
 #pragma omp simd
         for (int64_t i = 0; i < I; i++) {
             const float x = g[i];

@@ -66,7 +66,7 @@ static int moe_one_token(float *out, const float *x, const moe_t *e, const step_
         ids[i] = picked[j], w[i] = weights[j];
     }
     if (!project_experts(gu, 2 * I, x, 0, e->gate_up, ids, k, s)) return 0;
-    gated_act(gu, act, k, I, s);
+    gated_act(gu, act, I, k, I, s);
     bf16_input(act, k * I, s);
     if (!project_experts(ys, H, act, I, e->down, ids, k, s)) { /* (a down format unlike its gate_up's) */
         for (int64_t j = 0; j < k; j++) project_rows(ys + j * H, H, act + j * I, I, 1, &e->down[ids[j]], s);
@@ -99,7 +99,7 @@ static void moe_grouped(float *out, const float *x, const moe_t *e, const step_t
             in = xs;
         }
         project_rows(gu, 2 * I, in, H, n, &e->gate_up[ex], s);
-        gated_act(gu, act, n, I, s);
+        gated_act(gu, act, I, n, I, s);
         bf16_input(act, n * I, s);
         project_rows(ys, H, act, I, n, &e->down[ex], s);
         for (int64_t i = 0; i < n; i++) {
@@ -131,7 +131,7 @@ void moe_f32(float *out, const float *x, const moe_t *e, const step_t *s) {
     if (e->shared_I) { /* Qwen2-MoE: + sigmoid(x . g) x the shared expert's MLP */
         const int64_t Is = e->shared_I;
         project_rows(gu, 2 * Is, x, H, M, &e->shared_gate_up, s);
-        gated_act(gu, act, M, Is, s);
+        gated_act(gu, act, Is, M, Is, s);
         bf16_input(act, M * Is, s);
         project_rows(ys, H, act, Is, M, &e->shared_down, s);
         project_rows(logits, 1, x, H, M, &e->shared_gate, s);
