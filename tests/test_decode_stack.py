@@ -144,16 +144,21 @@ def test_stack_runs_the_panels_past_panels_past_tokens_as_the_modules_do(model_f
     _panel_steps_equal(runner, path, stack_calls)
 
 
-@pytest.mark.parametrize(("preset", "field"), [("tiny-llama", "intermediate_size"), ("tiny-gpt2", "n_inner")])
-def test_an_mlp_whose_rows_crowd_one_l1_set_is_written_padded_and_runs_as_the_modules_do(model_factory, stack_calls,
-                                                                                         preset, field):
-    """An intermediate size of 1024 floats (rows 4 KiB apart, one L1 set: csrc/gemm_f32.c's rows_conflict): the stack
-    writes the MLP's activation rows gemm_f32_x_ld(I) apart, so the down projection reads them in place rather than
-    copying them first, and its logits are still the modules' to the bit."""
+@pytest.mark.parametrize(("preset", "overrides"), [
+    ("tiny-llama", (("intermediate_size", 1024),)),
+    ("tiny-gpt2", (("n_inner", 1024),)),
+    ("tiny-llama", (("hidden_size", 1024), ("num_attention_heads", 16))),
+    ("tiny-gpt2", (("n_embd", 1024), ("n_head", 16))),
+])
+def test_rows_that_crowd_one_l1_set_are_written_padded_and_run_as_the_modules_do(model_factory, stack_calls, preset,
+                                                                                 overrides):
+    """Widths of 1024 floats (rows 4 KiB apart, one L1 set: csrc/gemm_f32.c's rows_conflict) in the MLP or in the
+    hidden stream and attention's output: the stack writes those rows gemm_f32_x_ld(width) apart, so the projections
+    read them in place rather than copying them first, and the logits are still the modules' to the bit."""
     lib = cpu_kernels.load_library()
     assert lib is not None
     assert lib.gemm_f32_x_ld(1024) > 1024 and lib.gemm_f32_x_ld(1000) == 1000  # (the case this test is about)
-    path = model_factory(preset, overrides=((field, 1024),))
+    path = model_factory(preset, overrides=overrides)
     runner = _runner(path, None, num_blocks=96)
     _panel_steps_equal(runner, path, stack_calls)
 

@@ -348,7 +348,7 @@ class DecodeStack:
         if self.residual.shape[0] < m:
             self.residual = torch.empty(m, self.hidden)
             qkv = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-            self.work = torch.empty(m * (2 * self.hidden + qkv + self.num_heads * self.head_dim + 3 * self.inter + 32))
+            self.work = torch.empty(m * (2 * self.hidden + qkv + self.num_heads * self.head_dim + 3 * self.inter + 96))
             if self.moe_shape is not None:  # csrc/moe_decode.c's: max(M, k) (E + k + 2H + 3 Imax) floats, 3 M k ids
                 e, k, inter = self.moe_shape
                 self.moe_work = torch.empty(max(m, k) * (e + k + 2 * self.hidden + 3 * inter))

@@ -20,49 +20,49 @@
 
 #include "decode_stack.h"
 
-void add_rmsnorm_f32(float *residual, const float *x, int64_t ldx, float xscale, const float *w, float eps,
-                     float *out, int64_t M, int64_t H, int num_threads);
-void add_layernorm_f32(float *residual, const float *x, int64_t ldx, const float *w, const float *b, float eps,
-                       float *out, int64_t M, int64_t H, int num_threads);
+void add_rmsnorm_f32_ld(float *residual, const float *x, int64_t ldx, float xscale, const float *w, float eps,
+                        float *out, int64_t ldo, int64_t M, int64_t H, int num_threads);
+void add_layernorm_f32_ld(float *residual, const float *x, int64_t ldx, const float *w, const float *b, float eps,
+                          float *out, int64_t ldo, int64_t M, int64_t H, int num_threads);
 void rmsnorm_groups_f32(float *x, int64_t ldx, int64_t M, int64_t n, int64_t size, const float *w, float eps,
                         int num_threads);
 void rope_kv_write_f32(float *qkv, int64_t ldx, int64_t M, int nq, int nkv, int D, int rot, const int64_t *pos,
                        const float *cos_sin, void *k_cache, void *v_cache, int kv_fmt, _Float16 *k_scale,
                        _Float16 *v_scale, const int64_t *slot_mapping, int num_threads);
-void paged_attention_f32(float *out, const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                         int kv_fmt, const _Float16 *k_scale, const _Float16 *v_scale, const int64_t *block_tables,
-                         int64_t bt_stride, const int64_t *positions, int64_t num_tokens, int num_heads,
-                         int num_kv_heads, int head_dim, int block_size, float scale, float softcap, int64_t window,
-                         int64_t sinks, int64_t max_ctx, float *scratch, int num_threads);
+void paged_attention_f32_ld(float *out, int64_t out_stride, const float *q, int64_t q_stride, const void *k_cache,
+                           const void *v_cache, int kv_fmt, const _Float16 *k_scale, const _Float16 *v_scale,
+                           const int64_t *block_tables, int64_t bt_stride, const int64_t *positions,
+                           int64_t num_tokens, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                           float scale, float softcap, int64_t window, int64_t sinks, int64_t max_ctx, float *scratch,
+                           int num_threads);
 
-static void project(float *out, const float *x, const proj_t *p, const step_t *s) {
-    project_rows(out, proj_n(p), x, p->K, s->M, p, s);
-}
-
-/* The same on x rows ldx floats apart. */
-static void project_ld(float *out, const float *x, int64_t ldx, const proj_t *p, const step_t *s) {
+/* out = x W^T (+ b) for the step's M rows of x, ldx floats apart. */
+static void project(float *out, const float *x, int64_t ldx, const proj_t *p, const step_t *s) {
     project_rows(out, proj_n(p), x, ldx, s->M, p, s);
 }
 
-/* residual += res_scale x pending (NULL: nothing), normed into out by the family's norm (bias: LayerNorm's). */
+/* residual += res_scale x pending (NULL: nothing), normed into out (rows ldo apart) by the family's norm (bias:
+ * LayerNorm's). */
 static void add_norm(float *residual, const float *pending, const float *norm, const float *bias, float *out,
-                     const step_t *s) {
+                     int64_t ldo, const step_t *s) {
     const int64_t M = s->M, H = s->H;
     if (s->norm_kind == 1)
-        add_layernorm_f32(residual, pending, H, norm, bias, s->eps, out, M, H, (int)s->num_threads);
+        add_layernorm_f32_ld(residual, pending, H, norm, bias, s->eps, out, ldo, M, H, (int)s->num_threads);
     else
-        add_rmsnorm_f32(residual, pending, H, s->res_scale, norm, s->eps, out, M, H, (int)s->num_threads);
+        add_rmsnorm_f32_ld(residual, pending, H, s->res_scale, norm, s->eps, out, ldo, M, H, (int)s->num_threads);
 }
 
 /* The input of a sublayer: `pending` (the previous sublayer's output, NULL for the first) joins the residual
- * stream, scaled; then the stream is normed into `normed` (returned) or, without a norm, read as it is. */
+ * stream, scaled; then the stream is normed into `normed` (returned; rows *ld apart, as asked) or, without a norm,
+ * read as it is (rows H apart: *ld set so). */
 static const float *sublayer_input(float *residual, const float *pending, const float *norm, const float *norm_b,
-                                   float *normed, const step_t *s) {
+                                   float *normed, int64_t *ld, const step_t *s) {
     const int64_t M = s->M, H = s->H;
     if (norm) {
-        add_norm(residual, pending, norm, norm_b, normed, s);
+        add_norm(residual, pending, norm, norm_b, normed, *ld, s);
         return normed;
     }
+    *ld = H;
     if (pending)
         for (int64_t i = 0; i < M * H; i++) residual[i] += s->res_scale * pending[i];
     return residual;
@@ -70,48 +70,53 @@ static const float *sublayer_input(float *residual, const float *pending, const 
 
 /*
  * h [M, H]: the token embeddings in, the final-normed hidden states out. residual [M, H] is work space.
- * s->work holds the activations: M * (H + QKV + nq*D + H + 2I + I + 32) floats (the activation's rows
- * gemm_f32_x_ld(I) apart, up to 31 more than I).
+ * s->work holds the activations: M * (H + QKV + nq*D + H + 2I + I + 96) floats. At several rows, the normed
+ * stream, attention's output and the MLP's activation (the inputs of the qkv / gate_up, o and down projections) sit
+ * in rows gemm_f32_x_ld(width) apart (up to 31 floats more): where rows 4 KiB apart would crowd one L1 set (a 1B
+ * model's 2048 and 8192, GPT-2's 3072), csrc/gemm_f32.c then reads them in place rather than copying them first.
  */
 void decode_stack_f32(const layer_t *layers, int64_t n_layers, const float *final_norm, const step_t *s, float *h,
                       float *residual) {
     const int64_t M = s->M, H = s->H, I = s->I, qd = s->nq * s->D, kvd = s->nkv * s->D, qkv_n = qd + 2 * kvd;
     const int nt = (int)s->num_threads;
-    float *normed = s->work, *qkv = normed + M * H, *attn = qkv + M * qkv_n, *proj = attn + M * qd;
-    float *gu = proj + M * H, *act = gu + M * 2 * I;
+    const int64_t ldn = M > 1 ? gemm_f32_x_ld(H) : H, ldq = M > 1 ? gemm_f32_x_ld(qd) : qd;
     const int64_t lda = M > 1 ? gemm_f32_x_ld(I) : I;
+    float *normed = s->work, *qkv = normed + M * ldn, *attn = qkv + M * qkv_n, *proj = attn + M * ldq;
+    float *gu = proj + M * H, *act = gu + M * 2 * I;
 
     memcpy(residual, h, (size_t)(M * H) * sizeof(float));
     for (int64_t l = 0; l < n_layers; l++) {
         const layer_t *L = layers + l;
         /* The first layer reads the embeddings; later ones first add the previous MLP's output. */
-        const float *x = sublayer_input(residual, l ? proj : NULL, L->attn_norm, L->attn_norm_b, normed, s);
-        if (x == normed) x = bf16_input(normed, M * H, s);
-        project(qkv, x, &L->qkv, s);
+        int64_t ldx = ldn;
+        const float *x = sublayer_input(residual, l ? proj : NULL, L->attn_norm, L->attn_norm_b, normed, &ldx, s);
+        if (x == normed) x = bf16_input(normed, M * ldn, s);
+        project(qkv, x, ldx, &L->qkv, s);
         if (L->q_norm) rmsnorm_groups_f32(qkv, qkv_n, M, qd / L->q_norm_size, L->q_norm_size, L->q_norm, s->eps, nt);
         if (L->k_norm)
             rmsnorm_groups_f32(qkv + qd, qkv_n, M, kvd / L->k_norm_size, L->k_norm_size, L->k_norm, s->eps, nt);
         rope_kv_write_f32(qkv, qkv_n, M, (int)s->nq, (int)s->nkv, (int)s->D, (int)L->rot, s->positions, L->cos_sin,
                           L->k_cache, L->v_cache, (int)s->kv_fmt, L->k_scale, L->v_scale, s->slot_mapping[L->group],
                           nt);
-        paged_attention_f32(attn, qkv, qkv_n, L->k_cache, L->v_cache, (int)s->kv_fmt, L->k_scale, L->v_scale,
-                            s->block_tables[L->group], s->bt_stride[L->group], s->positions, M, (int)s->nq,
-                            (int)s->nkv, (int)s->D,
-                            (int)s->block_size, s->scale, s->softcap, L->window, s->sinks, s->max_ctx,
-                            s->attn_scratch, nt);
-        project(proj, bf16_input(attn, M * qd, s), &L->o, s);
-        if (L->attn_out_norm) add_rmsnorm_f32(proj, NULL, H, 1.f, L->attn_out_norm, s->eps, proj, M, H, nt);
-        x = sublayer_input(residual, proj, L->mlp_norm, L->mlp_norm_b, normed, s);
-        if (x == normed) x = bf16_input(normed, M * H, s);
+        paged_attention_f32_ld(attn, ldq, qkv, qkv_n, L->k_cache, L->v_cache, (int)s->kv_fmt, L->k_scale, L->v_scale,
+                               s->block_tables[L->group], s->bt_stride[L->group], s->positions, M, (int)s->nq,
+                               (int)s->nkv, (int)s->D, (int)s->block_size, s->scale, s->softcap, L->window, s->sinks,
+                               s->max_ctx, s->attn_scratch, nt);
+        project(proj, bf16_input(attn, M * ldq, s), ldq, &L->o, s);
+        if (L->attn_out_norm) add_rmsnorm_f32_ld(proj, NULL, H, 1.f, L->attn_out_norm, s->eps, proj, H, M, H, nt);
+        /* (a mixture of experts reads its input rows H apart) */
+        ldx = L->moe ? H : ldn;
+        x = sublayer_input(residual, proj, L->mlp_norm, L->mlp_norm_b, normed, &ldx, s);
+        if (x == normed) x = bf16_input(normed, M * ldx, s);
         if (L->moe) {
             moe_f32(proj, x, L->moe, s);
         } else {
-            project(gu, x, &L->gate_up, s);
+            project(gu, x, ldx, &L->gate_up, s);
             gated_act(gu, act, lda, M, I, s);
-            project_ld(proj, bf16_input(act, M * lda, s), lda, &L->down, s);
+            project(proj, bf16_input(act, M * lda, s), lda, &L->down, s);
         }
-        if (L->mlp_out_norm) add_rmsnorm_f32(proj, NULL, H, 1.f, L->mlp_out_norm, s->eps, proj, M, H, nt);
+        if (L->mlp_out_norm) add_rmsnorm_f32_ld(proj, NULL, H, 1.f, L->mlp_out_norm, s->eps, proj, H, M, H, nt);
     }
-    add_norm(residual, n_layers ? proj : NULL, final_norm, s->final_norm_b, h, s);
+    add_norm(residual, n_layers ? proj : NULL, final_norm, s->final_norm_b, h, H, s);
     bf16_input(h, M * H, s); /* (the head's input: bf16 as the module path's, in csrc/greedy_loop.c's head too) */
 }

@@ -40,8 +40,9 @@ static inline void add_row(float *r, const float *xr, float xscale, int64_t H) {
     }
 }
 
-void add_rmsnorm_f32(float *residual, const float *x, int64_t ldx, float xscale, const float *w, float eps,
-                     float *out, int64_t M, int64_t H, int num_threads) {
+/* out's rows ldo floats apart (csrc/decode_stack.c: where a projection reads them in place, gemm_f32_x_ld(H)). */
+void add_rmsnorm_f32_ld(float *residual, const float *x, int64_t ldx, float xscale, const float *w, float eps,
+                        float *out, int64_t ldo, int64_t M, int64_t H, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (M >= PAR_ROWS) schedule(static)
     for (int64_t m = 0; m < M; m++) {
         float *r = residual + m * H;
@@ -50,7 +51,7 @@ void add_rmsnorm_f32(float *residual, const float *x, int64_t ldx, float xscale,
 #pragma omp simd reduction(+ : ss)
         for (int64_t i = 0; i < H; i++) ss += r[i] * r[i];
         float inv = 1.f / sqrtf(ss / (float)H + eps);
-        float *o = out + m * H;
+        float *o = out + m * ldo;
 #pragma omp simd
         for (int64_t i = 0; i < H; i++) o[i] = w[i] * (r[i] * inv);
     }
@@ -59,8 +60,13 @@ void add_rmsnorm_f32(float *residual, const float *x, int64_t ldx, float xscale,
 /* LayerNorm's counterpart (GPT-2): residual += x (x NULL: nothing added), then out = (r - mean) / sqrt(var + eps) * w + b
  * with the biased variance, as torch computes it (two passes over the row, which sits in L1). One pass where the
  * residual add and ATen's layer_norm took two calls of 12-26 us each on GPT-2's 50-token decode rows in the step. */
-void add_layernorm_f32(float *residual, const float *x, int64_t ldx, const float *w, const float *b, float eps,
-                       float *out, int64_t M, int64_t H, int num_threads) {
+void add_rmsnorm_f32(float *residual, const float *x, int64_t ldx, float xscale, const float *w, float eps,
+                     float *out, int64_t M, int64_t H, int num_threads) {
+    add_rmsnorm_f32_ld(residual, x, ldx, xscale, w, eps, out, H, M, H, num_threads);
+}
+
+void add_layernorm_f32_ld(float *residual, const float *x, int64_t ldx, const float *w, const float *b, float eps,
+                          float *out, int64_t ldo, int64_t M, int64_t H, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (M >= PAR_ROWS) schedule(static)
     for (int64_t m = 0; m < M; m++) {
         float *r = residual + m * H;
@@ -73,10 +79,15 @@ void add_layernorm_f32(float *residual, const float *x, int64_t ldx, const float
 #pragma omp simd reduction(+ : ss)
         for (int64_t i = 0; i < H; i++) ss += (r[i] - mean) * (r[i] - mean);
         const float inv = 1.f / sqrtf(ss / (float)H + eps);
-        float *o = out + m * H;
+        float *o = out + m * ldo;
 #pragma omp simd
         for (int64_t i = 0; i < H; i++) o[i] = (r[i] - mean) * inv * w[i] + b[i];
     }
+}
+
+void add_layernorm_f32(float *residual, const float *x, int64_t ldx, const float *w, const float *b, float eps,
+                       float *out, int64_t M, int64_t H, int num_threads) {
+    add_layernorm_f32_ld(residual, x, ldx, w, b, eps, out, H, M, H, num_threads);
 }
 
 /* x: M rows ldx floats apart; columns [0, n * size) normalised in place, group by group, each by w [size]. */

@@ -110,11 +110,12 @@ static item_fn pick(int G, int D) {
  * Work items are (token, range of kv heads): each token's kv heads are split into the fewest ranges that still
  * give every thread about four items (a batch of decodes: one row item per token, streaming whole slots; a
  * single sequence: one item per kv head, the register-resident body). */
-void paged_attention_f32(float *out, const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                        int kv_fmt, const _Float16 *k_scale, const _Float16 *v_scale, const int64_t *block_tables, int64_t bt_stride, const int64_t *positions,
-                        int64_t num_tokens, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                        float softcap, int64_t window, int64_t sinks, int64_t max_ctx, float *scratch,
-                        int num_threads) {
+void paged_attention_f32_ld(float *out, int64_t out_stride, const float *q, int64_t q_stride, const void *k_cache,
+                           const void *v_cache, int kv_fmt, const _Float16 *k_scale, const _Float16 *v_scale,
+                           const int64_t *block_tables, int64_t bt_stride, const int64_t *positions,
+                           int64_t num_tokens, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                           float scale, float softcap, int64_t window, int64_t sinks, int64_t max_ctx, float *scratch,
+                           int num_threads) {
     const int G = num_heads / num_kv_heads, D = head_dim;
     const item_fn fn = pick(G, D);
     const int64_t stride = (max_ctx + 15) / 16 * 16;
@@ -134,7 +135,7 @@ void paged_attention_f32(float *out, const float *q, int64_t q_stride, const voi
                 .sc = scratch + (size_t)omp_get_thread_num() * ((num_heads + 15) / 16 * 16) * stride,
                 .stride = stride,
                 .qg = q + t * q_stride + (int64_t)g * G * D,
-                .og = out + (t * num_heads + (int64_t)g * G) * D,
+                .og = out + t * out_stride + (int64_t)g * G * D,
                 .k_cache = k_cache,
                 .v_cache = v_cache,
                 .k_scale = k_scale,
@@ -155,4 +156,16 @@ void paged_attention_f32(float *out, const float *q, int64_t q_stride, const voi
             fn(&it, G, D);
         }
     }
+}
+
+/* out [num_tokens, num_heads * head_dim] contiguous; paged_attention_f32_ld writes rows out_stride floats apart
+ * (csrc/decode_stack.c: where the o projection reads them in place, gemm_f32_x_ld(num_heads * head_dim)). */
+void paged_attention_f32(float *out, const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                         int kv_fmt, const _Float16 *k_scale, const _Float16 *v_scale, const int64_t *block_tables,
+                         int64_t bt_stride, const int64_t *positions, int64_t num_tokens, int num_heads,
+                         int num_kv_heads, int head_dim, int block_size, float scale, float softcap, int64_t window,
+                         int64_t sinks, int64_t max_ctx, float *scratch, int num_threads) {
+    paged_attention_f32_ld(out, (int64_t)num_heads * head_dim, q, q_stride, k_cache, v_cache, kv_fmt, k_scale, v_scale,
+                           block_tables, bt_stride, positions, num_tokens, num_heads, num_kv_heads, head_dim,
+                           block_size, scale, softcap, window, sinks, max_ctx, scratch, num_threads);
 }
