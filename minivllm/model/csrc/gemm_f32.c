@@ -69,7 +69,8 @@ static int rows_conflict(int64_t ldx) {
 
 /* The row stride a producer of x [M, K] gives its rows so that this GEMM reads them in place: K where its rows
  * spread over L1's sets, else K rounded up to 16 floats plus 16 (what the copy below uses). csrc/decode_stack.c
- * writes the MLP's activation so, and the down projection's copy of it (M x I floats a layer) goes. */
+ * writes its projections' inputs so (the normed stream, attention's output, the MLP's activation), and their
+ * copies go. */
 int64_t gemm_f32_x_ld(int64_t K) { return rows_conflict(K) ? (K + 15) / 16 * 16 + 16 : K; }
 
 /* out [M, N] rows ldo floats apart; x [M, K] rows ldx apart; P the panels (gemm_f32_panel_width() columns each);
