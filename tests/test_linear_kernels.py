@@ -97,23 +97,6 @@ def test_engine_greedy_output_does_not_depend_on_the_linear_backend(model_factor
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)] == ref
 
 
-def test_a_model_too_large_for_two_layouts_keeps_the_plain_one(model_factory, monkeypatch):
-    """Past the memory a second layout may take, no packed copy is made: the plain weights (in huge pages) serve
-    every shape, through the native kernel and oneDNN on plain weights, with the same greedy output."""
-    from minivllm.model import runner
-
-    path = model_factory("tiny-llama")
-    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    ref = [o.outputs[0].token_ids for o in LLM(path, linear_backend="torch", num_kv_blocks=64).generate(
-        PROMPTS, sp, use_tqdm=False)]
-    monkeypatch.setattr(runner, "_second_layout_affordable", lambda linears: False)
-    llm = LLM(path, num_kv_blocks=64)
-    linears = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.packed is None and m.weight is not None for m in linears)
-    assert set(llm.llm_engine.runner.linear_kernels.values()) <= {"native", "onednn_plain"}
-    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)] == ref
-
-
 @pytest.fixture
 def kernel_timed(monkeypatch):
     """The embedded model's one-token class as its kernel timings chose it: where they chose other than native,

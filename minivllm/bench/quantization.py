@@ -67,9 +67,8 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
         if isinstance(m, QuantizedLinear | SuperblockLinear):
             total += sum(b.numel() * b.element_size() for b in m.buffers())
         elif isinstance(m, Linear):
-            w = m.weight if m.weight is not None else m.packed
-            assert w is not None  # a Linear keeps at least one layout of its weight
-            total += m.in_features * m.out_features * w.element_size()
+            # (one layout of its weight counted: plain, packed or panels alone)
+            total += m.in_features * m.out_features * torch.empty((), dtype=m.layout_dtype()).element_size()
             total += 0 if m.bias is None else m.bias.numel() * m.bias.element_size()
         elif type(m).__name__ in ("RMSNorm", "LayerNorm"):
             total += sum(p.numel() * p.element_size() for p in m.parameters())

@@ -48,6 +48,13 @@ def proj_table(g: cpu_kernels.GemvWeights) -> Proj:
     return Proj(w, scale, mins, bias, g.k, g.n, g.group, g.fmt)
 
 
+def panels_table(p: cpu_kernels.GemmPanels) -> Proj:
+    """proj_t of a float32 weight held as panels alone: no rows (w NULL), so csrc/decode_stack.h runs the panels at
+    every row count (the caller keeps p alive)."""
+    bias = None if p.bias is None else p.bias.data_ptr()
+    return Proj(None, None, None, bias, p.k, p.n, 0, cpu_kernels.GEMV_FORMATS["f32"], None, p.panels.data_ptr())
+
+
 class _MoE(ctypes.Structure):
     _fields_ = [("E", _i64), ("k", _i64), ("I", _i64), ("norm_topk", _i64), ("router", Proj), ("gate_up", _p),
                 ("down", _p), ("shared_I", _i64), ("shared_gate_up", Proj), ("shared_down", Proj),
@@ -206,10 +213,14 @@ class DecodeStack:
                     keep.append(after)
                     before.next = ctypes.addressof(after)
                 return first
+            panels = getattr(proj, "_panels", None)
+            if panels is not None and getattr(proj, "panels_only", bool)():  # (layers.Linear.keep_panels_only)
+                keep.append(panels)
+                self._with_panels.add(id(proj))
+                return panels_table(panels)
             g = proj.gemv_weights()  # a planned projection's, or a router's (model/moe.py's RouterLinear)
             keep.append(g)
             table = proj_table(g)
-            panels = getattr(proj, "_panels", None)
             if panels is not None:  # (kept: a later plan may release the module's, never the stack's copy)
                 keep.append(panels)
                 table.panels = panels.panels.data_ptr()
@@ -247,7 +258,8 @@ class DecodeStack:
         final_bias = bias(norm)
         self._keep = keep
         self.num_groups = 1 + max(p.attn.kv_group for p in layers)
-        self.gemv_scratch = torch.empty(max(g.scratch_numel for g in keep if isinstance(g, cpu_kernels.GemvWeights)))
+        self.gemv_scratch = torch.empty(max((g.scratch_numel for g in keep if isinstance(g, cpu_kernels.GemvWeights)),
+                                                 default=1))
         self.block_size = attn.k_cache.shape[1]
         self.step = _Step(H=self.hidden, I=self.inter, nq=self.num_heads, nkv=self.num_kv_heads, D=self.head_dim,
                           block_size=self.block_size, eps=norm.eps, scale=attn.scale,

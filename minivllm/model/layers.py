@@ -46,7 +46,9 @@ class Linear(PlannedLinear):
     - native: csrc/gemv.c streaming the plain weight once for all rows (decode: one pass over the
       weights at ~0.95 of the bandwidth probe, where oneDNN's packed layout reached ~0.6-0.75); past PANELS_PAST
       tokens, where the runner allows a second layout (`allow_panels`), a float32 weight runs csrc/gemm_f32.c's
-      GEMM on its own panel-packed copy (made on first use, kept only where the plan picks it there);
+      GEMM on its own panel-packed copy (made on first use, kept only where the plan picks it there); a weight
+      held as panels alone (`keep_panels_only`: model/weight_layout.py, a model too large for two layouts) runs
+      that GEMM at every token count;
     - torch: F.linear, the portable path.
     When the plan uses both a packed and a plain kernel, both copies of the weight are kept.
     """
@@ -60,6 +62,7 @@ class Linear(PlannedLinear):
         self._gemv: cpu_kernels.GemvWeights | None = None
         self.allow_panels = False  # (runner: where memory allows a second copy of the weights)
         self._panels: cpu_kernels.GemmPanels | None = None
+        self._trial: cpu_kernels.GemmPanels | None = None  # panels beside the plain weight while a layout is timed
         self.kernels = (Linear.forward_default,) * len(SHAPE_CLASSES)
 
     def pack(self, keep_weight: bool = False) -> None:
@@ -98,18 +101,53 @@ class Linear(PlannedLinear):
         return self._panels
 
     def native_rows(self, largest_m: int) -> bool:
+        if self.panels_only():
+            return False
         return not (largest_m > PANELS_PAST and self.allow_panels and self.weight is not None
                     and self.weight.dtype == torch.float32)
+
+    def panels_only(self) -> bool:
+        """Whether the weight is held as csrc/gemm_f32.c's panels alone (keep_panels_only)."""
+        return self.weight is None and self._panels is not None
+
+    def keep_panels_only(self) -> None:
+        """Hold the float32 weight as panels alone (model/weight_layout.py: a model too large for two layouts whose
+        GEMM on panels streamed one token as fast as the plain rows): the native kernel runs them at every token
+        count, and the plain weight, its bound rows and any packed copy go."""
+        assert self.weight is not None and self.weight.dtype == torch.float32 and not self.routed
+        self._panels = self._trial or cpu_kernels.GemmPanels(self.weight, self.bias)
+        self._trial = None
+        self.weight, self._gemv, self.packed = None, None, None
+
+    def trial_panels(self, on: bool) -> None:
+        """Offer (on) or withdraw the candidate "panels" (the GEMM on panels at every token count) beside the
+        plain weight's kernels, for model/weight_layout.py's timing."""
+        assert self.weight is not None
+        self._trial = cpu_kernels.GemmPanels(self.weight, self.bias) if on else None
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         xf = x if x.dtype == torch.float32 else x.float()
         xf = xf if xf.stride(-1) == 1 else xf.contiguous()
+        if self.panels_only():
+            return self._on_panels(x, xf, self._panels)
         panels = self.gemm_panels() if xf.dim() == 2 and xf.shape[0] > PANELS_PAST else None
         out = panels(xf) if panels is not None else self.gemv_weights()(xf)
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
+    def forward_panels(self, x: torch.Tensor) -> torch.Tensor:
+        """The GEMM on the trial panels at any token count (a candidate only while they are offered)."""
+        xf = x if x.dtype == torch.float32 else x.float()
+        return self._on_panels(x, xf if xf.stride(-1) == 1 else xf.contiguous(), self._trial)
+
+    def _on_panels(self, x: torch.Tensor, xf: torch.Tensor, panels: cpu_kernels.GemmPanels | None) -> torch.Tensor:
+        assert panels is not None
+        out = panels(xf.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+
     def candidates(self) -> dict[str, Kernel]:
         found: dict[str, Kernel] = {}
+        if self.panels_only():
+            return {"native": self.forward_native}
         if self.packed is not None:
             found["onednn"] = self.forward_onednn
         if self.weight is not None:
@@ -119,7 +157,17 @@ class Linear(PlannedLinear):
             if (self.weight.device.type == "cpu" and self.weight.dtype in (torch.float32, torch.bfloat16)
                     and cpu_kernels.available()):
                 found["native"] = self.forward_native
+        if self._trial is not None:
+            found["panels"] = self.forward_panels
         return found
+
+    def timing_key(self) -> tuple[object, ...]:
+        return (*super().timing_key(), self.panels_only())  # (panels alone: no tensor of its own to key by)
+
+    def layout_dtype(self) -> torch.dtype:
+        """The dtype of the one layout a decode step streams (the plain weight, the packed copy or the panels)."""
+        held = self.weight if self.weight is not None else self.packed
+        return held.dtype if held is not None else torch.float32  # (panels: float32 only)
 
     def kernel_copies(self) -> list[torch.Tensor]:
         """The copies of the weight made for one kernel (oneDNN's packed layout, the panels) that it holds, for
@@ -133,7 +181,7 @@ class Linear(PlannedLinear):
         if any(k.__name__ == "forward_native" for k, (largest, _) in zip(self.kernels, SHAPE_CLASSES, strict=True)
                if largest > PANELS_PAST):
             self.gemm_panels()  # packed now, not in the first step that needs them
-        else:
+        elif not self.panels_only():
             self._panels = None
         if self.packed is not None and "forward_onednn" not in used and "forward_default" not in used:
             self.packed = None

@@ -9,7 +9,6 @@ import time
 from typing import Any
 
 import numpy as np
-import psutil
 import torch
 
 from minivllm.distributed.parallel import check_tensor_parallel, intermediate_size
@@ -39,6 +38,7 @@ from minivllm.model.row_order import choose_few_rows, choose_row_order, choose_w
 from minivllm.model.stack_plan import StackCheck, plan_classes_with_stack
 from minivllm.model.step_sampling import RunnerOutput, SamplingRequest, StepSampler
 from minivllm.model.superblock_linear import SuperblockLinear
+from minivllm.model.weight_layout import choose_layout, eligible, second_layout_affordable
 
 logger = logging.getLogger(__name__)
 
@@ -50,15 +50,6 @@ def _use_onednn(name: str, device: torch.device, dtype: torch.dtype) -> bool:
     if name.startswith("onednn") and not available:
         raise ValueError(f"linear_backend: onednn needs a CPU with oneDNN and fp32/bf16 weights ({device}, {dtype})")
     return available and name in ("auto", "onednn")
-
-
-def _second_layout_affordable(linears: list[Linear]) -> bool:
-    """Whether oneDNN's packed weights may sit next to the plain ones: only while that second copy costs at most a
-    tenth of the machine's memory. Past that (a 1B model in float32 on this 24 GiB machine) the plain layout alone
-    serves every shape (the native kernel and oneDNN on plain weights): its decode streams from huge pages
-    (model/hugepages.py) at ~1.3x oneDNN's packed layout's speed, and oneDNN's GEMM on it is within 5-20%."""
-    extra = sum(m.weight.numel() * m.weight.element_size() for m in linears if m.weight is not None)
-    return extra <= psutil.virtual_memory().total // 10
 
 
 class ModelRunner:
@@ -98,7 +89,7 @@ class ModelRunner:
         # Shape class → kernel of the full-precision and of the quantized projections, timed on this machine.
         linears = [m for m in self.model.modules() if isinstance(m, Linear)]
         # oneDNN's packed layout and the native GEMM's panels (layers.Linear): second copies where memory allows.
-        affordable, onednn = _second_layout_affordable(linears), _use_onednn(ms.linear_backend, device, dtype)
+        affordable, onednn = second_layout_affordable(linears), _use_onednn(ms.linear_backend, device, dtype)
         for m in linears:
             if onednn and (ms.linear_backend == "onednn" or affordable):
                 m.pack(keep_weight=ms.linear_backend == "auto")
@@ -115,6 +106,9 @@ class ModelRunner:
         self.row_order = choose_row_order(ordered, dtype)
         self.w4a8_rows = choose_w4a8_rows(ordered, dtype)
         self.few_rows = choose_few_rows(ordered, dtype)
+        # One layout where two do not fit: the plain weight or the GEMM's panels alone, timed (model/weight_layout.py).
+        self.weight_layout = choose_layout(linears, ms.linear_backend, dtype) if not affordable and not quantized \
+            and eligible(linears, self.model, ms.linear_backend) else None
         self.linear_plan = plan_kernels(linears, ms.linear_backend, "linear_backend", dtype)
         self.linear_kernels = self.linear_plan.names
         for m in linears:

@@ -10,7 +10,8 @@
 /* One projection as csrc/gemv.c takes it (the fields of cpu_kernels.GemvWeights); `next`: the part holding the
  * output columns after these N (model/split_linear.py: a module of two weight types), or NULL; `panels`: a float32
  * projection's weight packed for csrc/gemm_f32.c (cpu_kernels.GemmPanels), which it runs on more than
- * step_t.panels_past rows as layers.Linear.forward_native does, or NULL. */
+ * step_t.panels_past rows as layers.Linear.forward_native does, or NULL. A weight held as panels alone
+ * (model/weight_layout.py) has no rows: w NULL, and its panels run at every row count. */
 typedef struct proj {
     const void *w, *scale, *mins;
     const float *bias;
@@ -106,11 +107,12 @@ static inline int64_t proj_n(const proj_t *p) {
 }
 
 /* out [rows, proj_n(p)] (ldo floats apart) = x [rows, p->K] (ldx apart) W^T + b, part by part: on the panels past
- * panels_past rows where a part has them, else csrc/gemv.c's kernel of its format. */
+ * panels_past rows where a part has them (at any rows where they are its only layout), else csrc/gemv.c's kernel of
+ * its format. */
 static inline void project_rows(float *out, int64_t ldo, const float *x, int64_t ldx, int64_t rows, const proj_t *p,
                                 const step_t *s) {
     for (; p; out += p->N, p = p->next)
-        if (p->panels && rows > s->panels_past)
+        if (p->panels && (rows > s->panels_past || !p->w))
             gemm_f32_panels(out, ldo, x, ldx, (int)rows, p->K, p->N, p->panels, p->bias, (int)s->num_threads);
         else
             linear_gemv(out, ldo, x, ldx, (int)rows, p->K, p->N, (int)p->fmt, p->w, p->scale, p->mins, p->G,
