@@ -14,6 +14,7 @@ import threading
 
 import torch
 
+from minivllm.model import hugepages
 from minivllm.model.kernel_build import build_library
 
 
@@ -29,16 +30,14 @@ def load_library() -> ctypes.CDLL | None:
     lib.paged_attention_f32.argtypes = [p, p, i64, p, p, c_int, p, p, p, i64, p, i64, c_int, c_int, c_int, c_int,
                                         c_float, c_float, i64, i64, i64, p, c_int]
     lib.paged_attention_f32.restype = None
-    lib.sample_rows_f32.argtypes = [p, i64, i64, p, p, p, p, p, p, p, c_int]
-    lib.sample_rows_f32.restype = None
+    lib.sample_rows_f32.argtypes, lib.sample_rows_f32.restype = [p, i64, i64, p, p, p, p, p, p, p, c_int], None
     lib.logprobs_rows_f32.argtypes = [p, i64, p, i64, i64, p, p, i64, p, p, p, p, c_int]
     lib.logprobs_rows_f32.restype = None
     lib.linear_gemv.argtypes = [p, i64, p, i64, c_int, i64, i64, c_int, p, p, p, i64, p, p, c_int]
     lib.linear_gemv.restype = None
     lib.linear_gemv_m1_many.argtypes = [p, i64, p, i64, c_int, i64, i64, c_int, p, p, p, i64, p, p, c_int]
     lib.linear_gemv_m1_many.restype = c_int  # (csrc/moe_decode.c's caller; bound here for the tests)
-    lib.gemm_f32_panels.argtypes = [p, i64, p, i64, c_int, i64, i64, p, p, c_int]
-    lib.gemm_f32_panels.restype = None
+    lib.gemm_f32_panels.argtypes, lib.gemm_f32_panels.restype = [p, i64, p, i64, c_int, i64, i64, p, p, c_int], None
     lib.gemm_f32_panel_width.argtypes, lib.gemm_f32_panel_width.restype = [], c_int
     lib.gemm_f32_x_ld.argtypes, lib.gemm_f32_x_ld.restype = [i64], i64
     lib.quantize_rows_s8.argtypes = [p, i64, i64, i64, p, p, c_int]
@@ -58,8 +57,7 @@ def load_library() -> ctypes.CDLL | None:
     lib.decode_stack_f32.restype = None
     lib.greedy_round_f32.argtypes = [p, i64, p, p, p, i64, p, p, p, i64, p, i64, p, p, i64, p, p, p]
     lib.greedy_round_f32.restype = None
-    lib.apply_token_bitmask_f32.argtypes = [p, i64, p, i64, p, i64, i64]
-    lib.apply_token_bitmask_f32.restype = None
+    lib.apply_token_bitmask_f32.argtypes, lib.apply_token_bitmask_f32.restype = [p, i64, p, i64, p, i64, i64], None
     # the one-token rows' settings (model/row_order.py): (argument types, result type)
     for name, (args, res) in {"set_gemv_m1_order": ([c_int], None), "gemv_m1_order_now": ([], c_int),
                               "set_gemv_m1_prefetch": ([i64], None), "set_gemv_few_rows_k": ([i64], None),
@@ -72,8 +70,7 @@ def load_library() -> ctypes.CDLL | None:
                               "gemv_w4a8_rows_ordered": ([], c_int)}.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
-    lib.stream_read_f32.argtypes = [p, i64, c_int, c_int]
-    lib.stream_read_f32.restype = ctypes.c_double
+    lib.stream_read_f32.argtypes, lib.stream_read_f32.restype = [p, i64, c_int, c_int], ctypes.c_double
     return lib
 
 
@@ -246,8 +243,9 @@ class GemvWeights:
 
 class GemmPanels:
     """A float32 weight [N, K] packed for csrc/gemm_f32.c's many-token GEMM: panels of the library's panel width
-    (two vectors) of output columns, each [K, width] (zero columns past N). A second copy of the weight, made where
-    the kernel plan runs the native kernel on more than layers.PANELS_PAST (6) tokens."""
+    (two vectors) of output columns, each [K, width] (zero columns past N), in huge pages where large. A second copy
+    of the weight, made where the kernel plan runs the native kernel on more than layers.PANELS_PAST (6) tokens, or
+    its only one (model/weight_layout.py)."""
 
     __slots__ = ("k", "n", "panels", "bias")
 
@@ -256,8 +254,12 @@ class GemmPanels:
         assert lib is not None and weight.dtype == torch.float32 and weight.device.type == "cpu"
         width = lib.gemm_f32_panel_width()
         self.n, self.k = weight.shape
-        padded = torch.nn.functional.pad(weight.detach(), (0, 0, 0, -self.n % width))
-        self.panels = padded.view(-1, width, self.k).transpose(1, 2).contiguous()
+        w, count, full = weight.detach().contiguous(), -(-self.n // width), self.n // width
+        self.panels = hugepages.float_buffer(count * self.k * width).view(count, self.k, width)
+        self.panels[:full].copy_(w[: full * width].view(full, width, self.k).transpose(1, 2))
+        if full < count:  # (zero columns past N)
+            self.panels[full].zero_()
+            self.panels[full, :, : self.n - full * width].copy_(w[full * width:].t())
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -64,6 +64,15 @@ def hugepage_buffer(nbytes: int) -> torch.Tensor:
     return hugepage_buffers([nbytes])[0]
 
 
+def float_buffer(numel: int) -> torch.Tensor:
+    """An uninitialised float32 tensor of numel: in a mapping of its own advised MADV_HUGEPAGE where enabled and at
+    least MIN_BYTES (a weight layout made after loading: csrc/gemm_f32.c's panels, a 1B model's only copy where they
+    are its one layout), else torch's."""
+    if enabled() and numel * 4 >= MIN_BYTES:
+        return hugepage_buffer(numel * 4).view(torch.float32)
+    return torch.empty(numel)
+
+
 def hugepage_buffers(sizes: list[int]) -> list[torch.Tensor]:
     """uint8 tensors of these sizes (each > 0) packed in one anonymous mapping advised MADV_HUGEPAGE, the first on a
     2 MiB boundary and each on a cache line; each its own storage (the mapping lives as long as any of them)."""
