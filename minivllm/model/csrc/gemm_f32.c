@@ -7,7 +7,8 @@
  * 2T accumulators in registers and per k loads two vectors and broadcasts T values of x: 2T FMAs to 2 + T loads, no
  * horizontal sums. A panel (K * PW floats: 96 KiB at K = 768 with AVX-512) stays in L2 across the tiles of all
  * tokens, and each tile of more than STREAM_T tokens prefetches the next panel's rows into L2 as it reads its own
- * (the hardware prefetcher does not follow a GEMM's panel order). Threads take contiguous runs of panels, so the panel prefetched is their own.
+ * (the hardware prefetcher does not follow a GEMM's panel order). Threads take contiguous runs of panels, so the
+ * panel prefetched is their own.
  * Same shapes cold, 2 threads: 440-510 GFLOP/s against oneDNN's 400-415 at 50 tokens; 1.15-1.6x at 20 tokens. */
 #include <omp.h>
 #include <stdint.h>
