@@ -13,9 +13,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from minivllm.config import ModelConfig
+from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.engine_config import EngineConfig
 from minivllm.model.decode_stack import DecodeStack
-from minivllm.model.runner import ModelRunner
+from minivllm.model.layers import Linear
+from minivllm.model.runner import ModelRunner, SequenceInput
 from minivllm.modelgen.make_model import make_model
 
 T = TypeVar("T")
@@ -282,3 +284,29 @@ def stack_calls(monkeypatch):
 
     monkeypatch.setattr(DecodeStack, "__call__", spy)
     return calls
+
+
+def panel_steps_equal(runner: ModelRunner, path: str, stack_calls: list[int], steps: tuple[int, ...] = (9, 20, 3)
+                      ) -> None:
+    """Decode steps of `steps` tokens (at most 20), every projection but the head on panels the stack binds: the
+    stack's logits are the modules' to the bit."""
+    stack = runner.decode_stack
+    assert stack is not None and all(stack.native_classes)
+    projections = [p for p in runner.model.modules() if isinstance(p, Linear) and p is not runner.model.lm_head]
+    assert projections and all(p._panels is not None and id(p) in stack._with_panels for p in projections)
+    tok = get_tokenizer(path)
+    n = 20
+    prompts = [tok.encode(PROMPTS[i % len(PROMPTS)])[: 5 + i] for i in range(n)]
+    tables = [list(range(4 * i, 4 * i + 4)) for i in range(n)]
+    runner.execute([SequenceInput(p, 0, t, True) for p, t in zip(prompts, tables, strict=True)])
+    lens = [len(p) for p in prompts]
+    for step, rows in enumerate(steps):
+        seqs = [SequenceInput([7 + step + i], lens[i], tables[i], True) for i in range(rows)]
+        with_stack = runner.execute(seqs)
+        runner.model.decode_stack = None
+        modules = runner.execute(seqs)
+        runner.model.decode_stack = stack
+        torch.testing.assert_close(with_stack, modules, atol=0, rtol=0)
+        for i in range(rows):
+            lens[i] += 1
+    assert stack_calls == list(steps)

@@ -20,7 +20,7 @@ from minivllm.model.layers import Linear
 from minivllm.model.moe import SparseMoE
 from minivllm.model.runner import ModelRunner, SequenceInput
 from minivllm.modelgen.presets import MOE_FAMILIES
-from tests.conftest import make_runner
+from tests.conftest import make_runner, panel_steps_equal
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="native CPU kernels did not build here")
 
@@ -141,7 +141,7 @@ def test_stack_runs_the_panels_past_panels_past_tokens_as_the_modules_do(model_f
     order); a step of 3 tokens runs the rows both ways."""
     path = model_factory(preset)
     runner = _runner(path, None, num_blocks=96)
-    _panel_steps_equal(runner, path, stack_calls)
+    panel_steps_equal(runner, path, stack_calls)
 
 
 @pytest.mark.parametrize(("preset", "overrides"), [
@@ -160,31 +160,7 @@ def test_rows_that_crowd_one_l1_set_are_written_padded_and_run_as_the_modules_do
     assert lib.gemm_f32_x_ld(1024) > 1024 and lib.gemm_f32_x_ld(1000) == 1000  # (the case this test is about)
     path = model_factory(preset, overrides=overrides)
     runner = _runner(path, None, num_blocks=96)
-    _panel_steps_equal(runner, path, stack_calls)
-
-
-def _panel_steps_equal(runner: ModelRunner, path: str, stack_calls: list[int]) -> None:
-    """Decode steps of 9, 20 and 3 tokens: the stack's logits are the modules' to the bit."""
-    stack = runner.decode_stack
-    assert stack is not None and all(stack.native_classes)
-    projections = [p for p in runner.model.modules() if isinstance(p, Linear) and p is not runner.model.lm_head]
-    assert projections and all(p._panels is not None and id(p) in stack._with_panels for p in projections)
-    tok = get_tokenizer(path)
-    n = 20
-    prompts = [tok.encode(PROMPTS[i % len(PROMPTS)])[: 5 + i] for i in range(n)]
-    tables = [list(range(4 * i, 4 * i + 4)) for i in range(n)]
-    runner.execute([SequenceInput(p, 0, t, True) for p, t in zip(prompts, tables, strict=True)])
-    lens = [len(p) for p in prompts]
-    for step, rows in enumerate((9, 20, 3)):
-        seqs = [SequenceInput([7 + step + i], lens[i], tables[i], True) for i in range(rows)]
-        with_stack = runner.execute(seqs)
-        runner.model.decode_stack = None
-        modules = runner.execute(seqs)
-        runner.model.decode_stack = stack
-        torch.testing.assert_close(with_stack, modules, atol=0, rtol=0)
-        for i in range(rows):
-            lens[i] += 1
-    assert stack_calls == [9, 20, 3]
+    panel_steps_equal(runner, path, stack_calls)
 
 
 def test_a_class_planned_native_after_the_stack_was_built_gets_its_panels(model_factory, stack_calls):
@@ -205,7 +181,7 @@ def test_a_class_planned_native_after_the_stack_was_built_gets_its_panels(model_
     for c in (2, 3):
         plan.bind(c, "native")
     stack.refresh(runner.model)
-    _panel_steps_equal(runner, path, stack_calls)
+    panel_steps_equal(runner, path, stack_calls)
 
 
 def test_stack_only_where_it_runs_the_same_kernels(model_factory):

@@ -11,12 +11,10 @@ from conftest import PROMPTS
 
 from minivllm import LLM, SamplingParams
 from minivllm.config import ModelConfig
-from minivllm.engine.tokenizer import get_tokenizer
 from minivllm.model import cpu_kernels, runner, weight_layout
 from minivllm.model.kernel_plan import SHAPE_CLASSES
 from minivllm.model.layers import Linear
-from minivllm.model.runner import SequenceInput
-from tests.conftest import make_runner
+from tests.conftest import make_runner, panel_steps_equal
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="native CPU kernels did not build here")
 
@@ -122,23 +120,5 @@ def test_the_stack_runs_panels_alone_at_every_row_count_as_the_modules_do(model_
     _one_layout(monkeypatch, panels=True)
     path = model_factory("tiny-qwen3")
     r = make_runner(ModelConfig.from_pretrained(path), 96, linear_backend="native")
-    stack = r.decode_stack
-    projections = [p for p in r.model.modules() if isinstance(p, Linear)]
-    assert stack is not None and all(stack.native_classes) and all(p.panels_only() for p in projections)
-    assert all(id(p) in stack._with_panels for p in projections if p is not r.model.lm_head)  # (the head: not stacked)
-    tok = get_tokenizer(path)
-    n = 20
-    prompts = [tok.encode(PROMPTS[i % len(PROMPTS)])[: 5 + i] for i in range(n)]
-    tables = [list(range(4 * i, 4 * i + 4)) for i in range(n)]
-    r.execute([SequenceInput(p, 0, t, True) for p, t in zip(prompts, tables, strict=True)])
-    lens = [len(p) for p in prompts]
-    for step, rows in enumerate((1, 3, 9, 20)):
-        seqs = [SequenceInput([7 + step + i], lens[i], tables[i], True) for i in range(rows)]
-        with_stack = r.execute(seqs)
-        r.model.decode_stack = None
-        modules = r.execute(seqs)
-        r.model.decode_stack = stack
-        torch.testing.assert_close(with_stack, modules, atol=0, rtol=0)
-        for i in range(rows):
-            lens[i] += 1
-    assert stack_calls == [1, 3, 9, 20]
+    assert all(p.panels_only() for p in r.model.modules() if isinstance(p, Linear))
+    panel_steps_equal(r, path, stack_calls, steps=(1, 3, 9, 20))
