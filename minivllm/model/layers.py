@@ -126,22 +126,22 @@ class Linear(PlannedLinear):
         self._trial = cpu_kernels.GemmPanels(self.weight, self.bias) if on else None
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels_only():
+            return self._on_panels(x, self._panels)
         xf = x if x.dtype == torch.float32 else x.float()
         xf = xf if xf.stride(-1) == 1 else xf.contiguous()
-        if self.panels_only():
-            return self._on_panels(x, xf, self._panels)
         panels = self.gemm_panels() if xf.dim() == 2 and xf.shape[0] > PANELS_PAST else None
         out = panels(xf) if panels is not None else self.gemv_weights()(xf)
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def forward_panels(self, x: torch.Tensor) -> torch.Tensor:
         """The GEMM on the trial panels at any token count (a candidate only while they are offered)."""
-        xf = x if x.dtype == torch.float32 else x.float()
-        return self._on_panels(x, xf if xf.stride(-1) == 1 else xf.contiguous(), self._trial)
+        return self._on_panels(x, self._trial)
 
-    def _on_panels(self, x: torch.Tensor, xf: torch.Tensor, panels: cpu_kernels.GemmPanels | None) -> torch.Tensor:
+    def _on_panels(self, x: torch.Tensor, panels: cpu_kernels.GemmPanels | None) -> torch.Tensor:
         assert panels is not None
-        out = panels(xf.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+        xf = x.reshape(-1, self.in_features).to(torch.float32)
+        out = panels(xf if xf.stride(-1) == 1 else xf.contiguous()).view(*x.shape[:-1], self.out_features)
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def candidates(self) -> dict[str, Kernel]:
