@@ -42,3 +42,21 @@ def test_real_size_presets_match_hf(model_factory, preset, checkpoint_dtype, lay
     hf = hf_model(path)
     for out in outs:
         assert out.outputs[0].token_ids == hf_greedy(hf, out.prompt_token_ids, 12)
+
+
+def test_qwen3_1_7b_preset_has_the_model_cards_parameter_counts():
+    """The Qwen3-1.7B-shaped preset (issue 34 item 3's benches) builds in transformers with Qwen/Qwen3-1.7B's card
+    figures: 1.7B parameters, 1.4B of them outside the (tied) embedding."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from minivllm.modelgen.presets import PRESETS
+
+    cfg = dict(PRESETS["qwen3-1.7b"].config)
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())  # (a tied head counted once)
+    embedding = model.get_input_embeddings().weight.numel()
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert round(total / 1e9, 1) == 1.7 and round((total - embedding) / 1e9, 1) == 1.4

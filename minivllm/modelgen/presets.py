@@ -190,6 +190,12 @@ PRESETS: dict[str, Preset] = {
         num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
         initializer_range=0.02), CHATML_SPECIALS, None, "<|endoftext|>", 8192, extra_eos=["<|im_end|>"],
         chat_format="qwen3", added_tokens=THINK_TOOL_TOKENS),
+    # Qwen/Qwen3-1.7B's shape (issue 34 item 3's second Qwen3 size): 1.72B parameters, 0.31B of them the tied embedding.
+    "qwen3-1.7b": Preset(_qwen3(
+        hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+        initializer_range=0.02), CHATML_SPECIALS, None, "<|endoftext|>", 8192, extra_eos=["<|im_end|>"],
+        chat_format="qwen3", added_tokens=THINK_TOOL_TOKENS),
     # A Qwen3-MoE of ~1B parameters (16 experts of 768, top-2: ~250M active; Qwen3-30B-A3B's layer at a quarter
     # of its width and experts), for the bench against the dense model of the same active parameters.
     "qwen3-moe-1b": Preset(_moe(
